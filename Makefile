@@ -1,0 +1,31 @@
+# Two entry points: `make demo` (the main job) and `make test` (the test suite).
+# Each creates .venv on first use. torch is pinned to the CPU build unless CUDA=1; on a machine
+# whose pip does not already find the CPU wheel, pass TORCH_INDEX=https://download.pytorch.org/whl/cpu
+PYTHON ?= python3
+VENV ?= .venv
+CUDA ?= 0
+TORCH_INDEX ?=
+KERNELS := $(if $(filter 1,$(CUDA)),cuda,cpu)
+PIP := $(VENV)/bin/pip
+PY := $(VENV)/bin/python
+
+$(VENV)/.installed-$(KERNELS): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PIP) install -q -e ".[$(KERNELS),dev]"
+	touch $@
+
+install: $(VENV)/.installed-$(KERNELS)
+
+demo: install
+	$(PY) examples/sharded_lookup_demo.py
+
+test: install
+	$(PY) -m pytest -q -x tests
+
+bench: install
+	$(PY) benchmarks/bench_kernels.py
+	$(PY) benchmarks/bench_sharding.py
+
+.PHONY: install demo test bench

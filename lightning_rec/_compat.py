@@ -1,0 +1,41 @@
+"""Version checks and the only imports of private or version-dependent symbols."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+# fbgemm-gpu wheels are built against one torch minor release; a mismatch fails later with undefined
+# symbols deep inside torch.ops, so we check at import time.
+_FBGEMM_TORCH = {"1.8": "2.13"}
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def fbgemm_distribution() -> tuple[str, str] | None:
+    for dist in ("fbgemm-gpu-cpu", "fbgemm-gpu", "fbgemm-gpu-nightly", "fbgemm-gpu-nightly-cpu"):
+        try:
+            return dist, metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_versions(torch_version: str, fbgemm: tuple[str, str] | None) -> None:
+    """Raise ImportError when fbgemm-gpu is missing or built for another torch."""
+    hint = "pip install torch==2.13.0 'fbgemm-gpu-cpu==1.8.0'  (CPU) or 'fbgemm-gpu==1.8.0' (CUDA)"
+    if fbgemm is None:
+        raise ImportError(f"lightning_rec needs the fbgemm-gpu kernels, which are not installed. Install: {hint}")
+    dist, version = fbgemm
+    want = _FBGEMM_TORCH.get(_minor(version))
+    if want is None:
+        raise ImportError(
+            f"{dist}=={version} is not a supported fbgemm-gpu release (supported: "
+            f"{', '.join(k + '.x' for k in _FBGEMM_TORCH)}). Install: {hint}"
+        )
+    if _minor(torch_version) != want:
+        raise ImportError(
+            f"{dist}=={version} is built for torch {want}.x but torch {torch_version} is installed; "
+            f"mixing them crashes with undefined symbols. Install matching versions: {hint}"
+        )
