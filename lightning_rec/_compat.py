@@ -39,3 +39,40 @@ def check_versions(torch_version: str, fbgemm: tuple[str, str] | None) -> None:
             f"{dist}=={version} is built for torch {want}.x but torch {torch_version} is installed; "
             f"mixing them crashes with undefined symbols. Install matching versions: {hint}"
         )
+
+
+def make_sharded_tensor(
+    local: list[tuple[object, list[int]]],
+    shards: list[tuple[list[int], list[int], int]],
+    global_size: list[int],
+    dtype: object,
+    device_type: str,
+    process_group: object,
+) -> object:
+    """A ShardedTensor over ``local`` pieces ``(tensor, offsets)`` with ``shards`` = ``(offsets, sizes, global rank)``.
+
+    Uses the constructor that trusts the metadata and runs no collective, so ``state_dict()`` may be
+    called on one rank alone. Zero-size shards are left out of the metadata (they hold nothing).
+    """
+    import torch
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    metas = [
+        ShardMetadata(shard_offsets=list(off), shard_sizes=list(size), placement=f"rank:{rank}/{device_type}")
+        for off, size, rank in shards
+        if all(s > 0 for s in size)
+    ]
+    by_offsets = {tuple(m.shard_offsets): m for m in metas}
+    local_shards = [Shard(tensor=t, metadata=by_offsets[tuple(off)]) for t, off in local if t.numel() > 0]
+    meta = ShardedTensorMetadata(
+        shards_metadata=metas, size=torch.Size(global_size), tensor_properties=TensorProperties(dtype=dtype)
+    )
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, meta, process_group=process_group)
+
+
+def is_sharded_tensor(x: object) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(x, ShardedTensor)

@@ -211,10 +211,11 @@ def torch_pooled(
 ) -> torch.Tensor:
     """SUM-pooled ``[batch_size, sum of feature dims]`` from feature-major ``values`` / ``offsets``."""
     b = batch_size
-    if b == 0 or not feature_table:
-        width = sum(tables[t].shape[1] for t in feature_table)
-        return torch.zeros(b, width, dtype=output_dtype(tables), device=values.device)
-    bounds = offsets[::b].tolist()
+    if not feature_table:
+        return torch.zeros(b, 0, dtype=output_dtype(tables), device=values.device)
+    # An empty batch still goes through F.embedding_bag so that the [0, D] output stays in the autograd
+    # graph: backward through it must work (and give zero gradients) on a rank that got no samples.
+    bounds = offsets[::b].tolist() if b else [0] * (len(feature_table) + 1)
     outs = []
     for f, t in enumerate(feature_table):
         w = tables[t]

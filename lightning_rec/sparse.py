@@ -141,12 +141,16 @@ class KeyedJaggedTensor:
         lengths: torch.Tensor | None = None,
         offsets: torch.Tensor | None = None,
         stride: int | None = None,
+        *,
+        _allow_duplicate_keys: bool = False,
     ) -> None:
         keys = list(keys)
         for k in keys:
             if not isinstance(k, str):
                 raise TypeError(f"KeyedJaggedTensor keys must be strings, got {k!r}")
-        if len(set(keys)) != len(keys):
+        # User input must name each key once; ``permute`` may repeat keys (TorchRec semantics), and the
+        # transforms below carry such a KJT along.
+        if not _allow_duplicate_keys and len(set(keys)) != len(keys):
             dup = sorted({k for k in keys if keys.count(k) > 1})
             raise ValueError(f"KeyedJaggedTensor keys must be unique, duplicated: {dup}")
         _check_index_tensor("values", values)
@@ -310,6 +314,7 @@ class KeyedJaggedTensor:
                     weights=None if self._weights is None else self._weights[lo:hi],
                     lengths=self._lengths[k * b : (k + s) * b],
                     stride=b,
+                    _allow_duplicate_keys=True,
                 )
             )
             k += s
@@ -334,6 +339,7 @@ class KeyedJaggedTensor:
             weights=None if self._weights is None else self._weights[gather],
             lengths=lengths,
             stride=b,
+            _allow_duplicate_keys=True,
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
@@ -345,6 +351,7 @@ class KeyedJaggedTensor:
             weights=None if self._weights is None else self._weights.to(device, non_blocking=non_blocking),
             lengths=self._lengths.to(device, non_blocking=non_blocking),
             stride=self._stride,
+            _allow_duplicate_keys=True,
         )
 
     def pin_memory(self) -> KeyedJaggedTensor:
@@ -354,6 +361,7 @@ class KeyedJaggedTensor:
             weights=None if self._weights is None else self._weights.pin_memory(),
             lengths=self._lengths.pin_memory(),
             stride=self._stride,
+            _allow_duplicate_keys=True,
         )
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:

@@ -1,0 +1,39 @@
+"""Sharding plans and sharded embedding collections."""
+
+from lightning_rec.configs import ShardingType
+from lightning_rec.sharding.plan import (
+    EmbeddingModuleShardingPlan,
+    ParameterSharding,
+    ShardingPlan,
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    grid_shard,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from lightning_rec.sharding.sharded import (
+    ShardedEmbeddingBagCollection,
+    ShardedEmbeddingCollection,
+    full_state_dict,
+    shard_modules,
+)
+
+__all__ = [
+    "EmbeddingModuleShardingPlan",
+    "ParameterSharding",
+    "ShardedEmbeddingBagCollection",
+    "ShardedEmbeddingCollection",
+    "ShardingPlan",
+    "ShardingType",
+    "column_wise",
+    "construct_module_sharding_plan",
+    "data_parallel",
+    "full_state_dict",
+    "grid_shard",
+    "row_wise",
+    "shard_modules",
+    "table_row_wise",
+    "table_wise",
+]

@@ -1,0 +1,596 @@
+"""Sharded embedding collections: one input dist -> lookup -> output dist pipeline for every sharding type.
+
+Every model-parallel sharding type (table-wise, row-wise, column-wise, table-row-wise, grid) is a tiling
+of the table into rectangular shards (``layout.ShardMeta``), each owned by one rank of the shard group.
+The pipeline only ever sees shards, so the types differ in their layout, not in their code:
+
+* **input dist** -- for every (feature, shard) pair (a *route*), each rank keeps the ids that fall in
+  the shard's row block, makes them local to the block and sends them, with their bag lengths, to the
+  shard's owner (all-to-all; sizes and batch sizes travel first).
+* **lookup** -- the owner pools each received bag over its local rows and columns with SUM.
+* **output dist** -- pooled partial rows go back to the rank that owns the sample (all-to-all, the
+  reverse of the input dist) and are summed into place: row blocks add up (the reduce-scatter of
+  row-wise sharding, done as all-to-all + local sum so gloo can run it), column blocks sit side by side.
+  MEAN pooling then divides by the full bag length, once, on the sample's rank (rule 1).
+
+Forward comm: all-gather of batch sizes, all-to-all of id counts, lengths, ids (and weights), all-to-all
+of pooled rows. Backward comm: the reverse all-to-all of the pooled gradient; ids get none.
+Gradient scale (rule 2): each shard receives the sum of every rank's gradient; ``embedding_grad="mean"``
+multiplies it by ``1 / data-parallel ranks`` in ``comm.embedding_grad``, the one place a scale is applied.
+
+Data-parallel tables skip the dists: every rank looks up its own replica and, in backward, the rows
+some rank touched are summed across ranks (only those rows move) and scaled the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_rec import _compat, kernels
+from lightning_rec.configs import BaseEmbeddingConfig
+from lightning_rec.modules import (
+    EmbeddingBagCollection,
+    EmbeddingCollection,
+    _FeatureLayout,
+    _Table,
+    _TableContainer,
+)
+from lightning_rec.sharding import comm
+from lightning_rec.sharding.layout import ShardMeta
+from lightning_rec.sharding.plan import ShardingPlan, default_local_size, resolve_module_plan
+from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor, _segment_gather_index
+
+
+@dataclass(frozen=True)
+class _Route:
+    feature: int
+    table: int
+    shard: ShardMeta
+
+
+def _complete_cumsum(x: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(x.numel() + 1, dtype=torch.long, device=x.device)
+    torch.cumsum(x, 0, out=out[1:])
+    return out
+
+
+def _regroup(x: torch.Tensor, seg_sizes: list[int], n_outer: int, n_inner: int) -> torch.Tensor:
+    """Reorder contiguous segments laid out ``[outer][inner]`` into ``[inner][outer]`` order."""
+    sizes = torch.tensor(seg_sizes, dtype=torch.long, device=x.device)
+    starts = _complete_cumsum(sizes)[:-1]
+    perm = torch.arange(n_outer * n_inner, device=x.device).view(n_outer, n_inner).t().reshape(-1)
+    return x[_segment_gather_index(starts[perm], sizes[perm])]
+
+
+class _ShardedCollection(nn.Module):
+    """Shared machinery of the sharded pooled and sequence collections."""
+
+    _attr = ""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        shards: dict[str, list[ShardMeta] | None],
+        shard_group: dist.ProcessGroup,
+        *,
+        embedding_grad: str = "sum",
+        replica_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        sparse_grad: bool | None = None,
+    ) -> None:
+        super().__init__()
+        tables: list[BaseEmbeddingConfig] = list(module._layout.tables)
+        self._layout = _FeatureLayout(tables)
+        self._shards = shards
+        self._group = shard_group
+        self._replica_group = replica_group
+        self._group_size = dist.get_world_size(shard_group)
+        self._group_rank = dist.get_rank(shard_group)
+        self._global_ranks = dist.get_process_group_ranks(shard_group)
+        replicas = 1 if replica_group is None else dist.get_world_size(replica_group)
+        self._num_dp_ranks = self._group_size * replicas
+        self.embedding_grad = embedding_grad
+        self._scale = comm.grad_scale(embedding_grad, self._num_dp_ranks)
+        self.sparse_grad = module.sparse_grad if sparse_grad is None else sparse_grad
+        self._table_dtypes = [t.dtype for t in tables]
+
+        me = self._group_rank
+        source = getattr(module, self._attr)
+        container = _TableContainer()
+        self._dp_tables = [i for i, t in enumerate(tables) if shards[t.name] is None]
+        self._local_shards: list[tuple[int, ShardMeta]] = []  # (table index, shard) held here, table order
+        for i, t in enumerate(tables):
+            full = source[t.name].weight.detach()
+            if shards[t.name] is None:
+                w = full.to(device) if device is not None else full
+                if w.is_meta:
+                    w = torch.empty(full.shape, dtype=full.dtype, device=device)
+                    t.init_weight(w)
+                # replicas must start equal, as DDP makes dense replicas equal
+                if self._group_size > 1:
+                    with torch.no_grad():
+                        wire = w.float() if w.dtype == torch.bfloat16 else w
+                        dist.broadcast(wire, src=self._global_ranks[0], group=shard_group)
+                        if wire is not w:
+                            w.copy_(wire)
+                container.add(t.name, _Table(w))
+                continue
+            mine = [s for s in shards[t.name] if s.rank == me]
+            if not mine:
+                continue
+            (s,) = mine
+            if full.is_meta:
+                piece = torch.empty(s.rows, s.cols, dtype=full.dtype, device=device)
+                t.init_weight(piece)
+            else:
+                piece = full[s.row_offset : s.row_offset + s.rows, s.col_offset : s.col_offset + s.cols]
+                piece = piece.to(device).clone().contiguous() if device is not None else piece.clone().contiguous()
+            container.add(t.name, _Table(piece))
+            self._local_shards.append((i, s))
+        setattr(self, self._attr, container)
+
+        self._build_routes()
+        self._register_state_dict_hook(_sharded_state_dict_hook)
+        self._register_load_state_dict_pre_hook(self._load_hook)
+
+    def _load_hook(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        _load_hook_impl(self, state_dict, prefix)
+
+    # -- static routing -----------------------------------------------------------------------------
+    def _build_routes(self) -> None:
+        layout, tables = self._layout, self._layout.tables
+        routes_to: list[list[_Route]] = [[] for _ in range(self._group_size)]
+        self._row_starts: dict[int, list[int]] = {}
+        self._block_of: dict[tuple[int, int], int] = {}  # (table, row_offset) -> row block index
+        for ti, t in enumerate(tables):
+            shards = self._shards[t.name]
+            if shards is None:
+                continue
+            starts = sorted({s.row_offset for s in shards if s.rows > 0})
+            self._row_starts[ti] = starts
+            for b, start in enumerate(starts):
+                self._block_of[(ti, start)] = b
+        for f, ti in enumerate(layout.feature_table):
+            shards = self._shards[tables[ti].name]
+            for s in shards or []:
+                if s.rows > 0:
+                    routes_to[s.rank].append(_Route(f, ti, s))
+        for lst in routes_to:
+            lst.sort(key=lambda r: (r.table, r.feature))
+        self._routes_to = routes_to
+        self._has_mp = any(routes_to)
+        feat_off = [0]
+        for d in layout.dims:
+            feat_off.append(feat_off[-1] + d)
+        self._feat_off = feat_off
+        self._my_routes = routes_to[self._group_rank]
+        local_index = {ti: k for k, (ti, _) in enumerate(self._local_shards)}
+        self._my_route_table = [local_index[r.table] for r in self._my_routes]
+        self._cols_from = [sum(r.shard.cols for r in lst) for lst in routes_to]
+        self._dp_features = [f for f, ti in enumerate(layout.feature_table) if ti in set(self._dp_tables)]
+        mp_cols = [
+            torch.arange(feat_off[r.feature] + r.shard.col_offset, feat_off[r.feature] + r.shard.col_offset + r.shard.cols)
+            for lst in routes_to
+            for r in lst
+        ]
+        dp_cols = [torch.arange(feat_off[f], feat_off[f + 1]) for f in self._dp_features]
+        self._colmap = torch.cat(dp_cols + mp_cols) if dp_cols or mp_cols else torch.zeros(0, dtype=torch.long)
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        # Ranks without a local piece of a table still need its dtype for the wire; follow conversions.
+        out = super()._apply(fn, recurse)
+        self._table_dtypes = [fn(torch.empty(0, dtype=d)).dtype for d in self._table_dtypes]
+        self._colmap = self._colmap.to(fn(torch.empty(0)).device)
+        return out
+
+    def _out_dtype(self) -> torch.dtype:
+        dtype = self._table_dtypes[0]
+        for d in self._table_dtypes[1:]:
+            dtype = torch.promote_types(dtype, d)
+        return dtype
+
+    # -- forward helpers ----------------------------------------------------------------------------
+    def _checked_input(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor | None, list[int]]:
+        """Validate locally, then agree across ranks, so one rank's bad input never leaves others waiting."""
+        err: Exception | None = None
+        kjt = None
+        try:
+            kjt = self._layout.select(features)
+            self._check_weights(kjt)
+        except (ValueError, TypeError) as e:
+            err = e
+        batch = kjt.stride() if kjt is not None else 0
+        if self._group_size == 1:
+            if err is not None:
+                raise err
+            return kjt, [batch]
+        status = comm.all_gather_ints([batch, int(err is not None)], self._group)
+        bad = [self._global_ranks[r] for r, (_, e) in enumerate(status) if e]
+        if err is not None:
+            raise err
+        if bad:
+            raise ValueError(f"ranks {bad} rejected their input (see the error raised there); stopping this rank too")
+        return kjt, [b for b, _ in status]
+
+    def _check_weights(self, kjt: KeyedJaggedTensor) -> None:
+        pass
+
+    def _uses_weights(self) -> bool:
+        return False
+
+    def _table_param(self, ti: int) -> torch.Tensor:
+        return getattr(self, self._attr)[self._layout.tables[ti].name].weight
+
+    def _dp_weights(self, kjt: KeyedJaggedTensor) -> list[torch.Tensor]:
+        layout = self._layout
+        opk = kjt.offset_per_key()
+        out = []
+        for ti in self._dp_tables:
+            ids = torch.cat([kjt.values()[opk[f] : opk[f + 1]] for f, t in enumerate(layout.feature_table) if t == ti])
+            out.append(comm.embedding_grad(self._table_param(ti), ids, self._group, self._scale))
+        return out
+
+    def _dp_subset(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        return kjt.permute(self._dp_features)
+
+    def _input_dist(self, kjt: KeyedJaggedTensor, batches: list[int]):
+        """Send every route's ids to the shard owner; return what this rank received, route-major."""
+        layout, b = self._layout, kjt.stride()
+        values, lengths, opk = kjt.values(), kjt.lengths(), kjt.offset_per_key()
+        weights = kjt.weights_or_none() if self._uses_weights() else None
+        per_feature: dict[int, tuple] = {}
+        for lst in self._routes_to:
+            for r in lst:
+                if r.feature in per_feature:
+                    continue
+                f, ti = r.feature, r.table
+                vals = values[opk[f] : opk[f + 1]].long()
+                lens = lengths[f * b : (f + 1) * b]
+                w = None if weights is None else weights[opk[f] : opk[f + 1]]
+                starts = self._row_starts[ti]
+                if len(starts) == 1:
+                    per_feature[f] = (lens.view(1, b), [vals.numel()], vals - starts[0], w, None)
+                    continue
+                st = torch.tensor(starts, dtype=torch.long, device=vals.device)
+                bucket = torch.searchsorted(st, vals, right=True) - 1
+                order = torch.argsort(bucket, stable=True)
+                bag = torch.repeat_interleave(torch.arange(b, device=vals.device), lens)
+                counts = torch.bincount(bucket * b + bag, minlength=len(starts) * b).view(len(starts), b)
+                sorted_vals = vals[order] - st[bucket[order]]
+                per_feature[f] = (counts, counts.sum(1).tolist(), sorted_vals, None if w is None else w[order], order)
+        send_lengths, send_values, send_weights, positions, value_counts = [], [], [], [], []
+        for lst in self._routes_to:
+            n = 0
+            for r in lst:
+                counts, seg, vals, w, order = per_feature[r.feature]
+                blk = self._block_of[(r.table, r.shard.row_offset)]
+                lo = sum(seg[:blk])
+                hi = lo + seg[blk]
+                send_lengths.append(counts[blk])
+                send_values.append(vals[lo:hi])
+                if w is not None:
+                    send_weights.append(w[lo:hi])
+                positions.append(torch.arange(lo, hi, device=vals.device) if order is None else order[lo:hi])
+                n += hi - lo
+            value_counts.append(n)
+        dev = values.device
+        cat = lambda xs, dt: torch.cat(xs) if xs else torch.zeros(0, dtype=dt, device=dev)  # noqa: E731
+        send_l, send_v = cat(send_lengths, torch.long), cat(send_values, torch.long)
+        group = self._group
+        n_mine = len(self._my_routes)
+        # sizes before payload: id counts per (source, destination), then lengths, ids, weights
+        recv_counts = comm.all_to_all(torch.tensor(value_counts, dtype=torch.long, device=dev), [1] * self._group_size,
+                                      [1] * self._group_size, group).tolist()
+        len_in = [len(lst) * b for lst in self._routes_to]
+        len_out = [n_mine * bs for bs in batches]
+        recv_l = comm.all_to_all(send_l, len_out, len_in, group)
+        recv_v = comm.all_to_all(send_v, recv_counts, value_counts, group)
+        recv_w = None
+        if weights is not None:
+            recv_w = comm.all_to_all(cat(send_weights, weights.dtype), recv_counts, value_counts, group)
+        # received layout is [source][route][bag]; the lookup wants [route][source][bag]
+        seg_bags = [bs for bs in batches for _ in range(n_mine)]
+        bounds = _complete_cumsum(torch.tensor(seg_bags, dtype=torch.long, device=dev))
+        seg_vals = (_complete_cumsum(recv_l)[bounds[1:]] - _complete_cumsum(recv_l)[bounds[:-1]]).tolist()
+        lengths_rm = _regroup(recv_l, seg_bags, self._group_size, n_mine)
+        values_rm = _regroup(recv_v, seg_vals, self._group_size, n_mine)
+        weights_rm = None if recv_w is None else _regroup(recv_w, seg_vals, self._group_size, n_mine)
+        return dict(
+            lengths=lengths_rm, values=values_rm, weights=weights_rm, seg_vals=seg_vals,
+            positions=positions, value_counts=value_counts, send_sizes=[v.numel() for v in send_values],
+        )
+
+    def _shard_weights(self, recv: dict) -> list[torch.Tensor]:
+        out = []
+        n_mine = len(self._my_routes)
+        route_ids = None
+        for k, (ti, _) in enumerate(self._local_shards):
+            ids = torch.zeros(0, dtype=torch.long)
+            if self._replica_group is not None:
+                if route_ids is None:
+                    per_route = torch.tensor(recv["seg_vals"], dtype=torch.long).view(self._group_size, n_mine).sum(0)
+                    route_ids = torch.split(recv["values"], per_route.tolist())
+                ids = torch.cat([route_ids[j] for j, t in enumerate(self._my_route_table) if t == k] or [ids])
+            out.append(comm.embedding_grad(self._table_param(ti), ids, self._replica_group, self._scale))
+        return out
+
+
+def _sharded_state_dict_hook(module: _ShardedCollection, state_dict, prefix, local_metadata):
+    """Replace each sharded table's local piece by a ShardedTensor over the whole table (same key as unsharded)."""
+    tables = module._layout.tables
+    for i, t in enumerate(tables):
+        shards = module._shards[t.name]
+        if shards is None:
+            continue
+        key = f"{prefix}{module._attr}.{t.name}.weight"
+        local = state_dict.pop(key, None)
+        pieces = [(local, [s.row_offset, s.col_offset]) for j, s in module._local_shards if j == i and local is not None]
+        state_dict[key] = _compat.make_sharded_tensor(
+            pieces,
+            [([s.row_offset, s.col_offset], [s.rows, s.cols], module._global_ranks[s.rank]) for s in shards],
+            [t.num_embeddings, t.embedding_dim],
+            module._table_dtypes[i],
+            "cpu" if local is None else local.device.type,
+            module._group,
+        )
+    return state_dict
+
+
+def _load_hook_impl(module: _ShardedCollection, state_dict, prefix) -> None:
+    for i, t in enumerate(module._layout.tables):
+        key = f"{prefix}{module._attr}.{t.name}.weight"
+        shards = module._shards[t.name]
+        if shards is None or key not in state_dict:
+            if shards is None and key in state_dict and _compat.is_sharded_tensor(state_dict[key]):
+                raise ValueError(
+                    f"table {t.name!r} is data-parallel here but the state_dict holds it sharded; "
+                    "gather it first with lightning_rec.sharding.full_state_dict"
+                )
+            continue
+        value = state_dict.pop(key)
+        mine = [s for j, s in module._local_shards if j == i]
+        shape = [t.num_embeddings, t.embedding_dim]
+        if _compat.is_sharded_tensor(value):
+            if list(value.size()) != shape:
+                raise ValueError(f"table {t.name!r}: state_dict holds shape {list(value.size())}, the model {shape}")
+            if not mine:
+                continue
+            (s,) = mine
+            found = [sh.tensor for sh in value.local_shards()
+                     if list(sh.metadata.shard_offsets) == [s.row_offset, s.col_offset]
+                     and list(sh.metadata.shard_sizes) == [s.rows, s.cols]]
+            if not found:
+                if s.rows == 0:
+                    continue
+                raise ValueError(
+                    f"table {t.name!r}: the state_dict was sharded differently from this model; load it through "
+                    "torch.distributed.checkpoint or pass full tensors (full_state_dict)"
+                )
+            state_dict[key] = found[0]
+        else:
+            if list(value.shape) != shape:
+                raise ValueError(
+                    f"table {t.name!r}: state_dict holds shape {list(value.shape)}, the model expects {shape}"
+                )
+            if mine:
+                (s,) = mine
+                state_dict[key] = value[s.row_offset : s.row_offset + s.rows, s.col_offset : s.col_offset + s.cols]
+
+
+class ShardedEmbeddingBagCollection(_ShardedCollection):
+    """An ``EmbeddingBagCollection`` whose tables are spread over a process group by a plan.
+
+    Same input (each rank its own local KJT; batch sizes may differ) and same output (a local KeyedTensor
+    in config order) as the unsharded module. See the module docstring for the comm life cycle.
+    """
+
+    _attr = "embedding_bags"
+
+    def __init__(self, module: EmbeddingBagCollection, shards, shard_group, **kw) -> None:
+        super().__init__(module, shards, shard_group, **kw)
+        self._is_weighted = module.is_weighted()
+
+    def embedding_bag_configs(self):
+        return list(self._layout.tables)
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def _uses_weights(self) -> bool:
+        return self._is_weighted
+
+    def _check_weights(self, kjt: KeyedJaggedTensor) -> None:
+        if self._is_weighted and kjt.weights_or_none() is None:
+            raise ValueError("this EmbeddingBagCollection is weighted (is_weighted=True) but the input has no weights")
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        layout = self._layout
+        kjt, batches = self._checked_input(features)
+        b = kjt.stride()
+        dtype = self._out_dtype()
+        parts = []
+        if self._dp_tables:
+            sub = self._dp_subset(kjt)
+            tables = self._dp_weights(kjt)
+            table_pos = {ti: k for k, ti in enumerate(self._dp_tables)}
+            ft = [table_pos[layout.feature_table[f]] for f in self._dp_features]
+            psw = sub.weights_or_none() if self._is_weighted else None
+            parts.append(kernels.torch_pooled(tables, ft, sub.values(), sub.offsets(), b, psw, self.sparse_grad).to(dtype))
+        if self._has_mp:
+            recv = self._input_dist(kjt, batches)
+            tables = self._shard_weights(recv)
+            b_global = sum(batches)
+            if self._my_routes:
+                pooled = kernels.torch_pooled(
+                    tables, self._my_route_table, recv["values"], _complete_cumsum(recv["lengths"]), b_global,
+                    recv["weights"], self.sparse_grad,
+                ).to(dtype)
+            else:
+                pooled = torch.zeros(b_global, 0, dtype=dtype, device=kjt.device)
+            width = self._cols_from[self._group_rank]
+            flat = comm.all_to_all(
+                pooled.reshape(-1), [b * w for w in self._cols_from], [bs * width for bs in batches], self._group
+            )
+            blocks = torch.split(flat, [b * w for w in self._cols_from])
+            parts.append(torch.cat([blk.view(b, w) for blk, w in zip(blocks, self._cols_from)], dim=1))
+        data = torch.cat(parts, dim=1) if parts else torch.zeros(b, 0, dtype=dtype)
+        total = self._feat_off[-1]
+        out = torch.zeros(b, total, dtype=dtype, device=data.device).index_add(1, self._colmap, data)
+        out = layout.apply_mean(out, kjt.lengths(), b)
+        return KeyedTensor(layout.feature_names, layout.dims, out)
+
+
+class ShardedEmbeddingCollection(_ShardedCollection):
+    """An ``EmbeddingCollection`` spread over a process group; returns ``{feature: JaggedTensor}`` per rank."""
+
+    _attr = "embeddings"
+
+    def embedding_configs(self):
+        return list(self._layout.tables)
+
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        layout = self._layout
+        kjt, batches = self._checked_input(features)
+        b = kjt.stride()
+        lpk = kjt.length_per_key()
+        dtypes = [self._table_dtypes[ti] for ti in layout.feature_table]
+        pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in layout.feature_names]
+        results: dict[int, torch.Tensor] = {}
+        if self._dp_tables:
+            sub = self._dp_subset(kjt)
+            tables = self._dp_weights(kjt)
+            table_pos = {ti: k for k, ti in enumerate(self._dp_tables)}
+            ft = [table_pos[layout.feature_table[f]] for f in self._dp_features]
+            embs = kernels.torch_sequence(tables, ft, sub.values(), sub.length_per_key(), self.sparse_grad)
+            results.update(zip(self._dp_features, embs))
+        if self._has_mp:
+            wire = self._out_dtype()
+            recv = self._input_dist(kjt, batches)
+            tables = self._shard_weights(recv)
+            n_mine, w_size = len(self._my_routes), self._group_size
+            seg = torch.tensor(recv["seg_vals"], dtype=torch.long).view(w_size, n_mine)  # [source, route]
+            per_route = seg.sum(0).tolist()
+            embs = kernels.torch_sequence(tables, self._my_route_table, recv["values"], per_route, self.sparse_grad)
+            cols = [r.shard.cols for r in self._my_routes]
+            flat = torch.cat([e.to(wire).reshape(-1) for e in embs]) if embs else torch.zeros(0, dtype=wire)
+            # route-major [route][source] -> source-major [source][route], in elements
+            elems = [int(seg[s, k]) * cols[k] for k in range(n_mine) for s in range(w_size)]
+            flat = _regroup(flat, elems, n_mine, w_size)
+            send = [sum(int(seg[s, k]) * cols[k] for k in range(n_mine)) for s in range(w_size)]
+            recv_sizes = [
+                sum(n * r.shard.cols for n, r in zip(recv["send_sizes"][i0 : i0 + len(lst)], lst))
+                for i0, lst in zip(_starts([len(x) for x in self._routes_to]), self._routes_to)
+            ]
+            back = comm.all_to_all(flat, recv_sizes, send, self._group)
+            all_routes = [r for lst in self._routes_to for r in lst]
+            chunks = torch.split(back, [n * r.shard.cols for n, r in zip(recv["send_sizes"], all_routes)])
+            for r, chunk, pos in zip(all_routes, chunks, recv["positions"]):
+                d = layout.dims[r.feature]
+                idx = (pos.unsqueeze(1) * d + r.shard.col_offset + torch.arange(r.shard.cols)).reshape(-1)
+                pieces[r.feature].append((idx, chunk))
+        out = {}
+        for f, name in enumerate(layout.feature_names):
+            if f in results:
+                emb = results[f]
+            else:
+                d, n = layout.dims[f], lpk[f]
+                idx = torch.cat([i for i, _ in pieces[f]]) if pieces[f] else torch.zeros(0, dtype=torch.long)
+                src = torch.cat([c for _, c in pieces[f]]) if pieces[f] else torch.zeros(0, dtype=self._out_dtype())
+                emb = torch.zeros(n * d, dtype=src.dtype, device=src.device).index_add(0, idx, src).view(n, d)
+            out[name] = JaggedTensor(emb.to(dtypes[f]), lengths=kjt.lengths()[f * b : (f + 1) * b])
+        return out
+
+
+def _starts(sizes: Sequence[int]) -> list[int]:
+    out, acc = [], 0
+    for s in sizes:
+        out.append(acc)
+        acc += s
+    return out
+
+
+_SHARDED = {EmbeddingBagCollection: ShardedEmbeddingBagCollection, EmbeddingCollection: ShardedEmbeddingCollection}
+
+
+def shard_modules(
+    model: nn.Module,
+    plan: ShardingPlan | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+    embedding_grad: str = "sum",
+    local_size: int | None = None,
+) -> nn.Module:
+    """Replace every EmbeddingBagCollection / EmbeddingCollection in ``model`` by its sharded counterpart.
+
+    Collective: every rank of ``process_group`` (default: a new group over the whole world, so our
+    collectives never interleave with DDP's) calls it with the same model structure and plan. Plans are
+    validated for every collection before any shard is allocated. Returns ``model`` (or the sharded
+    collection when ``model`` itself is one).
+    """
+    from lightning_rec.sharding.planner import default_module_plan
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "shard_modules needs torch.distributed: call torch.distributed.init_process_group first "
+            "(one process with world_size=1 is fine)"
+        )
+    comm.grad_scale(embedding_grad, 1)
+    group = process_group if process_group is not None else dist.new_group()
+    gsize = dist.get_world_size(group)
+    local = local_size if local_size is not None else default_local_size(gsize)
+    targets = [(p, m) for p, m in model.named_modules() if type(m) in _SHARDED]
+    if plan is not None:
+        paths = {p for p, _ in targets}
+        unknown = [p for p in plan.plan if p not in paths]
+        if unknown:
+            raise ValueError(f"the plan names modules {unknown} that are not embedding collections of the model; "
+                             f"collections found: {sorted(paths)}")
+    resolved = []
+    for path, m in targets:
+        tables = list(m._layout.tables)
+        module_plan = plan.get_plan_for_module(path) if plan is not None else None
+        if module_plan is None:
+            module_plan = default_module_plan(tables, gsize)
+        resolved.append((path, m, resolve_module_plan(tables, module_plan, gsize, local, path)))
+    for path, m, shards in resolved:
+        sharded = _SHARDED[type(m)](m, shards, group, embedding_grad=embedding_grad, device=device)
+        if path == "":
+            return sharded
+        parent_path, _, name = path.rpartition(".")
+        model.get_submodule(parent_path)._modules[name] = sharded
+    return model
+
+
+def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """The unsharded state_dict of ``model``: plain full tensors under the unsharded keys.
+
+    Collective: every rank calls it. With ``rank0_only`` the result is returned on rank 0 and ``{}``
+    elsewhere (less memory on the other ranks).
+    """
+    state = model.state_dict()
+    out = {}
+    for key, value in state.items():
+        if not _compat.is_sharded_tensor(value):
+            out[key] = value
+            continue
+        group = value._process_group
+        dtype = value.metadata().tensor_properties.dtype
+        wire = torch.float32 if dtype == torch.bfloat16 else dtype
+        full = torch.zeros(list(value.size()), dtype=wire)
+        for sh in value.local_shards():
+            (r, c), (nr, nc) = sh.metadata.shard_offsets, sh.metadata.shard_sizes
+            full[r : r + nr, c : c + nc] = sh.tensor.detach().to(wire)
+        if rank0_only:
+            dist.reduce(full, dst=dist.get_process_group_ranks(group)[0], group=group)
+        else:
+            dist.all_reduce(full, group=group)
+        out[key] = full.to(dtype)
+    if rank0_only and dist.get_rank() != 0:
+        return {}
+    return out

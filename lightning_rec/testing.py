@@ -1,0 +1,78 @@
+"""Run a function on N CPU processes (gloo), with every rank's traceback propagated to the caller."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank: int, world_size: int, port: int, args: tuple, queue, timeout_s: float) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - everything must reach the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180.0) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes; return results by rank.
+
+    ``fn`` must be importable (a module-level function). If any rank raises, the first failing rank's
+    traceback is raised here as a RuntimeError; a rank that dies or hangs is reported instead of waiting.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, timeout_s), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    import time
+
+    deadline = time.monotonic() + timeout_s + 30
+    while len(results) + len(errors) < world_size:
+        if not queue.empty():
+            rank, ok, payload = queue.get()
+            (results if ok else errors)[rank] = payload
+            continue
+        dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results and r not in errors]
+        if dead or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        rank = min(errors)
+        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
+    missing = [r for r in range(world_size) if r not in results]
+    if missing:
+        codes = {r: procs[r].exitcode for r in missing}
+        raise RuntimeError(f"ranks {missing} of {world_size} died or timed out (exit codes {codes})")
+    return [results[r] for r in range(world_size)]

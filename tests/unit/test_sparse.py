@@ -1,0 +1,321 @@
+"""KeyedJaggedTensor / JaggedTensor / KeyedTensor: construction, accessors, transforms and validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+
+
+def _t(xs, dtype=torch.long):
+    return torch.tensor(xs, dtype=dtype)
+
+
+# Two keys, batch of 3:   f1: [10 11] [] [12]     f2: [20] [21 22 23] [24]
+KEYS = ["f1", "f2"]
+LENGTHS = [2, 0, 1, 1, 3, 1]
+VALUES = [10, 11, 12, 20, 21, 22, 23, 24]
+WEIGHTS = [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0]
+OFFSETS = [0, 2, 2, 3, 4, 7, 8]
+
+
+@pytest.fixture
+def kjt() -> KeyedJaggedTensor:
+    return KeyedJaggedTensor.from_lengths_sync(KEYS, _t(VALUES), _t(LENGTHS), weights=_t(WEIGHTS, torch.float32))
+
+
+def test_from_lengths_sync_accessors(kjt: KeyedJaggedTensor) -> None:
+    assert kjt.keys() == KEYS
+    assert kjt.values().tolist() == VALUES
+    assert kjt.lengths().tolist() == LENGTHS
+    assert kjt.offsets().tolist() == OFFSETS
+    assert kjt.weights().tolist() == WEIGHTS
+    assert kjt.weights_or_none() is kjt.weights()
+    assert kjt.stride() == 3
+    assert kjt.length_per_key() == [3, 5]
+    assert kjt.offset_per_key() == [0, 3, 8]
+    assert kjt.device == torch.device("cpu")
+    assert kjt.lengths().dtype == torch.long and kjt.offsets().dtype == torch.long
+
+
+def test_from_offsets_sync_matches_from_lengths() -> None:
+    a = KeyedJaggedTensor.from_offsets_sync(KEYS, _t(VALUES), _t(OFFSETS))
+    assert a.keys() == KEYS
+    assert a.lengths().tolist() == LENGTHS
+    assert a.offsets().tolist() == OFFSETS
+    assert a.stride() == 3
+    assert a.length_per_key() == [3, 5]
+    assert a.weights_or_none() is None
+    with pytest.raises(ValueError, match="no weights"):
+        a.weights()
+
+
+def test_int32_lengths_and_offsets_are_accepted() -> None:
+    a = KeyedJaggedTensor.from_lengths_sync(KEYS, _t(VALUES, torch.int32), _t(LENGTHS, torch.int32))
+    b = KeyedJaggedTensor.from_offsets_sync(KEYS, _t(VALUES, torch.int32), _t(OFFSETS, torch.int32))
+    assert a.offsets().tolist() == OFFSETS
+    assert b.lengths().tolist() == LENGTHS
+    assert a.values().dtype == torch.int32  # ids keep their dtype
+
+
+def test_lengths_and_offsets_together_must_agree() -> None:
+    ok = KeyedJaggedTensor(KEYS, _t(VALUES), lengths=_t(LENGTHS), offsets=_t(OFFSETS))
+    assert ok.offsets().tolist() == OFFSETS
+    bad = list(OFFSETS)
+    bad[2] = 1
+    with pytest.raises(ValueError, match="offsets.*do not match.*lengths"):
+        KeyedJaggedTensor(KEYS, _t(VALUES), lengths=_t(LENGTHS), offsets=_t(bad))
+
+
+def test_explicit_stride_must_match() -> None:
+    assert KeyedJaggedTensor.from_lengths_sync(KEYS, _t(VALUES), _t(LENGTHS), stride=3).stride() == 3
+    with pytest.raises(ValueError, match=r"stride=2 .*batch size of 3"):
+        KeyedJaggedTensor.from_lengths_sync(KEYS, _t(VALUES), _t(LENGTHS), stride=2)
+
+
+def test_getitem_and_to_dict(kjt: KeyedJaggedTensor) -> None:
+    jt = kjt["f2"]
+    assert isinstance(jt, JaggedTensor)
+    assert jt.values().tolist() == [20, 21, 22, 23, 24]
+    assert jt.lengths().tolist() == [1, 3, 1]
+    assert jt.offsets().tolist() == [0, 1, 4, 5]
+    assert jt.weights().tolist() == [2.0, 2.5, 3.0, 3.5, 4.0]
+    assert [b.tolist() for b in jt.to_dense()] == [[20], [21, 22, 23], [24]]
+    with pytest.raises(KeyError, match="nope"):
+        kjt["nope"]
+    d = kjt.to_dict()
+    assert list(d) == KEYS
+    assert d["f1"].values().tolist() == [10, 11, 12]
+    assert d["f1"].lengths().tolist() == [2, 0, 1]
+    assert d["f1"].weights().tolist() == [0.5, 1.0, 1.5]
+
+
+def test_split(kjt: KeyedJaggedTensor) -> None:
+    a, b, c = kjt.split([1, 0, 1])
+    assert a.keys() == ["f1"] and b.keys() == [] and c.keys() == ["f2"]
+    assert a.values().tolist() == [10, 11, 12] and a.lengths().tolist() == [2, 0, 1]
+    assert a.weights().tolist() == [0.5, 1.0, 1.5]
+    assert c.values().tolist() == [20, 21, 22, 23, 24] and c.lengths().tolist() == [1, 3, 1]
+    assert c.offsets().tolist() == [0, 1, 4, 5]
+    assert a.stride() == b.stride() == c.stride() == 3
+    assert b.values().numel() == 0 and b.length_per_key() == []
+    (whole,) = kjt.split([2])
+    assert whole.values().tolist() == VALUES and whole.lengths().tolist() == LENGTHS
+    with pytest.raises(ValueError, match="sum to 2"):
+        kjt.split([1])
+    with pytest.raises(ValueError, match="non-negative"):
+        kjt.split([3, -1])
+
+
+def test_permute_reorders_and_repeats(kjt: KeyedJaggedTensor) -> None:
+    p = kjt.permute([1, 0])
+    assert p.keys() == ["f2", "f1"]
+    assert p.values().tolist() == [20, 21, 22, 23, 24, 10, 11, 12]
+    assert p.lengths().tolist() == [1, 3, 1, 2, 0, 1]
+    assert p.weights().tolist() == [2.0, 2.5, 3.0, 3.5, 4.0, 0.5, 1.0, 1.5]
+    assert p.stride() == 3
+
+
+def test_permute_with_repeated_keys() -> None:
+    # TorchRec semantics: an index may repeat, giving the same key (and its bags) several times; the
+    # sharding input dist relies on this to send one feature to several shards.
+    base = KeyedJaggedTensor.from_lengths_sync(
+        ["a", "b", "c"], _t([1, 2, 3, 4, 5, 6]), _t([1, 1, 0, 2, 1, 1]), weights=torch.arange(6.0)
+    )
+    rep = base.permute([2, 0, 2])
+    assert rep.keys() == ["c", "a", "c"]
+    assert rep.values().tolist() == [5, 6, 1, 2, 5, 6]
+    assert rep.lengths().tolist() == [1, 1, 1, 1, 1, 1]
+    assert rep.weights().tolist() == [4.0, 5.0, 0.0, 1.0, 4.0, 5.0]
+    assert rep.length_per_key() == [2, 2, 2] and rep.offset_per_key() == [0, 2, 4, 6]
+    assert rep.stride() == 2
+    # A repeated-key KJT keeps working through the other transforms.
+    first, second = rep.split([2, 1])
+    assert first.keys() == ["c", "a"] and second.keys() == ["c"]
+    assert second.values().tolist() == [5, 6]
+    moved = rep.to("cpu:0")
+    assert moved.keys() == ["c", "a", "c"] and moved.values().tolist() == rep.values().tolist()
+    again = rep.permute([1, 1])
+    assert again.keys() == ["a", "a"] and again.values().tolist() == [1, 2, 1, 2]
+    # Sub-selection (dropping keys) and the empty permutation.
+    sub = base.permute([2, 0])
+    assert sub.keys() == ["c", "a"] and sub.values().tolist() == [5, 6, 1, 2]
+    none = base.permute([])
+    assert none.keys() == [] and none.values().numel() == 0
+
+
+def test_permute_out_of_range(kjt: KeyedJaggedTensor) -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        kjt.permute([0, 2])
+    with pytest.raises(ValueError, match="out of range"):
+        kjt.permute([-1])
+
+
+def test_to_device_and_lightning_move(kjt: KeyedJaggedTensor) -> None:
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    assert kjt.to(torch.device("cpu")) is kjt
+    assert kjt.to("cpu") is kjt
+    batch = {"sparse": kjt, "dense": torch.ones(3, 2), "pair": (kjt, 1)}
+    moved = move_data_to_device(batch, torch.device("cpu"))
+    assert isinstance(moved["sparse"], KeyedJaggedTensor)
+    assert isinstance(moved["pair"][0], KeyedJaggedTensor)
+    assert moved["sparse"].values().tolist() == VALUES
+    assert moved["sparse"].weights().tolist() == WEIGHTS
+    moved_t = move_data_to_device((kjt, torch.zeros(1)), "cpu")
+    assert isinstance(moved_t, tuple) and isinstance(moved_t[0], KeyedJaggedTensor)
+    assert moved_t[0].lengths().tolist() == LENGTHS
+    # "cpu:0" is not equal to "cpu" as a torch.device, so this exercises the copying branch of .to().
+    copied = kjt.to("cpu:0")
+    assert copied is not kjt and isinstance(copied, KeyedJaggedTensor)
+    assert copied.keys() == KEYS and copied.stride() == 3
+    assert copied.values().tolist() == VALUES and copied.lengths().tolist() == LENGTHS
+    assert copied.weights().tolist() == WEIGHTS
+
+
+def test_jagged_tensor_to_and_2d_values() -> None:
+    jt = JaggedTensor(torch.arange(10.0).view(5, 2), lengths=_t([2, 0, 3]), weights=torch.ones(5))
+    assert jt.offsets().tolist() == [0, 2, 2, 5]
+    assert [b.shape[0] for b in jt.to_dense()] == [2, 0, 3]
+    moved = jt.to("cpu")
+    assert torch.equal(moved.values(), jt.values()) and moved.lengths().tolist() == [2, 0, 3]
+    assert torch.equal(moved.weights(), jt.weights())
+    jt2 = JaggedTensor(_t([1, 2, 3]), offsets=_t([0, 3]))
+    assert jt2.lengths().tolist() == [3] and jt2.weights_or_none() is None
+    with pytest.raises(ValueError, match="no weights"):
+        jt2.weights()
+
+
+def test_empty_kjt_and_batch_size_zero() -> None:
+    e = KeyedJaggedTensor.empty(["a", "b"])
+    assert e.keys() == ["a", "b"] and e.stride() == 0
+    assert e.length_per_key() == [0, 0] and e.offset_per_key() == [0, 0, 0]
+    assert e["a"].values().numel() == 0
+    assert e.permute([1, 0]).keys() == ["b", "a"]
+    assert [s.keys() for s in e.split([1, 1])] == [["a"], ["b"]]
+    none = KeyedJaggedTensor.empty()
+    assert none.keys() == [] and none.stride() == 0 and none.length_per_key() == []
+    with pytest.raises(ValueError, match="no keys must have no lengths"):
+        KeyedJaggedTensor([], _t([1]), lengths=_t([1]))
+
+
+def test_from_jt_dict_round_trip(kjt: KeyedJaggedTensor) -> None:
+    back = KeyedJaggedTensor.from_jt_dict(kjt.to_dict())
+    assert back.keys() == KEYS
+    assert back.values().tolist() == VALUES
+    assert back.lengths().tolist() == LENGTHS
+    assert back.weights().tolist() == WEIGHTS
+    d = kjt.to_dict()
+    d["f1"] = JaggedTensor(d["f1"].values(), lengths=d["f1"].lengths())
+    with pytest.raises(ValueError, match="every JaggedTensor has weights or none"):
+        KeyedJaggedTensor.from_jt_dict(d)
+
+
+# -- validation errors -------------------------------------------------------------------------------
+
+
+def test_lengths_do_not_match_values() -> None:
+    with pytest.raises(ValueError, match=r"lengths sum to 8 but `values` has 7 entries"):
+        KeyedJaggedTensor.from_lengths_sync(KEYS, _t(VALUES[:-1]), _t(LENGTHS))
+    with pytest.raises(ValueError, match=r"lengths sum to 8 but `values` has 9 entries"):
+        KeyedJaggedTensor.from_offsets_sync(KEYS, _t(VALUES + [1]), _t(OFFSETS))
+    with pytest.raises(ValueError, match=r"lengths sum to 3 but `values` has 2 entries"):
+        JaggedTensor(_t([1, 2]), lengths=_t([1, 2]))
+
+
+def test_weights_do_not_match_values() -> None:
+    with pytest.raises(ValueError, match=r"`weights` has 7 entries but `values` has 8"):
+        KeyedJaggedTensor.from_lengths_sync(KEYS, _t(VALUES), _t(LENGTHS), weights=torch.ones(7))
+    with pytest.raises(ValueError, match="floating point"):
+        KeyedJaggedTensor.from_lengths_sync(KEYS, _t(VALUES), _t(LENGTHS), weights=torch.ones(8, dtype=torch.long))
+    with pytest.raises(ValueError, match="1-D"):
+        KeyedJaggedTensor.from_lengths_sync(KEYS, _t(VALUES), _t(LENGTHS), weights=torch.ones(8, 1))
+    with pytest.raises(ValueError, match=r"`weights` has 1 entries but `values` has 2"):
+        JaggedTensor(_t([1, 2]), lengths=_t([2]), weights=torch.ones(1))
+
+
+def test_batch_size_inconsistent_across_keys() -> None:
+    # 5 bags cannot be split over 2 keys: one key would have a different batch size.
+    with pytest.raises(ValueError, match=r"5 lengths cannot be split evenly over 2 keys.*same batch size"):
+        KeyedJaggedTensor.from_lengths_sync(KEYS, _t([1, 2, 3, 4, 5]), _t([1, 1, 1, 1, 1]))
+    with pytest.raises(ValueError, match="cannot be split evenly over 3 keys"):
+        KeyedJaggedTensor.from_offsets_sync(["a", "b", "c"], _t([1, 2]), _t([0, 1, 2]))
+
+
+def test_negative_lengths_and_bad_offsets() -> None:
+    with pytest.raises(ValueError, match=r"`lengths` must be non-negative, got min -1"):
+        KeyedJaggedTensor.from_lengths_sync(KEYS, _t([1, 2]), _t([2, 1, -1, 0]))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        KeyedJaggedTensor.from_offsets_sync(KEYS, _t([1, 2]), _t([0, 2, 1, 2, 2]))
+    with pytest.raises(ValueError, match="start with 0"):
+        KeyedJaggedTensor.from_offsets_sync(KEYS, _t([1, 2]), _t([1, 1, 2]))
+    with pytest.raises(ValueError, match="start with 0"):
+        KeyedJaggedTensor.from_offsets_sync([], _t([]), _t([]))
+    with pytest.raises(ValueError, match="needs `lengths` or `offsets`"):
+        KeyedJaggedTensor(KEYS, _t(VALUES))
+
+
+def test_duplicated_keys() -> None:
+    with pytest.raises(ValueError, match=r"keys must be unique, duplicated: \['f1'\]"):
+        KeyedJaggedTensor.from_lengths_sync(["f1", "f1"], _t([1, 2]), _t([1, 1]))
+
+
+def test_bad_tensor_kinds() -> None:
+    with pytest.raises(ValueError, match="`values` must hold integers"):
+        KeyedJaggedTensor.from_lengths_sync(["a"], torch.ones(2), _t([2]))
+    with pytest.raises(ValueError, match="`values` must be 1-D"):
+        KeyedJaggedTensor.from_lengths_sync(["a"], torch.ones(2, 1, dtype=torch.long), _t([2]))
+    with pytest.raises(ValueError, match="`lengths` must hold integers"):
+        KeyedJaggedTensor.from_lengths_sync(["a"], _t([1, 2]), torch.tensor([2.0]))
+    with pytest.raises(TypeError, match="`lengths` must be a torch.Tensor"):
+        KeyedJaggedTensor.from_lengths_sync(["a"], _t([1, 2]), [2])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="keys must be strings"):
+        KeyedJaggedTensor.from_lengths_sync([1], _t([1, 2]), _t([2]))  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="1-D or 2-D"):
+        JaggedTensor(torch.zeros(1, 1, 1), lengths=_t([1]))
+
+
+# -- KeyedTensor --------------------------------------------------------------------------------------
+
+
+def test_keyed_tensor_accessors_and_regroup() -> None:
+    v1 = torch.arange(10.0).view(2, 5)
+    kt1 = KeyedTensor(["a", "b"], [2, 3], v1)
+    v2 = torch.arange(100.0, 108.0).view(2, 4)
+    kt2 = KeyedTensor(["c"], [4], v2)
+    assert kt1.keys() == ["a", "b"] and kt1.length_per_key() == [2, 3] and kt1.offset_per_key() == [0, 2, 5]
+    assert kt1.key_dim() == 1 and kt1.values() is v1
+    assert torch.equal(kt1["b"], v1[:, 2:5])
+    assert list(kt1.to_dict()) == ["a", "b"] and torch.equal(kt1.to_dict()["a"], v1[:, :2])
+    with pytest.raises(KeyError, match="zz"):
+        kt1["zz"]
+    g1, g2 = KeyedTensor.regroup([kt1, kt2], [["c", "a"], ["b"]])
+    assert torch.equal(g1, torch.cat([v2, v1[:, :2]], dim=1))
+    assert torch.equal(g2, v1[:, 2:5])
+    (g,) = KeyedTensor.regroup([kt1], [["b", "a", "b"]])  # a key may appear in several places
+    assert torch.equal(g, torch.cat([v1[:, 2:], v1[:, :2], v1[:, 2:]], dim=1))
+    with pytest.raises(KeyError, match=r"keys \['x'\] not found"):
+        KeyedTensor.regroup([kt1, kt2], [["a", "x"]])
+    with pytest.raises(ValueError, match="'a' appears in more than one"):
+        KeyedTensor.regroup([kt1, KeyedTensor(["a"], [1], torch.zeros(2, 1))], [["a"]])
+    moved = kt1.to("cpu")
+    assert moved.keys() == ["a", "b"] and torch.equal(moved.values(), v1)
+
+
+def test_keyed_tensor_regroup_is_differentiable() -> None:
+    v = torch.randn(3, 5, requires_grad=True)
+    kt = KeyedTensor(["a", "b"], [2, 3], v)
+    (g,) = KeyedTensor.regroup([kt], [["b", "a"]])
+    (g * torch.arange(15.0).view(3, 5)).sum().backward()
+    expected = torch.cat([torch.arange(15.0).view(3, 5)[:, 3:], torch.arange(15.0).view(3, 5)[:, :3]], dim=1)
+    assert torch.equal(v.grad, expected)
+
+
+def test_keyed_tensor_validation() -> None:
+    with pytest.raises(ValueError, match="2 keys but 1 lengths"):
+        KeyedTensor(["a", "b"], [2], torch.zeros(1, 2))
+    with pytest.raises(ValueError, match=r"values must be \[batch, 5\], got \(1, 4\)"):
+        KeyedTensor(["a", "b"], [2, 3], torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="key_dim=1"):
+        KeyedTensor(["a"], [2], torch.zeros(1, 2), key_dim=0)
