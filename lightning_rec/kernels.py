@@ -217,18 +217,32 @@ def torch_pooled(
     # graph: backward through it must work (and give zero gradients) on a rank that got no samples.
     bounds = offsets[::b].tolist() if b else [0] * (len(feature_table) + 1)
     outs = []
-    for f, t in enumerate(feature_table):
+    # One lookup per run of consecutive features that share a table: a table then gets one gradient
+    # instead of a sum of several, which torch cannot add when they are sparse fp16 / bf16 on CPU.
+    for t, f0, f1 in _table_runs(feature_table):
         w = tables[t]
-        lo, hi = bounds[f], bounds[f + 1]
-        seg_off = offsets[f * b : (f + 1) * b + 1] - lo
+        lo, hi = bounds[f0], bounds[f1]
+        seg_off = offsets[f0 * b : f1 * b + 1] - lo
         psw = None if per_sample_weights is None else per_sample_weights[lo:hi].to(w.dtype)
-        outs.append(
-            F.embedding_bag(
-                values[lo:hi].long(), w, seg_off.long(), mode="sum", per_sample_weights=psw,
-                include_last_offset=True, sparse=sparse_grad,
-            )
+        out = F.embedding_bag(
+            values[lo:hi].long(), w, seg_off.long(), mode="sum", per_sample_weights=psw,
+            include_last_offset=True, sparse=sparse_grad,
         )
+        if f1 - f0 > 1:  # [features * batch, D] -> [batch, features * D]
+            out = out.view(f1 - f0, b, w.shape[1]).transpose(0, 1).reshape(b, (f1 - f0) * w.shape[1])
+        outs.append(out)
     return torch.cat(outs, dim=1)
+
+
+def _table_runs(feature_table: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(table, first feature, end feature)`` for each run of consecutive features on the same table."""
+    runs: list[tuple[int, int, int]] = []
+    for f, t in enumerate(feature_table):
+        if runs and runs[-1][0] == t:
+            runs[-1] = (t, runs[-1][1], f + 1)
+        else:
+            runs.append((t, f, f + 1))
+    return runs
 
 
 def torch_sequence(
@@ -238,10 +252,13 @@ def torch_sequence(
     length_per_feature: Sequence[int],
     sparse_grad: bool,
 ) -> list[torch.Tensor]:
-    """One ``[ids of feature, dim]`` tensor per feature."""
+    """One ``[ids of feature, dim]`` tensor per feature (one lookup per run of features sharing a table)."""
     outs, start = [], 0
-    for t, n in zip(feature_table, length_per_feature):
-        outs.append(F.embedding(values[start : start + n].long(), tables[t], sparse=sparse_grad))
+    for t, f0, f1 in _table_runs(feature_table):
+        lens = list(length_per_feature[f0:f1])
+        n = sum(lens)
+        emb = F.embedding(values[start : start + n].long(), tables[t], sparse=sparse_grad)
+        outs.extend(torch.split(emb, lens) if f1 - f0 > 1 else [emb])
         start += n
     return outs
 

@@ -19,6 +19,13 @@ class _Table(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight)
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[override]
+        # Unexpected keys are checked by the container: with tables "a" and "a.b", the key "a.b.weight"
+        # starts with this table's prefix "a." but belongs to the other table.
+        n = len(unexpected_keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        del unexpected_keys[n:]
+
 
 class _TableContainer(nn.Module):
     """``ModuleDict`` without its key rules: table names are user data, so ``.`` or spaces are allowed."""
@@ -34,6 +41,14 @@ class _TableContainer(nn.Module):
 
     def __len__(self) -> int:
         return len(self._modules)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[override]
+        # nn.Module splits keys at the first "." to find the child, so "<prefix>user.id.weight" would be
+        # reported unexpected for a table named "user.id". Check against the tables' own keys instead.
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, False, missing_keys, unexpected_keys, error_msgs)
+        if strict:
+            own = {f"{prefix}{name}.{k}" for name, m in self._modules.items() for k in m.state_dict(keep_vars=True)}
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in own)
 
 
 def _check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type) -> None:
