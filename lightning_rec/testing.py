@@ -69,8 +69,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         if p.is_alive():
             p.kill()
     if errors:
-        rank = min(errors)
-        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
+        # a rank that crashed first makes its peers fail with "connection closed": show the cause first
+        order = sorted(errors, key=lambda r: ("Connection closed" in errors[r] or "remote worker" in errors[r], r))
+        text = "\n".join(f"--- rank {r} of {world_size} ---\n{errors[r]}" for r in order)
+        raise RuntimeError(f"ranks {order} failed:\n{text}")
     missing = [r for r in range(world_size) if r not in results]
     if missing:
         codes = {r: procs[r].exitcode for r in missing}

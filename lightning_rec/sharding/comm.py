@@ -31,26 +31,38 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):  # type: ignore[override]
-        ctx.splits, ctx.group = (out_splits, in_splits), group
+    def forward(ctx, x, anchor, out_splits, in_splits, group):  # type: ignore[override]
+        ctx.splits, ctx.group, ctx.x_grad = (out_splits, in_splits), group, x.requires_grad
         return _all_to_all(x, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         out_splits, in_splits = ctx.splits
-        return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
+        back = _all_to_all(grad.contiguous(), in_splits, out_splits, ctx.group)
+        return (back if ctx.x_grad else None), None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: dist.ProcessGroup | None,
+    differentiable: bool = False,
+) -> torch.Tensor:
     """Variable-size all-to-all of a 1-D tensor; its backward is the reverse all-to-all.
+
+    With ``differentiable=True`` the backward runs on every rank whenever the output is
+    back-propagated, even on a rank whose own input needs no gradient (it holds no shard): a rank that
+    skipped its half of the backward exchange would leave the others waiting.
 
     Example with 2 ranks, ``in_splits`` = what this rank sends to each rank::
 
         rank 0: x=[a0 a1 a2], in_splits=[1, 2]   ->  out=[a0 b0],     out_splits=[1, 1]
         rank 1: x=[b0 b1],    in_splits=[1, 1]   ->  out=[a1 a2 b1],  out_splits=[2, 1]
     """
-    if x.requires_grad:
-        return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
+    if differentiable or x.requires_grad:
+        anchor = torch.zeros(0, requires_grad=True)
+        return _AllToAll.apply(x, anchor, list(out_splits), list(in_splits), group)
     return _all_to_all(x, list(out_splits), list(in_splits), group)
 
 

@@ -434,7 +434,8 @@ class ShardedEmbeddingBagCollection(_ShardedCollection):
                 pooled = torch.zeros(b_global, 0, dtype=dtype, device=kjt.device)
             width = self._cols_from[self._group_rank]
             flat = comm.all_to_all(
-                pooled.reshape(-1), [b * w for w in self._cols_from], [bs * width for bs in batches], self._group
+                pooled.reshape(-1), [b * w for w in self._cols_from], [bs * width for bs in batches], self._group,
+                differentiable=torch.is_grad_enabled(),
             )
             blocks = torch.split(flat, [b * w for w in self._cols_from])
             parts.append(torch.cat([blk.view(b, w) for blk, w in zip(blocks, self._cols_from)], dim=1))
@@ -486,7 +487,7 @@ class ShardedEmbeddingCollection(_ShardedCollection):
                 sum(n * r.shard.cols for n, r in zip(recv["send_sizes"][i0 : i0 + len(lst)], lst))
                 for i0, lst in zip(_starts([len(x) for x in self._routes_to]), self._routes_to)
             ]
-            back = comm.all_to_all(flat, recv_sizes, send, self._group)
+            back = comm.all_to_all(flat, recv_sizes, send, self._group, differentiable=torch.is_grad_enabled())
             all_routes = [r for lst in self._routes_to for r in lst]
             chunks = torch.split(back, [n * r.shard.cols for n, r in zip(recv["send_sizes"], all_routes)])
             for r, chunk, pos in zip(all_routes, chunks, recv["positions"]):
