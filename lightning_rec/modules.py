@@ -89,10 +89,13 @@ class _FeatureLayout:
         if keys != self.feature_names:
             missing = [f for f in self.feature_names if f not in set(keys)]
             unexpected = [k for k in keys if k not in self._index]
-            if missing or unexpected:
+            # a KJT from permute() may repeat a key; which copy to use would be a guess
+            duplicated = sorted({k for k in keys if keys.count(k) > 1})
+            if missing or unexpected or duplicated:
                 raise ValueError(
                     f"KeyedJaggedTensor keys do not match the collection's features: missing {missing}, "
-                    f"unexpected {unexpected} (expected {self.feature_names})"
+                    f"unexpected {unexpected}" + (f", duplicated {duplicated}" if duplicated else "")
+                    + f" (expected {self.feature_names})"
                 )
             pos = {k: i for i, k in enumerate(keys)}
             features = features.permute([pos[f] for f in self.feature_names])

@@ -659,6 +659,10 @@ def test_kjt_keys_must_match_features() -> None:
     )
     with pytest.raises(ValueError, match=r"missing \[\], unexpected \['extra'\]"):
         ebc(kjt)
+    # permute() may repeat keys; a collection does not guess which copy to use
+    repeated = _small_kjt().permute([0, 1, 2, 0])
+    with pytest.raises(ValueError, match=r"missing \[\], unexpected \[\], duplicated \['f0'\]"):
+        ebc(repeated)
     ec = EmbeddingCollection([EmbeddingConfig(num_embeddings=3, embedding_dim=2, name="t", feature_names=["x"])])
     with pytest.raises(ValueError, match=r"missing \['x'\], unexpected \['y'\]"):
         ec(KeyedJaggedTensor.from_lengths_sync(["y"], torch.tensor([0]), torch.tensor([1])))

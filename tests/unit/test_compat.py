@@ -1,0 +1,54 @@
+"""Version checks run at import time (lightning_rec._compat.check_versions)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from lightning_rec import _compat
+from lightning_rec._compat import check_versions
+
+
+@pytest.mark.parametrize(
+    "torch_version,fbgemm",
+    [
+        ("2.13.0", ("fbgemm-gpu-cpu", "1.8.0")),
+        ("2.13.0+cpu", ("fbgemm-gpu-cpu", "1.8.0")),
+        ("2.13.1+cu128", ("fbgemm-gpu", "1.8.0+cu128")),
+        ("2.13.0", ("fbgemm-gpu", "1.8.2")),
+    ],
+)
+def test_matching_versions_pass(torch_version: str, fbgemm: tuple[str, str]) -> None:
+    check_versions(torch_version, fbgemm)
+
+
+def test_torch_mismatch_names_both_versions() -> None:
+    with pytest.raises(ImportError) as err:
+        check_versions("2.12.0", ("fbgemm-gpu-cpu", "1.8.0"))
+    msg = str(err.value)
+    assert "fbgemm-gpu-cpu==1.8.0" in msg
+    assert "torch 2.13.x" in msg  # what this fbgemm needs
+    assert "torch 2.12.0 is installed" in msg  # what is there
+    assert "pip install torch==2.13.0" in msg
+    with pytest.raises(ImportError, match=re.escape("torch 2.14.0+cpu is installed")):
+        check_versions("2.14.0+cpu", ("fbgemm-gpu-cpu", "1.8.0"))
+
+
+def test_missing_fbgemm() -> None:
+    with pytest.raises(ImportError, match="fbgemm-gpu kernels, which are not installed") as err:
+        check_versions("2.13.0", None)
+    assert "fbgemm-gpu-cpu==1.8.0" in str(err.value)
+
+
+def test_unsupported_fbgemm_release() -> None:
+    with pytest.raises(ImportError, match=re.escape("fbgemm-gpu==1.7.0 is not a supported fbgemm-gpu release")) as err:
+        check_versions("2.13.0", ("fbgemm-gpu", "1.7.0"))
+    assert "1.8.x" in str(err.value)
+
+
+def test_installed_environment_passes() -> None:
+    dist = _compat.fbgemm_distribution()
+    assert dist is not None and dist[0].startswith("fbgemm-gpu")
+    check_versions(torch.__version__, dist)
