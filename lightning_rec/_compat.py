@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import warnings
 from importlib import metadata
+
+# Sharded tables are described as ShardedTensors (see make_sharded_tensor); torch warns on every use.
+warnings.filterwarnings("ignore", message=r".*Please use DTensor instead and we are deprecating ShardedTensor.*")
 
 # fbgemm-gpu wheels are built against one torch minor release; a mismatch fails later with undefined
 # symbols deep inside torch.ops, so we check at import time.
