@@ -46,6 +46,16 @@ from lightning_rec.sharding.plan import ShardingPlan, default_local_size, resolv
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor, _segment_gather_index
 
 
+def _broadcast_from_first(w: torch.Tensor, group: dist.ProcessGroup) -> None:
+    if dist.get_world_size(group) == 1:
+        return
+    with torch.no_grad():
+        wire = w.float() if w.dtype == torch.bfloat16 else w
+        dist.broadcast(wire, src=dist.get_process_group_ranks(group)[0], group=group)
+        if wire is not w:
+            w.copy_(wire)
+
+
 @dataclass(frozen=True)
 class _Route:
     feature: int
@@ -84,6 +94,8 @@ class _ShardedCollection(nn.Module):
         sparse_grad: bool | None = None,
     ) -> None:
         super().__init__()
+        if replica_group is not None and dist.get_world_size(replica_group) == 1:
+            replica_group = None
         tables: list[BaseEmbeddingConfig] = list(module._layout.tables)
         self._layout = _FeatureLayout(tables)
         self._shards = shards
@@ -94,6 +106,8 @@ class _ShardedCollection(nn.Module):
         self._global_ranks = dist.get_process_group_ranks(shard_group)
         replicas = 1 if replica_group is None else dist.get_world_size(replica_group)
         self._num_dp_ranks = self._group_size * replicas
+        # replicated tables live on every data-parallel rank: the shard group, times the replicas under 2D
+        self._dp_group = shard_group if replica_group is None else dist.group.WORLD
         self.embedding_grad = embedding_grad
         self._scale = comm.grad_scale(embedding_grad, self._num_dp_ranks)
         self.sparse_grad = module.sparse_grad if sparse_grad is None else sparse_grad
@@ -112,12 +126,7 @@ class _ShardedCollection(nn.Module):
                     w = torch.empty(full.shape, dtype=full.dtype, device=device)
                     t.init_weight(w)
                 # replicas must start equal, as DDP makes dense replicas equal
-                if self._group_size > 1:
-                    with torch.no_grad():
-                        wire = w.float() if w.dtype == torch.bfloat16 else w
-                        dist.broadcast(wire, src=self._global_ranks[0], group=shard_group)
-                        if wire is not w:
-                            w.copy_(wire)
+                _broadcast_from_first(w, self._dp_group)
                 container.add(t.name, _Table(w))
                 continue
             mine = [s for s in shards[t.name] if s.rank == me]
@@ -130,6 +139,8 @@ class _ShardedCollection(nn.Module):
             else:
                 piece = full[s.row_offset : s.row_offset + s.rows, s.col_offset : s.col_offset + s.cols]
                 piece = piece.to(device).clone().contiguous() if device is not None else piece.clone().contiguous()
+            if replica_group is not None:
+                _broadcast_from_first(piece, replica_group)
             container.add(t.name, _Table(piece))
             self._local_shards.append((i, s))
         setattr(self, self._attr, container)
@@ -205,17 +216,19 @@ class _ShardedCollection(nn.Module):
         except (ValueError, TypeError) as e:
             err = e
         batch = kjt.stride() if kjt is not None else 0
-        if self._group_size == 1:
+        if dist.get_world_size(self._dp_group) == 1:
             if err is not None:
                 raise err
             return kjt, [batch]
-        status = comm.all_gather_ints([batch, int(err is not None)], self._group)
-        bad = [self._global_ranks[r] for r, (_, e) in enumerate(status) if e]
+        # agree over every rank this module exchanges with in forward or backward
+        status = comm.all_gather_ints([batch, int(err is not None)], self._dp_group)
+        by_rank = dict(zip(dist.get_process_group_ranks(self._dp_group), status))
+        bad = sorted(r for r, (_, e) in by_rank.items() if e)
         if err is not None:
             raise err
         if bad:
             raise ValueError(f"ranks {bad} rejected their input (see the error raised there); stopping this rank too")
-        return kjt, [b for b, _ in status]
+        return kjt, [by_rank[g][0] for g in self._global_ranks]
 
     def _check_weights(self, kjt: KeyedJaggedTensor) -> None:
         pass
@@ -232,7 +245,7 @@ class _ShardedCollection(nn.Module):
         out = []
         for ti in self._dp_tables:
             ids = torch.cat([kjt.values()[opk[f] : opk[f + 1]] for f, t in enumerate(layout.feature_table) if t == ti])
-            out.append(comm.embedding_grad(self._table_param(ti), ids, self._group, self._scale))
+            out.append(comm.embedding_grad(self._table_param(ti), ids, self._dp_group, self._scale))
         return out
 
     def _dp_subset(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
@@ -523,16 +536,20 @@ def shard_modules(
     plan: ShardingPlan | None = None,
     *,
     process_group: dist.ProcessGroup | None = None,
+    replica_group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
     embedding_grad: str = "sum",
     local_size: int | None = None,
 ) -> nn.Module:
     """Replace every EmbeddingBagCollection / EmbeddingCollection in ``model`` by its sharded counterpart.
 
-    Collective: every rank of ``process_group`` (default: a new group over the whole world, so our
-    collectives never interleave with DDP's) calls it with the same model structure and plan. Plans are
-    validated for every collection before any shard is allocated. Returns ``model`` (or the sharded
-    collection when ``model`` itself is one).
+    Collective: every rank of the world calls it with the same model structure and plan.
+    ``process_group`` is the model-parallel (shard) group the plan's ranks refer to (default: a new
+    group over the whole world). Under 2D parallelism (see ``mesh.init_2d_mesh``) pass the shard group
+    and the ``replica_group``: every replica group then holds one full sharded copy of the tables, shard
+    gradients are summed across replicas, and data-parallel tables across the whole world, all under
+    the one ``embedding_grad`` rule. Plans are validated for every collection before any shard is
+    allocated. Returns ``model`` (or the sharded collection when ``model`` itself is one).
     """
     from lightning_rec.sharding.planner import default_module_plan
 
@@ -560,7 +577,8 @@ def shard_modules(
             module_plan = default_module_plan(tables, gsize)
         resolved.append((path, m, resolve_module_plan(tables, module_plan, gsize, local, path)))
     for path, m, shards in resolved:
-        sharded = _SHARDED[type(m)](m, shards, group, embedding_grad=embedding_grad, device=device)
+        sharded = _SHARDED[type(m)](m, shards, group, embedding_grad=embedding_grad, device=device,
+                                    replica_group=replica_group)
         if path == "":
             return sharded
         parent_path, _, name = path.rpartition(".")

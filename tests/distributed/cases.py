@@ -47,7 +47,10 @@ def random_placement(rng: random.Random, kind: str, rows: int, dim: int, ws: int
     raise ValueError(kind)
 
 
-def random_case(seed: int, ws: int, sequence: bool = False, types: tuple[str, ...] = ALL_TYPES) -> dict:
+def random_case(
+    seed: int, ws: int, sequence: bool = False, types: tuple[str, ...] = ALL_TYPES, world: int | None = None
+) -> dict:
+    """A random case whose plan is for a model-parallel group of ``ws`` ranks, batches for ``world`` ranks."""
     rng = random.Random(seed)
     local = rng.choice([d for d in range(1, ws + 1) if ws % d == 0])
     n_tables = rng.randint(1, 5)
@@ -75,7 +78,7 @@ def random_case(seed: int, ws: int, sequence: bool = False, types: tuple[str, ..
         weighted=(not sequence) and rng.random() < 0.4,
         embedding_grad=rng.choice(["sum", "mean"]),
         sparse_grad=rng.random() < 0.3,
-        batch_sizes=[rng.choice([0, 1, 2, 3, 5]) for _ in range(ws)],
+        batch_sizes=[rng.choice([0, 1, 2, 3, 5]) for _ in range(world or ws)],
         seed=seed,
     )
 

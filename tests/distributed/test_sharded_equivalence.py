@@ -15,6 +15,7 @@ import torch
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.sharding import ShardingPlan, full_state_dict, shard_modules
+from lightning_rec.sharding.mesh import init_2d_mesh
 from lightning_rec.testing import run_distributed
 from tests.distributed.cases import batch, loss_coefficients, random_case
 
@@ -37,7 +38,7 @@ def _sequence_loss(out: dict, case: dict, rank: int, step: int) -> torch.Tensor:
     return total / max(case["batch_sizes"][rank], 1)
 
 
-def _check_case(rank: int, ws: int, case: dict, sequence: bool) -> float:
+def _check_case(rank: int, ws: int, case: dict, sequence: bool, mesh=None) -> float:
     torch.manual_seed(case["seed"])
     if sequence:
         model = EmbeddingCollection(case["tables"], sparse_grad=case["sparse_grad"])
@@ -45,8 +46,9 @@ def _check_case(rank: int, ws: int, case: dict, sequence: bool) -> float:
         model = EmbeddingBagCollection(case["tables"], is_weighted=case["weighted"], kernel="torch",
                                        sparse_grad=case["sparse_grad"])
     ref = copy.deepcopy(model)
+    groups = {} if mesh is None else dict(process_group=mesh.shard_group, replica_group=mesh.replica_group)
     sharded = shard_modules(model, ShardingPlan({"": case["plan"]}), embedding_grad=case["embedding_grad"],
-                            local_size=case["local_size"])
+                            local_size=case["local_size"], **groups)
     # a rank may hold no piece of any table; it still joins every exchange
     params = list(sharded.parameters())
     opt = torch.optim.SGD(params, lr=LR) if params else None
@@ -106,3 +108,18 @@ def test_pooled_sharded_training_equals_single_process(ws: int) -> None:
 def test_sequence_sharded_training_equals_single_process(ws: int) -> None:
     seeds = list(range(500 + 100 * ws, 500 + 100 * ws + 4))
     run_distributed(_equivalence_job, ws, seeds, True)
+
+
+def _equivalence_2d_job(rank: int, ws: int, seeds: list[int], model_parallel_size: int, sequence: bool) -> list[float]:
+    mesh = init_2d_mesh(model_parallel_size)
+    return [
+        _check_case(rank, ws, random_case(seed, model_parallel_size, sequence=sequence, world=ws), sequence, mesh)
+        for seed in seeds
+    ]
+
+
+@pytest.mark.parametrize("sequence", [False, True])
+def test_2d_replicas_of_model_parallel_groups_equal_single_process(sequence: bool) -> None:
+    # 4 ranks = 2 replicas x 2-way model parallel; plans speak in ranks of the 2-rank shard group
+    seeds = list(range(900 + 10 * sequence, 900 + 10 * sequence + 4))
+    run_distributed(_equivalence_2d_job, 4, seeds, 2, sequence)
