@@ -15,11 +15,49 @@ from lightning_rec.configs import (  # noqa: E402
     ShardingType,
 )
 from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection  # noqa: E402
+from lightning_rec.module import RecModule  # noqa: E402
+from lightning_rec.sharding import (  # noqa: E402
+    ParameterSharding,
+    ShardingPlan,
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    full_state_dict,
+    grid_shard,
+    row_wise,
+    shard_modules,
+    table_row_wise,
+    table_wise,
+)
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor  # noqa: E402
+from lightning_rec.strategy import RecShardedStrategy  # noqa: E402
+
+
+def _register() -> None:
+    # Lightning only scans its own modules for strategies; a plugin registers at import, once.
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    RecShardedStrategy.register_strategies(StrategyRegistry)
+
+
+_register()
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ParameterSharding",
+    "RecModule",
+    "RecShardedStrategy",
+    "ShardingPlan",
+    "column_wise",
+    "construct_module_sharding_plan",
+    "data_parallel",
+    "full_state_dict",
+    "grid_shard",
+    "row_wise",
+    "shard_modules",
+    "table_row_wise",
+    "table_wise",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
     "EmbeddingCollection",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -20,13 +21,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank: int, world_size: int, port: int, args: tuple, queue, timeout_s: float) -> None:
+def _worker(fn, rank: int, world_size: int, port: int, args: tuple, queue, timeout_s: float, init: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
-        result = fn(rank, world_size, *args)
+        if init:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        # plain pickle copies tensor bytes; the queue's own pickler would pass shared-memory handles
+        # that die with this process
+        result = pickle.dumps(fn(rank, world_size, *args))
         queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         queue.put((rank, False, traceback.format_exc()))
@@ -35,8 +39,14 @@ def _worker(fn, rank: int, world_size: int, port: int, args: tuple, queue, timeo
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180.0) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180.0, init_process_group: bool = True
+) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes; return results by rank.
+
+    The torchrun-style environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) is set, so a Lightning
+    Trainer built inside ``fn`` joins these processes instead of launching its own; pass
+    ``init_process_group=False`` to let it create the process group itself.
 
     ``fn`` must be importable (a module-level function). If any rank raises, the first failing rank's
     traceback is raised here as a RuntimeError; a rank that dies or hangs is reported instead of waiting.
@@ -45,7 +55,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     queue = ctx.SimpleQueue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, timeout_s), daemon=True)
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, timeout_s, init_process_group), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -77,4 +87,4 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     if missing:
         codes = {r: procs[r].exitcode for r in missing}
         raise RuntimeError(f"ranks {missing} of {world_size} died or timed out (exit codes {codes})")
-    return [results[r] for r in range(world_size)]
+    return [pickle.loads(results[r]) for r in range(world_size)]

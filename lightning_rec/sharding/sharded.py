@@ -564,7 +564,8 @@ def shard_modules(
     local = local_size if local_size is not None else default_local_size(gsize)
     targets = [(p, m) for p, m in model.named_modules() if type(m) in _SHARDED]
     if plan is not None:
-        paths = {p for p, _ in targets}
+        # collections sharded by an earlier call (e.g. fit, then validate) keep their placement
+        paths = {p for p, m in model.named_modules() if type(m) in _SHARDED or isinstance(m, _ShardedCollection)}
         unknown = [p for p in plan.plan if p not in paths]
         if unknown:
             raise ValueError(f"the plan names modules {unknown} that are not embedding collections of the model; "

@@ -1,0 +1,145 @@
+"""RecShardedStrategy: DDP for dense parameters, sharded embedding collections for the tables."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_rec.sharding.comm import grad_scale
+from lightning_rec.sharding.mesh import MeshInfo, check_layout, init_2d_mesh
+from lightning_rec.sharding.plan import ShardingPlan
+from lightning_rec.sharding.sharded import _ShardedCollection, shard_modules
+
+
+def _sharded_param_names(module: nn.Module) -> list[str]:
+    names = []
+    for path, m in module.named_modules():
+        if isinstance(m, _ShardedCollection):
+            names += [f"{path}.{n}" if path else n for n, _ in m.named_parameters()]
+    return names
+
+
+class RecShardedStrategy(DDPStrategy):
+    """Shards every EmbeddingBagCollection / EmbeddingCollection of the LightningModule; DDP for the rest.
+
+    The world is ``data_parallel_size x model_parallel_size`` ranks (default: one model-parallel group per
+    node, one replica per node). Each replica group holds one full sharded copy of the tables; plans speak
+    in ranks of the model-parallel group. Embedding gradients follow ``embedding_grad`` ("sum": each
+    rank's loss contributes its full gradient; "mean": divided by the data-parallel ranks) for every
+    sharding type alike; dense parameters are averaged, as DDP does.
+
+    Args:
+        plan: a ``ShardingPlan``; else the module's ``configure_sharding()``; else an automatic plan.
+        model_parallel_size: ranks per model-parallel group (default: processes per node).
+        data_parallel_size: number of replica groups (default: number of nodes).
+        embedding_grad: ``"sum"`` (default) or ``"mean"``.
+        process_group_backend: default nccl on CUDA, gloo on CPU.
+        timeout: collective timeout.
+    """
+
+    strategy_name = "rec_sharded"
+
+    def __init__(
+        self,
+        plan: ShardingPlan | None = None,
+        model_parallel_size: int | None = None,
+        data_parallel_size: int | None = None,
+        embedding_grad: str = "sum",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = timedelta(seconds=1800),
+        **kwargs: Any,
+    ) -> None:
+        start_method = kwargs.pop("start_method", "popen")
+        if start_method != "popen":
+            raise ValueError(
+                f"RecShardedStrategy launches processes like strategy='ddp' (start_method='popen'), got "
+                f"{start_method!r}: the spawn launchers copy rank 0's state_dict back into the main process, "
+                "which holds only rank 0's shards of each table"
+            )
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method="popen", **kwargs)
+        grad_scale(embedding_grad, 1)  # validates the mode now, not at fit time
+        if plan is not None and not isinstance(plan, ShardingPlan):
+            raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
+        self._plan = plan
+        self._model_parallel_size = model_parallel_size
+        self._data_parallel_size = data_parallel_size
+        self.embedding_grad = embedding_grad
+        self.mesh_info: MeshInfo | None = None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description="Sharded embedding tables + DDP")
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        mp = self._model_parallel_size
+        dp = self._data_parallel_size
+        if mp is None and dp is None:
+            mp, dp = self.num_processes, self.num_nodes
+        replicas, mp = check_layout(self.world_size, mp, dp)
+        self.mesh_info = init_2d_mesh(mp, replicas, "cuda" if self.root_device.type == "cuda" else "cpu")
+        if self.lightning_module is not None:
+            self.lightning_module._device_mesh = self.mesh_info.mesh
+
+    def _shard(self) -> None:
+        module = self.lightning_module
+        assert module is not None and self.mesh_info is not None
+        plan = self._plan
+        if plan is None and hasattr(module, "configure_sharding"):
+            plan = module.configure_sharding()
+        mi = self.mesh_info
+        local = mi.model_parallel_size if self.num_nodes == 1 else self.num_processes
+        if mi.model_parallel_size % local:
+            local = mi.model_parallel_size
+        shard_modules(
+            module, plan, process_group=mi.shard_group, replica_group=mi.replica_group,
+            device=self.root_device, embedding_grad=self.embedding_grad, local_size=local,
+        )
+
+    @override
+    def setup(self, trainer: L.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self._shard()  # before DDP and before the optimizers see the parameters
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.configure_ddp()
+            self.setup_optimizers(trainer)
+        else:
+            self._sync_dense_states()
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _dense_state(self) -> list[torch.Tensor]:
+        module = self.lightning_module
+        ignore = set(_sharded_param_names(module))
+        return [t for n, t in list(module.named_parameters()) + list(module.named_buffers()) if n not in ignore
+                and not any(n.startswith(p) for p in ignore)]
+
+    def _sync_dense_states(self) -> None:
+        # without DDP (validate / test / predict) dense replicas still start equal; shards are per rank
+        for t in self._dense_state():
+            torch.distributed.broadcast(t.data, src=0)
+
+    @override
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        ignore = _sharded_param_names(self.lightning_module)
+        if not any(p.requires_grad for n, p in self.lightning_module.named_parameters() if n not in set(ignore)):
+            return model  # nothing dense to keep in sync
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
+        return super()._setup_model(model)
