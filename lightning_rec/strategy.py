@@ -16,7 +16,7 @@ from typing_extensions import override
 from lightning_rec.sharding.comm import grad_scale
 from lightning_rec.sharding.mesh import MeshInfo, check_layout, init_2d_mesh
 from lightning_rec.sharding.plan import ShardingPlan
-from lightning_rec.sharding.sharded import _ShardedCollection, shard_modules
+from lightning_rec.sharding.sharded import _ShardedCollection, full_state_dict, shard_modules
 
 
 def _sharded_param_names(module: nn.Module) -> list[str]:
@@ -143,3 +143,27 @@ class RecShardedStrategy(DDPStrategy):
             return model  # nothing dense to keep in sync
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
         return super()._setup_model(model)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Full, unsharded tensors under the unsharded keys (gathered on rank 0, which writes the file).
+
+        Collective: Lightning calls it on every rank when it dumps a checkpoint.
+        """
+        assert self.lightning_module is not None
+        return full_state_dict(self.lightning_module, rank0_only=True)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        # Per-shard optimizer state (momentum, Adagrad sums) lives on every rank; rank 0 alone would save
+        # a fraction of it. Refuse rather than write a checkpoint that silently loses state.
+        sharded = {id(p): n for n, p in self.lightning_module.named_parameters()
+                   if n in set(_sharded_param_names(self.lightning_module))}
+        for p, state in optimizer.state.items():
+            if id(p) in sharded and any(torch.is_tensor(v) and v.dim() > 0 for v in state.values()):
+                raise ValueError(
+                    f"cannot checkpoint optimizer state of sharded embedding parameter {sharded[id(p)]!r} yet: it "
+                    "is spread over ranks. Use an optimizer without per-parameter state for embeddings (SGD without "
+                    "momentum), or Trainer(enable_checkpointing=False) until distributed checkpoints land."
+                )
+        return super().optimizer_state(optimizer)

@@ -74,3 +74,33 @@ def test_registered_name_and_errors() -> None:
         from lightning_rec.sharding.mesh import check_layout
 
         check_layout(4, 2, 3)
+
+
+def _checkpoint_job(rank: int, ws: int, path: str, optimizer: str) -> dict:
+    model = ClickModule(batch_size=4, plan=PLAN)
+    if optimizer == "adagrad":
+        model.configure_optimizers = lambda: torch.optim.Adagrad(model.parameters(), lr=0.1)
+    trainer = _trainer(devices=ws, strategy=RecShardedStrategy(embedding_grad="mean"), use_distributed_sampler=False)
+    trainer.fit(model)
+    try:
+        trainer.save_checkpoint(path)
+    except ValueError as e:
+        return {"error": str(e)}
+    state = full_state_dict(model)  # collective: every rank calls it
+    return {"state": state if rank == 0 else None}
+
+
+def test_checkpoint_holds_full_tables_and_loads_into_one_process(tmp_path) -> None:
+    path = str(tmp_path / "model.ckpt")
+    results = run_distributed(_checkpoint_job, 2, path, "sgd", init_process_group=False, timeout_s=240)
+    ckpt = torch.load(path, weights_only=False)
+    single = ClickModule()
+    single.load_state_dict(ckpt["state_dict"])
+    for k, v in single.state_dict().items():
+        assert torch.equal(v, results[0]["state"][k]), k
+
+
+def test_checkpoint_refuses_to_drop_sharded_optimizer_state(tmp_path) -> None:
+    results = run_distributed(_checkpoint_job, 2, str(tmp_path / "m.ckpt"), "adagrad", init_process_group=False,
+                              timeout_s=240)
+    assert "sharded embedding parameter 'ebc.embedding_bags.user.weight'" in results[0]["error"]
