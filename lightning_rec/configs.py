@@ -44,8 +44,9 @@ def _to_pooling(p: PoolingType | str) -> PoolingType:
 class BaseEmbeddingConfig:
     """Fields common to pooled and sequence tables.
 
-    ``init_fn`` (called once on the full ``[num_embeddings, embedding_dim]`` weight, in place) wins over
-    the uniform bounds; the default bounds are TorchRec's ``+-sqrt(1 / num_embeddings)``.
+    ``init_fn`` (called in place on the full ``[num_embeddings, embedding_dim]`` weight, or on each
+    shard when a model built on the meta device is sharded) wins over the uniform bounds; the default
+    bounds are TorchRec's ``+-sqrt(1 / num_embeddings)``.
     """
 
     num_embeddings: int

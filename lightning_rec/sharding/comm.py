@@ -104,7 +104,7 @@ def _sum_touched_rows(grad: torch.Tensor, ids: torch.Tensor, group: dist.Process
         rows = torch.zeros(union.numel(), *grad.shape[1:], dtype=grad.dtype, device=grad.device)
         rows[torch.searchsorted(union, grad.indices()[0])] = grad.values()
         rows = _all_reduce(rows, group)
-        return torch.sparse_coo_tensor(union.unsqueeze(0), rows, grad.shape, is_coalesced=True)
+        return torch.sparse_coo_tensor(union.unsqueeze(0), rows, grad.shape)
     rows = _all_reduce(grad.index_select(0, union), group)
     return grad.index_copy(0, union, rows)
 

@@ -6,6 +6,7 @@ plan are ranks of the model-parallel group (DESIGN.md rule 4).
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -45,6 +46,28 @@ class ParameterSharding:
                 raise ValueError(
                     f"unknown sharding type {self.sharding_type!r}; choose one of {[s.value for s in ShardingType]}"
                 ) from None
+
+
+def _as_ints(table: str, field_name: str, values: object) -> list[int] | None:
+    # numpy and other integral types are fine; bools, floats and strings are mistakes
+    if values is None:
+        return None
+    out = []
+    for v in values:  # type: ignore[union-attr]
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise ValueError(f"table {table!r}: {field_name} must hold integers, got {v!r} in {list(values)}")
+        out.append(int(v))
+    return out
+
+
+_FIELDS = {
+    ShardingType.DATA_PARALLEL: (),
+    ShardingType.TABLE_WISE: ("ranks",),
+    ShardingType.ROW_WISE: ("row_sizes",),
+    ShardingType.COLUMN_WISE: ("ranks", "col_sizes"),
+    ShardingType.TABLE_ROW_WISE: ("host_indexes",),
+    ShardingType.GRID_SHARD: ("host_indexes", "col_sizes"),
+}
 
 
 # -- helpers (TorchRec names) -------------------------------------------------------------------------
@@ -161,6 +184,18 @@ def resolve_table(
     if not isinstance(ps, ParameterSharding):
         raise TypeError(f"table {table.name!r}: expected a ParameterSharding, got {type(ps).__name__}")
     st, name, rows, dim = ps.sharding_type, table.name, table.num_embeddings, table.embedding_dim
+    if st not in _FIELDS:
+        raise ValueError(f"table {name!r}: unsupported sharding type {st!r}")
+    for field_name in ("ranks", "row_sizes", "col_sizes", "host_indexes"):
+        if getattr(ps, field_name) is not None and field_name not in _FIELDS[st]:
+            raise ValueError(
+                f"table {name!r}: {field_name} does not apply to {st.value} (it takes {list(_FIELDS[st]) or 'no options'})"
+            )
+    ps = ParameterSharding(
+        st, ranks=_as_ints(name, "ranks", ps.ranks), row_sizes=_as_ints(name, "row_sizes", ps.row_sizes),
+        col_sizes=_as_ints(name, "col_sizes", ps.col_sizes), host_indexes=_as_ints(name, "host_indexes", ps.host_indexes),
+        compute_kernel=ps.compute_kernel,
+    )
     if st == ShardingType.DATA_PARALLEL:
         return None
     if st == ShardingType.TABLE_WISE:
@@ -228,8 +263,10 @@ def resolve_module_plan(
             f"tables {missing} of {where} have no entry in the plan; every table needs one, "
             f"e.g. {{{missing[0]!r}: table_wise(rank=0)}}"
         )
-    if group_size % local_size:
-        raise ValueError(f"local_size={local_size} must divide the model-parallel group size {group_size}")
+    if group_size <= 0 or local_size <= 0 or group_size % local_size:
+        raise ValueError(
+            f"local_size={local_size} must be positive and divide the model-parallel group size {group_size}"
+        )
     return {t.name: resolve_table(t, module_plan[t.name], group_size, local_size) for t in tables}
 
 

@@ -121,7 +121,7 @@ class _ShardedCollection(nn.Module):
         for i, t in enumerate(tables):
             full = source[t.name].weight.detach()
             if shards[t.name] is None:
-                w = full.to(device) if device is not None else full
+                w = full.to(device) if device is not None and not full.is_meta else full
                 if w.is_meta:
                     w = torch.empty(full.shape, dtype=full.dtype, device=device)
                     t.init_weight(w)
@@ -253,7 +253,7 @@ class _ShardedCollection(nn.Module):
 
     def _input_dist(self, kjt: KeyedJaggedTensor, batches: list[int]):
         """Send every route's ids to the shard owner; return what this rank received, route-major."""
-        layout, b = self._layout, kjt.stride()
+        b = kjt.stride()
         values, lengths, opk = kjt.values(), kjt.lengths(), kjt.offset_per_key()
         weights = kjt.weights_or_none() if self._uses_weights() else None
         per_feature: dict[int, tuple] = {}

@@ -47,8 +47,8 @@ def _chunk_sizes(rows: int, parts: int) -> list[int]:
 INVALID = {
     "table_wise rank negative": ([(10, 8)], table_wise(-1), 4, 4, ["'t0'", "-1", "outside", "0..3"]),
     "table_wise rank == world": ([(10, 8)], table_wise(4), 4, 4, ["'t0'", "4", "outside", "0..3"]),
-    "table_wise rank not int": ([(10, 8)], table_wise("0"), 4, 4, ["'t0'", "outside"]),  # type: ignore[arg-type]
-    "table_wise rank bool": ([(10, 8)], table_wise(True), 4, 4, ["'t0'", "outside"]),  # type: ignore[arg-type]
+    "table_wise rank not int": ([(10, 8)], table_wise("0"), 4, 4, ["'t0'", "must hold integers"]),  # type: ignore[arg-type]
+    "table_wise rank bool": ([(10, 8)], table_wise(True), 4, 4, ["'t0'", "must hold integers"]),  # type: ignore[arg-type]
     "table_wise no rank": ([(10, 8)], ParameterSharding("table_wise"), 4, 4, ["'t0'", "exactly one rank"]),
     "table_wise two ranks": (
         [(10, 8)],
@@ -91,12 +91,15 @@ INVALID = {
     ),
     "column sizes zero width": ([(10, 8)], column_wise([0, 1], [8, 0]), 4, 4, ["'t0'", "positive widths"]),
     "column sizes negative": ([(10, 8)], column_wise([0, 1], [10, -2]), 4, 4, ["'t0'", "positive widths"]),
+    "column sizes bool": ([(10, 8)], column_wise([0, 1], [True, 7]), 4, 4, ["'t0'", "must hold integers"]),
+    "row_wise given ranks": ([(10, 8)], ParameterSharding("row_wise", ranks=[0]), 4, 4, ["'t0'", "ranks does not apply"]),
+    "local_size zero": ([(10, 8)], row_wise(), 4, 0, ["local_size=0", "must be positive"]),
     "column sizes not int": (
         [(10, 8)],
         column_wise([0, 1], [4.0, 4.0]),
         4,
         4,  # type: ignore[list-item]
-        ["'t0'", "positive widths"],
+        ["'t0'", "must hold integers"],
     ),
     "row_wise sizes too short": (
         [(10, 8)],
@@ -113,7 +116,7 @@ INVALID = {
         row_wise([2.5, 2.5, 5, 0]),
         4,
         4,  # type: ignore[list-item]
-        ["'t0'", "non-negative row counts"],
+        ["'t0'", "must hold integers"],
     ),
     "table_row_wise host == hosts": (
         [(10, 8)],
@@ -419,3 +422,13 @@ def test_default_module_plan_example() -> None:
         EmbeddingBagConfig(60, 8, "c", ["c"]),
     ]
     assert {n: ps.ranks[0] for n, ps in default_module_plan(mixed, 2).items()} == {"a": 0, "b": 1, "c": 1}
+
+
+def test_numpy_integers_are_accepted() -> None:
+    import numpy as np
+
+    tables = _tables((10, 8))
+    shards = resolve_module_plan(tables, {"t0": table_wise(np.int64(1))}, 4, 4)["t0"]
+    assert [s.rank for s in shards] == [1]
+    shards = resolve_module_plan(tables, {"t0": row_wise(list(np.array([4, 0, 6, 0])))}, 4, 4)["t0"]
+    assert [s.rows for s in shards] == [4, 0, 6, 0]
