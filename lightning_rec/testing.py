@@ -21,9 +21,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank: int, world_size: int, port: int, args: tuple, queue, timeout_s: float, init: bool) -> None:
+def _worker(
+    fn, rank: int, world_size: int, port: int, args: tuple, queue, timeout_s: float, init: bool, per_node: int
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+                      LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node), NODE_RANK=str(rank // per_node))
     torch.set_num_threads(1)
     try:
         if init:
@@ -40,13 +42,20 @@ def _worker(fn, rank: int, world_size: int, port: int, args: tuple, queue, timeo
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180.0, init_process_group: bool = True
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 180.0,
+    init_process_group: bool = True,
+    ranks_per_node: int | None = None,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes; return results by rank.
 
     The torchrun-style environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) is set, so a Lightning
     Trainer built inside ``fn`` joins these processes instead of launching its own; pass
-    ``init_process_group=False`` to let it create the process group itself.
+    ``init_process_group=False`` to let it create the process group itself. ``ranks_per_node`` pretends
+    the processes run on ``world_size / ranks_per_node`` nodes (NODE_RANK, LOCAL_RANK), as two launcher
+    invocations on one machine would.
 
     ``fn`` must be importable (a module-level function). If any rank raises, the first failing rank's
     traceback is raised here as a RuntimeError; a rank that dies or hangs is reported instead of waiting.
@@ -55,7 +64,7 @@ def run_distributed(
     queue = ctx.SimpleQueue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, timeout_s, init_process_group), daemon=True)
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, timeout_s, init_process_group, ranks_per_node or world_size), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

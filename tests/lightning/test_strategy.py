@@ -7,7 +7,16 @@ import pytest
 import torch
 
 import lightning_rec
-from lightning_rec import RecShardedStrategy, ShardingPlan, data_parallel, full_state_dict, row_wise, table_wise
+from lightning_rec import (
+    RecShardedStrategy,
+    ShardingPlan,
+    data_parallel,
+    full_state_dict,
+    grid_shard,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
 from lightning_rec.testing import run_distributed
 from tests.lightning.models import ClickModule
 
@@ -104,3 +113,31 @@ def test_checkpoint_refuses_to_drop_sharded_optimizer_state(tmp_path) -> None:
     results = run_distributed(_checkpoint_job, 2, str(tmp_path / "m.ckpt"), "adagrad", init_process_group=False,
                               timeout_s=240)
     assert "sharded embedding parameter 'ebc.embedding_bags.user.weight'" in results[0]["error"]
+
+
+def _two_node_job(rank: int, ws: int) -> dict:
+    import os
+
+    plan = ShardingPlan({"ebc": {"user": table_row_wise(host_index=1), "item": grid_shard(host_indexes=[0, 1]),
+                                 "geo": data_parallel()}})
+    model = ClickModule(batch_size=4, plan=plan)
+    strategy = RecShardedStrategy(model_parallel_size=4, embedding_grad="mean")
+    trainer = _trainer(devices=2, num_nodes=2, strategy=strategy, use_distributed_sampler=False)
+    trainer.fit(model)
+    state = full_state_dict(model)
+    shapes = {n: list(p.shape) for n, p in model.named_parameters()}
+    return {"node": int(os.environ["NODE_RANK"]), "rank": trainer.global_rank, "shapes": shapes,
+            "state": state if rank == 0 else None}
+
+
+def test_two_nodes_place_host_shards_on_the_right_hosts() -> None:
+    results = run_distributed(_two_node_job, 4, init_process_group=False, ranks_per_node=2, timeout_s=300)
+    for r in results:
+        user = r["shapes"].get("ebc.embedding_bags.user.weight")
+        # table_row_wise(host_index=1): rows split over node 1's ranks only
+        assert (user is not None) == (r["node"] == 1), r
+        # grid over hosts [0, 1]: column block 0 on node 0, block 1 on node 1, each row-split in its host
+        assert r["shapes"]["ebc.embedding_bags.item.weight"] == [7 if r["rank"] % 2 == 0 else 6, 2]
+    want = _reference(4)
+    for k in want:
+        torch.testing.assert_close(results[0]["state"][k], want[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
