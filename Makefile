@@ -27,5 +27,6 @@ test: install
 bench: install
 	$(PY) benchmarks/bench_kernels.py
 	$(PY) benchmarks/bench_sharding.py
+	$(PY) benchmarks/bench_strategy.py
 
 .PHONY: install demo test bench
