@@ -78,52 +78,74 @@ def all_gather_ints(values: list[int], group: dist.ProcessGroup | None) -> list[
     return out.view(n, len(values)).tolist()
 
 
-def _union_of_touched_rows(ids: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    local = torch.unique(ids)
+def _union_of_touched_rows(ids: list[torch.Tensor], rows: list[int], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Per table, the sorted rows any rank of ``group`` touched; one exchange for all tables."""
+    dev = ids[0].device
+    offsets = [0]
+    for r in rows:
+        offsets.append(offsets[-1] + r)
+    # one id space (table t's row r is offsets[t] + r), so every table shares the same two collectives
+    local = torch.unique(torch.cat([i.long() + off for i, off in zip(ids, offsets)]))
     counts = [c[0] for c in all_gather_ints([local.numel()], group)]
     width = max(counts)
-    padded = torch.full((width,), -1, dtype=torch.long, device=ids.device)
+    padded = torch.full((width,), -1, dtype=torch.long, device=dev)
     padded[: local.numel()] = local
-    gathered = torch.empty(width * len(counts), dtype=torch.long, device=ids.device)
+    gathered = torch.empty(width * len(counts), dtype=torch.long, device=dev)
     _all_gather_single(gathered, padded, group=group)
-    return torch.unique(gathered[gathered >= 0])
+    union = torch.unique(gathered[gathered >= 0])
+    bounds = torch.searchsorted(union, torch.tensor(offsets, dtype=torch.long, device=dev)).tolist()
+    return [union[bounds[t] : bounds[t + 1]] - offsets[t] for t in range(len(rows))]
 
 
-def _all_reduce(rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    wire = _wire_dtype(rows, group)
-    buf = rows.to(wire).contiguous()
+def _sum_touched_rows(
+    grads: list[torch.Tensor], ids: list[torch.Tensor], shapes: list[torch.Size], group: dist.ProcessGroup
+) -> list[torch.Tensor]:
+    """Sum table gradients over ``group``, moving only rows some rank looked up (exact: the rest are 0).
+
+    All tables travel in one all-reduce of the touched rows, flattened side by side.
+    """
+    unions = _union_of_touched_rows(ids, [s[0] for s in shapes], group)
+    rows = []
+    for g, u, shape in zip(grads, unions, shapes):
+        if g.is_sparse:
+            g = g.coalesce()
+            r = torch.zeros(u.numel(), *shape[1:], dtype=g.dtype, device=g.device)
+            r[torch.searchsorted(u, g.indices()[0])] = g.values()
+        else:
+            r = g.index_select(0, u)
+        rows.append(r)
+    dtypes = {r.dtype for r in rows}
+    wire = rows[0].dtype if len(dtypes) == 1 else torch.float32
+    wire = _wire_dtype(torch.empty(0, dtype=wire), group)
+    buf = torch.cat([r.to(wire).reshape(-1) for r in rows])
     dist.all_reduce(buf, group=group)
-    return buf.to(rows.dtype)
-
-
-def _sum_touched_rows(grad: torch.Tensor, ids: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum a table gradient over ``group``, moving only the rows some rank looked up (exact: the rest are 0)."""
-    union = _union_of_touched_rows(ids, group)
-    if grad.is_sparse:
-        grad = grad.coalesce()
-        rows = torch.zeros(union.numel(), *grad.shape[1:], dtype=grad.dtype, device=grad.device)
-        rows[torch.searchsorted(union, grad.indices()[0])] = grad.values()
-        rows = _all_reduce(rows, group)
-        return torch.sparse_coo_tensor(union.unsqueeze(0), rows, grad.shape)
-    rows = _all_reduce(grad.index_select(0, union), group)
-    return grad.index_copy(0, union, rows)
+    out = []
+    for g, u, r, part in zip(grads, unions, rows, torch.split(buf, [r.numel() for r in rows])):
+        summed = part.view(r.shape).to(r.dtype)
+        out.append(torch.sparse_coo_tensor(u.unsqueeze(0), summed, g.shape) if g.is_sparse
+                   else g.index_copy(0, u, summed))
+    return out
 
 
 class _EmbeddingGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight, ids, group, scale):  # type: ignore[override]
-        ctx.save_for_backward(ids)
+    def forward(ctx, group, scale, n, *weights_and_ids):  # type: ignore[override]
+        weights, ids = weights_and_ids[:n], weights_and_ids[n:]
+        ctx.save_for_backward(*ids)
         ctx.group, ctx.scale = group, scale
-        return weight.view_as(weight)
+        ctx.meta = [(w.shape, w.dtype, w.device) for w in weights]
+        return tuple(w.view_as(w) for w in weights)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        (ids,) = ctx.saved_tensors
+    def backward(ctx, *grads):  # type: ignore[override]
+        ids = list(ctx.saved_tensors)
+        # a table whose output fed nothing still joins the exchange, with a zero gradient
+        grads = [torch.zeros(s, dtype=d, device=dev) if g is None else g for g, (s, d, dev) in zip(grads, ctx.meta)]
         if ctx.group is not None:
-            grad = _sum_touched_rows(grad, ids, ctx.group)
+            grads = _sum_touched_rows(grads, ids, [s for s, _, _ in ctx.meta], ctx.group)
         if ctx.scale != 1.0:
-            grad = grad * ctx.scale
-        return grad, None, None, None
+            grads = [g * ctx.scale for g in grads]
+        return (None, None, None, *grads, *([None] * len(ids)))
 
 
 def grad_scale(embedding_grad: str, num_data_parallel_ranks: int) -> float:
@@ -133,20 +155,20 @@ def grad_scale(embedding_grad: str, num_data_parallel_ranks: int) -> float:
 
 
 def embedding_grad(
-    weight: torch.Tensor, ids: torch.Tensor, reduce_group: dist.ProcessGroup | None, scale: float
-) -> torch.Tensor:
-    """The weight as the lookup sees it; in backward its gradient is summed over ``reduce_group`` and scaled.
+    weights: list[torch.Tensor], ids: list[torch.Tensor], reduce_group: dist.ProcessGroup | None, scale: float
+) -> list[torch.Tensor]:
+    """The weights as the lookup sees them; in backward their gradients are summed over ``reduce_group`` and scaled.
 
-    ``ids`` are the rows this rank looks up. ``reduce_group`` is the data-parallel group for replicated
-    tables (the replica group for shards under 2D parallelism; None for shards in one group) and only
-    rows some rank touched are communicated. ``scale`` is 1 for ``embedding_grad="sum"`` and
-    ``1 / data-parallel ranks`` for ``"mean"``.
+    ``ids[t]`` are the rows this rank looks up in ``weights[t]``. ``reduce_group`` is the data-parallel
+    group for replicated tables (the replica group for shards under 2D parallelism; None for shards in
+    one group) and only rows some rank touched are communicated, for all tables in one exchange.
+    ``scale`` is 1 for ``embedding_grad="sum"`` and ``1 / data-parallel ranks`` for ``"mean"``.
 
     Example, 2 ranks, replicated table, ``"sum"``: rank 0 touches row 3 with gradient g0, rank 1 touches
     rows 3 and 5 with g1, h1; both ranks end with row 3 = g0 + g1, row 5 = h1, all other rows 0.
     """
     if reduce_group is not None and dist.get_world_size(reduce_group) == 1:
         reduce_group = None
-    if not weight.requires_grad or (reduce_group is None and scale == 1.0):
-        return weight
-    return _EmbeddingGrad.apply(weight, ids.detach().long(), reduce_group, scale)
+    if not weights or not any(w.requires_grad for w in weights) or (reduce_group is None and scale == 1.0):
+        return list(weights)
+    return list(_EmbeddingGrad.apply(reduce_group, scale, len(weights), *weights, *[i.detach().long() for i in ids]))

@@ -242,11 +242,9 @@ class _ShardedCollection(nn.Module):
     def _dp_weights(self, kjt: KeyedJaggedTensor) -> list[torch.Tensor]:
         layout = self._layout
         opk = kjt.offset_per_key()
-        out = []
-        for ti in self._dp_tables:
-            ids = torch.cat([kjt.values()[opk[f] : opk[f + 1]] for f, t in enumerate(layout.feature_table) if t == ti])
-            out.append(comm.embedding_grad(self._table_param(ti), ids, self._dp_group, self._scale))
-        return out
+        ids = [torch.cat([kjt.values()[opk[f] : opk[f + 1]] for f, t in enumerate(layout.feature_table) if t == ti])
+               for ti in self._dp_tables]
+        return comm.embedding_grad([self._table_param(ti) for ti in self._dp_tables], ids, self._dp_group, self._scale)
 
     def _dp_subset(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         return kjt.permute(self._dp_features)
@@ -319,18 +317,15 @@ class _ShardedCollection(nn.Module):
         )
 
     def _shard_weights(self, recv: dict) -> list[torch.Tensor]:
-        out = []
         n_mine = len(self._my_routes)
-        route_ids = None
-        for k, (ti, _) in enumerate(self._local_shards):
-            ids = torch.zeros(0, dtype=torch.long)
-            if self._replica_group is not None:
-                if route_ids is None:
-                    per_route = torch.tensor(recv["seg_vals"], dtype=torch.long).view(self._group_size, n_mine).sum(0)
-                    route_ids = torch.split(recv["values"], per_route.tolist())
-                ids = torch.cat([route_ids[j] for j, t in enumerate(self._my_route_table) if t == k] or [ids])
-            out.append(comm.embedding_grad(self._table_param(ti), ids, self._replica_group, self._scale))
-        return out
+        ids = [torch.zeros(0, dtype=torch.long)] * len(self._local_shards)
+        if self._replica_group is not None and self._local_shards:
+            per_route = torch.tensor(recv["seg_vals"], dtype=torch.long).view(self._group_size, n_mine).sum(0)
+            route_ids = torch.split(recv["values"], per_route.tolist())
+            ids = [torch.cat([route_ids[j] for j, t in enumerate(self._my_route_table) if t == k] or [ids[k]])
+                   for k in range(len(self._local_shards))]
+        weights = [self._table_param(ti) for ti, _ in self._local_shards]
+        return comm.embedding_grad(weights, ids, self._replica_group, self._scale)
 
 
 def _sharded_state_dict_hook(module: _ShardedCollection, state_dict, prefix, local_metadata):
