@@ -1,0 +1,311 @@
+"""Fused (in-backward) embedding optimizers, exposed to Lightning as an ordinary ``torch.optim.Optimizer``.
+
+A fused optimizer updates the embedding tables *inside* the lookup kernel's backward
+(:class:`lightning_rec.kernels.FusedPooledKernel`): no gradient is ever materialised, which is the fastest
+path on CPU and CUDA (FBGEMM_CPU.md section 5). :class:`FusedOptimizer` is the handle Lightning steps,
+schedules and checkpoints:
+
+- ``param_groups``: one group per kernel, holding that kernel's table parameters and its ``lr``. While a
+  ``FusedOptimizer`` drives a kernel, the group's ``lr`` *is* the kernel's learning rate: the kernel reads it
+  at every forward (fbgemm captures the learning rate at forward), so an LR scheduler, or a plain
+  ``param_groups[i]["lr"] = x``, takes effect at the next lookup.
+- ``step(closure)`` runs the closure (forward + backward: that is when the update happens), then marks the
+  end of the training step, re-arming the kernels' accumulation guard.
+- ``zero_grad`` does nothing: there are no gradients.
+- ``state_dict`` / ``load_state_dict`` carry the optimizer state per table *name*, so a checkpoint loads into
+  kernels that list (or group) the tables differently.
+
+What a fused update cannot do, it refuses loudly: gradient accumulation and a second backward through the
+same lookup raise in backward (the kernel has already applied the first update), Adam-family kinds and
+weight decay raise on CPU (fbgemm has no CPU kernel for them, or silently ignores them), and a checkpoint
+whose tables or shapes differ raises naming the table.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from lightning_rec import kernels as _kernels
+
+# kind -> name of fbgemm's OptimType member
+_KINDS: dict[str, str] = {
+    "sgd": "EXACT_SGD",
+    "adagrad": "EXACT_ADAGRAD",
+    "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD",
+    "adam": "ADAM",
+    "partial_rowwise_adam": "PARTIAL_ROWWISE_ADAM",
+    "lamb": "LAMB",
+    "partial_rowwise_lamb": "PARTIAL_ROWWISE_LAMB",
+}
+KINDS = tuple(_KINDS)
+#: kinds with an fbgemm CPU kernel (FBGEMM_CPU.md pitfall 1); the rest need CUDA.
+CPU_KINDS = ("sgd", "adagrad", "rowwise_adagrad")
+#: kinds that use ``betas`` (and a global step counter for bias correction)
+ADAM_FAMILY = ("adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb")
+#: kinds whose fbgemm kernel applies ``weight_decay`` (on CUDA only; CPU ignores it, pitfall 4)
+_WEIGHT_DECAY_KINDS = ("rowwise_adagrad",) + ADAM_FAMILY
+
+
+@dataclass(frozen=True)
+class FusedOptimizerSpec:
+    """Which fused optimizer a :class:`~lightning_rec.kernels.FusedPooledKernel` applies in its backward.
+
+    Args:
+        kind: ``"sgd"``, ``"adagrad"`` or ``"rowwise_adagrad"`` (CPU and CUDA); ``"adam"``,
+            ``"partial_rowwise_adam"``, ``"lamb"`` or ``"partial_rowwise_lamb"`` (CUDA only).
+            ``"adagrad"`` equals ``torch.optim.Adagrad(lr, eps=eps, initial_accumulator_value=0)``;
+            ``"rowwise_adagrad"`` keeps one accumulator per row: ``m[r] += mean_d(g[r]**2)``,
+            ``w[r] -= lr * g[r] / (sqrt(m[r]) + eps)``.
+        lr: initial learning rate (a :class:`FusedOptimizer`'s ``param_groups`` then own it).
+        eps: fbgemm's default ``1e-8`` (``torch.optim.Adagrad`` defaults to ``1e-10``).
+        betas: Adam-family only.
+        weight_decay: CUDA only. ``rowwise_adagrad`` applies it as L2 (added to the gradient, like
+            ``torch.optim.Adagrad``); ``adam`` decouples it (``w -= lr * (update + wd * w)``, AdamW-style);
+            ``lamb`` adds it to the trust-ratio update. fbgemm silently ignores weight decay on CPU, so
+            it is refused there.
+        stochastic_rounding: fp16 tables only: round updates stochastically (fbgemm's and TorchRec's
+            default) instead of to nearest.
+    """
+
+    kind: str
+    lr: float
+    eps: float = 1e-8
+    betas: tuple[float, float] | None = None
+    weight_decay: float = 0.0
+    stochastic_rounding: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"unknown fused optimizer kind {self.kind!r}; expected one of {list(KINDS)}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr >= 0):
+            raise ValueError(f"fused optimizer {self.kind!r}: lr must be a finite number >= 0, got {self.lr!r}")
+        if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps > 0):
+            raise ValueError(f"fused optimizer {self.kind!r}: eps must be a finite number > 0, got {self.eps!r}")
+        if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(
+                f"fused optimizer {self.kind!r}: weight_decay must be a finite number >= 0, got {self.weight_decay!r}"
+            )
+        if self.betas is not None:
+            if self.kind not in ADAM_FAMILY:
+                raise ValueError(
+                    f"fused optimizer {self.kind!r} has no betas (they apply to {list(ADAM_FAMILY)}); "
+                    f"got betas={self.betas!r}"
+                )
+            betas = tuple(self.betas)
+            if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+                raise ValueError(f"fused optimizer {self.kind!r}: betas must be two numbers in [0, 1), got {self.betas!r}")
+            object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
+        if self.weight_decay and self.kind not in _WEIGHT_DECAY_KINDS:
+            raise ValueError(
+                f"fused optimizer {self.kind!r} does not support weight_decay (fbgemm's {self.kind} kernel has none; "
+                f"kinds with weight decay, on CUDA: {list(_WEIGHT_DECAY_KINDS)}); got weight_decay={self.weight_decay}"
+            )
+
+    def validate(self, device: torch.device | str | None) -> Any:
+        """Check this spec can run on ``device``; return fbgemm's ``OptimType`` for it.
+
+        Raises a ValueError naming the kind, the device and the kinds that device supports.
+        """
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
+
+        dev = torch.device("cpu" if device is None else device)
+        if dev.type == "cpu":
+            if self.kind not in CPU_KINDS:
+                raise ValueError(
+                    f"fused optimizer kind {self.kind!r} is not available on device {dev}: fbgemm's CPU kernels "
+                    f"support only {list(CPU_KINDS)} (Adam-family and LAMB kinds need a CUDA device)"
+                )
+            if self.weight_decay:
+                raise ValueError(
+                    f"fused optimizer {self.kind!r}: weight_decay={self.weight_decay} is not supported on device "
+                    f"{dev}: fbgemm's CPU kernels silently ignore weight decay. Use weight_decay=0 on CPU "
+                    f"(supported kinds on CPU: {list(CPU_KINDS)}, all without weight decay)"
+                )
+        elif dev.type != "cuda":
+            raise ValueError(
+                f"fused optimizer {self.kind!r} cannot run on device {dev}: fbgemm's fused kernels exist for cpu "
+                f"({list(CPU_KINDS)}) and cuda ({list(KINDS)})"
+            )
+        return getattr(OptimType, _KINDS[self.kind])
+
+
+def as_spec(x: FusedOptimizerSpec | Mapping[str, Any] | None) -> FusedOptimizerSpec | None:
+    """Accept a spec, a dict such as ``{"kind": "rowwise_adagrad", "lr": 0.1}``, or None (no fused optimizer)."""
+    if x is None or isinstance(x, FusedOptimizerSpec):
+        return x
+    if isinstance(x, Mapping):
+        names = [f.name for f in fields(FusedOptimizerSpec)]
+        unknown = sorted(str(k) for k in x if k not in names)
+        if unknown:
+            raise ValueError(f"unknown fused optimizer options {unknown}; expected some of {names}")
+        missing = [k for k in ("kind", "lr") if k not in x]
+        if missing:
+            raise ValueError(f"fused optimizer options need {missing}; got {dict(x)}")
+        return FusedOptimizerSpec(**x)
+    raise TypeError(f"expected a FusedOptimizerSpec, a dict of its fields, or None; got {type(x).__name__}")
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """The optimizer handle of one or more :class:`~lightning_rec.kernels.FusedPooledKernel`.
+
+    The kernels update their tables inside backward; this object is what a training loop (or Lightning's
+    ``configure_optimizers``) steps, schedules and checkpoints. It holds one ``param_group`` per kernel with
+    the kernel's table parameters (views of the kernel's storage; their ``.grad`` stays None) and ``lr``.
+    It starts from each kernel's current learning rate (the spec's ``lr`` unless changed).
+
+    Building a ``FusedOptimizer`` over a kernel makes it the kernel's driver (a newer one takes over from an
+    older one, whose ``step`` then raises).
+
+    ``state_dict()`` is ``{"param_groups": [{"lr", "kind", "tables", ... (any scheduler keys such as
+    ``initial_lr``), "iter" (Adam family)}], "tables": {table_name: {state_name: tensor}}}``; the state names
+    are ``"sum"`` (Adagrad kinds; ``[rows, dim]`` or ``[rows]`` for rowwise), ``"exp_avg"`` /
+    ``"exp_avg_sq"`` (Adam family) and none for SGD. The tensors alias the live kernel state, as a torch
+    optimizer's do.
+    """
+
+    def __init__(self, kernels: _kernels.FusedPooledKernel | Iterable[_kernels.FusedPooledKernel]) -> None:
+        if isinstance(kernels, _kernels.FusedPooledKernel):
+            kernels = [kernels]
+        kernels = list(kernels)
+        if not kernels:
+            raise ValueError("FusedOptimizer needs at least one FusedPooledKernel")
+        for k in kernels:
+            if not isinstance(k, _kernels.FusedPooledKernel):
+                raise TypeError(f"FusedOptimizer takes FusedPooledKernel objects, got {type(k).__name__}")
+        if len({id(k) for k in kernels}) != len(kernels):
+            raise ValueError("FusedOptimizer got the same FusedPooledKernel twice")
+        owner: dict[str, int] = {}
+        for i, k in enumerate(kernels):
+            for name in k.table_names:
+                if name in owner:
+                    raise ValueError(
+                        f"table {name!r} appears in kernels {owner[name]} and {i}; a FusedOptimizer keys its state "
+                        "by table name, so table names must be unique across its kernels"
+                    )
+                owner[name] = i
+        self._kernels = kernels
+        self._building = True
+        groups = [{"params": k.tables(), "lr": k.get_learning_rate(), "kind": k.spec.kind} for k in kernels]
+        super().__init__(groups, {"lr": groups[0]["lr"]})
+        self._building = False
+        self._attach_kernels()
+
+    def _attach_kernels(self) -> None:
+        ref = weakref.ref(self)
+        self.state.clear()
+        for i, k in enumerate(self._kernels):
+            k._attach(ref, i)
+            # views of the live kernel state, for introspection (the checkpoint goes through state_dict())
+            for p, states in zip(k.tables(), k.optimizer_states().values()):
+                self.state[p] = dict(states)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_kernels"] = self._kernels
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        kernels = state.pop("_kernels", [])
+        super().__setstate__(state)
+        self._kernels = kernels
+        self._building = False
+        # a deep copy of the optimizer copies its kernels: drive the copies (the originals keep their driver)
+        if all(k._owner is None for k in kernels):
+            self._attach_kernels()
+
+    @property
+    def kernels(self) -> list[_kernels.FusedPooledKernel]:
+        return list(self._kernels)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not getattr(self, "_building", False):
+            raise RuntimeError(
+                "FusedOptimizer has exactly one param group per FusedPooledKernel and cannot take other "
+                "parameters; optimize dense parameters with a separate torch optimizer"
+            )
+        super().add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """No-op: a fused optimizer never materialises gradients."""
+
+    def step(self, closure=None):  # type: ignore[override]
+        """Run ``closure`` (forward + backward: the kernels update their tables there), then end the step.
+
+        Ending the step pushes each group's ``lr`` into its kernel and re-arms the kernels' guard against a
+        second backward before the next step.
+        """
+        for i, k in enumerate(self._kernels):
+            if not k._owned_by(self, i):
+                raise RuntimeError(
+                    f"this FusedOptimizer no longer drives the kernel with tables {k.table_names}: a newer "
+                    "FusedOptimizer was built over it; step that one"
+                )
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group, k in zip(self.param_groups, self._kernels):
+            k.set_learning_rate(group["lr"])
+            k.finish_step()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        groups, tables = [], {}
+        for group, k in zip(self.param_groups, self._kernels):
+            entry = {key: v for key, v in group.items() if key != "params"}
+            entry["kind"] = k.spec.kind
+            entry["tables"] = list(k.table_names)
+            step = k.optimizer_iter
+            if step is not None:
+                entry["iter"] = step
+            groups.append(entry)
+            tables.update(k.optimizer_states())
+        return {"param_groups": groups, "tables": tables}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+        """Load a :meth:`state_dict`, matching tables by name. Checks everything before changing anything."""
+        if not isinstance(state_dict, Mapping) or "tables" not in state_dict or "param_groups" not in state_dict:
+            keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+            raise ValueError(
+                f"not a FusedOptimizer state_dict (expected keys 'param_groups' and 'tables', got {keys})"
+            )
+        saved_tables = state_dict["tables"]
+        mine = {name: k for k in self._kernels for name in k.table_names}
+        missing = [n for n in mine if n not in saved_tables]
+        unexpected = [n for n in saved_tables if n not in mine]
+        if missing or unexpected:
+            raise ValueError(
+                f"fused optimizer state does not match the tables: missing from the checkpoint {missing}, "
+                f"unexpected in the checkpoint {unexpected}"
+            )
+        group_of: dict[str, Mapping[str, Any]] = {}
+        for g in state_dict["param_groups"]:
+            for name in g.get("tables", []):
+                group_of[name] = g
+        for name, k in mine.items():
+            g = group_of.get(name)
+            if g is None:
+                raise ValueError(f"fused optimizer state: table {name!r} is in no saved param group")
+            if g.get("kind", k.spec.kind) != k.spec.kind:
+                raise ValueError(
+                    f"table {name!r}: the checkpoint's fused optimizer is {g.get('kind')!r} but this one is "
+                    f"{k.spec.kind!r}"
+                )
+        for k in self._kernels:
+            k._check_optimizer_states({n: saved_tables[n] for n in k.table_names})
+        # everything checked: apply
+        for i, (group, k) in enumerate(zip(self.param_groups, self._kernels)):
+            k.load_optimizer_states({n: saved_tables[n] for n in k.table_names})
+            saved = group_of[k.table_names[0]]
+            for key, v in saved.items():
+                if key not in ("params", "tables", "kind", "iter"):
+                    group[key] = v
+            if "iter" in saved and k.optimizer_iter is not None:
+                k.optimizer_iter = int(saved["iter"])
+            k.set_learning_rate(group["lr"])
