@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 EMBEDDING_GRAD_MODES = ("sum", "mean")
+_BUCKET_ELEMENTS = 4_000_000
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns); both exist there.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -118,7 +119,9 @@ def _sum_touched_rows(
     wire = rows[0].dtype if len(dtypes) == 1 else torch.float32
     wire = _wire_dtype(torch.empty(0, dtype=wire), group)
     buf = torch.cat([r.to(wire).reshape(-1) for r in rows])
-    dist.all_reduce(buf, group=group)
+    # moderate buckets: gloo's all-reduce of one buffer of hundreds of MB is slower than of its pieces
+    for piece in torch.split(buf, _BUCKET_ELEMENTS):
+        dist.all_reduce(piece, group=group)
     out = []
     for g, u, r, part in zip(grads, unions, rows, torch.split(buf, [r.numel() for r in rows])):
         summed = part.view(r.shape).to(r.dtype)
