@@ -17,6 +17,7 @@ from lightning_rec.sharding.sharded import (
     ShardedEmbeddingBagCollection,
     ShardedEmbeddingCollection,
     full_state_dict,
+    fused_optimizer,
     shard_modules,
 )
 
@@ -31,6 +32,7 @@ __all__ = [
     "construct_module_sharding_plan",
     "data_parallel",
     "full_state_dict",
+    "fused_optimizer",
     "grid_shard",
     "row_wise",
     "shard_modules",

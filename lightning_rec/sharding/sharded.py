@@ -92,8 +92,12 @@ class _ShardedCollection(nn.Module):
         replica_group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         sparse_grad: bool | None = None,
+        embedding_optimizer=None,
     ) -> None:
         super().__init__()
+        from lightning_rec.optim import as_spec
+
+        fused = as_spec(embedding_optimizer)
         if replica_group is not None and dist.get_world_size(replica_group) == 1:
             replica_group = None
         tables: list[BaseEmbeddingConfig] = list(module._layout.tables)
@@ -143,9 +147,23 @@ class _ShardedCollection(nn.Module):
                 _broadcast_from_first(piece, replica_group)
             container.add(t.name, _Table(piece))
             self._local_shards.append((i, s))
+        self._fused: kernels.FusedPooledKernel | None = None
+        if fused is not None:
+            self._check_fused(tables, replica_group)
+            # a zero-row shard receives no ids; the fused kernel holds only shards with rows
+            self._local_shards = [(ti, s) for ti, s in self._local_shards if s.rows > 0]
         setattr(self, self._attr, container)
 
         self._build_routes()
+        if fused is not None and self._local_shards:
+            names = [tables[ti].name for ti, _ in self._local_shards]
+            kernel = kernels.FusedPooledKernel(
+                [(n, s.rows, s.cols, container[n].weight.dtype) for n, (_, s) in zip(names, self._local_shards)],
+                self._my_route_table, fused, device=container[names[0]].weight.device,
+                weights=[container[n].weight.detach() for n in names],
+            )
+            setattr(self, self._attr, kernel)  # registered once, under the same keys: <attr>.<table>.weight
+            object.__setattr__(self, "_fused", kernel)
         self._register_state_dict_hook(_sharded_state_dict_hook)
         self._register_load_state_dict_pre_hook(self._load_hook)
 
@@ -237,7 +255,20 @@ class _ShardedCollection(nn.Module):
         return False
 
     def _table_param(self, ti: int) -> torch.Tensor:
-        return getattr(self, self._attr)[self._layout.tables[ti].name].weight
+        return getattr(self, self._attr)._modules[self._layout.tables[ti].name].weight
+
+    def _check_fused(self, tables: list[BaseEmbeddingConfig], replica_group) -> None:
+        why = "a fused optimizer updates inside backward, before gradients could be summed across ranks"
+        if self._attr != "embedding_bags":
+            raise ValueError("embedding_optimizer (fused) supports pooled EmbeddingBagCollections only")
+        if self._dp_tables:
+            names = [tables[i].name for i in self._dp_tables]
+            raise ValueError(
+                f"tables {names} are data_parallel: {why}. Shard them (table_wise, row_wise, ...) or train them "
+                "with embedding_optimizer=None and your own optimizer"
+            )
+        if replica_group is not None:
+            raise ValueError(f"embedding_optimizer cannot be used with replica groups (2D parallelism): {why}")
 
     def _dp_weights(self, kjt: KeyedJaggedTensor) -> list[torch.Tensor]:
         layout = self._layout
@@ -431,9 +462,12 @@ class ShardedEmbeddingBagCollection(_ShardedCollection):
             parts.append(kernels.torch_pooled(tables, ft, sub.values(), sub.offsets(), b, psw, self.sparse_grad).to(dtype))
         if self._has_mp:
             recv = self._input_dist(kjt, batches)
-            tables = self._shard_weights(recv)
+            tables = self._shard_weights(recv) if self._fused is None else []
             b_global = sum(batches)
-            if self._my_routes:
+            if self._fused is not None:
+                pooled = self._fused(recv["values"], _complete_cumsum(recv["lengths"]), recv["weights"],
+                                     grad_scale=self._scale).to(dtype)
+            elif self._my_routes:
                 pooled = kernels.torch_pooled(
                     tables, self._my_route_table, recv["values"], _complete_cumsum(recv["lengths"]), b_global,
                     recv["weights"], self.sparse_grad,
@@ -535,6 +569,7 @@ def shard_modules(
     device: torch.device | str | None = None,
     embedding_grad: str = "sum",
     local_size: int | None = None,
+    embedding_optimizer=None,
 ) -> nn.Module:
     """Replace every EmbeddingBagCollection / EmbeddingCollection in ``model`` by its sharded counterpart.
 
@@ -545,6 +580,10 @@ def shard_modules(
     gradients are summed across replicas, and data-parallel tables across the whole world, all under
     the one ``embedding_grad`` rule. Plans are validated for every collection before any shard is
     allocated. Returns ``model`` (or the sharded collection when ``model`` itself is one).
+
+    ``embedding_optimizer`` (a ``FusedOptimizerSpec`` or a dict such as ``{"kind": "rowwise_adagrad",
+    "lr": 0.05}``) makes every sharded table update inside backward with fbgemm's kernel; step it with
+    ``fused_optimizer(model)``. Without it, tables are ordinary parameters for any torch optimizer.
     """
     from lightning_rec.sharding.planner import default_module_plan
 
@@ -574,7 +613,7 @@ def shard_modules(
         resolved.append((path, m, resolve_module_plan(tables, module_plan, gsize, local, path)))
     for path, m, shards in resolved:
         sharded = _SHARDED[type(m)](m, shards, group, embedding_grad=embedding_grad, device=device,
-                                    replica_group=replica_group)
+                                    replica_group=replica_group, embedding_optimizer=embedding_optimizer)
         if path == "":
             return sharded
         parent_path, _, name = path.rpartition(".")
@@ -609,3 +648,15 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
     if rank0_only and dist.get_rank() != 0:
         return {}
     return out
+
+
+def fused_optimizer(model: nn.Module):
+    """The ``FusedOptimizer`` driving every fused kernel in ``model`` (None if it has none).
+
+    Its ``step()`` pushes learning rates into the kernels and closes the step; call it once per step, like
+    any optimizer (the update itself already happened in backward).
+    """
+    from lightning_rec.optim import FusedOptimizer
+
+    found = [m._fused for m in model.modules() if isinstance(m, _ShardedCollection) and m._fused is not None]
+    return FusedOptimizer(found) if found else None

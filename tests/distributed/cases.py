@@ -18,13 +18,16 @@ from lightning_rec.sharding import (
 )
 
 ALL_TYPES = ("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise", "grid_shard")
+FUSED_TYPES = ALL_TYPES[1:]  # a fused update cannot wait for a data-parallel gradient sum
 
 
 def _divisors(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
-def random_placement(rng: random.Random, kind: str, rows: int, dim: int, ws: int, local: int) -> ParameterSharding:
+def random_placement(
+    rng: random.Random, kind: str, rows: int, dim: int, ws: int, local: int, min_width: int = 1
+) -> ParameterSharding:
     hosts = ws // local
     if kind == "data_parallel":
         return data_parallel()
@@ -37,12 +40,12 @@ def random_placement(rng: random.Random, kind: str, rows: int, dim: int, ws: int
             return row_wise(sizes)
         return row_wise()
     if kind == "column_wise":
-        n = rng.choice(_divisors(dim, ws))
+        n = rng.choice([d for d in _divisors(dim, ws) if dim // d >= min_width])
         return column_wise(rng.sample(range(ws), n))
     if kind == "table_row_wise":
         return table_row_wise(rng.randrange(hosts))
     if kind == "grid_shard":
-        n = rng.choice(_divisors(dim, hosts))
+        n = rng.choice([d for d in _divisors(dim, hosts) if dim // d >= min_width])
         return grid_shard(rng.sample(range(hosts), n))
     raise ValueError(kind)
 
@@ -52,12 +55,13 @@ def random_case(
 ) -> dict:
     """A random case whose plan is for a model-parallel group of ``ws`` ranks, batches for ``world`` ranks."""
     rng = random.Random(seed)
+    fused = types == FUSED_TYPES
     local = rng.choice([d for d in range(1, ws + 1) if ws % d == 0])
     n_tables = rng.randint(1, 5)
     tables, plan, features = [], {}, []
     for i in range(n_tables):
         rows = rng.choice([1, 2, 3, 5, 7, 10, 12]) if rng.random() < 0.5 else rng.randint(1, ws + 2)
-        dim = rng.choice([2, 4, 6, 8])
+        dim = rng.choice([4, 8] if fused else [2, 4, 6, 8])  # fbgemm's fused kernel needs widths % 4 == 0
         feats = [f"t{i} f{j}.x" for j in range(rng.randint(1, 2))]
         features += feats
         name = f"table.{i} ü"
@@ -70,7 +74,7 @@ def random_case(
                     pooling=rng.choice(["sum", "mean"]),
                 )
             )
-        plan[name] = random_placement(rng, rng.choice(types), rows, dim, ws, local)
+        plan[name] = random_placement(rng, rng.choice(types), rows, dim, ws, local, min_width=4 if fused else 1)
     return dict(
         tables=tables,
         plan=plan,

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingCollection
-from lightning_rec.sharding import ShardingPlan, full_state_dict, shard_modules
+from lightning_rec.sharding import ShardingPlan, full_state_dict, fused_optimizer, shard_modules
 from lightning_rec.sharding.mesh import init_2d_mesh
 from lightning_rec.testing import run_distributed
-from tests.distributed.cases import batch, loss_coefficients, random_case
+from tests.distributed.cases import FUSED_TYPES, batch, loss_coefficients, random_case
 
 STEPS = 3
 LR = 0.5
@@ -38,7 +38,7 @@ def _sequence_loss(out: dict, case: dict, rank: int, step: int) -> torch.Tensor:
     return total / max(case["batch_sizes"][rank], 1)
 
 
-def _check_case(rank: int, ws: int, case: dict, sequence: bool, mesh=None) -> float:
+def _check_case(rank: int, ws: int, case: dict, sequence: bool, mesh=None, fused: str | None = None) -> float:
     torch.manual_seed(case["seed"])
     if sequence:
         model = EmbeddingCollection(case["tables"], sparse_grad=case["sparse_grad"])
@@ -47,12 +47,21 @@ def _check_case(rank: int, ws: int, case: dict, sequence: bool, mesh=None) -> fl
                                        sparse_grad=case["sparse_grad"])
     ref = copy.deepcopy(model)
     groups = {} if mesh is None else dict(process_group=mesh.shard_group, replica_group=mesh.replica_group)
+    if fused is not None:
+        groups["embedding_optimizer"] = {"kind": fused, "lr": LR}
     sharded = shard_modules(model, ShardingPlan({"": case["plan"]}), embedding_grad=case["embedding_grad"],
                             local_size=case["local_size"], **groups)
-    # a rank may hold no piece of any table; it still joins every exchange
-    params = list(sharded.parameters())
-    opt = torch.optim.SGD(params, lr=LR) if params else None
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    if fused is not None:
+        opt = fused_optimizer(sharded)  # None on a rank holding no shard
+        assert all(not p.requires_grad for p in sharded.parameters())
+    else:
+        # a rank may hold no piece of any table; it still joins every exchange
+        params = list(sharded.parameters())
+        opt = torch.optim.SGD(params, lr=LR) if params else None
+    if fused == "adagrad":
+        ref_opt = torch.optim.Adagrad(ref.parameters(), lr=LR, eps=1e-8, initial_accumulator_value=0.0)
+    else:
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     loss_fn = _sequence_loss if sequence else _pooled_loss
     rank_weight = 1.0 if case["embedding_grad"] == "sum" else 1.0 / ws
     worst = 0.0
@@ -123,3 +132,13 @@ def test_2d_replicas_of_model_parallel_groups_equal_single_process(sequence: boo
     # 4 ranks = 2 replicas x 2-way model parallel; plans speak in ranks of the 2-rank shard group
     seeds = list(range(900 + 10 * sequence, 900 + 10 * sequence + 4))
     run_distributed(_equivalence_2d_job, 4, seeds, 2, sequence)
+
+
+def _fused_job(rank: int, ws: int, seeds: list[int], kind: str) -> list[float]:
+    return [_check_case(rank, ws, random_case(seed, ws, types=FUSED_TYPES), False, fused=kind) for seed in seeds]
+
+
+@pytest.mark.parametrize("ws, kind", [(2, "sgd"), (3, "adagrad")])
+def test_fused_optimizer_training_equals_single_process(ws: int, kind: str) -> None:
+    # the fbgemm in-backward update of every shard == torch's optimizer on the unsharded tables
+    run_distributed(_fused_job, ws, list(range(1300 + 10 * ws, 1300 + 10 * ws + 5)), kind)
