@@ -57,6 +57,7 @@ from lightning_rec.sharding import (  # noqa: E402
     data_parallel,
     grid_shard,
     row_wise,
+    fused_optimizer,
     shard_modules,
     table_row_wise,
     table_wise,
@@ -207,10 +208,14 @@ def run_one(rank: int, world: int, kind: str, cfg: dict, batches: list[KeyedJagg
         plan, local = make_plan(kind, cfg, world)
         # meta: no rank materialises the full tables; each allocates and initialises only what it holds
         ebc = EmbeddingBagCollection(tables, device="meta", sparse_grad=True)
-        model = shard_modules(ebc, ShardingPlan({"": plan}), local_size=local)
+        fused = {"kind": "sgd", "lr": 0.01} if cfg.get("fused") and kind != "data_parallel" else None
+        model = shard_modules(ebc, ShardingPlan({"": plan}), local_size=local, embedding_optimizer=fused)
     setup_s = time.perf_counter() - t_setup
-    params = list(model.parameters())
-    opt = torch.optim.SGD(params, lr=0.01) if params else None  # a rank may hold no table (few tables)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if kind != "unsharded" and cfg.get("fused") and kind != "data_parallel":
+        opt = fused_optimizer(model)  # fbgemm EXACT_SGD inside backward; step() closes the step
+    else:
+        opt = torch.optim.SGD(params, lr=0.01) if params else None  # a rank may hold no table (few tables)
     TIMERS = timers = Timers()
     patch_library()
     instrument(model)
@@ -312,10 +317,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--distinct", type=int, default=2, help="distinct batches per rank, cycled")
+    ap.add_argument("--fused", action="store_true",
+                    help="sharded tables update inside backward (fbgemm EXACT_SGD) instead of sparse-grad SGD")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "sharding.md"))
     args = ap.parse_args(argv)
     cfg = {
-        k: getattr(args, k) for k in ("tables", "rows", "dim", "batch", "ids", "zipf", "steps", "warmup", "distinct")
+        k: getattr(args, k)
+        for k in ("tables", "rows", "dim", "batch", "ids", "zipf", "steps", "warmup", "distinct", "fused")
     }
     timeout = 1800.0
     t_start = time.perf_counter()

@@ -16,6 +16,7 @@ from lightning_rec.configs import (  # noqa: E402
 )
 from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection  # noqa: E402
 from lightning_rec.module import RecModule  # noqa: E402
+from lightning_rec.optim import CombinedOptimizer, FusedOptimizer, FusedOptimizerSpec  # noqa: E402
 from lightning_rec.sharding import (  # noqa: E402
     ParameterSharding,
     ShardingPlan,
@@ -23,6 +24,7 @@ from lightning_rec.sharding import (  # noqa: E402
     construct_module_sharding_plan,
     data_parallel,
     full_state_dict,
+    fused_optimizer,
     grid_shard,
     row_wise,
     shard_modules,
@@ -45,6 +47,10 @@ _register()
 __version__ = "0.1.0"
 
 __all__ = [
+    "CombinedOptimizer",
+    "FusedOptimizer",
+    "FusedOptimizerSpec",
+    "fused_optimizer",
     "ParameterSharding",
     "RecModule",
     "RecShardedStrategy",

@@ -28,6 +28,16 @@ class RecModule(L.LightningModule):
         """``{module path: collection}`` for every (sharded or unsharded) embedding collection."""
         return {name: m for name, m in self.named_modules() if isinstance(m, _COLLECTIONS)}
 
+    def fused_optimizer(self):
+        """The FusedOptimizer of this module's fused embedding kernels (None without ``embedding_optimizer``).
+
+        Combine it with the dense optimizer in ``configure_optimizers`` so LR schedulers drive both:
+        ``CombinedOptimizer([torch.optim.Adam(self.head.parameters()), self.fused_optimizer()])``.
+        """
+        from lightning_rec.sharding.sharded import fused_optimizer
+
+        return fused_optimizer(self)
+
     @property
     def device_mesh(self):
         """The ("replicate", "shard") DeviceMesh under the rec_sharded strategy, else None."""

@@ -309,3 +309,68 @@ class FusedOptimizer(torch.optim.Optimizer):
             if "iter" in saved and k.optimizer_iter is not None:
                 k.optimizer_iter = int(saved["iter"])
             k.set_learning_rate(group["lr"])
+
+
+class CombinedOptimizer(torch.optim.Optimizer):
+    """Several optimizers stepped, zeroed, scheduled and checkpointed as one.
+
+    Lightning's automatic optimization steps one optimizer per training step, so a dense optimizer and a
+    :class:`FusedOptimizer` are combined: ``param_groups`` is the concatenation of the children's group
+    dicts (the same objects), so an LR scheduler built on the combined optimizer changes every child's
+    learning rate, the fused kernels' included.
+
+    Example::
+
+        def configure_optimizers(self):
+            opt = CombinedOptimizer([torch.optim.Adam(self.head.parameters()), self.fused_optimizer()])
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 10)}
+    """
+
+    def __init__(self, optimizers: Iterable[torch.optim.Optimizer | None]) -> None:
+        self.optimizers = [o for o in optimizers if o is not None]
+        if not self.optimizers:
+            raise ValueError("CombinedOptimizer needs at least one optimizer")
+        self.defaults: dict[str, Any] = {}
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+
+    @property
+    def state(self) -> dict:  # type: ignore[override]
+        merged: dict = {}
+        for o in self.optimizers:
+            merged.update(o.state)
+        return merged
+
+    @state.setter
+    def state(self, value) -> None:  # torch's Optimizer machinery may assign; the children own state
+        pass
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise RuntimeError("add param groups to the child optimizers before combining them")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for o in self.optimizers:
+            o.step()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+        states = state_dict.get("optimizers")
+        if states is None or len(states) != len(self.optimizers):
+            raise ValueError(
+                f"CombinedOptimizer state holds {None if states is None else len(states)} optimizers, "
+                f"this one combines {len(self.optimizers)}"
+            )
+        for o, s in zip(self.optimizers, states):
+            o.load_state_dict(s)

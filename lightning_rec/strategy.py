@@ -41,6 +41,11 @@ class RecShardedStrategy(DDPStrategy):
         model_parallel_size: ranks per model-parallel group (default: processes per node).
         data_parallel_size: number of replica groups (default: number of nodes).
         embedding_grad: ``"sum"`` (default) or ``"mean"``.
+        embedding_optimizer: None (tables are ordinary parameters for ``configure_optimizers``), or a fused
+            optimizer spec such as ``{"kind": "rowwise_adagrad", "lr": 0.05}``: sharded tables then update
+            inside backward (fbgemm). Its optimizer joins the module's: combine ``self.fused_optimizer()``
+            into ``configure_optimizers`` (``CombinedOptimizer``) so LR schedulers drive it, or the strategy
+            adds it (stepped every step, at its spec's learning rate).
         process_group_backend: default nccl on CUDA, gloo on CPU.
         timeout: collective timeout.
     """
@@ -53,6 +58,7 @@ class RecShardedStrategy(DDPStrategy):
         model_parallel_size: int | None = None,
         data_parallel_size: int | None = None,
         embedding_grad: str = "sum",
+        embedding_optimizer: Any = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(seconds=1800),
         **kwargs: Any,
@@ -72,6 +78,9 @@ class RecShardedStrategy(DDPStrategy):
         self._model_parallel_size = model_parallel_size
         self._data_parallel_size = data_parallel_size
         self.embedding_grad = embedding_grad
+        from lightning_rec.optim import as_spec
+
+        self.embedding_optimizer = as_spec(embedding_optimizer)
         self.mesh_info: MeshInfo | None = None
 
     @classmethod
@@ -105,6 +114,7 @@ class RecShardedStrategy(DDPStrategy):
         shard_modules(
             module, plan, process_group=mi.shard_group, replica_group=mi.replica_group,
             device=self.root_device, embedding_grad=self.embedding_grad, local_size=local,
+            embedding_optimizer=self.embedding_optimizer,
         )
 
     @override
@@ -115,8 +125,14 @@ class RecShardedStrategy(DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
+            if self.embedding_optimizer is not None and trainer.accumulate_grad_batches > 1:
+                raise ValueError(
+                    f"accumulate_grad_batches={trainer.accumulate_grad_batches} cannot be honoured with "
+                    "embedding_optimizer: the fused kernel applies its update inside each backward"
+                )
             self.configure_ddp()
             self.setup_optimizers(trainer)
+            self._add_fused_optimizer()
         else:
             self._sync_dense_states()
         self.setup_precision_plugin()
@@ -124,6 +140,18 @@ class RecShardedStrategy(DDPStrategy):
             from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _add_fused_optimizer(self) -> None:
+        from lightning_rec.optim import CombinedOptimizer
+        from lightning_rec.sharding.sharded import fused_optimizer
+
+        fused = fused_optimizer(self.lightning_module)
+        if fused is None:
+            return
+        inside = any(o is fused or fused in getattr(o, "optimizers", ()) for o in self.optimizers)
+        if not inside:
+            # the user's configure_optimizers did not include it: step it with theirs, at the spec's lr
+            self.optimizers = [CombinedOptimizer([*self.optimizers[:1], fused]), *self.optimizers[1:]]
 
     def _dense_state(self) -> list[torch.Tensor]:
         module = self.lightning_module

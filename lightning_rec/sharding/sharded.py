@@ -659,4 +659,12 @@ def fused_optimizer(model: nn.Module):
     from lightning_rec.optim import FusedOptimizer
 
     found = [m._fused for m in model.modules() if isinstance(m, _ShardedCollection) and m._fused is not None]
-    return FusedOptimizer(found) if found else None
+    if not found:
+        return None
+    # one optimizer owns a kernel (a newer one would take it over), so hand out the same one each time
+    cached = getattr(model, "_lightning_rec_fused_optimizer", None)
+    if cached is not None and cached.kernels == found:
+        return cached
+    opt = FusedOptimizer(found)
+    object.__setattr__(model, "_lightning_rec_fused_optimizer", opt)
+    return opt
