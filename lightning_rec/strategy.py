@@ -155,9 +155,8 @@ class RecShardedStrategy(DDPStrategy):
 
     def _dense_state(self) -> list[torch.Tensor]:
         module = self.lightning_module
-        ignore = set(_sharded_param_names(module))
-        return [t for n, t in list(module.named_parameters()) + list(module.named_buffers()) if n not in ignore
-                and not any(n.startswith(p) for p in ignore)]
+        sharded = tuple(f"{path}." for path, m in module.named_modules() if isinstance(m, _ShardedCollection))
+        return [t for n, t in [*module.named_parameters(), *module.named_buffers()] if not n.startswith(sharded)]
 
     def _sync_dense_states(self) -> None:
         # without DDP (validate / test / predict) dense replicas still start equal; shards are per rank

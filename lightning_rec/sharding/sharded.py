@@ -121,6 +121,8 @@ class _ShardedCollection(nn.Module):
         source = getattr(module, self._attr)
         container = _TableContainer()
         self._dp_tables = [i for i, t in enumerate(tables) if shards[t.name] is None]
+        if fused is not None:  # before any shard is allocated
+            self._check_fused(tables, replica_group)
         self._local_shards: list[tuple[int, ShardMeta]] = []  # (table index, shard) held here, table order
         for i, t in enumerate(tables):
             full = source[t.name].weight.detach()
@@ -149,7 +151,6 @@ class _ShardedCollection(nn.Module):
             self._local_shards.append((i, s))
         self._fused: kernels.FusedPooledKernel | None = None
         if fused is not None:
-            self._check_fused(tables, replica_group)
             # a zero-row shard receives no ids; the fused kernel holds only shards with rows
             self._local_shards = [(ti, s) for ti, s in self._local_shards if s.rows > 0]
         setattr(self, self._attr, container)
