@@ -80,3 +80,9 @@ def is_sharded_tensor(x: object) -> bool:
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     return isinstance(x, ShardedTensor)
+
+
+def precision_target_dtype(precision_plugin: object) -> object:
+    """The dtype a ``*-true`` Lightning precision plugin converts modules to (None for the others)."""
+    # Lightning's HalfPrecision keeps it in a private attribute (lightning 2.4-2.6)
+    return getattr(precision_plugin, "_desired_input_dtype", None)

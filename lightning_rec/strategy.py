@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_rec._compat import precision_target_dtype
 from lightning_rec.sharding.comm import grad_scale
 from lightning_rec.sharding.mesh import MeshInfo, check_layout, init_2d_mesh
 from lightning_rec.sharding.plan import ShardingPlan
@@ -122,14 +123,15 @@ class RecShardedStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self._shard()  # before DDP and before the optimizers see the parameters
+        # "*-true" precision converts the dense model; tables keep the dtype their config fixed
+        target = precision_target_dtype(self.precision_plugin)
+        for m in self.lightning_module.modules():
+            if isinstance(m, _ShardedCollection) and target is not None:
+                m.keep_table_dtypes(target)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
-            if self.embedding_optimizer is not None and trainer.accumulate_grad_batches > 1:
-                raise ValueError(
-                    f"accumulate_grad_batches={trainer.accumulate_grad_batches} cannot be honoured with "
-                    "embedding_optimizer: the fused kernel applies its update inside each backward"
-                )
+            self._check_fused_trainer(trainer)
             self.configure_ddp()
             self.setup_optimizers(trainer)
             self._add_fused_optimizer()
@@ -140,6 +142,21 @@ class RecShardedStrategy(DDPStrategy):
             from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _check_fused_trainer(self, trainer: L.Trainer) -> None:
+        if self.embedding_optimizer is None:
+            return
+        if trainer.accumulate_grad_batches > 1:
+            raise ValueError(
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches} cannot be honoured with "
+                "embedding_optimizer: the fused kernel applies its update inside each backward"
+            )
+        if trainer.gradient_clip_val:
+            raise ValueError(
+                f"gradient_clip_val={trainer.gradient_clip_val} cannot clip fused embedding tables: they are updated "
+                "inside backward and never hold a gradient. Clip the dense parameters yourself in "
+                "configure_gradient_clipping (self.clip_gradients on them), or use embedding_optimizer=None"
+            )
 
     def _add_fused_optimizer(self) -> None:
         from lightning_rec.optim import CombinedOptimizer

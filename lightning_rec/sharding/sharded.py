@@ -116,6 +116,8 @@ class _ShardedCollection(nn.Module):
         self._scale = comm.grad_scale(embedding_grad, self._num_dp_ranks)
         self.sparse_grad = module.sparse_grad if sparse_grad is None else sparse_grad
         self._table_dtypes = [t.dtype for t in tables]
+        self._keep_table_dtypes = False
+        self._output_dtype: torch.dtype | None = None
 
         me = self._group_rank
         source = getattr(module, self._attr)
@@ -212,11 +214,24 @@ class _ShardedCollection(nn.Module):
         self._colmap = torch.cat(dp_cols + mp_cols) if dp_cols or mp_cols else torch.zeros(0, dtype=torch.long)
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        if self._keep_table_dtypes:
+            # a precision plugin converting the model moves tables but keeps the dtype their config fixed
+            convert = fn
+            fn = lambda t: t.to(convert(torch.empty(0, dtype=t.dtype, device=t.device)).device)  # noqa: E731
         # Ranks without a local piece of a table still need its dtype for the wire; follow conversions.
         out = super()._apply(fn, recurse)
         self._table_dtypes = [fn(torch.empty(0, dtype=d)).dtype for d in self._table_dtypes]
         self._colmap = self._colmap.to(fn(torch.empty(0)).device)
         return out
+
+    def keep_table_dtypes(self, output_dtype: torch.dtype | None) -> None:
+        """Make later dtype conversions of this module leave the tables' configured dtypes alone.
+
+        Lookups then return ``output_dtype`` (the precision the rest of the model computes in); gradients
+        flow back into the tables at their own precision. Used by the strategy for ``*-true`` precision.
+        """
+        self._keep_table_dtypes = True
+        self._output_dtype = output_dtype
 
     def _out_dtype(self) -> torch.dtype:
         dtype = self._table_dtypes[0]
@@ -486,6 +501,8 @@ class ShardedEmbeddingBagCollection(_ShardedCollection):
         total = self._feat_off[-1]
         out = torch.zeros(b, total, dtype=dtype, device=data.device).index_add(1, self._colmap, data)
         out = layout.apply_mean(out, kjt.lengths(), b)
+        if self._output_dtype is not None:
+            out = out.to(self._output_dtype)
         return KeyedTensor(layout.feature_names, layout.dims, out)
 
 
@@ -546,7 +563,7 @@ class ShardedEmbeddingCollection(_ShardedCollection):
                 idx = torch.cat([i for i, _ in pieces[f]]) if pieces[f] else torch.zeros(0, dtype=torch.long)
                 src = torch.cat([c for _, c in pieces[f]]) if pieces[f] else torch.zeros(0, dtype=self._out_dtype())
                 emb = torch.zeros(n * d, dtype=src.dtype, device=src.device).index_add(0, idx, src).view(n, d)
-            out[name] = JaggedTensor(emb.to(dtypes[f]), lengths=kjt.lengths()[f * b : (f + 1) * b])
+            out[name] = JaggedTensor(emb.to(self._output_dtype or dtypes[f]), lengths=kjt.lengths()[f * b : (f + 1) * b])
         return out
 
 

@@ -63,6 +63,19 @@ class ClickModule(RecModule):
         kjt, y = batch
         self.log("val_loss", torch.nn.functional.binary_cross_entropy_with_logits(self(kjt), y), sync_dist=True)
 
+    def test_step(self, batch, _):
+        kjt, y = batch
+        self.log("test_loss", torch.nn.functional.binary_cross_entropy_with_logits(self(kjt), y), sync_dist=True)
+
+    def predict_step(self, batch, _):
+        return torch.sigmoid(self(batch[0]))
+
+    def test_dataloader(self):
+        return self.val_dataloader()
+
+    def predict_dataloader(self):
+        return self.val_dataloader()
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 

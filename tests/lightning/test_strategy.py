@@ -37,12 +37,16 @@ def _fit_job(rank: int, ws: int, mp: int, plan: ShardingPlan | None) -> dict:
     train_loss = float(trainer.callback_metrics["train_loss"])
     state = full_state_dict(model)
     trainer.validate(model)  # evaluation after fit: same shards, no weight changes
+    val_loss = float(trainer.callback_metrics["val_loss"])
+    trainer.test(model)
+    preds = trainer.predict(model)
     after = full_state_dict(model)
-    assert all(torch.equal(after[k], state[k]) for k in state), "validate changed weights"
+    assert all(torch.equal(after[k], state[k]) for k in state), "evaluation changed weights"
+    assert len(preds) == 4 and all(p.shape == (4,) for p in preds)
     names = [n for n, _ in model.named_parameters()]
     mesh = model.device_mesh
     return {"state": state if rank == 0 else None, "params": names, "mesh": tuple(mesh.shape),
-            "loss": train_loss, "val": float(trainer.callback_metrics["val_loss"])}
+            "loss": train_loss, "val": val_loss}
 
 
 def _reference(ws: int) -> dict:
@@ -157,7 +161,8 @@ def _fused_fit_job(rank: int, ws: int, mode: str) -> dict:
         model.configure_optimizers = configure_optimizers
     strategy = RecShardedStrategy(embedding_grad="mean", embedding_optimizer={"kind": "sgd", "lr": 0.2})
     trainer = _trainer(devices=ws, strategy=strategy, use_distributed_sampler=False,
-                       accumulate_grad_batches=2 if mode == "accumulate" else 1)
+                       accumulate_grad_batches=2 if mode == "accumulate" else 1,
+                       gradient_clip_val=1.0 if mode == "clip" else None)
     try:
         trainer.fit(model)
     except ValueError as e:
@@ -200,3 +205,43 @@ def test_lr_scheduler_drives_the_fused_kernel() -> None:
 def test_fused_refuses_gradient_accumulation() -> None:
     for r in run_distributed(_fused_fit_job, 2, "accumulate", init_process_group=False, timeout_s=240):
         assert "accumulate_grad_batches=2" in r["error"] and "inside each backward" in r["error"]
+
+
+def test_fused_refuses_gradient_clipping() -> None:
+    for r in run_distributed(_fused_fit_job, 2, "clip", init_process_group=False, timeout_s=240):
+        assert "gradient_clip_val=1.0" in r["error"] and "never hold a gradient" in r["error"]
+
+
+def _bf16_mixed_job(rank: int, ws: int) -> dict:
+    model = ClickModule(batch_size=4, plan=PLAN)
+    trainer = _trainer(devices=ws, strategy=RecShardedStrategy(embedding_grad="mean"), precision="bf16-mixed",
+                       use_distributed_sampler=False)
+    trainer.fit(model)
+    return {"dtypes": {n: str(p.dtype) for n, p in model.named_parameters()},
+            "leaf": all(p.is_leaf for p in model.parameters()), "state": full_state_dict(model)}
+
+
+def test_bf16_mixed_keeps_fp32_tables_and_trains() -> None:
+    results = run_distributed(_bf16_mixed_job, 2, init_process_group=False, timeout_s=240)
+    want = _reference(2)
+    for r in results:
+        assert set(r["dtypes"].values()) == {"torch.float32"} and r["leaf"]
+    for k in want:  # autocast computes the head in bf16: equal to the fp32 run within bf16 precision
+        torch.testing.assert_close(results[0]["state"][k], want[k], atol=2e-2, rtol=0, msg=lambda m: f"{k}: {m}")
+
+
+def _bf16_true_job(rank: int, ws: int) -> dict:
+    model = ClickModule(batch_size=4, plan=PLAN)
+    trainer = _trainer(devices=ws, strategy=RecShardedStrategy(embedding_grad="mean"), precision="bf16-true",
+                       use_distributed_sampler=False)
+    trainer.fit(model)
+    return {"dtypes": {n: str(p.dtype) for n, p in model.named_parameters()},
+            "shared": all(v.data_ptr() == dict(model.named_parameters())[k].data_ptr()
+                          for k, v in model.state_dict().items() if k.startswith("head"))}
+
+
+def test_bf16_true_converts_dense_but_tables_keep_their_config_dtype() -> None:
+    for r in run_distributed(_bf16_true_job, 2, init_process_group=False, timeout_s=240):
+        tables = {d for n, d in r["dtypes"].items() if n.startswith("ebc.")}
+        assert tables == {"torch.float32"}, r["dtypes"]
+        assert r["dtypes"]["head.weight"] == "torch.bfloat16" and r["shared"]
