@@ -245,3 +245,25 @@ def test_bf16_true_converts_dense_but_tables_keep_their_config_dtype() -> None:
         tables = {d for n, d in r["dtypes"].items() if n.startswith("ebc.")}
         assert tables == {"torch.float32"}, r["dtypes"]
         assert r["dtypes"]["head.weight"] == "torch.bfloat16" and r["shared"]
+
+
+def _metrics_job(rank: int, ws: int) -> dict:
+    import torchmetrics
+
+    model = ClickModule(batch_size=4, plan=PLAN)
+    model.seen = torchmetrics.SumMetric()
+
+    def validation_step(batch, batch_idx=0):
+        kjt, y = batch
+        model.seen.update(torch.ones_like(y))
+        model.log("seen", model.seen, on_epoch=True)
+
+    model.validation_step = validation_step
+    trainer = _trainer(devices=ws, strategy=RecShardedStrategy(), use_distributed_sampler=False)
+    trainer.validate(model)
+    return {"seen": float(trainer.callback_metrics["seen"])}
+
+
+def test_torchmetrics_sync_across_ranks() -> None:
+    # each rank validates 2 batches of 4 samples; the metric is reduced over both ranks
+    assert [r["seen"] for r in run_distributed(_metrics_job, 2, init_process_group=False, timeout_s=240)] == [16.0, 16.0]
