@@ -194,12 +194,13 @@ class FbgemmPooledKernel:
         return out.to(tables[0].dtype)
 
 
-def output_dtype(tables: Sequence[torch.Tensor]) -> torch.dtype:
+def promoted_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
     """Pooled outputs of several tables are concatenated, so they share the promoted dtype."""
-    dtype = tables[0].dtype if tables else torch.float32
-    for t in tables[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
+    dtype = dtypes[0] if dtypes else torch.float32
+    for d in dtypes[1:]:
+        dtype = torch.promote_types(dtype, d)
     return dtype
+
 
 
 def torch_pooled(
@@ -214,7 +215,7 @@ def torch_pooled(
     """SUM-pooled ``[batch_size, sum of feature dims]`` from feature-major ``values`` / ``offsets``."""
     b = batch_size
     if not feature_table:
-        return torch.zeros(b, 0, dtype=output_dtype(tables), device=values.device)
+        return torch.zeros(b, 0, dtype=promoted_dtype([t.dtype for t in tables]), device=values.device)
     # An empty batch still goes through F.embedding_bag so that the [0, D] output stays in the autograd
     # graph: backward through it must work (and give zero gradients) on a rank that got no samples.
     bounds = offsets[::b].tolist() if b else [0] * (len(feature_table) + 1)

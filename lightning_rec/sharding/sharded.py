@@ -24,7 +24,6 @@ some rank touched are summed across ranks (only those rows move) and scaled the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +40,7 @@ from lightning_rec.modules import (
     _TableContainer,
 )
 from lightning_rec.sharding import comm
-from lightning_rec.sharding.layout import ShardMeta
+from lightning_rec.sharding.layout import ShardMeta, offsets_of
 from lightning_rec.sharding.plan import ShardingPlan, default_local_size, resolve_module_plan
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor, _segment_gather_index
 
@@ -196,10 +195,7 @@ class _ShardedCollection(nn.Module):
             lst.sort(key=lambda r: (r.table, r.feature))
         self._routes_to = routes_to
         self._has_mp = any(routes_to)
-        feat_off = [0]
-        for d in layout.dims:
-            feat_off.append(feat_off[-1] + d)
-        self._feat_off = feat_off
+        feat_off = self._feat_off = offsets_of(layout.dims)
         self._my_routes = routes_to[self._group_rank]
         local_index = {ti: k for k, (ti, _) in enumerate(self._local_shards)}
         self._my_route_table = [local_index[r.table] for r in self._my_routes]
@@ -234,10 +230,7 @@ class _ShardedCollection(nn.Module):
         self._output_dtype = output_dtype
 
     def _out_dtype(self) -> torch.dtype:
-        dtype = self._table_dtypes[0]
-        for d in self._table_dtypes[1:]:
-            dtype = torch.promote_types(dtype, d)
-        return dtype
+        return kernels.promoted_dtype(self._table_dtypes)
 
     # -- forward helpers ----------------------------------------------------------------------------
     def _checked_input(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor | None, list[int]]:
@@ -354,13 +347,14 @@ class _ShardedCollection(nn.Module):
         # received layout is [source][route][bag]; the lookup wants [route][source][bag]
         seg_bags = [bs for bs in batches for _ in range(n_mine)]
         bounds = _complete_cumsum(torch.tensor(seg_bags, dtype=torch.long, device=dev))
-        seg_vals = (_complete_cumsum(recv_l)[bounds[1:]] - _complete_cumsum(recv_l)[bounds[:-1]]).tolist()
+        recv_offsets = _complete_cumsum(recv_l)
+        seg_vals = (recv_offsets[bounds[1:]] - recv_offsets[bounds[:-1]]).tolist()
         lengths_rm = _regroup(recv_l, seg_bags, self._group_size, n_mine)
         values_rm = _regroup(recv_v, seg_vals, self._group_size, n_mine)
         weights_rm = None if recv_w is None else _regroup(recv_w, seg_vals, self._group_size, n_mine)
         return dict(
             lengths=lengths_rm, values=values_rm, weights=weights_rm, seg_vals=seg_vals,
-            positions=positions, value_counts=value_counts, send_sizes=[v.numel() for v in send_values],
+            positions=positions, send_sizes=[v.numel() for v in send_values],
         )
 
     def _shard_weights(self, recv: dict) -> list[torch.Tensor]:
@@ -545,7 +539,7 @@ class ShardedEmbeddingCollection(_ShardedCollection):
             send = [sum(int(seg[s, k]) * cols[k] for k in range(n_mine)) for s in range(w_size)]
             recv_sizes = [
                 sum(n * r.shard.cols for n, r in zip(recv["send_sizes"][i0 : i0 + len(lst)], lst))
-                for i0, lst in zip(_starts([len(x) for x in self._routes_to]), self._routes_to)
+                for i0, lst in zip(offsets_of([len(x) for x in self._routes_to]), self._routes_to)
             ]
             back = comm.all_to_all(flat, recv_sizes, send, self._group, differentiable=torch.is_grad_enabled())
             all_routes = [r for lst in self._routes_to for r in lst]
@@ -565,14 +559,6 @@ class ShardedEmbeddingCollection(_ShardedCollection):
                 emb = torch.zeros(n * d, dtype=src.dtype, device=src.device).index_add(0, idx, src).view(n, d)
             out[name] = JaggedTensor(emb.to(self._output_dtype or dtypes[f]), lengths=kjt.lengths()[f * b : (f + 1) * b])
         return out
-
-
-def _starts(sizes: Sequence[int]) -> list[int]:
-    out, acc = [], 0
-    for s in sizes:
-        out.append(acc)
-        acc += s
-    return out
 
 
 _SHARDED = {EmbeddingBagCollection: ShardedEmbeddingBagCollection, EmbeddingCollection: ShardedEmbeddingCollection}
