@@ -17,7 +17,7 @@ from lightning_rec._compat import precision_target_dtype
 from lightning_rec.sharding.comm import grad_scale
 from lightning_rec.sharding.mesh import MeshInfo, check_layout, init_2d_mesh
 from lightning_rec.sharding.plan import ShardingPlan
-from lightning_rec.sharding.sharded import _ShardedCollection, full_state_dict, shard_modules
+from lightning_rec.sharding.sharded import _ShardedCollection, shard_modules
 
 
 def _sharded_param_names(module: nn.Module) -> list[str]:
@@ -188,26 +188,108 @@ class RecShardedStrategy(DDPStrategy):
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
         return super()._setup_model(model)
 
+    # -- checkpoints: torch.distributed.checkpoint directories (see lightning_rec.checkpoint) --------------
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # checkpoints load into the sharded model, whatever plan wrote them
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores optimizers by parameter name
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full, unsharded tensors under the unsharded keys (gathered on rank 0, which writes the file).
+        """The module's state_dict under the unsharded keys: ShardedTensors for sharded tables, plain tensors else.
 
-        Collective: Lightning calls it on every rank when it dumps a checkpoint.
+        Collective only in the sense that every rank contributes its shards when the checkpoint is saved.
         """
         assert self.lightning_module is not None
-        return full_state_dict(self.lightning_module, rank0_only=True)
+        return self.lightning_module.state_dict()
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        # Per-shard optimizer state (momentum, Adagrad sums) lives on every rank; rank 0 alone would save
-        # a fraction of it. Refuse rather than write a checkpoint that silently loses state.
-        sharded = {id(p): n for n, p in self.lightning_module.named_parameters()
-                   if n in set(_sharded_param_names(self.lightning_module))}
-        for p, state in optimizer.state.items():
-            if id(p) in sharded and any(torch.is_tensor(v) and v.dim() > 0 for v in state.values()):
-                raise ValueError(
-                    f"cannot checkpoint optimizer state of sharded embedding parameter {sharded[id(p)]!r} yet: it "
-                    "is spread over ranks. Use an optimizer without per-parameter state for embeddings (SGD without "
-                    "momentum), or Trainer(enable_checkpointing=False) until distributed checkpoints land."
-                )
-        return super().optimizer_state(optimizer)
+        """Optimizer state keyed by parameter name, sharded like the tables. Collective."""
+        from lightning_rec import checkpoint
+
+        return checkpoint.optimizer_state(self.lightning_module, optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write a checkpoint directory at ``filepath`` (DCP shards + ``meta.pt``); collective.
+
+        The directory appears only when complete, so a save killed part-way leaves the previous one intact.
+        """
+        from lightning_rec import checkpoint as ckpt
+
+        if storage_options is not None:
+            raise TypeError("RecShardedStrategy.save_checkpoint writes torch.distributed.checkpoint directories and "
+                            "takes no storage_options")
+        checkpoint = dict(checkpoint)
+        tensors: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+        layouts = []
+        for i, state in enumerate(checkpoint.pop("optimizer_states", None) or []):
+            tensors[f"optimizer_{i}"] = state["tensors"]
+            layouts.append(state["meta"])
+        assert self.mesh_info is not None and self.lightning_module is not None
+        checkpoint["optimizer_layouts"] = layouts
+        checkpoint["rec_sharding"] = {
+            "world_size": self.world_size,
+            "model_parallel_size": self.mesh_info.model_parallel_size,
+            "data_parallel_size": self.world_size // self.mesh_info.model_parallel_size,
+            "tables": ckpt.sharding_layout(self.lightning_module),
+        }
+        ckpt.save(filepath, tensors, checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint directory into the sharded model and optimizers (any plan/world size wrote it).
+
+        A single-file checkpoint (e.g. from a one-process run) loads its weights; its optimizer state, keyed
+        by position in another model's parameter list, cannot be remapped and is refused.
+        """
+        from lightning_rec import checkpoint as ckpt
+
+        module = self.lightning_module
+        assert module is not None
+        path = checkpoint_path
+        fitting = module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        optimizers = self.optimizers if fitting else []
+        if ckpt.is_checkpoint_dir(path):
+            meta = ckpt.load(path, module, optimizers, strict=module.strict_loading)
+            meta.pop("format", None)
+            if fitting:
+                meta["optimizer_states"] = []  # restored above; Lightning only checks the key exists
+            return meta
+        loaded = super().load_checkpoint(path, weights_only=weights_only)
+        module.load_state_dict(loaded["state_dict"], strict=module.strict_loading)
+        if fitting and any(s.get("state") for s in loaded.get("optimizer_states", [])):
+            raise ValueError(
+                f"{path} is a single-file checkpoint whose optimizer state is keyed by position in the unsharded "
+                "model's parameters and cannot be remapped onto shards. Load its weights instead "
+                "(model.load_state_dict(torch.load(path)['state_dict']) before fit), or resume from a "
+                "checkpoint directory written by rec_sharded"
+            )
+        return loaded
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # load_checkpoint already did
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # load_checkpoint already did
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        import shutil
+        from pathlib import Path
+
+        if self.is_global_zero:
+            p = Path(filepath)
+            if p.is_dir():
+                shutil.rmtree(p)
+            elif p.exists():
+                p.unlink()
