@@ -198,3 +198,36 @@ def test_mismatched_checkpoint_names_table_and_shapes(tmp_path, what: str, messa
     results = run_distributed(_mismatch_job, 2, path, what, init_process_group=False, timeout_s=240)
     for r in results:
         assert "ValueError" in r and __import__("re").search(message, r), r
+
+
+def _export_job(rank: int, ws: int, mp: int, plan, out: str) -> dict:
+    from lightning_rec.export import ExportStateDict
+
+    model = _Model(plan=plan, batch_size=8 // ws)
+    export = ExportStateDict(dirpath=out, filename="model-{epoch}.pt", every_n_epochs=1)
+    trainer = _trainer(ws, 2, mp, callbacks=[export])
+    trainer.fit(model)
+    state = full_state_dict(model)
+    preds = trainer.predict(model)
+    return {"state": state if rank == 0 else None, "preds": torch.cat(preds), "last": str(export.last_path)}
+
+
+@pytest.mark.parametrize("ws, mp, plan", [(2, 2, MIXED_2), (4, 2, MIXED_4)], ids=["2procs", "2x2"])
+def test_export_loads_into_unsharded_module(tmp_path, ws: int, mp: int, plan) -> None:
+    results = run_distributed(_export_job, ws, mp, plan, str(tmp_path), init_process_group=False, timeout_s=300)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model-0.pt", "model-1.pt"]
+    assert results[0]["last"] == str(tmp_path / "model-1.pt")
+    exported = torch.load(tmp_path / "model-1.pt")  # a plain state_dict: loads with weights_only=True
+    for k, v in results[0]["state"].items():
+        assert torch.equal(exported[k], v), k
+    single = _Model()
+    single.load_state_dict(exported)
+    from torch.utils.data import DataLoader
+
+    from tests.lightning.models import Clicks, collate
+
+    single.eval()
+    with torch.no_grad():
+        want = torch.cat([torch.sigmoid(single(kjt)) for kjt, _ in DataLoader(Clicks(16), batch_size=4,
+                                                                              collate_fn=collate)])
+    torch.testing.assert_close(results[0]["preds"], want, atol=1e-6, rtol=0)

@@ -1,0 +1,165 @@
+"""Export a sharded model as one plain ``torch.save`` file of its unsharded state_dict, one table at a time.
+
+The file is what ``torch.save(unsharded_model.state_dict(), path)`` would write: ``torch.load`` it and
+``load_state_dict`` it into the unsharded ``EmbeddingBagCollection`` / LightningModule for inference.
+It is written without ever holding the whole model on one rank: rank 0 first writes the file's
+skeleton with ``torch.serialization.skip_data`` (every record sized, no bytes), then fills each tensor's
+record in place as its shards arrive; the other ranks only send their own shards.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_rec import _compat
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _record_offsets(path: Path) -> dict[str, tuple[int, int]]:
+    """``{storage key: (byte offset, size)}`` of the ``data/<key>`` records of a torch.save zip file."""
+    import zipfile
+
+    out = {}
+    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+        for info in z.infolist():
+            parent, _, key = info.filename.rpartition("/")
+            if not parent.endswith("/data") or info.compress_type != zipfile.ZIP_STORED:
+                continue
+            f.seek(info.header_offset)
+            header = f.read(30)
+            name_len = int.from_bytes(header[26:28], "little")
+            extra_len = int.from_bytes(header[28:30], "little")
+            out[key] = (info.header_offset + 30 + name_len + extra_len, info.file_size)
+    return out
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _gather_to_zero(value: Any) -> torch.Tensor | None:
+    """The full tensor of a ShardedTensor on global rank 0 (None elsewhere); shards travel point to point.
+
+    Under 2D every replica group holds the whole table; the one that contains rank 0 sends.
+    """
+    group = value._process_group
+    if 0 not in dist.get_process_group_ranks(group):
+        return None
+    rank = _rank()
+    dtype = value.metadata().tensor_properties.dtype
+    wire = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    if rank != 0:
+        for sh in value.local_shards():
+            dist.send(_as_bytes(sh.tensor), dst=0)
+        return None
+    full = torch.empty(list(value.size()), dtype=dtype)
+    local = {tuple(sh.metadata.shard_offsets): sh.tensor for sh in value.local_shards()}
+    for m in value.metadata().shards_metadata:
+        (r, c), (nr, nc) = m.shard_offsets, m.shard_sizes
+        src = local.get((r, c))
+        if src is None:
+            buf = torch.empty(nr * nc * dtype.itemsize, dtype=torch.uint8, device=wire)
+            dist.recv(buf, src=m.placement.rank())
+            src = buf.cpu().view(dtype).view(nr, nc)
+        full[r : r + nr, c : c + nc] = src.detach().to("cpu")
+    return full
+
+
+def export_state_dict(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Write ``model``'s unsharded state_dict (sharded or not) to ``path`` with ``torch.save``'s format.
+
+    Collective: every rank calls it; rank 0 writes. No rank holds more than one full table beyond its own
+    shards. The file appears at ``path`` only when complete.
+    """
+    path = Path(path)
+    if dist.is_available() and dist.is_initialized():
+        obj = [str(path)]
+        dist.broadcast_object_list(obj, src=0)
+        path = Path(obj[0])
+    state = model.state_dict()
+    rank = _rank()
+    tmp = path.with_name(f".{path.name}.partial")
+    offsets: dict[str, tuple[int, int]] = {}
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        skeleton: dict[str, Any] = {}
+        for key, v in state.items():
+            if _compat.is_sharded_tensor(v):
+                skeleton[key] = torch.empty(list(v.size()), dtype=v.metadata().tensor_properties.dtype)
+            elif torch.is_tensor(v):
+                skeleton[key] = torch.empty(v.shape, dtype=v.dtype)
+            else:
+                skeleton[key] = v
+        with torch.serialization.skip_data():
+            torch.save(skeleton, tmp)
+        offsets = _record_offsets(tmp)
+        handle = open(tmp, "r+b")  # noqa: SIM115 - closed below, after every tensor is filled
+    index = 0  # storages are numbered in the order the pickler meets them: the state_dict's order
+    for key, v in state.items():
+        if _compat.is_sharded_tensor(v):
+            full = _gather_to_zero(v)
+        elif torch.is_tensor(v):
+            full = v.detach().to("cpu") if rank == 0 else None
+        else:
+            continue
+        if rank == 0:
+            start, size = offsets[str(index)]
+            data = _as_bytes(full)
+            if data.numel() != size:
+                raise RuntimeError(f"export of {key!r}: {data.numel()} bytes for a record of {size}")
+            handle.seek(start)
+            handle.write(memoryview(data.numpy()))
+        index += 1
+    if rank == 0:
+        handle.close()
+        os.replace(tmp, path)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+class ExportStateDict(L.Callback):
+    """Write a consolidated, unsharded ``state_dict`` file for inference during and/or after training.
+
+    Args:
+        dirpath: directory of the files (default: the trainer's ``default_root_dir``).
+        filename: file name; ``{epoch}`` and ``{step}`` are filled in.
+        every_n_epochs: also export at the end of every n-th training epoch (0: never).
+        on_train_end: export when training ends.
+
+    The file loads with ``torch.load`` into the unsharded module: ``model.load_state_dict(torch.load(path))``.
+    """
+
+    def __init__(self, dirpath: str | None = None, filename: str = "model-step={step}.pt", every_n_epochs: int = 0,
+                 on_train_end: bool = True) -> None:
+        self.dirpath = dirpath
+        self.filename = filename
+        self.every_n_epochs = every_n_epochs
+        self.export_on_train_end = on_train_end
+        self.last_path: Path | None = None
+        self._last_step = -1
+
+    def _export(self, trainer: L.Trainer, module: L.LightningModule, epoch: int) -> None:
+        if trainer.global_step == self._last_step:
+            return  # the weights were exported at this step already
+        name = self.filename.format(epoch=epoch, step=trainer.global_step)
+        self.last_path = export_state_dict(module, Path(self.dirpath or trainer.default_root_dir) / name)
+        self._last_step = trainer.global_step
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            self._export(trainer, pl_module, trainer.current_epoch)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.export_on_train_end:
+            self._export(trainer, pl_module, max(trainer.current_epoch - 1, 0))
