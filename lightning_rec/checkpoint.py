@@ -370,7 +370,26 @@ def is_checkpoint_dir(path: str | os.PathLike) -> bool:
     return p.is_dir() and (p / META_FILE).is_file()
 
 
-def save(path: str | os.PathLike, tensors: Mapping[str, Any], meta: dict[str, Any]) -> Path:
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizers: Iterable[Any] = (),
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write ``model`` (sharded or not) and ``optimizers`` as a checkpoint directory; ``extra`` goes to meta.
+
+    Collective. The result loads with :func:`load` into any sharding of the same model, or into one process.
+    """
+    tensors: dict[str, Any] = {"state_dict": model.state_dict()}
+    layouts = []
+    for i, opt in enumerate(optimizers):
+        state = optimizer_state(model, opt)
+        tensors[f"optimizer_{i}"] = state["tensors"]
+        layouts.append(state["meta"])
+    return write(path, tensors, {**(extra or {}), "optimizer_layouts": layouts})
+
+
+def write(path: str | os.PathLike, tensors: Mapping[str, Any], meta: dict[str, Any]) -> Path:
     """Write ``tensors`` (nested dicts of tensors / ShardedTensors) with DCP and ``meta`` with ``torch.save``.
 
     Collective. The directory appears at ``path`` only when complete (write aside, then rename).

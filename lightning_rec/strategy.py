@@ -112,6 +112,25 @@ class RecShardedStrategy(DDPStrategy):
         local = mi.model_parallel_size if self.num_nodes == 1 else self.num_processes
         if mi.model_parallel_size % local:
             local = mi.model_parallel_size
+        if plan is None:
+            # the planner sees the layout, the device and the batch size (found as Lightning's batch-size finder does)
+            from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
+            from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+            from lightning_rec.sharding.planner import automatic_plan
+
+            kw: dict[str, Any] = {"device": "cuda" if self.root_device.type == "cuda" else "cpu"}
+            try:
+                if lightning_hasattr(module, "batch_size"):
+                    kw["batch_size"] = int(lightning_getattr(module, "batch_size"))
+            except (AttributeError, TypeError, ValueError):
+                pass
+            if self.root_device.type == "cuda":
+                kw["device_memory"] = torch.cuda.get_device_properties(self.root_device).total_memory
+            planner = automatic_plan(module, mi.model_parallel_size, local, self.world_size, self.embedding_optimizer, **kw)
+            plan = planner.plan(module)
+            if plan.plan:
+                rank_zero_info(f"lightning_rec: no sharding plan given; the planner chose:\n{planner.explain()}")
         shard_modules(
             module, plan, process_group=mi.shard_group, replica_group=mi.replica_group,
             device=self.root_device, embedding_grad=self.embedding_grad, local_size=local,
@@ -157,6 +176,53 @@ class RecShardedStrategy(DDPStrategy):
                 "inside backward and never hold a gradient. Clip the dense parameters yourself in "
                 "configure_gradient_clipping (self.clip_gradients on them), or use embedding_optimizer=None"
             )
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:
+            raise ValueError(
+                f"precision {getattr(self.precision_plugin, 'precision', '16-mixed')!r} scales the loss with a "
+                "GradScaler, which cannot reach fused embedding tables: they are updated inside backward with the "
+                "scaled gradient, before the scaler could unscale it or skip the step. Use precision='bf16-mixed' "
+                "(no loss scaling) or '32-true', or embedding_optimizer=None"
+            )
+
+    # -- every rank must run the same number of batches: each sharded lookup is a collective ---------------
+
+    def _check_equal_batch_counts(self, stage: str, counts: Any) -> None:
+        if self.world_size == 1:
+            return
+        gathered: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, counts)
+        if any(c != gathered[0] for c in gathered):
+            limit = {"training": "train", "validation": "val", "test": "test", "prediction": "predict"}[stage]
+            raise ValueError(
+                f"rec_sharded: ranks would run different numbers of {stage} batches per epoch (by rank: {gathered}). "
+                "Every rank must run the same number in each stage, since every sharded lookup is a collective "
+                "across ranks: a rank with an extra batch would wait forever. Use Lightning's distributed sampler "
+                f"(use_distributed_sampler=True, the default), DataLoaders of equal length on every rank, or "
+                f"limit_{limit}_batches"
+            )
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._check_equal_batch_counts("training", self.lightning_module.trainer.num_training_batches)
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        trainer = self.lightning_module.trainer
+        counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+        self._check_equal_batch_counts("validation", list(counts))
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._check_equal_batch_counts("test", list(self.lightning_module.trainer.num_test_batches))
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._check_equal_batch_counts("prediction", list(self.lightning_module.trainer.num_predict_batches))
 
     def _add_fused_optimizer(self) -> None:
         from lightning_rec.optim import CombinedOptimizer
@@ -241,7 +307,7 @@ class RecShardedStrategy(DDPStrategy):
             "data_parallel_size": self.world_size // self.mesh_info.model_parallel_size,
             "tables": ckpt.sharding_layout(self.lightning_module),
         }
-        ckpt.save(filepath, tensors, checkpoint)
+        ckpt.write(filepath, tensors, checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
