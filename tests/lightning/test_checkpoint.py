@@ -52,8 +52,9 @@ class _Model(ClickModule):
 def _trainer(ws: int, epochs: int, mp: int | None = None, kind: str = "adagrad", **kw) -> L.Trainer:
     fused = {"kind": "rowwise_adagrad", "lr": 0.1} if kind == "fused" else None
     strategy = RecShardedStrategy(embedding_grad="mean", model_parallel_size=mp, embedding_optimizer=fused)
+    kw.setdefault("enable_checkpointing", False)
     return L.Trainer(accelerator="cpu", devices=ws, strategy=strategy, max_epochs=epochs, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     enable_progress_bar=False, enable_model_summary=False,
                      num_sanity_val_steps=0, limit_val_batches=0, limit_train_batches=4,
                      use_distributed_sampler=False, **kw)
 
@@ -231,3 +232,33 @@ def test_export_loads_into_unsharded_module(tmp_path, ws: int, mp: int, plan) ->
         want = torch.cat([torch.sigmoid(single(kjt)) for kjt, _ in DataLoader(Clicks(16), batch_size=4,
                                                                               collate_fn=collate)])
     torch.testing.assert_close(results[0]["preds"], want, atol=1e-6, rtol=0)
+
+
+def _model_checkpoint_job(rank: int, ws: int, out: str) -> dict:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    model = _Model(plan=MIXED_2)
+    mc = ModelCheckpoint(dirpath=out, monitor="train_loss", mode="max", save_top_k=1, save_last=True,
+                         every_n_epochs=1)
+    trainer = _trainer(ws, 3, callbacks=[mc], enable_checkpointing=True)
+    trainer.fit(model)
+    best = mc.best_model_path
+    listing = sorted(os.listdir(out))
+    # evaluation from a checkpoint directory loads the weights (and changes nothing else)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    trainer.validate(model, ckpt_path=best, verbose=False)
+    restored = full_state_dict(model)
+    fresh = _Model()
+    ckpt.load(best, fresh)
+    return {"listing": listing, "best": os.path.basename(best), "restored": restored if rank == 0 else None,
+            "want": fresh.state_dict()}
+
+
+def test_model_checkpoint_keeps_top_k_directories_and_validate_loads_them(tmp_path) -> None:
+    res = run_distributed(_model_checkpoint_job, 2, str(tmp_path), init_process_group=False, timeout_s=240)[0]
+    assert res["listing"] == sorted([res["best"], "last.ckpt"]), res["listing"]
+    assert res["best"].startswith("epoch=")
+    for k, v in res["want"].items():
+        assert torch.equal(res["restored"][k], v), k
