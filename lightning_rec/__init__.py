@@ -19,7 +19,11 @@ from lightning_rec.module import RecModule  # noqa: E402
 from lightning_rec.optim import CombinedOptimizer, FusedOptimizer, FusedOptimizerSpec  # noqa: E402
 from lightning_rec.sharding import (  # noqa: E402
     ParameterSharding,
+    Planner,
+    PlannerError,
     ShardingPlan,
+    TableConstraint,
+    Topology,
     column_wise,
     construct_module_sharding_plan,
     data_parallel,
@@ -52,6 +56,10 @@ __all__ = [
     "FusedOptimizerSpec",
     "fused_optimizer",
     "ParameterSharding",
+    "Planner",
+    "PlannerError",
+    "TableConstraint",
+    "Topology",
     "RecModule",
     "RecShardedStrategy",
     "ShardingPlan",

@@ -13,6 +13,7 @@ from lightning_rec.sharding.plan import (
     table_row_wise,
     table_wise,
 )
+from lightning_rec.sharding.planner import Hardware, Planner, PlannerError, PlanReport, TableConstraint, Topology
 from lightning_rec.sharding.sharded import (
     ShardedEmbeddingBagCollection,
     ShardedEmbeddingCollection,
@@ -24,6 +25,12 @@ from lightning_rec.sharding.sharded import (
 __all__ = [
     "EmbeddingModuleShardingPlan",
     "ParameterSharding",
+    "Hardware",
+    "PlanReport",
+    "Planner",
+    "PlannerError",
+    "TableConstraint",
+    "Topology",
     "ShardedEmbeddingBagCollection",
     "ShardedEmbeddingCollection",
     "ShardingPlan",

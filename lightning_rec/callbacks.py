@@ -1,0 +1,69 @@
+"""Lightning callbacks of lightning_rec."""
+
+from __future__ import annotations
+
+import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+# torch optimizer class -> planner optimizer kind (its state size per row)
+_OPTIMIZER_KINDS = {"SGD": "sgd", "Adagrad": "adagrad", "Adam": "adam", "AdamW": "adam", "SparseAdam": "adam",
+                    "LAMB": "lamb"}
+
+
+def _optimizer_kind(trainer: L.Trainer) -> str:
+    """The embedding optimizer's kind, read from the fused optimizer or the first torch optimizer."""
+    from lightning_rec.optim import CombinedOptimizer, FusedOptimizer
+
+    for opt in trainer.optimizers:
+        parts = opt.optimizers if isinstance(opt, CombinedOptimizer) else [opt]
+        for part in parts:
+            if isinstance(part, FusedOptimizer):
+                return part.kernels[0].spec.kind
+        for part in parts:
+            name = type(part).__name__
+            if name == "SGD" and any(g.get("momentum", 0) for g in part.param_groups):
+                return "momentum"
+            if name in _OPTIMIZER_KINDS:
+                return _OPTIMIZER_KINDS[name]
+    return "sgd"
+
+
+class ShardingSummary(L.Callback):
+    """Prints, at fit start on rank 0, each table's placement and every rank's memory.
+
+    Memory per rank is split into weights, optimizer state, gradients and lookup buffers, and the step
+    time estimated by the planner's cost model is shown with its parts (see ``lightning_rec.sharding.planner``).
+    ``batch_size`` and ``pooling_factors`` refine the estimates; ``last_report`` keeps the report.
+    """
+
+    def __init__(self, batch_size: int | None = None, pooling_factors: dict[str, float] | None = None) -> None:
+        self.batch_size = batch_size
+        self.pooling_factors = pooling_factors
+        self.last_report = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lightning_rec.sharding.planner import Planner, Topology
+        from lightning_rec.sharding.sharded import _ShardedCollection
+
+        if not any(isinstance(m, _ShardedCollection) for m in pl_module.modules()):
+            rank_zero_info("ShardingSummary: the model has no sharded embedding collections")
+            return
+        strategy = trainer.strategy
+        mesh = getattr(strategy, "mesh_info", None)
+        mp = mesh.model_parallel_size if mesh is not None else trainer.world_size
+        # the host blocks the plan was resolved with are not stored; one host per model-parallel group is the default
+        local = getattr(strategy, "num_processes", mp) if trainer.num_nodes > 1 else mp
+        local = local if mp % local == 0 else mp
+        topo = Topology(trainer.world_size, mp, local, device="cuda" if strategy.root_device.type == "cuda" else "cpu")
+        kw = {} if self.batch_size is None else {"batch_size": self.batch_size}
+        planner = Planner(topo, optimizer=_optimizer_kind(trainer), pooling_factors=self.pooling_factors, **kw)
+        self.last_report = planner.estimate(pl_module)
+        rank_zero_info(f"Sharding summary (memory of every rank; times are cost-model estimates):\n{self.last_report}")
+
+
+
+
+# the export callback lives with the streaming writer it drives
+from lightning_rec.export import ExportStateDict  # noqa: E402
+
+__all__ = ["ExportStateDict", "ShardingSummary"]

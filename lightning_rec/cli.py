@@ -1,0 +1,171 @@
+"""The ``lightning-rec`` command. ``lightning-rec plan tables.yaml --world-size 512 ...`` plans a cluster.
+
+The table file (YAML or JSON) holds a list of tables, or a mapping with ``tables`` and optional
+``together`` (lists of table names placed together)::
+
+    tables:
+      - name: user
+        num_embeddings: 100000000
+        embedding_dim: 128
+        feature_names: [user_id]
+        pooling_factors: {user_id: 1}     # optional, ids per sample; or pooling_factor: 20 for all features
+        dtype: float16                     # optional
+        pooling: mean                      # optional (sum)
+        sharding_types: [row_wise, table_row_wise]   # optional constraint
+        placement: {sharding_type: table_wise, ranks: [0]}   # optional fixed placement
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from lightning_rec.configs import EmbeddingBagConfig, EmbeddingConfig
+from lightning_rec.sharding.plan import ParameterSharding
+from lightning_rec.sharding.planner import OPTIMIZER_STATE, Planner, PlannerError, TableConstraint, Topology
+
+_TABLE_KEYS = {"name", "num_embeddings", "embedding_dim", "feature_names", "dtype", "pooling", "pooling_factor",
+               "pooling_factors", "sharding_types", "placement", "allow_host_memory", "sequence"}
+
+
+class TableFileError(ValueError):
+    """A table file that cannot be read; the message names the file, the line and the table."""
+
+
+def _line(node: yaml.Node) -> int:
+    return node.start_mark.line + 1
+
+
+def _plain(node: yaml.Node):
+    return yaml.safe_load(yaml.serialize(node))
+
+
+def load_tables(path: str | Path) -> tuple[list, dict[str, float], dict[str, TableConstraint], list[list[str]]]:
+    """Read a table file: (configs, pooling factors by feature, constraints by table, together groups)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise TableFileError(f"cannot read table file {str(path)!r}: {e}") from None
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)  # JSON reads as YAML too, with line numbers
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise TableFileError(f"{path}{where}: not valid YAML/JSON: {getattr(e, 'problem', e)}") from None
+    together: list[list[str]] = []
+    if isinstance(root, yaml.MappingNode):
+        keys = {k.value: v for k, v in root.value}
+        unknown = sorted(set(keys) - {"tables", "together"})
+        if unknown or "tables" not in keys:
+            raise TableFileError(f"{path} line {_line(root)}: expected keys 'tables' (and optionally 'together'), "
+                                 f"found {sorted(keys)}")
+        if "together" in keys:
+            together = _plain(keys["together"])
+            if not isinstance(together, list) or not all(isinstance(g, list) for g in together):
+                raise TableFileError(f"{path} line {_line(keys['together'])}: 'together' must be a list of lists of "
+                                     "table names")
+        root = keys["tables"]
+    if not isinstance(root, yaml.SequenceNode) or not root.value:
+        raise TableFileError(f"{path}: expected a non-empty list of tables (or a mapping with 'tables')")
+    configs, pooling, constraints = [], {}, {}
+    for node in root.value:
+        where = f"{path} line {_line(node)}"
+        spec = _plain(node)
+        if not isinstance(spec, dict):
+            raise TableFileError(f"{where}: each table must be a mapping, got {spec!r}")
+        label = f"table {spec.get('name')!r}" if "name" in spec else "a table without a name"
+        unknown = sorted(set(spec) - _TABLE_KEYS)
+        if unknown:
+            raise TableFileError(f"{where}, {label}: unknown keys {unknown}; known keys: {sorted(_TABLE_KEYS)}")
+        missing = [k for k in ("name", "num_embeddings", "embedding_dim", "feature_names") if k not in spec]
+        if missing:
+            raise TableFileError(f"{where}, {label}: missing {missing}")
+        try:
+            kw = {k: spec[k] for k in ("name", "num_embeddings", "embedding_dim", "feature_names", "dtype", "pooling")
+                  if k in spec}
+            if isinstance(kw["feature_names"], str):
+                raise ValueError(f"feature_names must be a list, got {kw['feature_names']!r}")
+            cfg = (EmbeddingConfig if spec.get("sequence") else EmbeddingBagConfig)(**kw)
+            if any(c.name == cfg.name for c in configs):
+                raise ValueError("the name is used by an earlier table")
+            factors = spec.get("pooling_factors") or {}
+            if "pooling_factor" in spec:
+                factors = {f: spec["pooling_factor"] for f in cfg.feature_names} | factors
+            if not isinstance(factors, dict) or set(factors) - set(cfg.feature_names):
+                raise ValueError(f"pooling_factors must map this table's features {cfg.feature_names} to ids per "
+                                 f"sample, got {factors!r}")
+            pooling.update(factors)
+            if "sharding_types" in spec or "placement" in spec or "allow_host_memory" in spec:
+                placement = spec.get("placement")
+                if placement is not None:
+                    if not isinstance(placement, dict) or "sharding_type" not in placement:
+                        raise ValueError(f"placement must be a mapping with sharding_type, got {placement!r}")
+                    placement = ParameterSharding(**placement)
+                types = spec.get("sharding_types")
+                if types is not None:
+                    types = [ParameterSharding(t).sharding_type for t in types]
+                constraints[cfg.name] = TableConstraint(types, placement, bool(spec.get("allow_host_memory", True)))
+        except (TypeError, ValueError) as e:
+            raise TableFileError(f"{where}, {label}: {e}") from None
+        configs.append(cfg)
+    return configs, pooling, constraints, together
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="lightning-rec", description="lightning_rec tools")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="plan the sharding of a table file for a cluster layout and print estimates")
+    p.add_argument("tables", help="YAML or JSON file of table configs")
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--model-parallel-size", type=int, help="ranks per model-parallel group (default: world size)")
+    p.add_argument("--local-size", type=int, help="ranks per host (default: the model-parallel group)")
+    p.add_argument("--device-memory", help="per rank, e.g. 80GB (default: unlimited)")
+    p.add_argument("--host-memory", help="per host, for tables kept in host memory, e.g. 1TB")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    p.add_argument("--backend", choices=("gloo", "nccl"))
+    p.add_argument("--batch-size", type=int, default=512, help="samples per rank per step")
+    p.add_argument("--pooling-factor", type=float, default=1.0, help="ids per sample of features the file leaves out")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE), default="sgd")
+    p.add_argument("--gradients", choices=("dense", "sparse", "fused"), default="sparse")
+    p.add_argument("--min-column-width", type=int, default=32)
+    p.add_argument("--json", metavar="FILE", help="also write the plan and estimates as JSON ('-' for stdout only)")
+    return ap
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    configs, pooling, constraints, together = load_tables(args.tables)
+    topo = Topology(args.world_size, args.model_parallel_size, args.local_size, args.device_memory, args.host_memory,
+                    device=args.device, backend=args.backend)
+    planner = Planner(topo, batch_size=args.batch_size, pooling_factors=pooling,
+                      default_pooling_factor=args.pooling_factor, optimizer=args.optimizer, gradients=args.gradients,
+                      constraints=constraints, together=together, min_column_width=args.min_column_width)
+    planner.plan(configs)
+    report = planner.explain()
+    if args.json == "-":
+        json.dump(report.as_dict(), sys.stdout, indent=1)
+        print()
+        return 0
+    print(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.as_dict(), indent=1))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lightning-rec`` console script."""
+    args = _parser().parse_args(argv)
+    try:
+        return plan_command(args)
+    except (PlannerError, ValueError, TypeError) as e:
+        print(f"lightning-rec {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
