@@ -108,6 +108,13 @@ def test_exact_resume(tmp_path, kind: str, plan) -> None:
     _assert_same_dirs(straight, resumed)
     meta = ckpt.read_meta(resumed)
     assert meta["global_step"] == 8 and meta["lr_schedulers"][0]["last_epoch"] == 2
+    chunks = {k: len(v.chunks) for k, v in
+              __import__("torch.distributed.checkpoint", fromlist=["x"]).FileSystemReader(resumed)
+              .read_metadata().state_dict_metadata.items() if hasattr(v, "chunks")}
+    assert chunks["state_dict.ebc.embedding_bags.user.weight"] == 2  # row-wise: one piece per rank
+    assert chunks["state_dict.head.weight"] == 1  # dense (and data-parallel) tensors are written once
+    if kind == "adagrad":
+        assert chunks["state_dict.ebc.embedding_bags.geo.weight"] == 1
     if kind == "fused":
         (layout,) = meta["optimizer_layouts"]
         assert layout["fused"]["kind"] == "fused:rowwise_adagrad"
