@@ -575,6 +575,10 @@ class FusedPooledKernel(torch.nn.Module):
                 )
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
+        self._refuse_conversion(fn)
+        return super()._apply(fn, recurse)
+
+    def _refuse_conversion(self, fn) -> None:
         # .to() / .cuda() / .half() would give the table parameters new storage the kernel never sees.
         for name, p in zip(self.table_names, self.tables()):
             q = fn(p)
@@ -584,7 +588,6 @@ class FusedPooledKernel(torch.nn.Module):
                     f"from {p.dtype} on {p.device} to {q.dtype} on {q.device}); build it on the target device "
                     "with the target dtype"
                 )
-        return super()._apply(fn, recurse)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[override]
         # nn.Module splits keys at the first "." to find the child, so a table named "user.id" would make its
@@ -789,3 +792,40 @@ class FusedPooledKernel(torch.nn.Module):
             for name, own in self.optimizer_states().items():
                 for key, t in own.items():
                     t.copy_(states[name][key])
+
+
+class FusedTables(torch.nn.Module):
+    """The tables of several fused kernels under one module: ``<table name>.weight`` each, in ``order``.
+
+    A sharded collection holds up to two kernels (its shards; its data-parallel tables) but one
+    ``embedding_bags`` attribute, so state_dict keys stay those of the unsharded module. The kernels are not
+    submodules (their tables would be registered twice); conversions are refused as each kernel refuses them.
+    """
+
+    def __init__(self, fused: Sequence[FusedPooledKernel], order: Sequence[str]) -> None:
+        super().__init__()
+        object.__setattr__(self, "_kernels", list(fused))
+        held = {name: k._modules[name] for k in fused for name in k.table_names}
+        for name in [n for n in order if n in held] + [n for n in held if n not in set(order)]:
+            self._modules[name] = held[name]
+
+    def __getitem__(self, name: str) -> torch.nn.Module:
+        return self._modules[name]  # type: ignore[return-value]
+
+    def __iter__(self):
+        return iter(self._modules)
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        for k in self._kernels:
+            k._refuse_conversion(fn)
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[override]
+        # table names may contain ".": check unexpected keys against the tables' own keys (as the kernel does)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, False, missing_keys, unexpected_keys, error_msgs)
+        if strict:
+            own = {f"{prefix}{name}.weight" for name in self._modules}
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in own)

@@ -79,6 +79,76 @@ def all_gather_ints(values: list[int], group: dist.ProcessGroup | None) -> list[
     return out.view(n, len(values)).tolist()
 
 
+def _all_gather_rows(x: torch.Tensor, counts: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``x`` (``counts[i]`` rows on rank i of ``group``) stacked in group-rank order."""
+    wire = _wire_dtype(x, group)
+    width = max(counts)
+    padded = torch.zeros(width, *x.shape[1:], dtype=wire, device=x.device)
+    padded[: x.shape[0]] = x
+    gathered = torch.empty(width * len(counts), *x.shape[1:], dtype=wire, device=x.device)
+    _all_gather_single(gathered, padded, group=group)
+    pieces = [gathered[i * width : i * width + n] for i, n in enumerate(counts)]
+    return torch.cat(pieces).to(x.dtype)
+
+
+def _own_rows(counts: list[int], group: dist.ProcessGroup) -> slice:
+    start = sum(counts[: dist.get_rank(group)])
+    return slice(start, start + counts[dist.get_rank(group)])
+
+
+class _GatherUnion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, counts, group):  # type: ignore[override]
+        ctx.rows = _own_rows(counts, group)
+        return _all_gather_rows(x, counts, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad[ctx.rows], None, None
+
+
+class _OwnRowsOfUnion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, union, anchor, counts, group):  # type: ignore[override]
+        ctx.counts, ctx.group, ctx.union_grad = counts, group, union.requires_grad
+        return union[_own_rows(counts, group)].clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        union = _all_gather_rows(grad.contiguous(), ctx.counts, ctx.group)
+        return (union if ctx.union_grad else None), None, None, None
+
+
+def gather_union(x: torch.Tensor, counts: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """The rows of every rank of ``group`` stacked in group-rank order (rank i holds ``counts[i]`` rows).
+
+    For a batch that every rank of ``group`` then processes identically (the union batch of a fused
+    lookup). Its backward keeps this rank's rows of the union's gradient, which is the exact gradient
+    only because every rank computes the same union gradient (see :func:`own_rows_of_union`).
+
+    Example with 2 ranks::
+
+        rank 0: x=[a0 a1], counts=[2, 1]  ->  [a0 a1 b0]
+        rank 1: x=[b0],    counts=[2, 1]  ->  [a0 a1 b0]
+    """
+    if x.requires_grad and torch.is_grad_enabled():
+        return _GatherUnion.apply(x, list(counts), group)
+    return _all_gather_rows(x, list(counts), group)
+
+
+def own_rows_of_union(union: torch.Tensor, counts: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's rows of a union batch computed on every rank; backward all-gathers every rank's row gradients.
+
+    So the union's gradient on every rank of ``group`` is the same: the rows of each rank's gradient, in
+    group-rank order. Backward runs this collective on every rank, whatever this rank's loss used.
+
+    Example with 2 ranks, ``counts=[2, 1]``, union ``[u0 u1 u2]`` on both: rank 0 gets ``[u0 u1]``, rank 1
+    ``[u2]``; gradients ``[g0 g1]`` and ``[h2]`` come back as the union gradient ``[g0 g1 h2]`` on both.
+    """
+    anchor = torch.zeros(0, requires_grad=True)
+    return _OwnRowsOfUnion.apply(union, anchor, list(counts), group)
+
+
 def _union_of_touched_rows(ids: list[torch.Tensor], rows: list[int], group: dist.ProcessGroup) -> list[torch.Tensor]:
     """Per table, the sorted rows any rank of ``group`` touched; one exchange for all tables."""
     dev = ids[0].device

@@ -123,7 +123,7 @@ class _ShardedCollection(nn.Module):
         container = _TableContainer()
         self._dp_tables = [i for i, t in enumerate(tables) if shards[t.name] is None]
         if fused is not None:  # before any shard is allocated
-            self._check_fused(tables, replica_group)
+            self._check_fused(tables, shards)
         self._local_shards: list[tuple[int, ShardMeta]] = []  # (table index, shard) held here, table order
         for i, t in enumerate(tables):
             full = source[t.name].weight.detach()
@@ -150,22 +150,16 @@ class _ShardedCollection(nn.Module):
                 _broadcast_from_first(piece, replica_group)
             container.add(t.name, _Table(piece))
             self._local_shards.append((i, s))
-        self._fused: kernels.FusedPooledKernel | None = None
+        self._fused: kernels.FusedPooledKernel | None = None  # this rank's shards
+        self._dp_fused: kernels.FusedPooledKernel | None = None  # the data-parallel tables
         if fused is not None:
             # a zero-row shard receives no ids; the fused kernel holds only shards with rows
             self._local_shards = [(ti, s) for ti, s in self._local_shards if s.rows > 0]
         setattr(self, self._attr, container)
 
         self._build_routes()
-        if fused is not None and self._local_shards:
-            names = [tables[ti].name for ti, _ in self._local_shards]
-            kernel = kernels.FusedPooledKernel(
-                [(n, s.rows, s.cols, container[n].weight.dtype) for n, (_, s) in zip(names, self._local_shards)],
-                self._my_route_table, fused, device=container[names[0]].weight.device,
-                weights=[container[n].weight.detach() for n in names],
-            )
-            setattr(self, self._attr, kernel)  # registered once, under the same keys: <attr>.<table>.weight
-            object.__setattr__(self, "_fused", kernel)
+        if fused is not None:
+            self._build_fused_kernels(container, fused)
         self._register_state_dict_hook(_sharded_state_dict_hook)
         self._register_load_state_dict_pre_hook(self._load_hook)
 
@@ -266,18 +260,101 @@ class _ShardedCollection(nn.Module):
     def _table_param(self, ti: int) -> torch.Tensor:
         return getattr(self, self._attr)._modules[self._layout.tables[ti].name].weight
 
-    def _check_fused(self, tables: list[BaseEmbeddingConfig], replica_group) -> None:
-        why = "a fused optimizer updates inside backward, before gradients could be summed across ranks"
+    def _check_fused(self, tables: list[BaseEmbeddingConfig], shards: dict[str, list[ShardMeta] | None]) -> None:
+        """Refuse what fbgemm's fused kernel cannot hold, on every rank alike, before anything is allocated."""
         if self._attr != "embedding_bags":
             raise ValueError("embedding_optimizer (fused) supports pooled EmbeddingBagCollections only")
-        if self._dp_tables:
-            names = [tables[i].name for i in self._dp_tables]
-            raise ValueError(
-                f"tables {names} are data_parallel: {why}. Shard them (table_wise, row_wise, ...) or train them "
-                "with embedding_optimizer=None and your own optimizer"
+        kernel_dtypes: dict[object, dict[str, torch.dtype]] = {}  # kernel (a shard rank, or "dp") -> its tables
+        for t in tables:
+            if t.dtype not in (torch.float32, torch.float16):
+                raise ValueError(
+                    f"table {t.name!r}: embedding_optimizer (fused) needs float32 or float16 tables, got {t.dtype} "
+                    "(fbgemm has no fused CPU kernel for it); use embedding_optimizer=None for this collection"
+                )
+            pieces = shards[t.name]
+            widths = [t.embedding_dim] if pieces is None else [s.cols for s in pieces if s.rows > 0]
+            bad = [w for w in widths if w % 4]
+            if bad:
+                what = "its embedding_dim" if pieces is None else "a column shard of it"
+                raise ValueError(
+                    f"table {t.name!r}: {what} is {bad[0]} wide; the fused fbgemm kernel needs a multiple of 4 "
+                    "(choose other column shards, or use embedding_optimizer=None)"
+                )
+            for owner in ["dp"] if pieces is None else sorted({s.rank for s in pieces if s.rows > 0}):
+                kernel_dtypes.setdefault(owner, {})[t.name] = t.dtype
+        for owner, dtypes in kernel_dtypes.items():
+            if len(set(dtypes.values())) > 1:
+                where = "the data-parallel tables" if owner == "dp" else f"the shards held by shard rank {owner}"
+                detail = ", ".join(f"{n!r}: {d}" for n, d in dtypes.items())
+                raise ValueError(f"embedding_optimizer (fused): {where} share one kernel, which needs one dtype; got {detail}")
+
+    def _build_fused_kernels(self, container: _TableContainer, spec) -> None:
+        """One fused kernel for this rank's shards, one for the data-parallel tables, under the usual keys.
+
+        Exact under replication: each kernel looks up the union of the batches of every rank that holds a
+        copy of its tables (the replica group for shards, every data-parallel rank for replicated tables)
+        and backward hands it the union's gradient, so every copy applies one identical update with the
+        sum of all ranks' contributions (see ``_fused_lookup``).
+        """
+        tables = self._layout.tables
+
+        def build(names: list[str], feature_table: list[int]) -> kernels.FusedPooledKernel:
+            ws = [container[n].weight for n in names]
+            return kernels.FusedPooledKernel(
+                [(n, w.shape[0], w.shape[1], w.dtype) for n, w in zip(names, ws)], feature_table, spec,
+                device=ws[0].device, weights=[w.detach() for w in ws],
             )
-        if replica_group is not None:
-            raise ValueError(f"embedding_optimizer cannot be used with replica groups (2D parallelism): {why}")
+
+        if self._local_shards:
+            object.__setattr__(self, "_fused", build([tables[ti].name for ti, _ in self._local_shards],
+                                                     self._my_route_table))
+        if self._dp_tables:
+            pos = {ti: k for k, ti in enumerate(self._dp_tables)}
+            ft = [pos[self._layout.feature_table[f]] for f in self._dp_features]
+            object.__setattr__(self, "_dp_fused", build([tables[ti].name for ti in self._dp_tables], ft))
+        # registered once, under the same keys as plain tables: <attr>.<table>.weight
+        setattr(self, self._attr, kernels.FusedTables(self.fused_kernels(), [t.name for t in tables]))
+
+    def fused_kernels(self) -> list[kernels.FusedPooledKernel]:
+        """The fused kernels of this rank (shards first, then data-parallel tables); empty without a fused optimizer."""
+        return [k for k in (self._fused, self._dp_fused) if k is not None]
+
+    def _fused_lookup(
+        self,
+        kernel: kernels.FusedPooledKernel,
+        lengths: torch.Tensor,
+        values: torch.Tensor,
+        weights: torch.Tensor | None,
+        ids_per_feature: list[int],
+        batch: int,
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
+        """SUM-pooled ``[batch, width]`` from feature-major inputs; exact when ``group`` holds copies of the tables.
+
+        A fused kernel updates in backward, so every copy must see the gradient of every rank's samples at
+        once: each rank of ``group`` looks up the union batch (all ranks' bags, feature-major, ranks in
+        group order), keeps its own rows of the output, and in backward all-gathers the rows' gradients
+        into the union's gradient (``comm.own_rows_of_union``). Every copy then applies the same update
+        (bitwise: same inputs, same kernel) and holds the same optimizer state. Cost: ``|group|`` x the
+        lookup and its backward, plus an all-gather of lengths, ids (and weights) in forward and of the
+        pooled gradient in backward. Without autograd (evaluation) only the local batch is looked up.
+        ``embedding_grad`` scales the update once, in the kernel.
+        """
+        if group is None or not torch.is_grad_enabled():
+            return kernel(values, _complete_cumsum(lengths), weights, grad_scale=self._scale)
+        n = len(ids_per_feature)
+        info = comm.all_gather_ints([batch, *ids_per_feature], group)
+        batches = [row[0] for row in info]
+        id_counts = [row[1:] for row in info]
+        lengths = _regroup(comm.gather_union(lengths, [n * b for b in batches], group),
+                           [b for b in batches for _ in range(n)], len(batches), n)
+        seg = [c for row in id_counts for c in row]
+        totals = [sum(row) for row in id_counts]
+        values = _regroup(comm.gather_union(values, totals, group), seg, len(batches), n)
+        if weights is not None:
+            weights = _regroup(comm.gather_union(weights, totals, group), seg, len(batches), n)
+        union = kernel(values, _complete_cumsum(lengths), weights, grad_scale=self._scale)
+        return comm.own_rows_of_union(union, batches, group)
 
     def _dp_weights(self, kjt: KeyedJaggedTensor) -> list[torch.Tensor]:
         layout = self._layout
@@ -465,18 +542,26 @@ class ShardedEmbeddingBagCollection(_ShardedCollection):
         parts = []
         if self._dp_tables:
             sub = self._dp_subset(kjt)
-            tables = self._dp_weights(kjt)
-            table_pos = {ti: k for k, ti in enumerate(self._dp_tables)}
-            ft = [table_pos[layout.feature_table[f]] for f in self._dp_features]
             psw = sub.weights_or_none() if self._is_weighted else None
-            parts.append(kernels.torch_pooled(tables, ft, sub.values(), sub.offsets(), b, psw, self.sparse_grad).to(dtype))
+            if self._dp_fused is not None:
+                group = self._dp_group if dist.get_world_size(self._dp_group) > 1 else None
+                parts.append(self._fused_lookup(self._dp_fused, sub.lengths(), sub.values(), psw,
+                                                sub.length_per_key(), b, group).to(dtype))
+            else:
+                tables = self._dp_weights(kjt)
+                table_pos = {ti: k for k, ti in enumerate(self._dp_tables)}
+                ft = [table_pos[layout.feature_table[f]] for f in self._dp_features]
+                parts.append(kernels.torch_pooled(tables, ft, sub.values(), sub.offsets(), b, psw,
+                                                  self.sparse_grad).to(dtype))
         if self._has_mp:
             recv = self._input_dist(kjt, batches)
             tables = self._shard_weights(recv) if self._fused is None else []
             b_global = sum(batches)
             if self._fused is not None:
-                pooled = self._fused(recv["values"], _complete_cumsum(recv["lengths"]), recv["weights"],
-                                     grad_scale=self._scale).to(dtype)
+                n_mine = len(self._my_routes)
+                per_route = torch.tensor(recv["seg_vals"], dtype=torch.long).view(self._group_size, n_mine).sum(0)
+                pooled = self._fused_lookup(self._fused, recv["lengths"], recv["values"], recv["weights"],
+                                            per_route.tolist(), b_global, self._replica_group).to(dtype)
             elif self._my_routes:
                 pooled = kernels.torch_pooled(
                     tables, self._my_route_table, recv["values"], _complete_cumsum(recv["lengths"]), b_global,
@@ -589,7 +674,7 @@ def shard_modules(
     "lr": 0.05}``) makes every sharded table update inside backward with fbgemm's kernel; step it with
     ``fused_optimizer(model)``. Without it, tables are ordinary parameters for any torch optimizer.
     """
-    from lightning_rec.sharding.planner import default_module_plan
+    from lightning_rec.sharding.planner import automatic_plan
 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -608,12 +693,15 @@ def shard_modules(
         if unknown:
             raise ValueError(f"the plan names modules {unknown} that are not embedding collections of the model; "
                              f"collections found: {sorted(paths)}")
-    resolved = []
+    resolved, auto = [], None
     for path, m in targets:
         tables = list(m._layout.tables)
         module_plan = plan.get_plan_for_module(path) if plan is not None else None
-        if module_plan is None:
-            module_plan = default_module_plan(tables, gsize)
+        if module_plan is None:  # one plan for all unplanned collections: they share every rank's memory and time
+            if auto is None:
+                world = gsize * (1 if replica_group is None else dist.get_world_size(replica_group))
+                auto = automatic_plan(model, gsize, local, world, embedding_optimizer).plan(model)
+            module_plan = auto.get_plan_for_module(path)
         resolved.append((path, m, resolve_module_plan(tables, module_plan, gsize, local, path)))
     for path, m, shards in resolved:
         sharded = _SHARDED[type(m)](m, shards, group, embedding_grad=embedding_grad, device=device,
@@ -662,7 +750,7 @@ def fused_optimizer(model: nn.Module):
     """
     from lightning_rec.optim import FusedOptimizer
 
-    found = [m._fused for m in model.modules() if isinstance(m, _ShardedCollection) and m._fused is not None]
+    found = [k for m in model.modules() if isinstance(m, _ShardedCollection) for k in m.fused_kernels()]
     if not found:
         return None
     # one optimizer owns a kernel (a newer one would take it over), so hand out the same one each time

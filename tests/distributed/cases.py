@@ -18,7 +18,8 @@ from lightning_rec.sharding import (
 )
 
 ALL_TYPES = ("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise", "grid_shard")
-FUSED_TYPES = ALL_TYPES[1:]  # a fused update cannot wait for a data-parallel gradient sum
+# row-wise Adagrad keeps one statistic per row of a shard: column shards change its math, the others do not
+ROW_WHOLE_TYPES = ("data_parallel", "table_wise", "row_wise", "table_row_wise")
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -51,11 +52,18 @@ def random_placement(
 
 
 def random_case(
-    seed: int, ws: int, sequence: bool = False, types: tuple[str, ...] = ALL_TYPES, world: int | None = None
+    seed: int,
+    ws: int,
+    sequence: bool = False,
+    types: tuple[str, ...] = ALL_TYPES,
+    world: int | None = None,
+    fused: bool = False,
 ) -> dict:
-    """A random case whose plan is for a model-parallel group of ``ws`` ranks, batches for ``world`` ranks."""
+    """A random case whose plan is for a model-parallel group of ``ws`` ranks, batches for ``world`` ranks.
+
+    ``fused``: only what fbgemm's fused kernel holds (widths that are multiples of 4).
+    """
     rng = random.Random(seed)
-    fused = types == FUSED_TYPES
     local = rng.choice([d for d in range(1, ws + 1) if ws % d == 0])
     n_tables = rng.randint(1, 5)
     tables, plan, features = [], {}, []

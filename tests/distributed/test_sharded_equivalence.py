@@ -13,11 +13,11 @@ import copy
 import pytest
 import torch
 
-from lightning_rec import EmbeddingBagCollection, EmbeddingCollection
-from lightning_rec.sharding import ShardingPlan, full_state_dict, fused_optimizer, shard_modules
+from lightning_rec import EmbeddingBagCollection, EmbeddingCollection, PoolingType
+from lightning_rec.sharding import ShardingPlan, data_parallel, full_state_dict, fused_optimizer, shard_modules
 from lightning_rec.sharding.mesh import init_2d_mesh
 from lightning_rec.testing import run_distributed
-from tests.distributed.cases import FUSED_TYPES, batch, loss_coefficients, random_case
+from tests.distributed.cases import ALL_TYPES, ROW_WHOLE_TYPES, batch, loss_coefficients, random_case
 
 STEPS = 3
 LR = 0.5
@@ -38,7 +38,34 @@ def _sequence_loss(out: dict, case: dict, rank: int, step: int) -> torch.Tensor:
     return total / max(case["batch_sizes"][rank], 1)
 
 
-def _check_case(rank: int, ws: int, case: dict, sequence: bool, mesh=None, fused: str | None = None) -> float:
+class _RowwiseAdagrad(torch.optim.Optimizer):
+    """Row-wise Adagrad written out: ``m[r] += mean_d(g[r]**2)``; ``w[r] -= lr * g[r] / (sqrt(m[r]) + eps)``."""
+
+    def __init__(self, params, lr: float, eps: float = 1e-8) -> None:
+        super().__init__(params, {"lr": lr, "eps": eps})
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad.to_dense() if p.grad.is_sparse else p.grad
+                m = self.state[p].setdefault("sum", torch.zeros(p.shape[0], dtype=p.dtype))
+                m += g.pow(2).mean(1)
+                p -= group["lr"] * g / (m.sqrt() + group["eps"]).unsqueeze(1)
+
+
+def _reference_optimizer(params, fused: str | None) -> torch.optim.Optimizer:
+    params = list(params)
+    if fused == "adagrad":
+        return torch.optim.Adagrad(params, lr=LR, eps=1e-8, initial_accumulator_value=0.0)
+    if fused == "rowwise_adagrad":
+        return _RowwiseAdagrad(params, lr=LR)
+    return torch.optim.SGD(params, lr=LR)
+
+
+def _check_case(rank: int, ws: int, case: dict, sequence: bool, mesh=None, fused: str | None = None) -> dict:
     torch.manual_seed(case["seed"])
     if sequence:
         model = EmbeddingCollection(case["tables"], sparse_grad=case["sparse_grad"])
@@ -58,10 +85,7 @@ def _check_case(rank: int, ws: int, case: dict, sequence: bool, mesh=None, fused
         # a rank may hold no piece of any table; it still joins every exchange
         params = list(sharded.parameters())
         opt = torch.optim.SGD(params, lr=LR) if params else None
-    if fused == "adagrad":
-        ref_opt = torch.optim.Adagrad(ref.parameters(), lr=LR, eps=1e-8, initial_accumulator_value=0.0)
-    else:
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    ref_opt = _reference_optimizer(ref.parameters(), fused)
     loss_fn = _sequence_loss if sequence else _pooled_loss
     rank_weight = 1.0 if case["embedding_grad"] == "sum" else 1.0 / ws
     worst = 0.0
@@ -100,7 +124,10 @@ def _check_case(rank: int, ws: int, case: dict, sequence: bool, mesh=None, fused
     for key in want:
         torch.testing.assert_close(got[key], want[key], atol=ATOL, rtol=0,
                                    msg=lambda m: f"case {case['seed']} plan {case['plan']} {key} after {STEPS} steps: {m}")
-    return worst
+    # this rank's copy of every table it holds, and the fused optimizer's state: replicas must hold equal bits
+    local = {n: p.detach().clone() for n, p in sharded.named_parameters()}
+    state = opt.state_dict()["tables"] if fused is not None and opt is not None else {}
+    return {"worst": worst, "local": local, "state": {t: {k: v.clone() for k, v in st.items()} for t, st in state.items()}}
 
 
 def _equivalence_job(rank: int, ws: int, seeds: list[int], sequence: bool) -> list[float]:
@@ -134,11 +161,54 @@ def test_2d_replicas_of_model_parallel_groups_equal_single_process(sequence: boo
     run_distributed(_equivalence_2d_job, 4, seeds, 2, sequence)
 
 
-def _fused_job(rank: int, ws: int, seeds: list[int], kind: str) -> list[float]:
-    return [_check_case(rank, ws, random_case(seed, ws, types=FUSED_TYPES), False, fused=kind) for seed in seeds]
+def _fused_job(rank: int, ws: int, runs: list[tuple[int, str]], model_parallel_size: int | None) -> list[dict]:
+    mesh = init_2d_mesh(model_parallel_size) if model_parallel_size else None
+    mp = model_parallel_size or ws
+    out = []
+    for i, (seed, kind) in enumerate(runs):
+        types = ROW_WHOLE_TYPES if kind == "rowwise_adagrad" else ALL_TYPES
+        case = random_case(seed, mp, types=types, world=ws, fused=True)
+        # every case holds a data-parallel table; both conventions and both poolings are covered
+        first = case["tables"][0]
+        case["plan"][first.name] = data_parallel()
+        case["embedding_grad"] = ("sum", "mean")[i % 2]
+        first.pooling = (PoolingType.SUM, PoolingType.MEAN)[(i // 2) % 2]
+        out.append({**_check_case(rank, ws, case, False, mesh, fused=kind), "dp": first.name})
+    return out
 
 
-@pytest.mark.parametrize("ws, kind", [(2, "sgd"), (3, "adagrad")])
-def test_fused_optimizer_training_equals_single_process(ws: int, kind: str) -> None:
-    # the fbgemm in-backward update of every shard == torch's optimizer on the unsharded tables
-    run_distributed(_fused_job, ws, list(range(1300 + 10 * ws, 1300 + 10 * ws + 5)), kind)
+def _assert_replicas_identical(results: list[list[dict]], model_parallel_size: int) -> None:
+    for r, per_case in enumerate(results):
+        peer = r % model_parallel_size  # the same shard rank in the first replica group
+        for i, (mine, theirs) in enumerate(zip(per_case, results[peer])):
+            assert mine["local"].keys() == theirs["local"].keys()
+            for n, w in mine["local"].items():
+                assert torch.equal(w, theirs["local"][n]), f"case {i}: rank {r} and rank {peer} differ in {n}"
+            for t, st in mine["state"].items():
+                for k, v in st.items():
+                    assert torch.equal(v, theirs["state"][t][k]), f"case {i}: optimizer state {t}/{k} differs"
+    # the data-parallel table: one copy per rank of the whole world, all equal, with equal optimizer state
+    for i, first in enumerate(results[0]):
+        key = f"embedding_bags.{first['dp']}.weight"
+        for r, res in enumerate(results):
+            assert torch.equal(res[i]["local"][key], first["local"][key]), f"case {i}: rank {r} differs in {key}"
+            for k, v in res[i]["state"][first["dp"]].items():
+                assert torch.equal(v, first["state"][first["dp"]][k]), f"case {i}: rank {r} state {k} differs"
+
+
+@pytest.mark.parametrize("ws, kinds", [(2, ("sgd", "rowwise_adagrad")), (3, ("adagrad",))])
+def test_fused_optimizer_training_equals_single_process(ws: int, kinds: tuple[str, ...]) -> None:
+    # the fbgemm in-backward update of every shard and of data-parallel replicas == torch's optimizer on the
+    # unsharded tables
+    runs = [(1300 + 10 * ws + i, kinds[i % len(kinds)]) for i in range(4)]
+    results = run_distributed(_fused_job, ws, runs, None)
+    _assert_replicas_identical(results, ws)
+
+
+@pytest.mark.slow
+def test_fused_optimizer_2d_replicas_equal_single_process_and_stay_identical() -> None:
+    # 4 ranks = 2 replicas x 2-way model parallel: every replica looks up the union batch of its replica
+    # group, so each applies the same update, equal to one process's torch optimizer on the global batch
+    runs = [(1500 + i, kind) for i, kind in enumerate(["sgd", "rowwise_adagrad", "sgd", "adagrad"])]
+    results = run_distributed(_fused_job, 4, runs, 2, timeout_s=240)
+    _assert_replicas_identical(results, 2)

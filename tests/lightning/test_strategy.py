@@ -89,36 +89,6 @@ def test_registered_name_and_errors() -> None:
         check_layout(4, 2, 3)
 
 
-def _checkpoint_job(rank: int, ws: int, path: str, optimizer: str) -> dict:
-    model = ClickModule(batch_size=4, plan=PLAN)
-    if optimizer == "adagrad":
-        model.configure_optimizers = lambda: torch.optim.Adagrad(model.parameters(), lr=0.1)
-    trainer = _trainer(devices=ws, strategy=RecShardedStrategy(embedding_grad="mean"), use_distributed_sampler=False)
-    trainer.fit(model)
-    try:
-        trainer.save_checkpoint(path)
-    except ValueError as e:
-        return {"error": str(e)}
-    state = full_state_dict(model)  # collective: every rank calls it
-    return {"state": state if rank == 0 else None}
-
-
-def test_checkpoint_holds_full_tables_and_loads_into_one_process(tmp_path) -> None:
-    path = str(tmp_path / "model.ckpt")
-    results = run_distributed(_checkpoint_job, 2, path, "sgd", init_process_group=False, timeout_s=240)
-    ckpt = torch.load(path, weights_only=False)
-    single = ClickModule()
-    single.load_state_dict(ckpt["state_dict"])
-    for k, v in single.state_dict().items():
-        assert torch.equal(v, results[0]["state"][k]), k
-
-
-def test_checkpoint_refuses_to_drop_sharded_optimizer_state(tmp_path) -> None:
-    results = run_distributed(_checkpoint_job, 2, str(tmp_path / "m.ckpt"), "adagrad", init_process_group=False,
-                              timeout_s=240)
-    assert "sharded embedding parameter 'ebc.embedding_bags.user.weight'" in results[0]["error"]
-
-
 def _two_node_job(rank: int, ws: int) -> dict:
     import os
 
@@ -147,10 +117,10 @@ def test_two_nodes_place_host_shards_on_the_right_hosts() -> None:
         torch.testing.assert_close(results[0]["state"][k], want[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
 
 
-def _fused_fit_job(rank: int, ws: int, mode: str) -> dict:
+def _fused_fit_job(rank: int, ws: int, mode: str, mp: int | None = None, plan: ShardingPlan | None = None) -> dict:
     from lightning_rec import CombinedOptimizer
 
-    plan = ShardingPlan({"ebc": {"user": row_wise(), "item": table_wise(rank=1), "geo": table_wise(rank=0)}})
+    plan = plan or ShardingPlan({"ebc": {"user": row_wise(), "item": table_wise(rank=1), "geo": table_wise(rank=0)}})
     model = ClickModule(batch_size=4, plan=plan)
     if mode == "scheduled":
         def configure_optimizers():
@@ -159,7 +129,8 @@ def _fused_fit_job(rank: int, ws: int, mode: str) -> dict:
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
         model.configure_optimizers = configure_optimizers
-    strategy = RecShardedStrategy(embedding_grad="mean", embedding_optimizer={"kind": "sgd", "lr": 0.2})
+    strategy = RecShardedStrategy(model_parallel_size=mp, embedding_grad="mean",
+                                  embedding_optimizer={"kind": "sgd", "lr": 0.2})
     trainer = _trainer(devices=ws, strategy=strategy, use_distributed_sampler=False,
                        accumulate_grad_batches=2 if mode == "accumulate" else 1,
                        gradient_clip_val=1.0 if mode == "clip" else None)
@@ -168,18 +139,28 @@ def _fused_fit_job(rank: int, ws: int, mode: str) -> dict:
     except ValueError as e:
         return {"error": str(e)}
     state = full_state_dict(model)
-    kernel_lrs = [m._fused.get_learning_rate() for m in model.modules() if getattr(m, "_fused", None) is not None]
-    return {"state": state if rank == 0 else None, "kernel_lrs": kernel_lrs,
+    kernel_lrs = [k.get_learning_rate() for m in model.modules() for k in getattr(m, "fused_kernels", list)()]
+    tables = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("ebc.")}
+    return {"state": state if rank == 0 else None, "kernel_lrs": kernel_lrs, "tables": tables,
             "requires_grad": [n for n, p in model.named_parameters() if p.requires_grad]}
 
 
-def test_fused_embedding_optimizer_matches_single_process() -> None:
-    results = run_distributed(_fused_fit_job, 2, "plain", init_process_group=False, timeout_s=240)
-    want = _reference(2)  # torch SGD (lr 0.2) on every parameter, one process
+@pytest.mark.parametrize("ws, mp, plan", [(2, None, None), (4, 2, PLAN)], ids=["2procs", "2x2-replicas-with-dp-table"])
+def test_fused_embedding_optimizer_matches_single_process(ws: int, mp: int | None, plan) -> None:
+    results = run_distributed(_fused_fit_job, ws, "plain", mp, plan, init_process_group=False, timeout_s=300)
+    want = _reference(ws)  # torch SGD (lr 0.2) on every parameter, one process
     for k in want:
         torch.testing.assert_close(results[0]["state"][k], want[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
     for r in results:  # tables are updated by the kernel: no autograd gradient, only the dense head trains by DDP
         assert r["requires_grad"] == ["head.weight", "head.bias"]
+    # replicas (same shard rank in each replica group; every rank for the data-parallel table) hold equal bits
+    group = mp or ws
+    for rank, r in enumerate(results):
+        peer = results[rank % group]
+        assert r["tables"].keys() == peer["tables"].keys()
+        assert all(torch.equal(v, peer["tables"][n]) for n, v in r["tables"].items()), rank
+        if plan is PLAN:
+            assert torch.equal(r["tables"]["ebc.embedding_bags.geo.weight"], results[0]["tables"]["ebc.embedding_bags.geo.weight"])
 
 
 def test_lr_scheduler_drives_the_fused_kernel() -> None:
@@ -212,22 +193,80 @@ def test_fused_refuses_gradient_clipping() -> None:
         assert "gradient_clip_val=1.0" in r["error"] and "never hold a gradient" in r["error"]
 
 
-def _bf16_mixed_job(rank: int, ws: int) -> dict:
+def _mixed_job(rank: int, ws: int, precision: str) -> dict:
+    from lightning.pytorch.plugins import MixedPrecision
+
     model = ClickModule(batch_size=4, plan=PLAN)
-    trainer = _trainer(devices=ws, strategy=RecShardedStrategy(embedding_grad="mean"), precision="bf16-mixed",
-                       use_distributed_sampler=False)
+    # fp16 autocast on CPU needs the plugin spelled out: Trainer(precision="16-mixed") swaps in bf16 there
+    kw = {"plugins": [MixedPrecision("16-mixed", "cpu")]} if precision == "16-mixed" else {"precision": precision}
+    trainer = _trainer(devices=ws, strategy=RecShardedStrategy(embedding_grad="mean"), use_distributed_sampler=False,
+                       **kw)
     trainer.fit(model)
-    return {"dtypes": {n: str(p.dtype) for n, p in model.named_parameters()},
-            "leaf": all(p.is_leaf for p in model.parameters()), "state": full_state_dict(model)}
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return {"dtypes": {n: str(p.dtype) for n, p in model.named_parameters()}, "precision": trainer.precision,
+            "scaler": scaler is not None, "leaf": all(p.is_leaf for p in model.parameters()),
+            "state": full_state_dict(model)}
 
 
-def test_bf16_mixed_keeps_fp32_tables_and_trains() -> None:
-    results = run_distributed(_bf16_mixed_job, 2, init_process_group=False, timeout_s=240)
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_keeps_fp32_tables_and_trains(precision: str) -> None:
+    results = run_distributed(_mixed_job, 2, precision, init_process_group=False, timeout_s=240)
     want = _reference(2)
     for r in results:
         assert set(r["dtypes"].values()) == {"torch.float32"} and r["leaf"]
-    for k in want:  # autocast computes the head in bf16: equal to the fp32 run within bf16 precision
+        assert r["precision"] == precision and r["scaler"] == (precision == "16-mixed")  # fp16: a GradScaler
+    for k in want:  # autocast computes the head in bf16 / fp16: equal to the fp32 run within that precision
         torch.testing.assert_close(results[0]["state"][k], want[k], atol=2e-2, rtol=0, msg=lambda m: f"{k}: {m}")
+
+
+def test_16_mixed_flag_on_cpu_is_bf16_and_fused_refuses_loss_scaling() -> None:
+    from lightning.pytorch.plugins import MixedPrecision
+
+    # Lightning 2.6 maps Trainer(accelerator="cpu", precision="16-mixed") to bf16-mixed, with a warning
+    with pytest.warns(UserWarning, match="AMP with fp16 is not supported on CPU. Using `precision='bf16-mixed'`"):
+        trainer = L.Trainer(strategy=RecShardedStrategy(), accelerator="cpu", devices=1, precision="16-mixed",
+                            logger=False)
+    assert trainer.precision == "bf16-mixed"
+    # a GradScaler would hand the fused kernel the scaled gradient: refused before anything runs
+    trainer = L.Trainer(strategy=RecShardedStrategy(embedding_optimizer={"kind": "sgd", "lr": 0.1}), accelerator="cpu",
+                        devices=1, plugins=[MixedPrecision("16-mixed", "cpu")], logger=False)
+    with pytest.raises(ValueError, match="scales the loss with a GradScaler.*updated inside backward with the scaled"):
+        trainer.strategy._check_fused_trainer(trainer)
+
+
+def _uneven_job(rank: int, ws: int) -> list[str]:
+    from datetime import timedelta
+
+    from torch.utils.data import DataLoader
+
+    from tests.lightning.models import Clicks, collate
+
+    errors = []
+    for stage in ("validate", "fit"):
+        model = ClickModule(batch_size=4)
+        n_train, n_val = (16, 4 * (2 + rank)) if stage == "validate" else (4 * (3 + rank), 8)
+        model.train_dataloader = lambda n=n_train: DataLoader(Clicks(n), batch_size=4, collate_fn=collate)
+        model.val_dataloader = lambda n=n_val: DataLoader(Clicks(n), batch_size=4, collate_fn=collate)
+        # a short collective timeout: without the check, the rank with an extra batch would wait this long
+        trainer = L.Trainer(accelerator="cpu", devices=ws, max_epochs=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                            strategy=RecShardedStrategy(timeout=timedelta(seconds=60)))
+        try:
+            getattr(trainer, stage)(model)
+            errors.append("")
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+@pytest.mark.slow
+def test_ranks_with_different_batch_counts_get_a_clear_error_not_a_hang() -> None:
+    # rank 0 has 2 validation / 3 training batches, rank 1 one more of each (no distributed sampler)
+    for errors in run_distributed(_uneven_job, 2, init_process_group=False, timeout_s=120):
+        val, train = errors
+        assert "different numbers of validation batches per epoch (by rank: [[2], [3]])" in val, val
+        assert "different numbers of training batches per epoch (by rank: [3, 4])" in train, train
+        assert "use_distributed_sampler=True" in train
 
 
 def _bf16_true_job(rank: int, ws: int) -> dict:

@@ -713,3 +713,25 @@ def test_lightning_fit_schedule_checkpoint_resume(tmp_path):
 def test_lightning_gradient_accumulation_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="gradient accumulation"):
         _fit(_lightning_module(0), 3, tmp_path, accumulate_grad_batches=2)
+
+
+def test_fused_tables_hold_several_kernels_under_the_usual_keys():
+    from lightning_rec.kernels import FusedTables
+
+    sgd = {"kind": "sgd", "lr": 0.1}
+    shards = FusedPooledKernel([("b.x", 3, 4, torch.float32)], [0], sgd)
+    replicated = FusedPooledKernel([("a", 5, 8, torch.float32), ("c", 2, 4, torch.float32)], [0, 1], sgd)
+    holder = torch.nn.Module()
+    holder.embedding_bags = FusedTables([shards, replicated], ["a", "b.x", "c"])
+    state = holder.state_dict()
+    assert list(state) == ["embedding_bags.a.weight", "embedding_bags.b.x.weight", "embedding_bags.c.weight"]
+    assert state["embedding_bags.b.x.weight"].data_ptr() == shards.tables()[0].data_ptr()
+    new = {k: torch.full_like(v, 0.5) for k, v in state.items()}
+    holder.load_state_dict(new)  # strict, dotted table name included; copies into the kernels' storage
+    assert torch.equal(shards.tables()[0], torch.full((3, 4), 0.5)) and torch.equal(replicated.tables()[1], torch.full((2, 4), 0.5))
+    with pytest.raises(RuntimeError, match='Unexpected key.*"embedding_bags.zz.weight"'):
+        holder.load_state_dict({**new, "embedding_bags.zz.weight": torch.zeros(1)})
+    with pytest.raises(RuntimeError, match=r"cannot be moved or converted after construction \(table 'b.x'"):
+        holder.half()
+    holder.to("cpu")  # same device: fine
+    assert all(not p.requires_grad for p in holder.parameters()) and len(list(holder.parameters())) == 3
