@@ -525,8 +525,8 @@ class Planner:
         batch_size: samples per rank per step.
         pooling_factors: ``{feature name: mean ids per sample}``; others use ``default_pooling_factor``.
         optimizer: kind of the embedding optimizer, which fixes its state size (see ``OPTIMIZER_STATE``).
-        gradients: ``"dense"``, ``"sparse"`` or ``"fused"`` (updated inside backward; no data_parallel
-            then); default: each collection's ``sparse_grad``, dense for bare table lists.
+        gradients: ``"dense"``, ``"sparse"`` or ``"fused"`` (updated inside backward; data_parallel is
+            then only used where a constraint allows it); default: each collection's ``sparse_grad``, dense for bare table lists.
         constraints: ``{table name: TableConstraint}`` (allowed types, a fixed placement).
         together: groups of table names that get one placement together (same type and ranks).
         min_column_width: narrowest column shard considered for column_wise / grid_shard.
@@ -708,7 +708,9 @@ class Planner:
             if c is not None and c.sharding_types is not None:
                 mine = {ParameterSharding(x).sharding_type for x in c.sharding_types}
                 allowed = [a for a in allowed if a in mine]
-            if stats[i].grads == "fused":  # the fused update cannot wait for a cross-rank gradient sum
+            # fused data-parallel copies each look up the whole world's batch (the union), a cost not modelled
+            # here: never chosen automatically (a plan or a constraint may still ask for it)
+            if stats[i].grads == "fused" and not (c is not None and c.sharding_types is not None):
                 allowed = [a for a in allowed if a != ShardingType.DATA_PARALLEL]
         if not allowed:
             names = [stats[i].config.name for i in unit]
@@ -800,7 +802,8 @@ class Planner:
                 units.append(unit)
         self._check_total(stats, units, total)
         if topo.replicas > 1 and any(s.grads == "fused" for s in stats):
-            notes.append("fused optimizers are refused with replica groups (2D) today; estimates assume they work")
+            notes.append("fused tables under replica groups look up the union of the replicas' batches; the "
+                         "estimates do not include that extra lookup")
         failures = []
         for mode in ("time", "memory"):
             # a second pass places by memory balance when the time-first pass leaves a table without room

@@ -191,14 +191,15 @@ def test_constraints_fixed_placement_and_together() -> None:
         Planner(Topology(2), pooling_factors={"nope": 3}).plan(tables)
 
 
-def test_fused_gradients_never_data_parallel() -> None:
+def test_fused_gradients_data_parallel_only_when_asked() -> None:
     tables = [EmbeddingBagConfig(10, 8, f"t{i}", [f"f{i}"]) for i in range(20)]
     planner = Planner(Topology(8), gradients="fused")
     planner.plan(tables)
     assert all(c.sharding.sharding_type != ShardingType.DATA_PARALLEL for c in planner.explain().tables)
-    with pytest.raises(PlannerError, match="data_parallel is excluded"):
-        Planner(Topology(2), gradients="fused",
-                constraints={"t0": TableConstraint(sharding_types=["data_parallel"])}).plan(tables)
+    asked = Planner(Topology(2), gradients="fused",
+                    constraints={"t0": TableConstraint(sharding_types=["data_parallel"])})
+    asked.plan(tables)
+    assert asked.explain().tables[0].sharding.sharding_type == ShardingType.DATA_PARALLEL
 
 
 def test_host_memory_takes_what_devices_cannot_hold() -> None:
