@@ -86,3 +86,16 @@ def precision_target_dtype(precision_plugin: object) -> object:
     """The dtype a ``*-true`` Lightning precision plugin converts modules to (None for the others)."""
     # Lightning's HalfPrecision keeps it in a private attribute (lightning 2.4-2.6)
     return getattr(precision_plugin, "_desired_input_dtype", None)
+
+
+def synced_grad_scaler(scaler: object, group: object) -> object:
+    """``scaler``'s settings in a GradScaler whose inf/NaN check is all-reduced over ``group``."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    if isinstance(scaler, ShardedGradScaler):
+        return scaler
+    return ShardedGradScaler(
+        device=scaler._device, init_scale=scaler._init_scale, backoff_factor=scaler._backoff_factor,
+        growth_factor=scaler._growth_factor, growth_interval=scaler._growth_interval, enabled=scaler._enabled,
+        process_group=group,
+    )

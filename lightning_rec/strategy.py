@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_rec import _compat
 from lightning_rec._compat import precision_target_dtype
 from lightning_rec.sharding.comm import grad_scale
 from lightning_rec.sharding.mesh import MeshInfo, check_layout, init_2d_mesh
@@ -161,6 +162,14 @@ class RecShardedStrategy(DDPStrategy):
             from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
             _optimizers_to_device(self.optimizers, self.root_device)
+            self._sync_grad_scaler()
+
+    def _sync_grad_scaler(self) -> None:
+        # Each rank sees only its own shards' gradients: a rank whose shards overflowed would skip the step
+        # while the others take it, and replicas would silently diverge. Agree on "found inf" over the world.
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:
+            self.precision_plugin.scaler = _compat.synced_grad_scaler(scaler, torch.distributed.group.WORLD)
 
     def _check_fused_trainer(self, trainer: L.Trainer) -> None:
         if self.embedding_optimizer is None:

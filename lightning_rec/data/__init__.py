@@ -1,0 +1,37 @@
+"""Click-log data for recommendation models: synthetic Criteo-shaped clicks, Criteo readers, a DataModule.
+
+Every loader yields :class:`Batch` ``(dense, sparse: KeyedJaggedTensor, labels)`` and shards rows over
+data-parallel ranks with the same number of batches per rank, no overlap and no loss (see
+:class:`ClickDataModule` for the rule on the last partial batch).
+"""
+
+from lightning_rec.data._sharding import rank_batch_ranges
+from lightning_rec.data.batch import Batch, batch_from_arrays, collate
+from lightning_rec.data.criteo import CriteoNpy, CriteoTSV
+from lightning_rec.data.datamodule import ClickDataModule
+from lightning_rec.data.synthetic import (
+    CRITEO_CARDINALITIES,
+    DEFAULT_MULTI_HOT,
+    FEATURE_NAMES,
+    NUM_DENSE,
+    SyntheticClicks,
+    binary_auc,
+    scaled_cardinalities,
+)
+
+__all__ = [
+    "CRITEO_CARDINALITIES",
+    "DEFAULT_MULTI_HOT",
+    "FEATURE_NAMES",
+    "NUM_DENSE",
+    "Batch",
+    "ClickDataModule",
+    "CriteoNpy",
+    "CriteoTSV",
+    "SyntheticClicks",
+    "batch_from_arrays",
+    "binary_auc",
+    "collate",
+    "rank_batch_ranges",
+    "scaled_cardinalities",
+]

@@ -1,0 +1,78 @@
+"""The batch every dataloader of ``lightning_rec.data`` yields, and the collate that builds it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lightning_rec.sparse import KeyedJaggedTensor
+
+
+@dataclass
+class Batch:
+    """One batch of click rows.
+
+    Attributes:
+        dense: float32 ``[B, num_dense]``.
+        sparse: KeyedJaggedTensor with one key per categorical feature (key-major, lengths ``[F * B]``).
+        labels: float32 ``[B]`` holding 0.0 / 1.0.
+    """
+
+    dense: torch.Tensor
+    sparse: KeyedJaggedTensor
+    labels: torch.Tensor
+
+    def __post_init__(self) -> None:
+        b = self.labels.size(0)
+        if self.dense.dim() != 2 or self.dense.size(0) != b or self.sparse.stride() != b:
+            raise ValueError(
+                f"Batch: dense {tuple(self.dense.shape)}, sparse batch size {self.sparse.stride()} and "
+                f"labels {tuple(self.labels.shape)} must all have the same batch size"
+            )
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return Batch(self.dense.to(device, non_blocking=non_blocking),
+                     self.sparse.to(device, non_blocking=non_blocking),
+                     self.labels.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Batch:
+        # called by DataLoader(pin_memory=True) in its pinning thread
+        return Batch(self.dense.pin_memory(), self.sparse.pin_memory(), self.labels.pin_memory())
+
+    def __len__(self) -> int:
+        return self.labels.size(0)
+
+
+def batch_from_arrays(
+    dense: np.ndarray, lengths: np.ndarray, values: np.ndarray, labels: np.ndarray, keys: Sequence[str]
+) -> Batch:
+    """Wrap numpy arrays (dense ``[B, D]``, key-major ``lengths [F, B]`` and ``values``, ``labels [B]``)."""
+    return Batch(
+        dense=torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
+        sparse=KeyedJaggedTensor(list(keys), torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)),
+                                 lengths=torch.from_numpy(np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1))),
+        labels=torch.from_numpy(np.ascontiguousarray(labels, dtype=np.float32)),
+    )
+
+
+def collate(
+    samples: Sequence[tuple[Sequence[float], Mapping[str, Sequence[int]], float]], keys: Sequence[str]
+) -> Batch:
+    """Collate per-row samples ``(dense, {feature: ids}, label)`` of a map-style dataset into a Batch.
+
+    Use it as ``DataLoader(ds, batch_size=..., collate_fn=functools.partial(collate, keys=names))``.
+    A feature missing from a sample's dict is an empty bag.
+    """
+    keys = list(keys)
+    if not samples:
+        raise ValueError("collate: got no samples")
+    dense = np.asarray([np.asarray(s[0], dtype=np.float32) for s in samples], dtype=np.float32)
+    bags = [[np.asarray(s[1].get(k, ()), dtype=np.int64).reshape(-1) for s in samples] for k in keys]
+    lengths = np.asarray([[b.size for b in row] for row in bags], dtype=np.int64).reshape(len(keys), len(samples))
+    flat = [b for row in bags for b in row]
+    values = np.concatenate(flat) if flat else np.zeros(0, dtype=np.int64)
+    labels = np.asarray([float(s[2]) for s in samples], dtype=np.float32)
+    return batch_from_arrays(dense, lengths, values, labels, keys)

@@ -1,0 +1,142 @@
+"""ClickDataModule: synthetic or real Criteo clicks as Lightning train / val / test / predict loaders."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_rec.configs import EmbeddingBagConfig
+from lightning_rec.data.criteo import CriteoNpy, CriteoTSV, count_lines, resolve_paths
+from lightning_rec.data.synthetic import FEATURE_NAMES, NUM_DENSE, SyntheticClicks, scaled_cardinalities
+
+SOURCES = ("synthetic", "criteo_tsv", "criteo_npy")
+
+
+class ClickDataModule(L.LightningDataModule):
+    """Click-through data for DLRM-style models: every loader yields :class:`~lightning_rec.data.Batch`.
+
+    ``source="synthetic"`` streams :class:`SyntheticClicks` (splits are different rows of one hidden task);
+    ``"criteo_tsv"`` / ``"criteo_npy"`` read ``path`` with :class:`CriteoTSV` / :class:`CriteoNpy`, taking
+    consecutive windows of the rows: train ``[0, train_rows)``, then ``val_rows``, then ``test_rows``
+    (``train_rows=None``: every row the validation and test windows leave). ``predict`` reads the test rows.
+
+    Table sizes are ``CRITEO_CARDINALITIES`` scaled by ``size`` (or ``cardinalities``); ``num_dense``,
+    ``feature_names`` and ``cardinalities`` are set in ``__init__`` so LightningCLI can link them into the
+    model, and ``table_configs(dim)`` gives one table per feature.
+
+    Sharding: each loader reads the rows of ``trainer.global_rank`` out of ``trainer.world_size`` (every
+    rank of the world, also under 2D layouts, reads different rows). Every rank gets the same number of
+    batches and none is empty: the rows after the last full global batch (``batch_size x world_size``
+    rows) are split evenly, and fewer leftover rows than ranks join the last full global batch, so a last
+    batch can hold ``batch_size + 1`` rows. ``drop_last=True`` drops those leftover rows in training only;
+    validation, test and predict always see every row. DataLoader workers take a rank's batches round-robin.
+    """
+
+    def __init__(
+        self,
+        source: str = "synthetic",
+        path: str | None = None,
+        batch_size: int = 256,
+        train_rows: int | None = 65536,
+        val_rows: int = 16384,
+        test_rows: int = 16384,
+        size: float = 1e-3,
+        seed: int = 0,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        multi_hot: dict[str, int] | None = None,
+        cardinalities: list[int] | None = None,
+        drop_last: bool = False,
+        min_cardinality: int = 16,
+    ) -> None:
+        super().__init__()
+        if source not in SOURCES:
+            raise ValueError(f"ClickDataModule: source must be one of {list(SOURCES)}, got {source!r}")
+        if source == "synthetic":
+            if train_rows is None:
+                raise ValueError("ClickDataModule: source='synthetic' needs a number of train_rows")
+        else:
+            if not path:
+                raise ValueError(f"ClickDataModule: source={source!r} needs `path` (the Criteo data)")
+            if source == "criteo_npy" and not os.path.exists(path):
+                raise FileNotFoundError(f"ClickDataModule: no Criteo .npz file or directory at {path!r}")
+            if source == "criteo_tsv":
+                resolve_paths(path)  # fail now, not at the first epoch
+            if multi_hot:
+                raise ValueError("ClickDataModule: multi_hot applies to synthetic data only; Criteo features are one id")
+        for name, v in (("train_rows", train_rows), ("val_rows", val_rows), ("test_rows", test_rows)):
+            if v is not None and v < 0:
+                raise ValueError(f"ClickDataModule: {name} must be >= 0, got {v}")
+        self.save_hyperparameters()
+        self.source, self.path, self.batch_size = source, path, batch_size
+        self.rows = {"train": train_rows, "val": val_rows, "test": test_rows}
+        self.seed, self.num_workers, self.pin_memory = seed, num_workers, pin_memory
+        self.multi_hot, self.drop_last, self.size = multi_hot, drop_last, size
+        self.num_dense: int = NUM_DENSE
+        self.feature_names: list[str] = list(FEATURE_NAMES)
+        self.cardinalities: list[int] = (
+            [int(c) for c in cardinalities] if cardinalities is not None
+            else scaled_cardinalities(size, min_cardinality)
+        )
+        if len(self.cardinalities) != len(self.feature_names) or min(self.cardinalities) < 1:
+            raise ValueError(f"ClickDataModule: cardinalities must be {len(self.feature_names)} positive ints, "
+                             f"got {self.cardinalities}")
+        self._total_rows: int | None = None
+
+    def table_configs(self, embedding_dim: int, pooling: str = "sum") -> list[EmbeddingBagConfig]:
+        """One table per feature, named ``t_<feature>``, sized by ``cardinalities``."""
+        return [EmbeddingBagConfig(name=f"t_{f}", num_embeddings=n, embedding_dim=embedding_dim, feature_names=[f],
+                                   pooling=pooling)
+                for f, n in zip(self.feature_names, self.cardinalities)]
+
+    def _rank(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def _window(self, split: str) -> tuple[int, int]:
+        """(start, num_rows) of a split inside the Criteo rows."""
+        if self._total_rows is None:
+            if self.source == "criteo_tsv":
+                self._total_rows = sum(count_lines(p) for p in resolve_paths(self.path))
+            else:
+                self._total_rows = CriteoNpy(self.path, 1, self.cardinalities, num_rows=0).num_rows_total
+        val, test = self.rows["val"], self.rows["test"]
+        train = self.rows["train"] if self.rows["train"] is not None else self._total_rows - val - test
+        need = train + val + test
+        if train < 0 or need > self._total_rows:
+            raise ValueError(f"ClickDataModule: {self.path!r} has {self._total_rows} rows, fewer than train_rows "
+                             f"+ val_rows + test_rows = {self.rows['train']} + {val} + {test}")
+        return {"train": (0, train), "val": (train, val), "test": (train + val, test)}[split]
+
+    def dataset(self, split: str) -> IterableDataset:
+        """This rank's dataset of ``split`` (``train``, ``val``, ``test`` or ``predict``)."""
+        rank, world = self._rank()
+        drop_last = self.drop_last and split == "train"
+        rows = "test" if split == "predict" else split
+        if self.source == "synthetic":
+            return SyntheticClicks(self.rows[rows], self.batch_size, seed=self.seed, rank=rank, world_size=world,
+                                   multi_hot=self.multi_hot, drop_last=drop_last, split=rows,
+                                   cardinalities=self.cardinalities)
+        start, n = self._window(rows)
+        cls = CriteoTSV if self.source == "criteo_tsv" else CriteoNpy
+        return cls(self.path, self.batch_size, self.cardinalities, rank=rank, world_size=world, drop_last=drop_last,
+                   start=start, num_rows=n)
+
+    def _loader(self, split: str) -> DataLoader:
+        # the datasets batch themselves: batch_size=None turns off the DataLoader's own batching
+        return DataLoader(self.dataset(split), batch_size=None, num_workers=self.num_workers,
+                          pin_memory=self.pin_memory, persistent_workers=False)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train")
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader("predict")
