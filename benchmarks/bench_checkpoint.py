@@ -8,7 +8,7 @@ over 2 gloo processes. Compared, on the same machine in one run:
 - ``lightning_rec.checkpoint.save`` / ``load`` (DCP directory) from 2 processes;
 - ``lightning_rec.export.export_state_dict`` (one consolidated file, streamed) from 2 processes.
 
-Peak memory is the growth of each process's peak RSS (``ru_maxrss``) during the operation, on top of the
+Peak memory is the growth of each process's resident memory (sampled) during the operation, on top of the
 model and optimizer it already holds. Writes benchmarks/results/checkpoint.md.
 """
 
@@ -17,10 +17,10 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import resource
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -36,7 +36,8 @@ from lightning_rec.testing import run_distributed  # noqa: E402
 
 
 def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _tables(n: int, rows: int, dim: int) -> list[EmbeddingBagConfig]:
@@ -49,10 +50,22 @@ def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def _timed(fn) -> tuple[float, float]:
-    base = _rss_mb()
+    """Seconds, and the peak resident-memory growth over the call (sampled every 2 ms)."""
+    base, peak, done = _rss_mb(), [0.0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_mb())
+            time.sleep(0.002)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
     t = time.perf_counter()
     fn()
-    return time.perf_counter() - t, _rss_mb() - base
+    dt = time.perf_counter() - t
+    done.set()
+    th.join()
+    return dt, max(peak[0], _rss_mb()) - base
 
 
 def single(n: int, rows: int, dim: int, path: str) -> dict:
@@ -111,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Workload: {args.tables} tables x {args.rows:,} rows x {args.dim} dims fp32 ({weights_mb:.0f} MiB of weights) "
         f"+ torch Adagrad state (as large again); sharded table-wise over {args.world} gloo processes.",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        "local disk. Peak memory = growth of the process's peak RSS during the operation.",
+        "local disk. Peak memory = growth of the process's resident memory during the operation (sampled every 2 ms).",
         "",
         "| what | save s | load s | save peak +MiB | load peak +MiB | on disk MiB |",
         "| --- | --- | --- | --- | --- | --- |",

@@ -67,11 +67,14 @@ def _gather_to_zero(value: Any) -> torch.Tensor | None:
     for m in value.metadata().shards_metadata:
         (r, c), (nr, nc) = m.shard_offsets, m.shard_sizes
         src = local.get((r, c))
-        if src is None:
+        if src is not None:
+            full[r : r + nr, c : c + nc] = src.detach().to("cpu")
+        elif nc == full.shape[1] and wire.type == "cpu":
+            dist.recv(_as_bytes(full[r : r + nr]), src=m.placement.rank())  # whole rows: straight into place
+        else:
             buf = torch.empty(nr * nc * dtype.itemsize, dtype=torch.uint8, device=wire)
             dist.recv(buf, src=m.placement.rank())
-            src = buf.cpu().view(dtype).view(nr, nc)
-        full[r : r + nr, c : c + nc] = src.detach().to("cpu")
+            full[r : r + nr, c : c + nc] = buf.cpu().view(dtype).view(nr, nc)
     return full
 
 
@@ -102,6 +105,7 @@ def export_state_dict(model: nn.Module, path: str | os.PathLike) -> Path:
                 skeleton[key] = v
         with torch.serialization.skip_data():
             torch.save(skeleton, tmp)
+        del skeleton  # never touched, but let the allocator have it back before tables arrive
         offsets = _record_offsets(tmp)
         handle = open(tmp, "r+b")  # noqa: SIM115 - closed below, after every tensor is filled
     index = 0  # storages are numbered in the order the pickler meets them: the state_dict's order
@@ -119,6 +123,8 @@ def export_state_dict(model: nn.Module, path: str | os.PathLike) -> Path:
                 raise RuntimeError(f"export of {key!r}: {data.numel()} bytes for a record of {size}")
             handle.seek(start)
             handle.write(memoryview(data.numpy()))
+            del data
+        del full
         index += 1
     if rank == 0:
         handle.close()
