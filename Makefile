@@ -19,6 +19,9 @@ $(VENV)/.installed-$(KERNELS): pyproject.toml
 install: $(VENV)/.installed-$(KERNELS)
 
 demo: install
+	$(PY) examples/dlrm.py
+
+demo-lookup: install
 	$(PY) examples/sharded_lookup_demo.py
 
 test: install
@@ -28,5 +31,6 @@ bench: install
 	$(PY) benchmarks/bench_kernels.py
 	$(PY) benchmarks/bench_sharding.py
 	$(PY) benchmarks/bench_strategy.py
+	$(PY) benchmarks/bench_dlrm.py
 
-.PHONY: install demo test bench
+.PHONY: install demo demo-lookup test bench

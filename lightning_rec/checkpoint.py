@@ -241,6 +241,9 @@ def _optimizer_targets(model: nn.Module, optimizer: Any, saved: dict[str, dict[s
             f"{[_leaf_kind(leaves[k]) for k in sorted(leaves)]}"
         )
     holder = {names[id(p)]: j for j, leaf in leaves.items() for g in leaf.param_groups for p in g["params"]}
+    # state the optimizers already hold (Adagrad's sums, fused kernels' state): loaded in place, no extra copy
+    live = {(j, names[id(p)], k): v for j, leaf in leaves.items() for p, st in _leaf_state(leaf)
+            for k, v in st.items() if torch.is_tensor(v)}
     targets: dict[str, Any] = {}
     loaded: dict[str, dict[str, dict[str, Any]]] = {j: {} for j in leaves}
     for j, leaf in leaves.items():
@@ -288,7 +291,10 @@ def _optimizer_targets(model: nn.Module, optimizer: Any, saved: dict[str, dict[s
                         f"optimizer state {k!r} of {name!r}: the checkpoint has shape {list(global_shape)}, this "
                         f"model {expect}"
                     )
-                buf = torch.empty(param.shape, dtype=dtype, device=param.device)
+                buf = live.get((j, name, k))
+                if form != "elementwise" or buf is None or buf.shape != param.shape or buf.dtype != dtype \
+                        or not buf.is_contiguous():
+                    buf = torch.empty(param.shape, dtype=dtype, device=param.device)
                 if param.numel():
                     targets[_key(j, name, k)] = buf if place is None else place.sharded(buf)
                 loaded[j].setdefault(name, {})[k] = (form, buf)
