@@ -195,7 +195,7 @@ def _sum_touched_rows(
     out = []
     for g, u, r, part in zip(grads, unions, rows, torch.split(buf, [r.numel() for r in rows])):
         summed = part.view(r.shape).to(r.dtype)
-        out.append(torch.sparse_coo_tensor(u.unsqueeze(0), summed, g.shape) if g.is_sparse
+        out.append(torch.sparse_coo_tensor(u.unsqueeze(0), summed, g.shape, check_invariants=False) if g.is_sparse
                    else g.index_copy(0, u, summed))
     return out
 
