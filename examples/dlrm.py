@@ -9,6 +9,7 @@ memory at start, validation AUC / NE each epoch and a checkpoint at the end. The
     python examples/dlrm.py --print_config                         # everything that can be set
     python examples/dlrm.py --trainer.devices 4 --model.embedding_dim 32 --data.size 0.1
     python examples/dlrm.py --config my.yaml                       # layered over dlrm.yaml
+    python examples/dlrm.py --trainer.max_epochs 2 --ckpt_path runs/dlrm/checkpoints/dlrm-final.ckpt  # resume
     python examples/dlrm.py --data.source criteo_tsv --data.path /data/criteo/day_0 --trainer.max_epochs 1
 
 The model's ``num_dense``, ``feature_names`` and ``num_embeddings_per_feature`` are taken from the data
@@ -37,6 +38,8 @@ class DLRMCLI(LightningCLI):
         for source, target in (("num_dense", "num_dense"), ("feature_names", "feature_names"),
                                ("cardinalities", "num_embeddings_per_feature")):
             parser.link_arguments(f"data.{source}", f"model.{target}", apply_on="instantiate")
+        parser.add_argument("--ckpt_path", type=str | None, default=None,
+                            help="resume from a checkpoint directory (any world size, layout or plan)")
 
 
 def final_line(metrics: dict[str, Any], seconds: float, achievable: float | None = None) -> str:
@@ -56,7 +59,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
         parser_kwargs={"default_config_files": [str(DEFAULT_CONFIG)]},
         save_config_kwargs={"overwrite": True},
     )
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
     metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
     if cli.trainer.is_global_zero:
         print(final_line(metrics, time.perf_counter() - start, achievable_auc(cli.datamodule)), flush=True)
