@@ -301,7 +301,7 @@ def _optimizer_targets(model: nn.Module, optimizer: Any, saved: dict[str, dict[s
 
     def apply() -> None:
         for j, leaf in leaves.items():
-            state = {name: {k: (v[1].mean(1) if v[0] == "rowwise" else v[1]) if isinstance(v, tuple) else v
+            state = {name: {k: (_row_values(v[1]) if v[0] == "rowwise" else v[1]) if isinstance(v, tuple) else v
                             for k, v in entries.items()}
                      for name, entries in loaded[j].items()}
             if j == "fused":
@@ -310,6 +310,15 @@ def _optimizer_targets(model: nn.Module, optimizer: Any, saved: dict[str, dict[s
                 _load_torch(leaf, names, state, saved[j])
 
     return targets, apply
+
+
+def _row_values(spread: torch.Tensor) -> torch.Tensor:
+    """Row-wise state back from its per-column spread: the mean over the columns, exact where they are equal.
+
+    (A float mean of equal values is not always bitwise that value; resuming in the same layout must be.)
+    """
+    first = spread[:, 0]
+    return torch.where((spread == first[:, None]).all(1), first, spread.mean(1))
 
 
 def _load_torch(leaf, names, loaded: dict[str, dict[str, Any]], saved: dict[str, Any]) -> None:
@@ -328,10 +337,10 @@ def _load_fused(leaf, names, loaded: dict[str, dict[str, Any]], saved: dict[str,
     hp = saved["groups"][0]["hparams"]
     tables: dict[str, dict[str, torch.Tensor]] = {}
     groups = []
-    for k in leaf.kernels:
-        for p, table in zip(k.tables(), k.table_names):
+    for i, k in enumerate(leaf.kernels):
+        for p, table in zip(k.tables(), leaf._names(i)):
             tables[table] = dict(loaded.get(names[id(p)], {}))
-        groups.append({**hp, "tables": list(k.table_names)})
+        groups.append({**hp, "tables": leaf._names(i)})
     leaf.load_state_dict({"param_groups": groups, "tables": tables})
 
 

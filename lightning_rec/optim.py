@@ -169,10 +169,19 @@ class FusedOptimizer(torch.optim.Optimizer):
     optimizer's do.
     """
 
-    def __init__(self, kernels: _kernels.FusedPooledKernel | Iterable[_kernels.FusedPooledKernel]) -> None:
+    def __init__(
+        self,
+        kernels: _kernels.FusedPooledKernel | Iterable[_kernels.FusedPooledKernel],
+        prefixes: Iterable[str] | None = None,
+    ) -> None:
         if isinstance(kernels, _kernels.FusedPooledKernel):
             kernels = [kernels]
         kernels = list(kernels)
+        # state is keyed by "<prefix><table>": a module path as prefix tells apart same-named tables of two
+        # collections
+        prefixes = [""] * len(kernels) if prefixes is None else list(prefixes)
+        if len(prefixes) != len(kernels):
+            raise ValueError(f"FusedOptimizer got {len(prefixes)} prefixes for {len(kernels)} kernels")
         if not kernels:
             raise ValueError("FusedOptimizer needs at least one FusedPooledKernel")
         for k in kernels:
@@ -181,15 +190,17 @@ class FusedOptimizer(torch.optim.Optimizer):
         if len({id(k) for k in kernels}) != len(kernels):
             raise ValueError("FusedOptimizer got the same FusedPooledKernel twice")
         owner: dict[str, int] = {}
-        for i, k in enumerate(kernels):
+        for i, (k, prefix) in enumerate(zip(kernels, prefixes)):
             for name in k.table_names:
-                if name in owner:
+                if prefix + name in owner:
                     raise ValueError(
-                        f"table {name!r} appears in kernels {owner[name]} and {i}; a FusedOptimizer keys its state "
-                        "by table name, so table names must be unique across its kernels"
+                        f"table {prefix + name!r} appears in kernels {owner[prefix + name]} and {i}; a FusedOptimizer "
+                        "keys its state by table name, so table names must be unique across its kernels (give "
+                        "kernels of different modules different prefixes)"
                     )
-                owner[name] = i
+                owner[prefix + name] = i
         self._kernels = kernels
+        self._prefixes = prefixes
         self._building = True
         groups = [{"params": k.tables(), "lr": k.get_learning_rate(), "kind": k.spec.kind} for k in kernels]
         super().__init__(groups, {"lr": groups[0]["lr"]})
@@ -208,12 +219,15 @@ class FusedOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_kernels"] = self._kernels
+        state["_prefixes"] = self._prefixes
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         kernels = state.pop("_kernels", [])
+        prefixes = state.pop("_prefixes", [""] * len(kernels))
         super().__setstate__(state)
         self._kernels = kernels
+        self._prefixes = prefixes
         self._building = False
         # a deep copy of the optimizer copies its kernels: drive the copies (the originals keep their driver)
         if all(k._owner is None for k in kernels):
@@ -257,16 +271,20 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         groups, tables = [], {}
-        for group, k in zip(self.param_groups, self._kernels):
+        for i, (group, k) in enumerate(zip(self.param_groups, self._kernels)):
             entry = {key: v for key, v in group.items() if key != "params"}
             entry["kind"] = k.spec.kind
-            entry["tables"] = list(k.table_names)
+            entry["tables"] = self._names(i)
             step = k.optimizer_iter
             if step is not None:
                 entry["iter"] = step
             groups.append(entry)
-            tables.update(k.optimizer_states())
+            tables.update({self._prefixes[i] + n: st for n, st in k.optimizer_states().items()})
         return {"param_groups": groups, "tables": tables}
+
+    def _names(self, i: int) -> list[str]:
+        """Kernel ``i``'s table names as this optimizer's state keys them."""
+        return [self._prefixes[i] + n for n in self._kernels[i].table_names]
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
         """Load a :meth:`state_dict`, matching tables by name. Checks everything before changing anything."""
@@ -276,7 +294,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 f"not a FusedOptimizer state_dict (expected keys 'param_groups' and 'tables', got {keys})"
             )
         saved_tables = state_dict["tables"]
-        mine = {name: k for k in self._kernels for name in k.table_names}
+        mine = {name: k for i, k in enumerate(self._kernels) for name in self._names(i)}
         missing = [n for n in mine if n not in saved_tables]
         unexpected = [n for n in saved_tables if n not in mine]
         if missing or unexpected:
@@ -297,12 +315,15 @@ class FusedOptimizer(torch.optim.Optimizer):
                     f"table {name!r}: the checkpoint's fused optimizer is {g.get('kind')!r} but this one is "
                     f"{k.spec.kind!r}"
                 )
-        for k in self._kernels:
-            k._check_optimizer_states({n: saved_tables[n] for n in k.table_names})
+        def local(i: int) -> dict[str, Any]:
+            return {n: saved_tables[q] for n, q in zip(self._kernels[i].table_names, self._names(i))}
+
+        for i in range(len(self._kernels)):
+            self._kernels[i]._check_optimizer_states(local(i))
         # everything checked: apply
         for i, (group, k) in enumerate(zip(self.param_groups, self._kernels)):
-            k.load_optimizer_states({n: saved_tables[n] for n in k.table_names})
-            saved = group_of[k.table_names[0]]
+            k.load_optimizer_states(local(i))
+            saved = group_of[self._names(i)[0]]
             for key, v in saved.items():
                 if key not in ("params", "tables", "kind", "iter"):
                     group[key] = v

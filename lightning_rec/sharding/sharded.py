@@ -750,13 +750,15 @@ def fused_optimizer(model: nn.Module):
     """
     from lightning_rec.optim import FusedOptimizer
 
-    found = [k for m in model.modules() if isinstance(m, _ShardedCollection) for k in m.fused_kernels()]
-    if not found:
+    owned = [(k, f"{path}." if path else "") for path, m in model.named_modules()
+             if isinstance(m, _ShardedCollection) for k in m.fused_kernels()]
+    if not owned:
         return None
+    found = [k for k, _ in owned]
     # one optimizer owns a kernel (a newer one would take it over), so hand out the same one each time
     cached = getattr(model, "_lightning_rec_fused_optimizer", None)
     if cached is not None and cached.kernels == found:
         return cached
-    opt = FusedOptimizer(found)
+    opt = FusedOptimizer(found, prefixes=[prefix for _, prefix in owned])  # collections may share table names
     object.__setattr__(model, "_lightning_rec_fused_optimizer", opt)
     return opt
