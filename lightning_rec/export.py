@@ -19,10 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_rec import _compat
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+from lightning_rec.checkpoint import _barrier, _broadcast_path, _partial, _rank
 
 
 def _record_offsets(path: Path) -> dict[str, tuple[int, int]]:
@@ -84,14 +81,10 @@ def export_state_dict(model: nn.Module, path: str | os.PathLike) -> Path:
     Collective: every rank calls it; rank 0 writes. No rank holds more than one full table beyond its own
     shards. The file appears at ``path`` only when complete.
     """
-    path = Path(path)
-    if dist.is_available() and dist.is_initialized():
-        obj = [str(path)]
-        dist.broadcast_object_list(obj, src=0)
-        path = Path(obj[0])
+    path = _broadcast_path(path)
     state = model.state_dict()
     rank = _rank()
-    tmp = path.with_name(f".{path.name}.partial")
+    tmp = _partial(path)
     offsets: dict[str, tuple[int, int]] = {}
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -129,8 +122,7 @@ def export_state_dict(model: nn.Module, path: str | os.PathLike) -> Path:
     if rank == 0:
         handle.close()
         os.replace(tmp, path)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    _barrier()
     return path
 
 
