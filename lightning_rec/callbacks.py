@@ -43,9 +43,9 @@ class ShardingSummary(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from lightning_rec.sharding.planner import Planner, Topology
-        from lightning_rec.sharding.sharded import _ShardedCollection
+        from lightning_rec.sharding.sharded import ShardedCollection
 
-        if not any(isinstance(m, _ShardedCollection) for m in pl_module.modules()):
+        if not any(isinstance(m, ShardedCollection) for m in pl_module.modules()):
             rank_zero_info("ShardingSummary: the model has no sharded embedding collections")
             return
         strategy = trainer.strategy

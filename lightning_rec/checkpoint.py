@@ -64,32 +64,29 @@ class _Placement:
 
 def _placements(model: nn.Module) -> dict[str, _Placement]:
     """``{parameter name: placement}`` for the sharded tables this rank holds a piece of."""
-    from lightning_rec.sharding.sharded import _ShardedCollection
+    from lightning_rec.sharding.sharded import sharded_collections
 
     out: dict[str, _Placement] = {}
-    for path, m in model.named_modules():
-        if not isinstance(m, _ShardedCollection):
-            continue
-        tables = m._layout.tables
-        for ti, s in m._local_shards:
+    for path, m in sharded_collections(model):
+        tables, all_shards, ranks, dtypes = m.tables, m.shards, m.shard_group_ranks, m.table_dtypes
+        for ti, s in m.local_shards:
             t = tables[ti]
-            shards = [([x.row_offset, x.col_offset], [x.rows, x.cols], m._global_ranks[x.rank])
-                      for x in m._shards[t.name]]
-            name = f"{path}.{m._attr}.{t.name}.weight" if path else f"{m._attr}.{t.name}.weight"
+            shards = [([x.row_offset, x.col_offset], [x.rows, x.cols], ranks[x.rank]) for x in all_shards[t.name]]
+            name = f"{path}.{m.table_attr}.{t.name}.weight" if path else f"{m.table_attr}.{t.name}.weight"
             out[name] = _Placement(t.name, [t.num_embeddings, t.embedding_dim], shards,
-                                   [s.row_offset, s.col_offset], m._group, m._table_dtypes[ti])
+                                   [s.row_offset, s.col_offset], m.shard_group, dtypes[ti])
     return out
 
 
 def sharding_layout(model: nn.Module) -> dict[str, dict[str, Any]]:
     """``{collection path: {table: [[row_offset, rows, col_offset, cols, shard rank], ...] or "data_parallel"}}``."""
-    from lightning_rec.sharding.sharded import _ShardedCollection
+    from lightning_rec.sharding.sharded import sharded_collections
 
     return {
-        path: {t.name: ("data_parallel" if m._shards[t.name] is None else
-                        [[s.row_offset, s.rows, s.col_offset, s.cols, s.rank] for s in m._shards[t.name]])
-               for t in m._layout.tables}
-        for path, m in model.named_modules() if isinstance(m, _ShardedCollection)
+        path: {name: ("data_parallel" if shards is None else
+                      [[s.row_offset, s.rows, s.col_offset, s.cols, s.rank] for s in shards])
+               for name, shards in m.shards.items()}
+        for path, m in sharded_collections(model)
     }
 
 

@@ -18,13 +18,13 @@ from lightning_rec._compat import precision_target_dtype
 from lightning_rec.sharding.comm import grad_scale
 from lightning_rec.sharding.mesh import MeshInfo, check_layout, init_2d_mesh
 from lightning_rec.sharding.plan import ShardingPlan
-from lightning_rec.sharding.sharded import _ShardedCollection, shard_modules
+from lightning_rec.sharding.sharded import ShardedCollection, shard_modules
 
 
 def _sharded_param_names(module: nn.Module) -> list[str]:
     names = []
     for path, m in module.named_modules():
-        if isinstance(m, _ShardedCollection):
+        if isinstance(m, ShardedCollection):
             names += [f"{path}.{n}" if path else n for n, _ in m.named_parameters()]
     return names
 
@@ -146,7 +146,7 @@ class RecShardedStrategy(DDPStrategy):
         # "*-true" precision converts the dense model; tables keep the dtype their config fixed
         target = precision_target_dtype(self.precision_plugin)
         for m in self.lightning_module.modules():
-            if isinstance(m, _ShardedCollection) and target is not None:
+            if isinstance(m, ShardedCollection) and target is not None:
                 m.keep_table_dtypes(target)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -247,7 +247,7 @@ class RecShardedStrategy(DDPStrategy):
 
     def _dense_state(self) -> list[torch.Tensor]:
         module = self.lightning_module
-        sharded = tuple(f"{path}." for path, m in module.named_modules() if isinstance(m, _ShardedCollection))
+        sharded = tuple(f"{path}." for path, m in module.named_modules() if isinstance(m, ShardedCollection))
         return [t for n, t in [*module.named_parameters(), *module.named_buffers()] if not n.startswith(sharded)]
 
     def _sync_dense_states(self) -> None:

@@ -15,11 +15,13 @@ from lightning_rec.sharding.plan import (
 )
 from lightning_rec.sharding.planner import Hardware, Planner, PlannerError, PlanReport, TableConstraint, Topology
 from lightning_rec.sharding.sharded import (
+    ShardedCollection,
     ShardedEmbeddingBagCollection,
     ShardedEmbeddingCollection,
     full_state_dict,
     fused_optimizer,
     shard_modules,
+    sharded_collections,
 )
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "PlannerError",
     "TableConstraint",
     "Topology",
+    "ShardedCollection",
     "ShardedEmbeddingBagCollection",
     "ShardedEmbeddingCollection",
     "ShardingPlan",
@@ -43,6 +46,7 @@ __all__ = [
     "grid_shard",
     "row_wise",
     "shard_modules",
+    "sharded_collections",
     "table_row_wise",
     "table_wise",
 ]

@@ -513,6 +513,10 @@ def _collections(model) -> list[tuple[str, object]]:
     return [(p, m) for p, m in model.named_modules() if type(m) in (EmbeddingBagCollection, EmbeddingCollection)]
 
 
+def _configs_of(m) -> list:
+    return m.embedding_bag_configs() if hasattr(m, "embedding_bag_configs") else m.embedding_configs()
+
+
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -577,18 +581,20 @@ class Planner:
         """(module path, config, gradients, sharded placement or None) for every table to plan or estimate."""
         from torch import nn
 
-        from lightning_rec.sharding.sharded import _ShardedCollection
+        from lightning_rec.sharding.sharded import ShardedCollection
 
         if isinstance(model_or_tables, nn.Module):
             out = []
             unsharded = {id(m) for _, m in _collections(model_or_tables)}
             for path, m in model_or_tables.named_modules():
-                sharded = isinstance(m, _ShardedCollection)
+                sharded = isinstance(m, ShardedCollection)
                 if not sharded and id(m) not in unsharded:
                     continue
-                grads = self.gradients or ("fused" if getattr(m, "_fused", None) is not None
-                                           else "sparse" if m.sparse_grad else "dense")
-                out += [(path, t, grads, m._shards[t.name] if sharded else None) for t in m._layout.tables]
+                # a collection whose only fused tables are data-parallel is fused too
+                fused = sharded and m.is_fused
+                grads = self.gradients or ("fused" if fused else "sparse" if m.sparse_grad else "dense")
+                tables = m.tables if sharded else _configs_of(m)
+                out += [(path, t, grads, m.shards[t.name] if sharded else None) for t in tables]
             return out
         tables = list(model_or_tables)
         for t in tables:
@@ -661,9 +667,9 @@ class Planner:
 
     @staticmethod
     def _is_sharded(model, path: str) -> bool:
-        from lightning_rec.sharding.sharded import _ShardedCollection
+        from lightning_rec.sharding.sharded import ShardedCollection
 
-        return hasattr(model, "get_submodule") and isinstance(model.get_submodule(path), _ShardedCollection)
+        return hasattr(model, "get_submodule") and isinstance(model.get_submodule(path), ShardedCollection)
 
     def plan(self, model_or_tables) -> ShardingPlan:
         """A plan for every unsharded collection of ``model`` (or for a list of table configs, module ``""``)."""

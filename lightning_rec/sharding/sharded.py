@@ -24,6 +24,7 @@ some rank touched are summed across ranks (only those rows move) and scaled the 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -76,8 +77,12 @@ def _regroup(x: torch.Tensor, seg_sizes: list[int], n_outer: int, n_inner: int) 
     return x[_segment_gather_index(starts[perm], sizes[perm])]
 
 
-class _ShardedCollection(nn.Module):
-    """Shared machinery of the sharded pooled and sequence collections."""
+class ShardedCollection(nn.Module):
+    """Shared machinery of the sharded pooled and sequence collections.
+
+    Other modules read a sharded collection only through the read-only accessors below and
+    ``sharded_collections(model)``; everything underscored is this module's own.
+    """
 
     _attr = ""
 
@@ -162,6 +167,49 @@ class _ShardedCollection(nn.Module):
             self._build_fused_kernels(container, fused)
         self._register_state_dict_hook(_sharded_state_dict_hook)
         self._register_load_state_dict_pre_hook(self._load_hook)
+
+    # -- read-only accessors for the rest of the library --------------------------------------------
+    @property
+    def tables(self) -> list[BaseEmbeddingConfig]:
+        """The table configs, in config order."""
+        return list(self._layout.tables)
+
+    @property
+    def shards(self) -> dict[str, list[ShardMeta] | None]:
+        """``{table: every shard of it (all ranks)}``; ``None`` for a data-parallel table."""
+        return dict(self._shards)
+
+    @property
+    def local_shards(self) -> list[tuple[int, ShardMeta]]:
+        """``(table index, shard)`` for the shards this rank holds, in table order."""
+        return list(self._local_shards)
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        return self._group
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        return self._replica_group
+
+    @property
+    def shard_group_ranks(self) -> list[int]:
+        """Global rank of every shard-group rank (``ShardMeta.rank`` indexes this list)."""
+        return list(self._global_ranks)
+
+    @property
+    def table_dtypes(self) -> list[torch.dtype]:
+        return list(self._table_dtypes)
+
+    @property
+    def table_attr(self) -> str:
+        """The attribute holding the tables (``embedding_bags`` or ``embeddings``), as in state_dict keys."""
+        return self._attr
+
+    @property
+    def is_fused(self) -> bool:
+        """Whether any table here (sharded or data-parallel) updates inside backward."""
+        return bool(self.fused_kernels())
 
     def _load_hook(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         _load_hook_impl(self, state_dict, prefix)
@@ -446,7 +494,7 @@ class _ShardedCollection(nn.Module):
         return comm.embedding_grad(weights, ids, self._replica_group, self._scale)
 
 
-def _sharded_state_dict_hook(module: _ShardedCollection, state_dict, prefix, local_metadata):
+def _sharded_state_dict_hook(module: ShardedCollection, state_dict, prefix, local_metadata):
     """Replace each sharded table's local piece by a ShardedTensor over the whole table (same key as unsharded)."""
     tables = module._layout.tables
     for i, t in enumerate(tables):
@@ -467,7 +515,7 @@ def _sharded_state_dict_hook(module: _ShardedCollection, state_dict, prefix, loc
     return state_dict
 
 
-def _load_hook_impl(module: _ShardedCollection, state_dict, prefix) -> None:
+def _load_hook_impl(module: ShardedCollection, state_dict, prefix) -> None:
     for i, t in enumerate(module._layout.tables):
         key = f"{prefix}{module._attr}.{t.name}.weight"
         shards = module._shards[t.name]
@@ -508,7 +556,7 @@ def _load_hook_impl(module: _ShardedCollection, state_dict, prefix) -> None:
                 state_dict[key] = value[s.row_offset : s.row_offset + s.rows, s.col_offset : s.col_offset + s.cols]
 
 
-class ShardedEmbeddingBagCollection(_ShardedCollection):
+class ShardedEmbeddingBagCollection(ShardedCollection):
     """An ``EmbeddingBagCollection`` whose tables are spread over a process group by a plan.
 
     Same input (each rank its own local KJT; batch sizes may differ) and same output (a local KeyedTensor
@@ -585,7 +633,7 @@ class ShardedEmbeddingBagCollection(_ShardedCollection):
         return KeyedTensor(layout.feature_names, layout.dims, out)
 
 
-class ShardedEmbeddingCollection(_ShardedCollection):
+class ShardedEmbeddingCollection(ShardedCollection):
     """An ``EmbeddingCollection`` spread over a process group; returns ``{feature: JaggedTensor}`` per rank."""
 
     _attr = "embeddings"
@@ -646,6 +694,16 @@ class ShardedEmbeddingCollection(_ShardedCollection):
         return out
 
 
+_ShardedCollection = ShardedCollection  # older name
+
+
+def sharded_collections(model: nn.Module) -> Iterator[tuple[str, ShardedCollection]]:
+    """``(module path, sharded collection)`` for every sharded collection in ``model``, in module order."""
+    for path, m in model.named_modules():
+        if isinstance(m, ShardedCollection):
+            yield path, m
+
+
 _SHARDED = {EmbeddingBagCollection: ShardedEmbeddingBagCollection, EmbeddingCollection: ShardedEmbeddingCollection}
 
 
@@ -688,7 +746,7 @@ def shard_modules(
     targets = [(p, m) for p, m in model.named_modules() if type(m) in _SHARDED]
     if plan is not None:
         # collections sharded by an earlier call (e.g. fit, then validate) keep their placement
-        paths = {p for p, m in model.named_modules() if type(m) in _SHARDED or isinstance(m, _ShardedCollection)}
+        paths = {p for p, m in model.named_modules() if type(m) in _SHARDED or isinstance(m, ShardedCollection)}
         unknown = [p for p in plan.plan if p not in paths]
         if unknown:
             raise ValueError(f"the plan names modules {unknown} that are not embedding collections of the model; "
@@ -751,7 +809,7 @@ def fused_optimizer(model: nn.Module):
     from lightning_rec.optim import FusedOptimizer
 
     owned = [(k, f"{path}." if path else "") for path, m in model.named_modules()
-             if isinstance(m, _ShardedCollection) for k in m.fused_kernels()]
+             if isinstance(m, ShardedCollection) for k in m.fused_kernels()]
     if not owned:
         return None
     found = [k for k, _ in owned]
