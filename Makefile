@@ -27,10 +27,16 @@ demo-lookup: install
 test: install
 	$(PY) -m pytest -q -x tests
 
+test-fast: install   # the unit tier: no processes launched, well under a minute
+	$(PY) -m pytest -q -x tests/unit
+
+lint: install
+	$(VENV)/bin/ruff check lightning_rec tests benchmarks examples
+
 bench: install
 	$(PY) benchmarks/bench_kernels.py
 	$(PY) benchmarks/bench_sharding.py
 	$(PY) benchmarks/bench_strategy.py
 	$(PY) benchmarks/bench_dlrm.py
 
-.PHONY: install demo demo-lookup test bench
+.PHONY: install demo demo-lookup test test-fast lint bench
