@@ -30,6 +30,12 @@ test: install
 test-fast: install   # the unit tier: no processes launched, well under a minute
 	$(PY) -m pytest -q -x tests/unit
 
+# CUDA tests and the GPU benchmark; on a machine whose python already has a CUDA torch (and, optionally,
+# fbgemm-gpu), skip the venv: make gpu-check NO_VENV=1 PY=python3
+gpu-check: $(if $(NO_VENV),,install)
+	$(PY) -m pytest -q -m gpu tests
+	$(PY) benchmarks/bench_gpu.py
+
 lint: install
 	$(VENV)/bin/ruff check lightning_rec tests benchmarks examples
 
@@ -39,4 +45,4 @@ bench: install
 	$(PY) benchmarks/bench_strategy.py
 	$(PY) benchmarks/bench_dlrm.py
 
-.PHONY: install demo demo-lookup test test-fast lint bench
+.PHONY: install demo demo-lookup test test-fast lint gpu-check bench
