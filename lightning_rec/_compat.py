@@ -5,16 +5,37 @@ from __future__ import annotations
 import warnings
 from importlib import metadata
 
+import torch
+
 # Sharded tables are described as ShardedTensors (see make_sharded_tensor); torch warns on every use.
 warnings.filterwarnings("ignore", message=r".*Please use DTensor instead and we are deprecating ShardedTensor.*")
 
 # fbgemm-gpu wheels are built against one torch minor release; a mismatch fails later with undefined
-# symbols deep inside torch.ops, so we check at import time.
-_FBGEMM_TORCH = {"1.8": "2.13"}
+# symbols deep inside torch.ops, so we check at import time. fbgemm minor -> the torch minor it is built for.
+_FBGEMM_TORCH = {"1.6": "2.11", "1.7": "2.12", "1.8": "2.13"}
+_DEFAULT_TORCH = "2.13"
 
 
 def _minor(version: str) -> str:
     return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def fbgemm_for_torch(torch_version: str) -> str | None:
+    """The fbgemm-gpu release (``"1.8.0"``) built for ``torch_version``'s minor release, None if unsupported."""
+    for fbgemm, torch_minor in _FBGEMM_TORCH.items():
+        if torch_minor == _minor(torch_version):
+            return f"{fbgemm}.0"
+    return None
+
+
+def fbgemm_install_hint(torch_version: str, device_type: str = "cpu") -> str:
+    """``pip install ...`` naming the fbgemm-gpu build and release that match this torch (CUDA or CPU build)."""
+    package = "fbgemm-gpu" if device_type == "cuda" else "fbgemm-gpu-cpu"
+    fbgemm = fbgemm_for_torch(torch_version)
+    if fbgemm is None:
+        default = fbgemm_for_torch(_DEFAULT_TORCH)
+        return f"pip install torch=={_DEFAULT_TORCH}.0 '{package}=={default}'"
+    return f"pip install '{package}=={fbgemm}'"
 
 
 def fbgemm_distribution() -> tuple[str, str] | None:
@@ -28,7 +49,12 @@ def fbgemm_distribution() -> tuple[str, str] | None:
 
 def check_versions(torch_version: str, fbgemm: tuple[str, str] | None) -> None:
     """Raise ImportError when fbgemm-gpu is missing or built for another torch."""
+    pairs = ", ".join(f"torch {t}.x with fbgemm-gpu {f}.x" for f, t in _FBGEMM_TORCH.items())
     hint = "pip install torch==2.13.0 'fbgemm-gpu-cpu==1.8.0'  (CPU) or 'fbgemm-gpu==1.8.0' (CUDA)"
+    own = fbgemm_for_torch(torch_version)
+    if own is not None:
+        hint = (f"pip install 'fbgemm-gpu-cpu=={own}' (CPU) or 'fbgemm-gpu=={own}' (CUDA) for torch "
+                f"{_minor(torch_version)}, or {hint}")
     if fbgemm is None:
         raise ImportError(f"lightning_rec needs the fbgemm-gpu kernels, which are not installed. Install: {hint}")
     dist, version = fbgemm
@@ -36,13 +62,29 @@ def check_versions(torch_version: str, fbgemm: tuple[str, str] | None) -> None:
     if want is None:
         raise ImportError(
             f"{dist}=={version} is not a supported fbgemm-gpu release (supported: "
-            f"{', '.join(k + '.x' for k in _FBGEMM_TORCH)}). Install: {hint}"
+            f"{', '.join(k + '.x' for k in _FBGEMM_TORCH)}: {pairs}). Install: {hint}"
         )
     if _minor(torch_version) != want:
         raise ImportError(
             f"{dist}=={version} is built for torch {want}.x but torch {torch_version} is installed; "
-            f"mixing them crashes with undefined symbols. Install matching versions: {hint}"
+            f"mixing them crashes with undefined symbols. Supported pairs: {pairs}. Install matching versions: {hint}"
         )
+
+
+def has_kernel_for(op: str, device_type: str) -> bool:
+    """Whether the dispatcher has a kernel of ``op`` (``"fbgemm::name"``) for the device type.
+
+    A CPU-only fbgemm build next to a CUDA torch registers its ops without CUDA kernels; calling one then
+    fails with a long NotImplementedError, so callers ask first. Uses torch's private dispatcher query
+    (the computed table, so catch-all registrations count).
+    """
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    if key is None:
+        return False
+    try:
+        return bool(torch._C._dispatch_has_computed_kernel_for_dispatch_key(op, key))
+    except RuntimeError:  # the op is not registered at all
+        return False
 
 
 def make_sharded_tensor(

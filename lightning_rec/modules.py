@@ -27,28 +27,8 @@ class _Table(nn.Module):
         del unexpected_keys[n:]
 
 
-class _TableContainer(nn.Module):
-    """``ModuleDict`` without its key rules: table names are user data, so ``.`` or spaces are allowed."""
-
-    def add(self, name: str, module: nn.Module) -> None:
-        self._modules[name] = module
-
-    def __getitem__(self, name: str) -> nn.Module:
-        return self._modules[name]  # type: ignore[return-value]
-
-    def __iter__(self):
-        return iter(self._modules)
-
-    def __len__(self) -> int:
-        return len(self._modules)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[override]
-        # nn.Module splits keys at the first "." to find the child, so "<prefix>user.id.weight" would be
-        # reported unexpected for a table named "user.id". Check against the tables' own keys instead.
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, False, missing_keys, unexpected_keys, error_msgs)
-        if strict:
-            own = {f"{prefix}{name}.{k}" for name, m in self._modules.items() for k in m.state_dict(keep_vars=True)}
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in own)
+# table names are user data (".", spaces): the container shared with the fused kernels keeps them as given
+_TableContainer = kernels.TableContainer
 
 
 def _check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type) -> None:

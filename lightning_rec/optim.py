@@ -2,7 +2,7 @@
 
 A fused optimizer updates the embedding tables *inside* the lookup kernel's backward
 (:class:`lightning_rec.kernels.FusedPooledKernel`): no gradient is ever materialised, which is the fastest
-path on CPU and CUDA (FBGEMM_CPU.md section 5). :class:`FusedOptimizer` is the handle Lightning steps,
+path on CPU and CUDA. :class:`FusedOptimizer` is the handle Lightning steps,
 schedules and checkpoints:
 
 - ``param_groups``: one group per kernel, holding that kernel's table parameters and its ``lr``. While a
@@ -17,138 +17,42 @@ schedules and checkpoints:
 
 What a fused update cannot do, it refuses loudly: gradient accumulation and a second backward through the
 same lookup raise in backward (the kernel has already applied the first update), Adam-family kinds and
-weight decay raise on CPU (fbgemm has no CPU kernel for them, or silently ignores them), and a checkpoint
-whose tables or shapes differ raises naming the table.
+weight decay raise on CPU (fbgemm has no CPU kernel for them, or silently ignores them), a kind whose kernel
+the installed fbgemm build lacks for the device raises at construction naming the package to install, and a
+checkpoint whose tables or shapes differ raises naming the table.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-from lightning_rec import kernels as _kernels
+from lightning_rec.fused_kinds import (
+    ADAM_FAMILY,
+    CPU_KINDS,
+    FUSED_KINDS,
+    KINDS,
+    FusedKind,
+    FusedOptimizerSpec,
+    as_spec,
+)
+from lightning_rec.kernels import FusedPooledKernel
 
-# kind -> name of fbgemm's OptimType member
-_KINDS: dict[str, str] = {
-    "sgd": "EXACT_SGD",
-    "adagrad": "EXACT_ADAGRAD",
-    "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD",
-    "adam": "ADAM",
-    "partial_rowwise_adam": "PARTIAL_ROWWISE_ADAM",
-    "lamb": "LAMB",
-    "partial_rowwise_lamb": "PARTIAL_ROWWISE_LAMB",
-}
-KINDS = tuple(_KINDS)
-#: kinds with an fbgemm CPU kernel (FBGEMM_CPU.md pitfall 1); the rest need CUDA.
-CPU_KINDS = ("sgd", "adagrad", "rowwise_adagrad")
-#: kinds that use ``betas`` (and a global step counter for bias correction)
-ADAM_FAMILY = ("adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb")
-#: kinds whose fbgemm kernel applies ``weight_decay`` (on CUDA only; CPU ignores it, pitfall 4)
-_WEIGHT_DECAY_KINDS = ("rowwise_adagrad",) + ADAM_FAMILY
-
-
-@dataclass(frozen=True)
-class FusedOptimizerSpec:
-    """Which fused optimizer a :class:`~lightning_rec.kernels.FusedPooledKernel` applies in its backward.
-
-    Args:
-        kind: ``"sgd"``, ``"adagrad"`` or ``"rowwise_adagrad"`` (CPU and CUDA); ``"adam"``,
-            ``"partial_rowwise_adam"``, ``"lamb"`` or ``"partial_rowwise_lamb"`` (CUDA only).
-            ``"adagrad"`` equals ``torch.optim.Adagrad(lr, eps=eps, initial_accumulator_value=0)``;
-            ``"rowwise_adagrad"`` keeps one accumulator per row: ``m[r] += mean_d(g[r]**2)``,
-            ``w[r] -= lr * g[r] / (sqrt(m[r]) + eps)``.
-        lr: initial learning rate (a :class:`FusedOptimizer`'s ``param_groups`` then own it).
-        eps: fbgemm's default ``1e-8`` (``torch.optim.Adagrad`` defaults to ``1e-10``).
-        betas: Adam-family only.
-        weight_decay: CUDA only. ``rowwise_adagrad`` applies it as L2 (added to the gradient, like
-            ``torch.optim.Adagrad``); ``adam`` decouples it (``w -= lr * (update + wd * w)``, AdamW-style);
-            ``lamb`` adds it to the trust-ratio update. fbgemm silently ignores weight decay on CPU, so
-            it is refused there.
-        stochastic_rounding: fp16 tables only: round updates stochastically (fbgemm's and TorchRec's
-            default) instead of to nearest.
-    """
-
-    kind: str
-    lr: float
-    eps: float = 1e-8
-    betas: tuple[float, float] | None = None
-    weight_decay: float = 0.0
-    stochastic_rounding: bool = True
-
-    def __post_init__(self) -> None:
-        if self.kind not in _KINDS:
-            raise ValueError(f"unknown fused optimizer kind {self.kind!r}; expected one of {list(KINDS)}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr >= 0):
-            raise ValueError(f"fused optimizer {self.kind!r}: lr must be a finite number >= 0, got {self.lr!r}")
-        if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps > 0):
-            raise ValueError(f"fused optimizer {self.kind!r}: eps must be a finite number > 0, got {self.eps!r}")
-        if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise ValueError(
-                f"fused optimizer {self.kind!r}: weight_decay must be a finite number >= 0, got {self.weight_decay!r}"
-            )
-        if self.betas is not None:
-            if self.kind not in ADAM_FAMILY:
-                raise ValueError(
-                    f"fused optimizer {self.kind!r} has no betas (they apply to {list(ADAM_FAMILY)}); "
-                    f"got betas={self.betas!r}"
-                )
-            betas = tuple(self.betas)
-            if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
-                raise ValueError(f"fused optimizer {self.kind!r}: betas must be two numbers in [0, 1), got {self.betas!r}")
-            object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
-        if self.weight_decay and self.kind not in _WEIGHT_DECAY_KINDS:
-            raise ValueError(
-                f"fused optimizer {self.kind!r} does not support weight_decay (fbgemm's {self.kind} kernel has none; "
-                f"kinds with weight decay, on CUDA: {list(_WEIGHT_DECAY_KINDS)}); got weight_decay={self.weight_decay}"
-            )
-
-    def validate(self, device: torch.device | str | None) -> Any:
-        """Check this spec can run on ``device``; return fbgemm's ``OptimType`` for it.
-
-        Raises a ValueError naming the kind, the device and the kinds that device supports.
-        """
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
-
-        dev = torch.device("cpu" if device is None else device)
-        if dev.type == "cpu":
-            if self.kind not in CPU_KINDS:
-                raise ValueError(
-                    f"fused optimizer kind {self.kind!r} is not available on device {dev}: fbgemm's CPU kernels "
-                    f"support only {list(CPU_KINDS)} (Adam-family and LAMB kinds need a CUDA device)"
-                )
-            if self.weight_decay:
-                raise ValueError(
-                    f"fused optimizer {self.kind!r}: weight_decay={self.weight_decay} is not supported on device "
-                    f"{dev}: fbgemm's CPU kernels silently ignore weight decay. Use weight_decay=0 on CPU "
-                    f"(supported kinds on CPU: {list(CPU_KINDS)}, all without weight decay)"
-                )
-        elif dev.type != "cuda":
-            raise ValueError(
-                f"fused optimizer {self.kind!r} cannot run on device {dev}: fbgemm's fused kernels exist for cpu "
-                f"({list(CPU_KINDS)}) and cuda ({list(KINDS)})"
-            )
-        return getattr(OptimType, _KINDS[self.kind])
-
-
-def as_spec(x: FusedOptimizerSpec | Mapping[str, Any] | None) -> FusedOptimizerSpec | None:
-    """Accept a spec, a dict such as ``{"kind": "rowwise_adagrad", "lr": 0.1}``, or None (no fused optimizer)."""
-    if x is None or isinstance(x, FusedOptimizerSpec):
-        return x
-    if isinstance(x, Mapping):
-        names = [f.name for f in fields(FusedOptimizerSpec)]
-        unknown = sorted(str(k) for k in x if k not in names)
-        if unknown:
-            raise ValueError(f"unknown fused optimizer options {unknown}; expected some of {names}")
-        missing = [k for k in ("kind", "lr") if k not in x]
-        if missing:
-            raise ValueError(f"fused optimizer options need {missing}; got {dict(x)}")
-        return FusedOptimizerSpec(**x)
-    raise TypeError(f"expected a FusedOptimizerSpec, a dict of its fields, or None; got {type(x).__name__}")
+# the kind table and the spec live in the low layer ``fused_kinds``; re-exported here, where users look for them
+__all__ = [
+    "ADAM_FAMILY",
+    "CPU_KINDS",
+    "FUSED_KINDS",
+    "KINDS",
+    "CombinedOptimizer",
+    "FusedKind",
+    "FusedOptimizer",
+    "FusedOptimizerSpec",
+    "as_spec",
+]
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -171,10 +75,10 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def __init__(
         self,
-        kernels: _kernels.FusedPooledKernel | Iterable[_kernels.FusedPooledKernel],
+        kernels: FusedPooledKernel | Iterable[FusedPooledKernel],
         prefixes: Iterable[str] | None = None,
     ) -> None:
-        if isinstance(kernels, _kernels.FusedPooledKernel):
+        if isinstance(kernels, FusedPooledKernel):
             kernels = [kernels]
         kernels = list(kernels)
         # state is keyed by "<prefix><table>": a module path as prefix tells apart same-named tables of two
@@ -185,7 +89,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if not kernels:
             raise ValueError("FusedOptimizer needs at least one FusedPooledKernel")
         for k in kernels:
-            if not isinstance(k, _kernels.FusedPooledKernel):
+            if not isinstance(k, FusedPooledKernel):
                 raise TypeError(f"FusedOptimizer takes FusedPooledKernel objects, got {type(k).__name__}")
         if len({id(k) for k in kernels}) != len(kernels):
             raise ValueError("FusedOptimizer got the same FusedPooledKernel twice")
@@ -234,7 +138,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._attach_kernels()
 
     @property
-    def kernels(self) -> list[_kernels.FusedPooledKernel]:
+    def kernels(self) -> list[FusedPooledKernel]:
         return list(self._kernels)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -18,6 +18,8 @@ from lightning_rec._compat import check_versions
         ("2.13.0+cpu", ("fbgemm-gpu-cpu", "1.8.0")),
         ("2.13.1+cu128", ("fbgemm-gpu", "1.8.0+cu128")),
         ("2.13.0", ("fbgemm-gpu", "1.8.2")),
+        ("2.11.0+cu130", ("fbgemm-gpu-cpu", "1.6.0")),
+        ("2.12.1", ("fbgemm-gpu", "1.7.0")),
     ],
 )
 def test_matching_versions_pass(torch_version: str, fbgemm: tuple[str, str]) -> None:
@@ -43,8 +45,8 @@ def test_missing_fbgemm() -> None:
 
 
 def test_unsupported_fbgemm_release() -> None:
-    with pytest.raises(ImportError, match=re.escape("fbgemm-gpu==1.7.0 is not a supported fbgemm-gpu release")) as err:
-        check_versions("2.13.0", ("fbgemm-gpu", "1.7.0"))
+    with pytest.raises(ImportError, match=re.escape("fbgemm-gpu==1.5.0 is not a supported fbgemm-gpu release")) as err:
+        check_versions("2.13.0", ("fbgemm-gpu", "1.5.0"))
     assert "1.8.x" in str(err.value)
 
 
@@ -52,3 +54,18 @@ def test_installed_environment_passes() -> None:
     dist = _compat.fbgemm_distribution()
     assert dist is not None and dist[0].startswith("fbgemm-gpu")
     check_versions(torch.__version__, dist)
+
+
+def test_torch_fbgemm_pairs() -> None:
+    # each supported torch has its fbgemm; a mismatch names the fbgemm release that fits the installed torch
+    with pytest.raises(ImportError) as err:
+        check_versions("2.11.0+cu130", ("fbgemm-gpu-cpu", "1.8.0"))
+    assert "torch 2.13.x" in str(err.value) and "'fbgemm-gpu-cpu==1.6.0'" in str(err.value)
+    with pytest.raises(ImportError, match=re.escape("torch 2.12.x")):
+        check_versions("2.13.0", ("fbgemm-gpu", "1.7.0"))
+    assert _compat.fbgemm_for_torch("2.11.0+cu130") == "1.6.0"
+    assert _compat.fbgemm_for_torch("2.12.0") == "1.7.0"
+    assert _compat.fbgemm_for_torch("2.13.1") == "1.8.0"
+    assert _compat.fbgemm_for_torch("2.14.0") is None
+    assert _compat.fbgemm_install_hint("2.11.0", "cuda") == "pip install 'fbgemm-gpu==1.6.0'"
+    assert _compat.fbgemm_install_hint("2.13.0", "cpu") == "pip install 'fbgemm-gpu-cpu==1.8.0'"

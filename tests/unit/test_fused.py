@@ -621,7 +621,10 @@ def test_initial_weights_are_checked_and_default_init_is_not_zero():
 @pytest.mark.parametrize(
     "values, message",
     [
-        ([1, -1, 2], "feature 0 (table 'a') has id -1, outside the valid range [0, 3] (-1 is usually padding"),
+        (
+            [1, -1, 2],
+            "feature 0 (table 'a') has id -1, outside the valid range [0, 3] (num_embeddings=4) (-1 is usually padding",
+        ),
         ([1, 2, 5], "feature 1 (table 'b') has id 5, outside the valid range [0, 4]"),
     ],
 )

@@ -1,0 +1,205 @@
+"""The fused-optimizer kinds: one table of what each kind keeps, where it runs, and its fbgemm name.
+
+A fused optimizer updates the embedding tables inside the lookup kernel's backward (fbgemm's split
+table-batched embedding). Everything the rest of the library needs to know about a kind is in
+:data:`FUSED_KINDS`: the kernels (state names and shapes), the optimizer (betas, step counter, weight
+decay), the planner (state bytes per row) and the callbacks. :class:`FusedOptimizerSpec` says which kind
+and hyper-parameters a kernel applies.
+
+This module is a low layer: it imports nothing from ``lightning_rec`` (so ``kernels``, ``optim``,
+``sharding`` and the planner can all import it without cycles).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+#: the shape of one state tensor: one value per weight value (``[rows, dim]``) or one per row (``[rows]``)
+PER_VALUE = "value"
+PER_ROW = "row"
+
+
+@dataclass(frozen=True)
+class FusedKind:
+    """What one fused-optimizer kind keeps and where fbgemm has a kernel for it.
+
+    Attributes:
+        name: the kind's name in :class:`FusedOptimizerSpec` (``"rowwise_adagrad"``).
+        optim_type: the name of fbgemm's ``OptimType`` member (``"EXACT_ROWWISE_ADAGRAD"``).
+        states: ``(state name, PER_VALUE or PER_ROW)`` in the order fbgemm's ``split_optimizer_states()``
+            returns them.
+        devices: device types fbgemm has a kernel for (its CPU kernels cover only SGD and the Adagrads).
+        adam_family: uses ``betas`` and a global step counter (bias correction).
+        weight_decay: fbgemm's kernel applies ``weight_decay`` (on CUDA; the CPU kernels ignore it).
+    """
+
+    name: str
+    optim_type: str
+    states: tuple[tuple[str, str], ...]
+    devices: tuple[str, ...]
+    adam_family: bool = False
+    weight_decay: bool = False
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.states)
+
+    @property
+    def state_per_value(self) -> int:
+        """fp32 state values per weight value (the planner's memory model)."""
+        return sum(1 for _, s in self.states if s == PER_VALUE)
+
+    @property
+    def state_per_row(self) -> int:
+        """fp32 state values per row."""
+        return sum(1 for _, s in self.states if s == PER_ROW)
+
+    def state_shapes(self, rows: int, dim: int) -> dict[str, tuple[int, ...]]:
+        """``{state name: shape}`` for a ``[rows, dim]`` table."""
+        return {n: (rows, dim) if s == PER_VALUE else (rows,) for n, s in self.states}
+
+
+_ADAM = (("exp_avg", PER_VALUE), ("exp_avg_sq", PER_VALUE))
+_PARTIAL = (("exp_avg", PER_VALUE), ("exp_avg_sq", PER_ROW))
+_CUDA = ("cuda",)
+
+FUSED_KINDS: dict[str, FusedKind] = {
+    k.name: k
+    for k in (
+        FusedKind("sgd", "EXACT_SGD", (), ("cpu", "cuda")),
+        FusedKind("adagrad", "EXACT_ADAGRAD", (("sum", PER_VALUE),), ("cpu", "cuda")),
+        FusedKind("rowwise_adagrad", "EXACT_ROWWISE_ADAGRAD", (("sum", PER_ROW),), ("cpu", "cuda"), weight_decay=True),
+        FusedKind("adam", "ADAM", _ADAM, _CUDA, adam_family=True, weight_decay=True),
+        FusedKind("partial_rowwise_adam", "PARTIAL_ROWWISE_ADAM", _PARTIAL, _CUDA, adam_family=True, weight_decay=True),
+        FusedKind("lamb", "LAMB", _ADAM, _CUDA, adam_family=True, weight_decay=True),
+        FusedKind("partial_rowwise_lamb", "PARTIAL_ROWWISE_LAMB", _PARTIAL, _CUDA, adam_family=True, weight_decay=True),
+    )
+}
+KINDS = tuple(FUSED_KINDS)
+#: kinds with an fbgemm CPU kernel; the rest need CUDA.
+CPU_KINDS = tuple(k for k, v in FUSED_KINDS.items() if "cpu" in v.devices)
+#: kinds that use ``betas`` (and a global step counter for bias correction)
+ADAM_FAMILY = tuple(k for k, v in FUSED_KINDS.items() if v.adam_family)
+#: kinds whose fbgemm kernel applies ``weight_decay`` (on CUDA only; CPU ignores it)
+WEIGHT_DECAY_KINDS = tuple(k for k, v in FUSED_KINDS.items() if v.weight_decay)
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class FusedOptimizerSpec:
+    """Which fused optimizer a :class:`~lightning_rec.kernels.FusedPooledKernel` applies in its backward.
+
+    Args:
+        kind: ``"sgd"``, ``"adagrad"`` or ``"rowwise_adagrad"`` (CPU and CUDA); ``"adam"``,
+            ``"partial_rowwise_adam"``, ``"lamb"`` or ``"partial_rowwise_lamb"`` (CUDA only).
+            ``"adagrad"`` equals ``torch.optim.Adagrad(lr, eps=eps, initial_accumulator_value=0)``;
+            ``"rowwise_adagrad"`` keeps one accumulator per row: ``m[r] += mean_d(g[r]**2)``,
+            ``w[r] -= lr * g[r] / (sqrt(m[r]) + eps)``.
+        lr: initial learning rate (a :class:`FusedOptimizer`'s ``param_groups`` then own it).
+        eps: fbgemm's default ``1e-8`` (``torch.optim.Adagrad`` defaults to ``1e-10``).
+        betas: Adam-family only.
+        weight_decay: CUDA only. ``rowwise_adagrad`` applies it as L2 (added to the gradient, like
+            ``torch.optim.Adagrad``); ``adam`` decouples it (``w -= lr * (update + wd * w)``, AdamW-style);
+            ``lamb`` adds it to the trust-ratio update. fbgemm silently ignores weight decay on CPU, so
+            it is refused there.
+        stochastic_rounding: fp16 tables only: round updates stochastically (fbgemm's and TorchRec's
+            default) instead of to nearest.
+    """
+
+    kind: str
+    lr: float
+    eps: float = 1e-8
+    betas: tuple[float, float] | None = None
+    weight_decay: float = 0.0
+    stochastic_rounding: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in FUSED_KINDS:
+            raise ValueError(f"unknown fused optimizer kind {self.kind!r}; expected one of {list(KINDS)}")
+        if not (_number(self.lr) and self.lr >= 0):
+            raise ValueError(f"fused optimizer {self.kind!r}: lr must be a finite number >= 0, got {self.lr!r}")
+        if not (_number(self.eps) and self.eps > 0):
+            raise ValueError(f"fused optimizer {self.kind!r}: eps must be a finite number > 0, got {self.eps!r}")
+        if not (_number(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(
+                f"fused optimizer {self.kind!r}: weight_decay must be a finite number >= 0, got {self.weight_decay!r}"
+            )
+        if self.betas is not None:
+            if self.kind not in ADAM_FAMILY:
+                raise ValueError(
+                    f"fused optimizer {self.kind!r} has no betas (they apply to {list(ADAM_FAMILY)}); "
+                    f"got betas={self.betas!r}"
+                )
+            betas = tuple(self.betas)
+            if len(betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in betas):
+                raise ValueError(
+                    f"fused optimizer {self.kind!r}: betas must be two numbers in [0, 1), got {self.betas!r}"
+                )
+            object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
+        if self.weight_decay and self.kind not in WEIGHT_DECAY_KINDS:
+            raise ValueError(
+                f"fused optimizer {self.kind!r} does not support weight_decay (fbgemm's {self.kind} kernel has none; "
+                f"kinds with weight decay, on CUDA: {list(WEIGHT_DECAY_KINDS)}); got weight_decay={self.weight_decay}"
+            )
+
+    @property
+    def info(self) -> FusedKind:
+        """This spec's row of :data:`FUSED_KINDS`."""
+        return FUSED_KINDS[self.kind]
+
+    def check_device(self, device: torch.device | str | None) -> torch.device:
+        """Raise a ValueError naming the kind, the device and what that device supports; return the device."""
+        dev = torch.device("cpu" if device is None else device)
+        if dev.type == "cpu":
+            if self.kind not in CPU_KINDS:
+                raise ValueError(
+                    f"fused optimizer kind {self.kind!r} is not available on device {dev}: fbgemm's CPU kernels "
+                    f"support only {list(CPU_KINDS)} (Adam-family and LAMB kinds need a CUDA device)"
+                )
+            if self.weight_decay:
+                raise ValueError(
+                    f"fused optimizer {self.kind!r}: weight_decay={self.weight_decay} is not supported on device "
+                    f"{dev}: fbgemm's CPU kernels silently ignore weight decay. Use weight_decay=0 on CPU "
+                    f"(supported kinds on CPU: {list(CPU_KINDS)}, all without weight decay)"
+                )
+        elif dev.type not in self.info.devices:
+            raise ValueError(
+                f"fused optimizer {self.kind!r} cannot run on device {dev}: fbgemm's fused kernels exist for cpu "
+                f"({list(CPU_KINDS)}) and cuda ({list(KINDS)})"
+            )
+        return dev
+
+    def validate(self, device: torch.device | str | None) -> Any:
+        """Check this spec can run on ``device``; return fbgemm's ``OptimType`` for it.
+
+        Raises a ValueError naming the kind, the device and the kinds that device supports.
+        """
+        # fbgemm takes seconds to import and only fused kernels need it: import it when one is built
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType  # noqa: PLC0415
+
+        self.check_device(device)
+        return getattr(OptimType, self.info.optim_type)
+
+
+def as_spec(x: FusedOptimizerSpec | Mapping[str, Any] | None) -> FusedOptimizerSpec | None:
+    """Accept a spec, a dict such as ``{"kind": "rowwise_adagrad", "lr": 0.1}``, or None (no fused optimizer)."""
+    if x is None or isinstance(x, FusedOptimizerSpec):
+        return x
+    if isinstance(x, Mapping):
+        names = [f.name for f in fields(FusedOptimizerSpec)]
+        unknown = sorted(str(k) for k in x if k not in names)
+        if unknown:
+            raise ValueError(f"unknown fused optimizer options {unknown}; expected some of {names}")
+        missing = [k for k in ("kind", "lr") if k not in x]
+        if missing:
+            raise ValueError(f"fused optimizer options need {missing}; got {dict(x)}")
+        return FusedOptimizerSpec(**x)
+    raise TypeError(f"expected a FusedOptimizerSpec, a dict of its fields, or None; got {type(x).__name__}")

@@ -1,0 +1,49 @@
+"""Lookup kernels: fbgemm's table-batched calls, or plain torch ``F.embedding_bag`` / ``F.embedding``.
+
+Every kernel here pools with SUM. MEAN is applied by the caller, once, on the sample's own rank
+(docs/ARCHITECTURE.md C1); that also keeps us clear of fbgemm's wrong MEAN + per-sample-weight backward.
+
+- :mod:`._capability`: which kernel runs (``compute_kernel`` ``"auto"`` / ``"fbgemm"`` / ``"torch"``), and
+  whether the installed fbgemm build has the ops for the device (asked once; torch fallback or one error)
+- :mod:`._torch`: the torch path (the reference)
+- :mod:`._dense_tbe`: fbgemm's dense table-batched lookup over plain parameters
+- :mod:`._fused`, :mod:`._guards`: fbgemm's split table-batched lookup with the optimizer in backward
+- :mod:`._tables`: containers registering tables under their own names
+- :mod:`._ids`: id and offset checks shared by all paths
+"""
+
+from lightning_rec.kernels._capability import (
+    DENSE_LOOKUP_OP,
+    FUSED_OPS,
+    KERNELS,
+    check_fused_available,
+    has_fbgemm_op,
+    resolve_kernel,
+    validate_kernel,
+)
+from lightning_rec.kernels._dense_tbe import FbgemmPooledKernel
+from lightning_rec.kernels._fused import FusedPooledKernel
+from lightning_rec.kernels._ids import check_ids, check_offsets, validate_ids
+from lightning_rec.kernels._tables import FusedTables, TableContainer
+from lightning_rec.kernels._torch import mean_divisor, promoted_dtype, torch_pooled, torch_sequence
+
+__all__ = [
+    "DENSE_LOOKUP_OP",
+    "FUSED_OPS",
+    "KERNELS",
+    "FbgemmPooledKernel",
+    "FusedPooledKernel",
+    "FusedTables",
+    "TableContainer",
+    "check_fused_available",
+    "check_ids",
+    "check_offsets",
+    "has_fbgemm_op",
+    "mean_divisor",
+    "promoted_dtype",
+    "resolve_kernel",
+    "torch_pooled",
+    "torch_sequence",
+    "validate_ids",
+    "validate_kernel",
+]

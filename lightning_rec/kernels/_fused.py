@@ -1,0 +1,429 @@
+"""The fused kernel: fbgemm's split table-batched lookup whose optimizer runs inside backward.
+
+The tables are views of fbgemm's own storage, registered as ``<table>.weight`` so the state_dict matches an
+unsharded collection's; fbgemm's module itself (its weights, and momentum, which it registers as a
+parameter) stays out of ``parameters()`` and ``state_dict()``. What the kinds keep is in
+:mod:`lightning_rec.fused_kinds`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import operator
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from lightning_rec.fused_kinds import as_spec
+from lightning_rec.kernels._capability import check_fused_available, fbgemm_training
+from lightning_rec.kernels._guards import _FusedBackwardGuard, _FusedStepCounter, _ScaleGrad
+from lightning_rec.kernels._ids import check_ids, check_offsets
+from lightning_rec.kernels._tables import FusedTable, unexpected_table_keys
+
+
+def _as_int(x):
+    """``x`` as a Python int when it is an integer of any kind (numpy, 0-d tensor), else unchanged."""
+    try:
+        return operator.index(x)
+    except TypeError:
+        return x
+
+
+class FusedPooledKernel(torch.nn.Module):
+    """SUM-pooled lookup over several tables whose optimizer runs inside backward (fbgemm split TBE).
+
+    One ``SplitTableBatchedEmbeddingBagsCodegen`` (CPU: ``ComputeDevice.CPU`` + ``EmbeddingLocation.HOST``;
+    CUDA: ``EmbeddingLocation.DEVICE``) holds every table. Backward through :meth:`forward`'s output applies
+    the optimizer update to the tables directly; nothing gets a ``.grad``. MEAN pooling is the caller's job.
+
+    Args:
+        tables: ``(name, rows, dim, dtype)`` per table. ``dim`` must be a multiple of 4, ``dtype`` float32 or
+            float16 (one dtype for all tables), ``rows >= 1``. Names must be unique.
+        feature_table: the table of each feature, in input order. Must be non-decreasing (fbgemm's Adagrad
+            kernels are wrong or crash otherwise: docs/ARCHITECTURE.md F2), and every table needs a feature.
+        optimizer: a :class:`~lightning_rec.optim.FusedOptimizerSpec` (or a dict of its fields).
+        device: ``cpu`` (default) or a CUDA device. The kernel cannot be moved or converted afterwards.
+        weights: optional initial ``[rows, dim]`` weight per table (copied in). Default: uniform in
+            ``+-sqrt(1 / rows)``, TorchRec's default (fbgemm itself starts at zero).
+
+    Tables: :meth:`tables` returns one leaf ``nn.Parameter`` per table, a view of the kernel's storage
+    (``requires_grad=False``, so no torch optimizer or DDP touches them). They are registered as
+    ``<table name>.weight`` in this module's ``state_dict``, whose values therefore share storage with what
+    the kernel updates; ``load_state_dict`` copies into that storage. The fbgemm module's own parameters and
+    buffers (weights, momentum: fbgemm registers momentum as a parameter, F9) are kept out of
+    ``parameters()`` and ``state_dict()``; optimizer state goes through :meth:`optimizer_states`.
+
+    Guards: ids outside ``[0, rows)`` (including -1, which passes fbgemm's bounds check, F14) raise a
+    ValueError before the kernel. A second backward through one output, or a second backward through the
+    kernel before :meth:`finish_step` (which ``FusedOptimizer.step`` calls), raises a RuntimeError: the first
+    backward has already applied its update, so gradient accumulation cannot be honoured.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[tuple[str, int, int, torch.dtype]],
+        feature_table: Sequence[int],
+        optimizer,
+        device: torch.device | str | None = None,
+        weights: Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__()
+        spec = as_spec(optimizer)
+        if spec is None:
+            raise ValueError("FusedPooledKernel needs a fused optimizer spec, got None")
+        dev = torch.device("cpu" if device is None else device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        optim_type = spec.validate(dev)
+        check_fused_available(spec, dev)  # once, here: a missing CUDA op must not surface inside forward
+        names, rows, dims, dtype = self._check_tables(tables)
+        feature_table = self._check_feature_table(feature_table, names)
+
+        tbe_ops = fbgemm_training()
+        on_cpu = dev.type == "cpu"
+        location = tbe_ops.EmbeddingLocation.HOST if on_cpu else tbe_ops.EmbeddingLocation.DEVICE
+        compute = tbe_ops.ComputeDevice.CPU if on_cpu else tbe_ops.ComputeDevice.CUDA
+        precision = tbe_ops.SparseType.FP32 if dtype == torch.float32 else tbe_ops.SparseType.FP16
+        extra: dict = {}
+        if spec.betas is not None:
+            extra.update(beta1=spec.betas[0], beta2=spec.betas[1])
+        if spec.weight_decay:  # CUDA only: validate() refuses it on CPU
+            extra["weight_decay"] = spec.weight_decay
+            if spec.kind == "rowwise_adagrad":
+                extra["weight_decay_mode"] = tbe_ops.WeightDecayMode.L2
+        tbe = tbe_ops.SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[(r, d, location, compute) for r, d in zip(rows, dims)],
+            feature_table_map=list(feature_table),
+            optimizer=optim_type,
+            learning_rate=spec.lr,
+            eps=spec.eps,
+            stochastic_rounding=spec.stochastic_rounding,
+            pooling_mode=tbe_ops.PoolingMode.SUM,
+            weights_precision=precision,
+            output_dtype=precision,
+            device=dev,
+            # ids are checked before the kernel; FATAL turns anything that slips through into an error on CPU
+            bounds_check_mode=tbe_ops.BoundsCheckMode.FATAL if on_cpu else tbe_ops.BoundsCheckMode.WARNING,
+            table_names=list(names),
+            **extra,
+        )
+        # Not a registered submodule: its parameters and buffers stay out of parameters() and state_dict().
+        object.__setattr__(self, "_tbe", tbe)
+        self.spec = spec
+        self.optim_type = optim_type
+        self.table_names: list[str] = names
+        self.rows: list[int] = rows
+        self.dims: list[int] = dims
+        self.dtype = dtype
+        self.device = dev
+        self.feature_table: list[int] = feature_table
+        self.feature_dims: list[int] = [dims[t] for t in feature_table]
+        self.total_dim = sum(self.feature_dims)
+        self._rows_per_feature = torch.tensor([rows[t] for t in feature_table], dtype=torch.long, device=dev)
+        self._counter = _FusedStepCounter()
+        self._lr = float(spec.lr)  # the value last pushed into fbgemm (fbgemm keeps it as float32)
+        self._owner: tuple | None = None  # (weakref to FusedOptimizer, group index)
+
+        views = tbe.split_embedding_weights()
+        with torch.no_grad():
+            if weights is None:
+                for v, r in zip(views, rows):
+                    bound = math.sqrt(1.0 / r)
+                    v.uniform_(-bound, bound)
+            else:
+                weights = list(weights)
+                if len(weights) != len(names):
+                    raise ValueError(f"got {len(weights)} initial weights for {len(names)} tables {names}")
+                for v, w, name in zip(views, weights, names):
+                    if tuple(w.shape) != tuple(v.shape):
+                        raise ValueError(
+                            f"table {name!r}: initial weight has shape {tuple(w.shape)}, expected {tuple(v.shape)}"
+                        )
+                    v.copy_(w)
+        for name, v in zip(names, views):
+            self._modules[name] = FusedTable(torch.nn.Parameter(v, requires_grad=False))
+        self._ptrs = [v.data_ptr() for v in views]
+
+    # -- construction checks ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_tables(tables) -> tuple[list[str], list[int], list[int], torch.dtype]:
+        tables = list(tables)
+        if not tables:
+            raise ValueError("FusedPooledKernel needs at least one table")
+        names, rows, dims, dtypes = [], [], [], []
+        for entry in tables:
+            if len(entry) != 4:
+                raise ValueError(f"a table must be (name, rows, dim, dtype), got {entry!r}")
+            name, r, d, dtype = entry
+            r, d = _as_int(r), _as_int(d)
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"table names must be non-empty strings, got {name!r}")
+            if name in names:
+                raise ValueError(f"table name {name!r} is used twice; table names must be unique")
+            if not isinstance(r, int) or r < 1:
+                raise ValueError(
+                    f"table {name!r}: the fused kernel needs at least one row, got rows={r!r} "
+                    "(a table with no rows on this rank must not be given to the kernel)"
+                )
+            if not isinstance(d, int) or d < 1 or d % 4:
+                raise ValueError(
+                    f"table {name!r}: embedding dim {d!r} is not supported by the fused fbgemm kernel, which needs "
+                    "a positive multiple of 4 (use plain parameters with a torch optimizer for other dims)"
+                )
+            if dtype == torch.bfloat16:
+                raise ValueError(
+                    f"table {name!r}: bfloat16 tables are not supported by the fused kernel (fbgemm has no "
+                    "bfloat16 CPU kernel for it); use torch.float32 or torch.float16"
+                )
+            if dtype not in (torch.float32, torch.float16):
+                raise ValueError(f"table {name!r}: dtype {dtype} is not supported; use torch.float32 or torch.float16")
+            names.append(name)
+            rows.append(r)
+            dims.append(d)
+            dtypes.append(dtype)
+        if len(set(dtypes)) > 1:
+            detail = ", ".join(f"{n!r}: {d}" for n, d in zip(names, dtypes))
+            raise ValueError(f"one fused kernel needs one dtype for all its tables, got {detail}")
+        return names, rows, dims, dtypes[0]
+
+    @staticmethod
+    def _check_feature_table(feature_table, names: list[str]) -> list[int]:
+        ft = [int(t) for t in feature_table]
+        if not ft:
+            raise ValueError("FusedPooledKernel needs at least one feature")
+        for f, t in enumerate(ft):
+            if not 0 <= t < len(names):
+                raise ValueError(f"feature {f} maps to table index {t}, outside [0, {len(names) - 1}]")
+        for f in range(1, len(ft)):
+            if ft[f] < ft[f - 1]:
+                raise ValueError(
+                    f"feature_table must be non-decreasing (features grouped by table, in table order), got {ft}: "
+                    f"feature {f} (table {names[ft[f]]!r}) comes after feature {f - 1} (table {names[ft[f - 1]]!r}). "
+                    "fbgemm's Adagrad kernels are silently wrong or crash otherwise; sort the features by table "
+                    "and permute the output columns afterwards"
+                )
+        unused = [names[t] for t in range(len(names)) if t not in set(ft)]
+        if unused:
+            raise ValueError(f"tables {unused} have no feature; fbgemm needs at least one feature per table")
+        return ft
+
+    # -- tables -------------------------------------------------------------------------------------------
+
+    def tables(self) -> list[torch.nn.Parameter]:
+        """One leaf ``nn.Parameter`` per table (``[rows, dim]``, ``requires_grad=False``), views of the kernel's
+        storage: the kernel's updates are visible in them, and writes to them reach the kernel."""
+        return [self._modules[name].weight for name in self.table_names]  # type: ignore[union-attr]
+
+    def _check_aliases(self) -> None:
+        for name, p, ptr in zip(self.table_names, self.tables(), self._ptrs):
+            if p.data_ptr() != ptr or p.dtype != self.dtype or p.device != self.device:
+                raise RuntimeError(
+                    f"the parameter of table {name!r} no longer shares storage with its FusedPooledKernel (it was "
+                    "replaced, moved or converted, e.g. by .to(), .half() or param.data = ...). The fused kernel "
+                    "updates its own storage; build the kernel on the target device and dtype instead"
+                )
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        self._refuse_conversion(fn)
+        return super()._apply(fn, recurse)
+
+    def _refuse_conversion(self, fn) -> None:
+        # .to() / .cuda() / .half() would give the table parameters new storage the kernel never sees.
+        for name, p in zip(self.table_names, self.tables()):
+            q = fn(p)
+            if q is not p and (q.data_ptr() != p.data_ptr() or q.dtype != p.dtype or q.device != p.device):
+                raise RuntimeError(
+                    f"a FusedPooledKernel cannot be moved or converted after construction (table {name!r} would go "
+                    f"from {p.dtype} on {p.device} to {q.dtype} on {q.device}); build it on the target device "
+                    "with the target dtype"
+                )
+
+    def _load_from_state_dict(  # type: ignore[override]
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        # nn.Module splits keys at the first "." to find the child, so a table named "user.id" would make its
+        # own key look unexpected; check against the tables' keys instead.
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, False, missing_keys, unexpected_keys, error_msgs
+        )
+        if strict:
+            own = [f"{prefix}{name}.weight" for name in self.table_names]
+            unexpected_keys.extend(unexpected_table_keys(state_dict, prefix, own))
+
+    def __deepcopy__(self, memo):
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        new._owner = None
+        new._counter = _FusedStepCounter()
+        # nn.Parameter's deepcopy clones its data: point the copies back into the copied kernel's storage
+        views = new._tbe.split_embedding_weights()
+        for p, v in zip(new.tables(), views):
+            p.data = v
+        new._ptrs = [v.data_ptr() for v in views]
+        return new
+
+    # -- forward ------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None = None,
+        grad_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """SUM-pooled ``[B, sum of feature dims]`` (columns in feature order) from feature-major inputs.
+
+        ``offsets`` has ``len(feature_table) * B + 1`` entries (bags of feature 0, then feature 1, ...).
+        ``grad_scale`` multiplies the gradient that reaches the tables' update (e.g. ``1 / world_size``);
+        the gradient of ``per_sample_weights`` is not scaled.
+        """
+        if values.dim() != 1 or offsets.dim() != 1:
+            raise ValueError(
+                f"values and offsets must be 1-D, got shapes {tuple(values.shape)} and {tuple(offsets.shape)}"
+            )
+        n_features = len(self.feature_table)
+        if offsets.numel() < 1 or (offsets.numel() - 1) % n_features:
+            raise ValueError(
+                f"offsets has {offsets.numel()} entries; expected features * batch + 1 with {n_features} features"
+            )
+        batch = (offsets.numel() - 1) // n_features
+        grad_scale = float(grad_scale)
+        if not math.isfinite(grad_scale):
+            raise ValueError(f"grad_scale must be finite, got {grad_scale}")
+        self._check_aliases()
+        values = values.to(device=self.device, dtype=torch.long)
+        offsets = offsets.to(device=self.device, dtype=torch.long)
+        self._check_inputs(values, offsets, batch)
+        psw = per_sample_weights
+        if psw is not None:
+            if psw.dim() != 1 or psw.numel() != values.numel():
+                raise ValueError(
+                    f"per_sample_weights must be 1-D with one weight per id ({values.numel()}), "
+                    f"got shape {tuple(psw.shape)}"
+                )
+            psw_in = psw.to(device=self.device, dtype=torch.float32)
+            if psw_in.requires_grad and grad_scale != 1.0 and torch.is_grad_enabled():
+                if grad_scale == 0.0:
+                    raise ValueError(
+                        "grad_scale=0 with per_sample_weights that require grad: their gradient cannot be recovered"
+                    )
+                psw_in = _ScaleGrad.apply(psw_in, 1.0 / grad_scale)  # undo the scaling below for the weights' grad
+        else:
+            psw_in = None
+        lr = self.get_learning_rate()
+        if lr != self._lr:  # fbgemm captures the learning rate at forward
+            self._push_lr(lr)
+        out = self._tbe(values, offsets, per_sample_weights=psw_in)
+        if out.requires_grad and torch.is_grad_enabled():
+            out = _FusedBackwardGuard.apply(out, self._counter, grad_scale)
+        return out
+
+    def _check_inputs(self, values: torch.Tensor, offsets: torch.Tensor, batch: int) -> None:
+        check_offsets(values, offsets, batch)
+        if batch and values.numel():
+            names = [self.table_names[t] for t in self.feature_table]
+            check_ids(values, offsets[::batch].diff(), self._rows_per_feature, range(len(names)), names)
+
+    # -- optimizer ----------------------------------------------------------------------------------------
+
+    def finish_step(self) -> None:
+        """End a training step: allow the next backward. ``FusedOptimizer.step`` calls this."""
+        self._counter.count = 0
+
+    def _attach(self, optimizer_ref, index: int) -> None:
+        self._owner = (optimizer_ref, index)
+
+    def _owned_by(self, optimizer, index: int) -> bool:
+        return self._owner is not None and self._owner[0]() is optimizer and self._owner[1] == index
+
+    def _owner_group(self) -> dict | None:
+        if self._owner is None:
+            return None
+        opt = self._owner[0]()
+        if opt is None:
+            self._owner = None
+            return None
+        return opt.param_groups[self._owner[1]]
+
+    def get_learning_rate(self) -> float:
+        """The learning rate the next forward will use (the driving FusedOptimizer's group ``lr``, if any)."""
+        group = self._owner_group()
+        return float(group["lr"]) if group is not None else self._lr
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Set the learning rate (and the driving FusedOptimizer's group ``lr``, which owns it)."""
+        lr = float(lr)
+        if not (math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"learning rate must be a finite number >= 0, got {lr}")
+        group = self._owner_group()
+        if group is not None:
+            group["lr"] = lr
+        self._push_lr(lr)
+
+    def _push_lr(self, lr: float) -> None:
+        self._tbe.set_learning_rate(lr)
+        self._lr = lr
+
+    @property
+    def optimizer_iter(self) -> int | None:
+        """Adam-family step counter (for bias correction); None for other kinds."""
+        if not self.spec.info.adam_family:
+            return None
+        return int(self._tbe.iter.item())
+
+    @optimizer_iter.setter
+    def optimizer_iter(self, step: int) -> None:
+        if self.optimizer_iter is None:
+            raise ValueError(f"fused optimizer {self.spec.kind!r} has no step counter")
+        self._tbe.iter.fill_(int(step))
+        self._tbe.iter_cpu.fill_(int(step))
+
+    def optimizer_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``{table name: {state name: tensor}}``; the tensors are views of the live state.
+
+        ``"sum"``: ``[rows, dim]`` (adagrad) or ``[rows]`` (rowwise_adagrad); ``"exp_avg"`` / ``"exp_avg_sq"``
+        (Adam family); nothing for sgd.
+        """
+        state_names = self.spec.info.state_names
+        if not state_names:
+            return {name: {} for name in self.table_names}
+        split = self._tbe.split_optimizer_states()
+        return {
+            name: dict(zip(state_names, states)) for name, states in zip(self.table_names, split)
+        }
+
+    def _check_optimizer_states(self, states: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        missing = [n for n in self.table_names if n not in states]
+        unexpected = [n for n in states if n not in self.table_names]
+        if missing or unexpected:
+            raise ValueError(
+                f"fused optimizer state does not match the kernel's tables: missing {missing}, unexpected {unexpected}"
+            )
+        for name, own in self.optimizer_states().items():
+            given = states[name]
+            if set(given) != set(own):
+                raise ValueError(
+                    f"table {name!r}: optimizer state has entries {sorted(given)} but fused optimizer "
+                    f"{self.spec.kind!r} keeps {sorted(own)}"
+                )
+            for key, t in own.items():
+                src = given[key]
+                if not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(t.shape):
+                    shape = tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__
+                    raise ValueError(
+                        f"table {name!r}: optimizer state {key!r} has shape {shape} in the checkpoint but "
+                        f"{tuple(t.shape)} here"
+                    )
+
+    def load_optimizer_states(self, states: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Copy ``{table name: {state name: tensor}}`` into the kernel (all checked before any copy)."""
+        self._check_optimizer_states(states)
+        with torch.no_grad():
+            for name, own in self.optimizer_states().items():
+                for key, t in own.items():
+                    t.copy_(states[name][key])
+

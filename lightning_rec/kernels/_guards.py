@@ -1,0 +1,67 @@
+"""Autograd guards of the fused kernel: a fused optimizer updates inside backward, so what it cannot honour
+(a repeated backward, gradient accumulation) is refused there, and the gradient is scaled on its way in."""
+
+from __future__ import annotations
+
+import torch
+
+
+class _FusedStepCounter:
+    """Backward passes through one kernel since its optimizer's last step."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+_DOUBLE_BACKWARD = (
+    "backward ran a second time through the same FusedPooledKernel output (retain_graph=True, or a double "
+    "backward). A fused optimizer updates the tables inside backward, so the first backward has already applied "
+    "the update and a second one cannot be honoured. Build a new forward for every backward."
+)
+_ACCUMULATION = (
+    "a second backward reached FusedPooledKernel before the optimizer step. A fused optimizer updates the tables "
+    "inside backward, so gradient accumulation (e.g. Lightning's accumulate_grad_batches > 1), several "
+    "backward passes per step, or several lookups through the same kernel per step cannot be honoured: each "
+    "would be applied as a separate update. Use one forward and one backward per step, then call "
+    "FusedOptimizer.step() (or kernel.finish_step() when driving the kernel without a FusedOptimizer)."
+)
+
+
+class _FusedBackwardGuard(torch.autograd.Function):
+    """Identity on the kernel's output; in backward: refuse a repeated backward, count it, scale the gradient."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, counter: _FusedStepCounter, grad_scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.counter = counter
+        ctx.grad_scale = grad_scale
+        ctx.used = False
+        # detach(): an alias that is not an autograd view, so callers may still modify the output in place
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if ctx.used:
+            raise RuntimeError(_DOUBLE_BACKWARD)
+        if ctx.counter.count >= 1:
+            raise RuntimeError(_ACCUMULATION)
+        ctx.used = True
+        ctx.counter.count += 1
+        if ctx.grad_scale != 1.0:
+            grad = grad * ctx.grad_scale
+        return grad, None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad * ctx.scale, None
+

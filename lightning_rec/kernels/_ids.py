@@ -1,0 +1,68 @@
+"""Input checks shared by every lookup path: an id outside its table, or broken offsets, raise one clear error.
+
+fbgemm's bounds check lets -1 through and its CPU kernels read out of bounds for larger ids, and
+``F.embedding_bag`` raises an index error that names no feature: so ids are checked here, before any kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def check_ids(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    rows: torch.Tensor,
+    feature_names: Sequence[str],
+    table_of_feature: Sequence[str],
+) -> None:
+    """Raise a ValueError naming feature, table, value and range for the first id outside ``[0, rows)``.
+
+    ``lengths[f]`` ids of feature ``f`` follow each other in ``values``; ``rows[f]`` is its table's size.
+    """
+    n = values.numel()
+    if n == 0:
+        return
+    upper = torch.repeat_interleave(rows, lengths, output_size=n)
+    bad = (values < 0) | (values >= upper)
+    if not bool(bad.any()):
+        return
+    pos = int(torch.nonzero(bad)[0])
+    f = int(torch.searchsorted(lengths.cumsum(0), torch.tensor(pos, device=lengths.device), right=True))
+    value, r = int(values[pos]), int(rows[f])
+    hint = " (-1 is usually padding: filter it out before the lookup)" if value == -1 else ""
+    raise ValueError(
+        f"feature {feature_names[f]!r} (table {table_of_feature[f]!r}) has id {value}, "
+        f"outside the valid range [0, {r - 1}] (num_embeddings={r}){hint}"
+    )
+
+
+def validate_ids(
+    values: torch.Tensor,
+    length_per_feature: Sequence[int],
+    rows_per_feature: Sequence[int],
+    feature_names: Sequence[str],
+    table_of_feature: Sequence[str],
+) -> None:
+    """Raise a ValueError naming feature, table, value and range for the first out-of-range id."""
+    if values.numel() == 0:
+        return
+    rows = torch.as_tensor(list(rows_per_feature), dtype=torch.long, device=values.device)
+    lens = torch.as_tensor(list(length_per_feature), dtype=torch.long, device=values.device)
+    check_ids(values, lens, rows, feature_names, table_of_feature)
+
+
+def check_offsets(values: torch.Tensor, offsets: torch.Tensor, batch: int) -> None:
+    """Feature-major ``offsets`` (``features * batch + 1``) must start at 0, never decrease, end at ``len(values)``."""
+    n = values.numel()
+    if batch == 0:
+        if n or int(offsets[0]) != 0:
+            raise ValueError(f"batch size 0 but {n} ids (offsets {offsets.tolist()})")
+        return
+    if int(offsets[0]) != 0 or int(offsets[-1]) != n or bool((offsets.diff() < 0).any()):
+        raise ValueError(
+            f"offsets must start at 0, never decrease and end at the number of ids ({n}); got first "
+            f"{int(offsets[0])}, last {int(offsets[-1])}"
+        )
