@@ -1,22 +1,27 @@
 # Two entry points: `make demo` (the main job) and `make test` (the test suite).
 # Each creates .venv on first use. torch is pinned to the CPU build unless CUDA=1; on a machine
 # whose pip does not already find the CPU wheel, pass TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# torch 2.11, 2.12 and 2.13 are supported, each with the fbgemm-gpu release built for it (1.6, 1.7, 1.8):
+# make test TORCH=2.11.0 picks FBGEMM=1.6.0.
 PYTHON ?= python3
 VENV ?= .venv
 CUDA ?= 0
+TORCH ?= 2.13.0
+FBGEMM ?= $(if $(filter 2.11.%,$(TORCH)),1.6.0,$(if $(filter 2.12.%,$(TORCH)),1.7.0,1.8.0))
 TORCH_INDEX ?=
 KERNELS := $(if $(filter 1,$(CUDA)),cuda,cpu)
+FBGEMM_PKG := $(if $(filter 1,$(CUDA)),fbgemm-gpu,fbgemm-gpu-cpu)
 PIP := $(VENV)/bin/pip
 PY := $(VENV)/bin/python
 
-$(VENV)/.installed-$(KERNELS): pyproject.toml
+$(VENV)/.installed-$(KERNELS)-$(TORCH): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PIP) install -q -e ".[$(KERNELS),dev]"
+	$(PIP) install -q torch==$(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PIP) install -q -e ".[$(KERNELS),dev]" "$(FBGEMM_PKG)==$(FBGEMM)"
 	touch $@
 
-install: $(VENV)/.installed-$(KERNELS)
+install: $(VENV)/.installed-$(KERNELS)-$(TORCH)
 
 demo: install
 	$(PY) examples/dlrm.py

@@ -73,10 +73,12 @@ class FusedPooledKernel(torch.nn.Module):
         if spec is None:
             raise ValueError("FusedPooledKernel needs a fused optimizer spec, got None")
         dev = torch.device("cpu" if device is None else device)
+        optim_type = spec.validate(dev)
+        # once, here, before touching the device: a CPU-only fbgemm build next to a CUDA torch must give one
+        # sentence naming the package to install, not a NotImplementedError from deep inside forward
+        check_fused_available(spec, dev)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
-        optim_type = spec.validate(dev)
-        check_fused_available(spec, dev)  # once, here: a missing CUDA op must not surface inside forward
         names, rows, dims, dtype = self._check_tables(tables)
         feature_table = self._check_feature_table(feature_table, names)
 
