@@ -5,15 +5,16 @@ from __future__ import annotations
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-# torch optimizer class -> planner optimizer kind (its state size per row)
+from lightning_rec.optim import CombinedOptimizer, FusedOptimizer
+
+# torch optimizer class -> planner optimizer kind (its state size per row); a fused optimizer's kind is its
+# spec's kind (lightning_rec.fused_kinds.FUSED_KINDS)
 _OPTIMIZER_KINDS = {"SGD": "sgd", "Adagrad": "adagrad", "Adam": "adam", "AdamW": "adam", "SparseAdam": "adam",
                     "LAMB": "lamb"}
 
 
 def _optimizer_kind(trainer: L.Trainer) -> str:
     """The embedding optimizer's kind, read from the fused optimizer or the first torch optimizer."""
-    from lightning_rec.optim import CombinedOptimizer, FusedOptimizer
-
     for opt in trainer.optimizers:
         parts = opt.optimizers if isinstance(opt, CombinedOptimizer) else [opt]
         for part in parts:
