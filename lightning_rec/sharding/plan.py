@@ -7,7 +7,6 @@ What each sharding type accepts and how it tiles a table lives in ``types.py``.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -16,6 +15,7 @@ from torch import nn
 
 from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
 from lightning_rec.sharding.layout import ShardMeta
+from lightning_rec.sharding.mesh import default_local_size
 from lightning_rec.sharding.types import KINDS, PLACEMENT_FIELDS, ParameterSharding
 
 
@@ -81,15 +81,6 @@ class ShardingPlan:
 
 
 # -- resolution and validation ----------------------------------------------------------------------
-def default_local_size(group_size: int) -> int:
-    """Ranks per host: LOCAL_WORLD_SIZE when it divides the group, else the whole group."""
-    try:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", group_size))
-    except ValueError:
-        local = group_size
-    return local if local > 0 and group_size % local == 0 else group_size
-
-
 def resolve_table(
     table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int, local_size: int
 ) -> list[ShardMeta] | None:

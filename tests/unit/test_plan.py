@@ -1,4 +1,4 @@
-"""Sharding plans: validation messages, shard tiling of every placement type, and the default planner.
+"""Sharding plans: validation messages and the shard tiling of every placement type.
 
 Nothing here starts processes: ``resolve_module_plan`` and ``construct_module_sharding_plan`` validate a
 plan from the tables, the group size and the local size alone.
@@ -26,7 +26,6 @@ from lightning_rec.sharding import (
 )
 from lightning_rec.sharding.layout import ShardMeta, even_split
 from lightning_rec.sharding.plan import resolve_module_plan
-from lightning_rec.sharding.planner import default_module_plan
 
 DIMS = (1, 2, 3, 4, 6, 8, 12)
 ALL_TYPES = tuple(s.value for s in ShardingType)
@@ -357,73 +356,6 @@ def test_row_wise_default_is_torch_chunk(rows: int, world: int) -> None:
 
 
 # -- the default planner --------------------------------------------------------------------------------
-@st.composite
-def planner_cases(draw):
-    n = draw(st.integers(1, 12))
-    dtypes = (torch.float32, torch.float16, torch.bfloat16)
-    tables = [
-        EmbeddingBagConfig(
-            draw(st.integers(1, 200)),
-            draw(st.sampled_from(DIMS)),
-            f"t{i}",
-            [f"f{i}"],
-            dtype=draw(st.sampled_from(dtypes)),
-        )
-        for i in range(n)
-    ]
-    return tables, draw(st.integers(1, 8))
-
-
-def _bytes(t: EmbeddingBagConfig) -> int:
-    return t.num_embeddings * t.embedding_dim * t.dtype.itemsize
-
-
-@settings(max_examples=50, deadline=None)
-@given(planner_cases())
-def test_default_module_plan_is_deterministic_and_valid(case) -> None:
-    tables, world = case
-    plan = default_module_plan(tables, world)
-    assert list(plan) == [t.name for t in tables]
-    # same tables, fresh objects -> same plan
-    again = default_module_plan(
-        [
-            EmbeddingBagConfig(t.num_embeddings, t.embedding_dim, t.name, list(t.feature_names), dtype=t.dtype)
-            for t in tables
-        ],
-        world,
-    )
-    assert again == plan
-    assert all(ps.sharding_type == ShardingType.TABLE_WISE for ps in plan.values())
-    resolved = resolve_module_plan(tables, plan, world, world)
-    assert all(s is not None and len(s) == 1 for s in resolved.values())
-    # greedy onto the least-loaded rank: loads end within one table of each other
-    load = [0] * world
-    for t in tables:
-        load[plan[t.name].ranks[0]] += _bytes(t)
-    assert max(load) - min(load) <= max(_bytes(t) for t in tables)
-    if len(tables) >= world:
-        assert min(load) > 0, "a rank was left empty although there are enough tables"
-    else:
-        assert len({ps.ranks[0] for ps in plan.values()}) == len(tables), "tables share a rank while ranks sit idle"
-
-
-def test_default_module_plan_example() -> None:
-    # largest first (ties by config order), each onto the least-loaded rank (ties by lowest rank)
-    tables = _tables((100, 8), (400, 8), (100, 8), (100, 8), (300, 8))
-    plan = default_module_plan(tables, 2)
-    assert {n: ps.ranks[0] for n, ps in plan.items()} == {"t1": 0, "t4": 1, "t0": 1, "t2": 0, "t3": 1}
-    assert default_module_plan(tables, 2) == plan
-    same = _tables((10, 4), (10, 4), (10, 4), (10, 4))
-    assert [ps.ranks[0] for ps in default_module_plan(same, 3).values()] == [0, 1, 2, 0]
-    # dtype counts: a float16 table weighs half as much
-    mixed = [
-        EmbeddingBagConfig(100, 8, "a", ["a"]),
-        EmbeddingBagConfig(150, 8, "b", ["b"], dtype=torch.float16),
-        EmbeddingBagConfig(60, 8, "c", ["c"]),
-    ]
-    assert {n: ps.ranks[0] for n, ps in default_module_plan(mixed, 2).items()} == {"a": 0, "b": 1, "c": 1}
-
-
 def test_numpy_integers_are_accepted() -> None:
     import numpy as np
 

@@ -23,7 +23,7 @@ from lightning_rec.sharding import (
     table_wise,
 )
 from lightning_rec.sharding.plan import resolve_module_plan, resolve_table
-from lightning_rec.sharding.planner import OPTIMIZER_STATE, _CostModel, automatic_plan, parse_bytes
+from lightning_rec.sharding.planner import OPTIMIZER_STATE, CostModel, automatic_plan, parse_bytes
 
 DT = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -89,7 +89,7 @@ def test_cost_model_layouts_match_plan_resolution(seed: int) -> None:
     t = EmbeddingBagConfig(rng.randint(1, 300), rng.choice([8, 16, 64]), "t", ["f"])
     topo = Topology(8, 8, rng.choice([2, 4]))
     planner = Planner(topo, batch_size=16, default_pooling_factor=3)
-    model = _CostModel(topo, 16)
+    model = CostModel(topo, 16)
     s = planner._stats("", t, rng.choice(["dense", "sparse"]))
     placements = [table_wise(rng.randrange(8)), row_wise(), column_wise([3, 1]), table_row_wise(1),
                   grid_shard([1, 0]), data_parallel()]
