@@ -326,9 +326,12 @@ def placement_of(shards: list[ShardMeta] | None, group_size: int, local_size: in
     if len(by_col) == len(shards):
         return ParameterSharding(ShardingType.COLUMN_WISE,
                                  ranks=[s.rank for s in sorted(shards, key=lambda s: s.col_offset)], col_sizes=sizes)
-    hosts = sorted({r // local_size for r in ranks})
     if len(by_col) == 1:
         if len(ranks) == group_size:
-            return ParameterSharding(ShardingType.ROW_WISE, row_sizes=[s.rows for s in sorted(shards, key=lambda s: s.rank)])
-        return ParameterSharding(ShardingType.TABLE_ROW_WISE, host_indexes=[hosts[0]])
-    return ParameterSharding(ShardingType.GRID_SHARD, host_indexes=hosts, col_sizes=sizes)
+            return ParameterSharding(ShardingType.ROW_WISE,
+                                     row_sizes=[s.rows for s in sorted(shards, key=lambda s: s.rank)])
+        return ParameterSharding(ShardingType.TABLE_ROW_WISE, host_indexes=[ranks[0] // local_size])
+    # grid: the host of each column block, in column order
+    host_of_col = {s.col_offset: s.rank // local_size for s in shards}
+    return ParameterSharding(ShardingType.GRID_SHARD, host_indexes=[host_of_col[o] for o, _ in by_col],
+                             col_sizes=sizes)

@@ -25,7 +25,8 @@ from lightning_rec.sharding import (
     table_wise,
 )
 from lightning_rec.sharding.layout import ShardMeta, even_split
-from lightning_rec.sharding.plan import resolve_module_plan
+from lightning_rec.sharding.plan import resolve_module_plan, resolve_table
+from lightning_rec.sharding.types import KINDS, PLACEMENT_FIELDS, kind_of, placement_of
 
 DIMS = (1, 2, 3, 4, 6, 8, 12)
 ALL_TYPES = tuple(s.value for s in ShardingType)
@@ -364,3 +365,75 @@ def test_numpy_integers_are_accepted() -> None:
     assert [s.rank for s in shards] == [1]
     shards = resolve_module_plan(tables, {"t0": row_wise(list(np.array([4, 0, 6, 0])))}, 4, 4)["t0"]
     assert [s.rows for s in shards] == [4, 0, 6, 0]
+
+
+# -- one kind per sharding type (sharding/types.py) -------------------------------------------------------
+def test_every_sharding_type_has_exactly_one_kind() -> None:
+    assert list(KINDS) == list(ShardingType)
+    assert [k.sharding_type for k in KINDS.values()] == list(ShardingType)
+    assert len({type(k) for k in KINDS.values()}) == len(ShardingType)
+    for st in ShardingType:
+        assert kind_of(st) is KINDS[st] is kind_of(st.value.upper())
+        assert set(KINDS[st].fields) <= set(PLACEMENT_FIELDS)
+
+
+@pytest.mark.parametrize("st", list(ShardingType), ids=lambda s: s.value)
+def test_a_kind_refuses_every_field_it_does_not_list(st: ShardingType) -> None:
+    t = _tables((12, 8))[0]
+    for f in PLACEMENT_FIELDS:
+        if f in KINDS[st].fields:
+            continue
+        with pytest.raises(ValueError, match=rf"table 't0': {f} does not apply to {st.value}"):
+            KINDS[st].tiling(t, ParameterSharding(st, **{f: [0]}), 4, 2)
+
+
+@settings(max_examples=50, deadline=None)
+@given(placements())
+def test_kind_tiling_is_plan_resolution_and_placement_of_inverts_it(case) -> None:
+    world, local, tables, plan = case
+    resolved = resolve_module_plan(tables, plan, world, local)
+    for t in tables:
+        ps = plan[t.name]
+        tiling = kind_of(ps.sharding_type).tiling(t, ps, world, local)
+        assert (tiling is None) == (resolved[t.name] is None)
+        if tiling is None:
+            continue
+        assert tiling.shards() == resolved[t.name] == _expected_shards(t, ps, world, local)
+        assert tiling.col_blocks == len({s.col_offset for s in resolved[t.name]})
+        # the description of resolved shards resolves to the same shards (reports of sharded modules use it)
+        again = placement_of(resolved[t.name], world, local)
+        assert resolve_table(t, again, world, local) == resolved[t.name], (ps, again)
+
+
+class _Space:
+    def __init__(self, group_size: int, local_size: int, column_shards: list[int]) -> None:
+        self.group_size, self.local_size, self.num_hosts = group_size, local_size, group_size // local_size
+        self.column_shards = column_shards
+        self.asked: list[tuple[str, int, ParameterSharding]] = []
+
+    def best_ranks(self, k, probe):
+        self.asked.append(("ranks", k, probe))
+        return list(range(self.group_size - k, self.group_size))
+
+    def best_hosts(self, k, probe):
+        self.asked.append(("hosts", k, probe))
+        return list(range(self.num_hosts - k, self.num_hosts))
+
+
+@pytest.mark.parametrize("world, local", [(1, 1), (4, 4), (4, 1), (8, 2), (8, 4)])
+def test_kind_candidates_are_valid_placements_of_their_type(world: int, local: int) -> None:
+    t = _tables((50, 12))[0]
+    for st, kind in KINDS.items():
+        space = _Space(world, local, [2, 3, 4, 6])
+        cands = kind.candidates(space)
+        for ps in cands:
+            assert ps.sharding_type == st
+            resolve_table(t, ps, world, local)  # raises if the kind proposed something invalid
+            assert kind.label(ps).startswith(st.value)
+        for _, k, probe in space.asked:  # probes sit on the first ranks / hosts and resolve too
+            assert probe.sharding_type == st
+            resolve_table(t, probe, world, local)
+        if st in (ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD) and (local == 1 or local == world):
+            assert cands == [], "with one rank per host or one host, host-based types repeat other types"
+        if st == ShardingType.COLUMN_WISE:
+            assert sorted(len(ps.ranks) for ps in cands) == [k for k in (2, 3, 4, 6) if k <= world]
