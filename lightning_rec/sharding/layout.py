@@ -50,45 +50,56 @@ def host_ranks(host_index: int, local_size: int) -> list[int]:
 
 @dataclass(frozen=True, eq=False)
 class Tiling:
-    """A table cut into rectangles, as arrays with one entry per shard (column block major).
+    """A table cut into ``k`` column blocks, each split into the same ``n`` row blocks.
 
-    Column block ``c`` (``col_sizes[c]`` wide) is split into row blocks, one per rank of ``ranks[c]``.
-    The planner's cost model reads the arrays; :meth:`shards` gives the ``ShardMeta`` list the sharded
-    modules and checkpoints use, so both see the same tiling.
+    Column block ``c`` (``col_sizes[c]`` wide) is split into row blocks ``row_sizes`` on the ranks
+    ``owners[c]``. ``rank``, ``rows`` and ``cols`` hold one entry per shard (column block major): the
+    planner's cost model reads them; :meth:`shards` gives the ``ShardMeta`` list the sharded modules and
+    checkpoints use, so both see the same tiling.
     """
 
-    rank: np.ndarray
-    rows: np.ndarray
-    cols: np.ndarray
-    row_offset: np.ndarray
-    col_offset: np.ndarray
-    col_blocks: int
+    row_sizes: np.ndarray  # [n]
+    col_sizes: np.ndarray  # [k]
+    owners: np.ndarray  # [k, n]
 
     @staticmethod
-    def blocks(row_sizes: Sequence[Sequence[int]] | np.ndarray, col_sizes: Sequence[int],
-               ranks: Sequence[Sequence[int]] | np.ndarray) -> Tiling:
-        """Column block ``c`` split into row blocks ``row_sizes[c]`` on ``ranks[c]`` (equal lengths per block)."""
-        rows = [np.asarray(r, dtype=np.int64) for r in row_sizes]
-        owners = [np.asarray(r, dtype=np.int64) for r in ranks]
-        widths = np.asarray(col_sizes, dtype=np.int64)
-        col_starts = np.concatenate(([0], np.cumsum(widths)[:-1]))
-        return Tiling(
-            rank=np.concatenate(owners),
-            rows=np.concatenate(rows),
-            cols=np.repeat(widths, [len(r) for r in rows]),
-            row_offset=np.concatenate([np.cumsum(r) - r for r in rows]),
-            col_offset=np.repeat(col_starts, [len(r) for r in rows]),
-            col_blocks=len(widths),
-        )
+    def grid(row_sizes: Sequence[int] | np.ndarray, col_sizes: Sequence[int],
+             owners: Sequence[Sequence[int]] | np.ndarray) -> Tiling:
+        return Tiling(np.asarray(row_sizes, dtype=np.int64), np.asarray(col_sizes, dtype=np.int64),
+                      np.asarray(owners, dtype=np.int64).reshape(len(col_sizes), -1))
+
+    @property
+    def col_blocks(self) -> int:
+        return len(self.col_sizes)
+
+    @property
+    def rank(self) -> np.ndarray:
+        return self.owners.reshape(-1)
+
+    @property
+    def rows(self) -> np.ndarray:
+        return np.tile(self.row_sizes, len(self.col_sizes))
+
+    @property
+    def cols(self) -> np.ndarray:
+        return np.repeat(self.col_sizes, len(self.row_sizes))
 
     def shards(self) -> list[ShardMeta]:
-        return [ShardMeta(int(ro), int(r), int(co), int(c), int(k)) for ro, r, co, c, k in
-                zip(self.row_offset, self.rows, self.col_offset, self.cols, self.rank)]
+        row_offs, col_offs = offsets_of(self.row_sizes.tolist()), offsets_of(self.col_sizes.tolist())
+        owners = self.owners.tolist()
+        return [ShardMeta(row_offs[r], row_offs[r + 1] - row_offs[r], col_offs[c], col_offs[c + 1] - col_offs[c],
+                          owners[c][r]) for c in range(len(self.col_sizes)) for r in range(len(self.row_sizes))]
 
 
 def block_shards(
     num_rows: int, dim: int, row_sizes_per_col: list[list[int]], col_sizes: list[int], ranks_per_col: list[list[int]]
 ) -> list[ShardMeta]:
     """Tile a ``[num_rows, dim]`` table: column block ``c`` is split into row blocks on ``ranks_per_col[c]``."""
-    assert all(sum(r) == num_rows for r in row_sizes_per_col) and sum(col_sizes) == dim
-    return Tiling.blocks(row_sizes_per_col, col_sizes, ranks_per_col).shards()
+    shards = []
+    col_offs = offsets_of(col_sizes)
+    for c, (cols, ranks, row_sizes) in enumerate(zip(col_sizes, ranks_per_col, row_sizes_per_col)):
+        row_offs = offsets_of(row_sizes)
+        assert row_offs[-1] == num_rows and col_offs[-1] == dim
+        for r, rank in enumerate(ranks):
+            shards.append(ShardMeta(row_offs[r], row_sizes[r], col_offs[c], cols, rank))
+    return shards

@@ -151,6 +151,11 @@ class ShardingKind:
                              f"{group_size}, so hosts are undefined")
         return self._tile(table, ps, group_size, local_size)
 
+    def layout(self, table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int,
+               local_size: int) -> Tiling | None:
+        """:meth:`tiling` of a placement already checked (the planner's own candidates; resolved plans)."""
+        return self._tile(table, ps, group_size, local_size)
+
     def _tile(self, table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int,
               local_size: int) -> Tiling | None:
         raise NotImplementedError
@@ -189,7 +194,7 @@ class TableWise(ShardingKind):
         if not ps.ranks or len(ps.ranks) != 1:
             raise ValueError(f"table {table.name!r}: table_wise needs exactly one rank, e.g. table_wise(rank=0)")
         _check_rank(table.name, ps.ranks[0], group_size, "rank")
-        return Tiling.blocks([[table.num_embeddings]], [table.embedding_dim], [ps.ranks])
+        return Tiling.grid([table.num_embeddings], [table.embedding_dim], [ps.ranks])
 
     def candidates(self, space):
         probe = ParameterSharding(self.sharding_type, ranks=[0])
@@ -212,7 +217,7 @@ class RowWise(ShardingKind):
                 f"table {table.name!r}: row_wise sizes {sizes} must give {group_size} non-negative row counts (one per "
                 f"rank) summing to num_embeddings={rows}"
             )
-        return Tiling.blocks([sizes], [table.embedding_dim], [np.arange(group_size)])
+        return Tiling.grid(sizes, [table.embedding_dim], np.arange(group_size))
 
     def candidates(self, space):
         return [ParameterSharding(self.sharding_type)]
@@ -236,7 +241,7 @@ class ColumnWise(ShardingKind):
             raise ValueError(f"table {table.name!r}: column_wise ranks {ranks} repeat a rank; give each shard its "
                              "own rank")
         cols = _col_sizes(table, ps, len(ranks))
-        return Tiling.blocks([[table.num_embeddings]] * len(ranks), cols, [[r] for r in ranks])
+        return Tiling.grid([table.num_embeddings], cols, ranks)
 
     def candidates(self, space):
         out = []
@@ -259,8 +264,8 @@ class TableRowWise(ShardingKind):
                              "table_row_wise(host_index=0)")
         host = ps.host_indexes[0]
         _check_host(table.name, host, group_size, local_size)
-        return Tiling.blocks([even_blocks(table.num_embeddings, local_size)], [table.embedding_dim],
-                             [host * local_size + np.arange(local_size)])
+        return Tiling.grid(even_blocks(table.num_embeddings, local_size), [table.embedding_dim],
+                           host * local_size + np.arange(local_size))
 
     def candidates(self, space):
         if space.local_size == 1 or space.num_hosts == 1:  # the same as table_wise / row_wise then
@@ -288,7 +293,7 @@ class GridShard(ShardingKind):
                              "shard its own host")
         cols = _col_sizes(table, ps, len(hosts))
         rows = even_blocks(table.num_embeddings, local_size)
-        return Tiling.blocks([rows] * len(hosts), cols, [h * local_size + np.arange(local_size) for h in hosts])
+        return Tiling.grid(rows, cols, np.asarray(hosts)[:, None] * local_size + np.arange(local_size))
 
     def candidates(self, space):
         if space.local_size == 1 or space.num_hosts == 1:  # the same as column_wise then

@@ -96,40 +96,77 @@ class CostModel:
     def empty(self) -> Load:
         return Load(np.zeros((len(TIME_PARTS), self.M)), np.zeros((len(MEMORY_PARTS), self.M)), np.zeros(self.H))
 
-    def _a2a(self, ranks: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _spread(self, ranks: np.ndarray, x: np.ndarray, distinct: bool) -> np.ndarray:
+        """Per-shard values summed per rank. With distinct ranks (one shard per rank, true of every tiling of
+        one table) a scatter gives the same numbers as ``np.bincount`` at a fraction of its cost."""
+        if not distinct:
+            return np.bincount(ranks, x, minlength=self.M)
+        out = np.zeros(self.M)
+        out[ranks] = x
+        return out
+
+    def _a2a(self, ranks: np.ndarray, x: np.ndarray, distinct: bool) -> tuple[np.ndarray, np.ndarray]:
         """Every rank of the group sends ``x[s]`` bytes to ``ranks[s]``: (owner-side, sender-side) seconds per rank."""
-        hw, M = self.hw, self.M
-        owner = np.bincount(ranks, x * self.k_in, minlength=M)
-        per_rank = np.bincount(ranks, x, minlength=M)
+        hw = self.hw
+        owner = self._spread(ranks, x * self.k_in, distinct)
         per_host = np.bincount(ranks // self.local, x, minlength=self.H)
+        # a rank sends everything at the inter-host speed, less what stays on its host or on itself
         sender = (x.sum() / hw.inter_host_bandwidth
-                  - per_host[self.host_of] * (1 / hw.inter_host_bandwidth - 1 / hw.intra_host_bandwidth)
-                  - per_rank / hw.intra_host_bandwidth)
+                  - per_host * (1 / hw.inter_host_bandwidth - 1 / hw.intra_host_bandwidth))[self.host_of]
+        if distinct:
+            sender[ranks] -= x / hw.intra_host_bandwidth
+        else:
+            sender -= np.bincount(ranks, x, minlength=self.M) / hw.intra_host_bandwidth
         return owner, np.maximum(sender, 0.0)
 
+    def _shard_memory(self, s: TableStats, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """Per-shard [weights, optimizer, gradients, buffers] bytes, shape ``[len(MEMORY_PARTS), shards]``."""
+        M, B = self.M, self.B
+        ids = M * B * s.ids * (rows / s.rows)  # ids this shard receives per step
+        out_per = B * (s.features if s.pooled else s.ids * (rows / s.rows))  # pooled rows, or one row per id
+        if s.grads == "dense":
+            grads = rows * cols * s.elem
+        elif s.grads == "sparse":
+            grads = ids * (cols * s.elem + 8)
+        else:
+            grads = 0 * ids
+        return np.stack([rows * cols * s.elem, rows * s.state_bytes(cols), grads,
+                         ids * 16 + 2 * M * out_per * cols * s.wire])
+
+    def probe_memory(self, s: TableStats, ps: ParameterSharding, upto: int) -> np.ndarray:
+        """Device memory ``[len(MEMORY_PARTS), upto]`` of ranks ``0..upto-1`` under a placement (no offload)."""
+        tiling = KINDS[ps.sharding_type].layout(s.config, ps, self.M, self.local)  # type: ignore[index]
+        out = np.zeros((len(MEMORY_PARTS), upto))
+        if tiling is None:
+            out += self.replicated(s).mem[:, :upto]
+            return out
+        mine = tiling.rank < upto
+        out[:, tiling.rank[mine]] = self._shard_memory(s, tiling.rows[mine], tiling.cols[mine])
+        return out
+
     def sharded(
-        self, s: TableStats, ranks: np.ndarray, rows: np.ndarray, cols: np.ndarray, offload: bool, col_blocks: int
-    ) -> Load:
+        self, s: TableStats, ranks: np.ndarray, rows: np.ndarray, cols: np.ndarray, offload: bool, col_blocks: int,
+        distinct: bool = False, both: bool = False,
+    ) -> Load | tuple[Load, Load]:
+        """The load of shards ``(ranks, rows, cols)``; ``both``: (in device memory, in host memory)."""
         hw, M, B = self.hw, self.M, self.B
-        load = self.empty()
+        time = np.zeros((len(TIME_PARTS), M))
         live = rows > 0
         frac = rows / s.rows
         ids = M * B * s.ids * frac  # ids this shard receives per step
-        lookup_bw = hw.host_lookup_bandwidth if offload else hw.lookup_bandwidth
-        bc = lambda x: np.bincount(ranks, x, minlength=M)  # noqa: E731 - per-shard values summed per rank
-        t, m = load.time, load.mem
-        t[0] = bc(ids * (cols * s.elem + hw.lookup_overhead_bytes) / lookup_bw)
+        put = lambda x: self._spread(ranks, x, distinct)  # noqa: E731 - per-shard values summed per rank
+        t = time
         row_bytes = 2 * cols * s.elem + s.state_bytes(cols)
         if s.grads == "dense":  # the step and zero_grad run over the whole shard
-            t[1] = bc(rows * (row_bytes + cols * s.elem) / hw.update_bandwidth)
+            t[1] = put(rows * (row_bytes + cols * s.elem) / hw.update_bandwidth)
         else:
-            t[1] = bc(ids * row_bytes / hw.update_bandwidth)
+            t[1] = put(ids * row_bytes / hw.update_bandwidth)
         a = np.where(live, B * (8 * s.ids * frac + 8 * s.features), 0.0)
         out_per = B * (s.features if s.pooled else s.ids * frac)  # pooled rows, or one row per id
         o = np.where(live, out_per * cols * s.wire, 0.0)
-        own, every = self._a2a(ranks, a)
+        own, every = self._a2a(ranks, a, distinct)
         t[2] = (own + every) / 2
-        own, every = self._a2a(ranks, o)
+        own, every = self._a2a(ranks, o, distinct)
         t[3] = own + every  # forward and the reverse in backward, each (sent + received) / 2
         if np.count_nonzero(live) > col_blocks:
             t[4] = B * s.ids / hw.bucketize_rate  # several row blocks: every sender sorts ids by block
@@ -137,16 +174,23 @@ class CostModel:
             uniq = rows * -np.expm1(-ids / np.maximum(rows, 1))
             union = rows * -np.expm1(-self.R * ids / np.maximum(rows, 1))
             rep = (self.R * uniq * 8 + 2 * (self.R - 1) / self.R * union * cols * s.wire) / hw.inter_host_bandwidth
-            t[6] = bc(rep)
-        where = np.zeros_like(m) if offload else m
-        where[0] = bc(rows * cols * s.elem)
-        where[1] = bc(rows * s.state_bytes(cols))
-        grads = {"dense": rows * cols * s.elem, "sparse": ids * (cols * s.elem + 8), "fused": 0 * ids}[s.grads]
-        where[2] = bc(grads)
-        if offload:
-            load.host = np.bincount(self.host_of, where[:3].sum(0), minlength=self.H)
-        m[3] = bc(ids * 16 + 2 * M * out_per * cols * s.wire)
-        return load
+            t[6] = put(rep)
+        per_shard = self._shard_memory(s, rows, cols)
+        mem = np.zeros((len(MEMORY_PARTS), M))
+        for i in range(len(MEMORY_PARTS)):
+            mem[i] = put(per_shard[i])
+        loads = []
+        for host in ((False, True) if both else (offload,)):
+            bw = hw.host_lookup_bandwidth if host else hw.lookup_bandwidth
+            tt = time.copy() if both else time
+            tt[0] = put(ids * (cols * s.elem + hw.lookup_overhead_bytes) / bw)
+            if host:  # weights, state and gradients in host memory; lookup buffers stay on the device
+                hm = np.zeros_like(mem)
+                hm[3] = mem[3]
+                loads.append(Load(tt, hm, np.bincount(self.host_of, mem[:3].sum(0), minlength=self.H)))
+            else:
+                loads.append(Load(tt, mem.copy() if both else mem, np.zeros(self.H)))
+        return (loads[0], loads[1]) if both else loads[0]
 
     def replicated(self, s: TableStats) -> Load:
         hw, B, N, D = self.hw, self.B, s.rows, s.dim
@@ -167,11 +211,12 @@ class CostModel:
         m[3] = local_ids * 16
         return load
 
-    def of_placement(self, s: TableStats, ps: ParameterSharding, offload: bool = False) -> Load:
-        tiling = KINDS[ps.sharding_type].tiling(s.config, ps, self.M, self.local)  # type: ignore[index]
+    def of_placement(self, s: TableStats, ps: ParameterSharding, offload: bool = False, both: bool = False):
+        """The load of a valid placement (``both``: the pair in device memory, in host memory)."""
+        tiling = KINDS[ps.sharding_type].layout(s.config, ps, self.M, self.local)  # type: ignore[index]
         if tiling is None:
             return self.replicated(s)
-        return self.sharded(s, tiling.rank, tiling.rows, tiling.cols, offload, tiling.col_blocks)
+        return self.sharded(s, tiling.rank, tiling.rows, tiling.cols, offload, tiling.col_blocks, True, both)
 
     def of_shards(self, s: TableStats, shards: list[ShardMeta] | None, offload: bool = False) -> Load:
         if shards is None:

@@ -20,7 +20,7 @@ from lightning_rec.configs import BaseEmbeddingConfig, PoolingType, ShardingType
 from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.optim import as_spec
 from lightning_rec.sharding.plan import ShardingPlan, data_parallel, resolve_table, table_wise
-from lightning_rec.sharding.planner.cost import GRADIENTS, OPTIMIZER_STATE, CostModel, Load, TableStats
+from lightning_rec.sharding.planner.cost import GRADIENTS, MEMORY_PARTS, OPTIMIZER_STATE, CostModel, Load, TableStats
 from lightning_rec.sharding.planner.report import PlanReport, TableChoice, placement_label
 from lightning_rec.sharding.planner.topology import PlannerError, TableConstraint, Topology, gib
 from lightning_rec.sharding.types import KINDS, ParameterSharding, placement_of
@@ -47,10 +47,13 @@ class _Candidate:
     fits: bool = True
     short: str = ""  # why it does not fit
     key: tuple = ()
+    time: np.ndarray | None = None  # per rank, summed over TIME_PARTS
+    mem: np.ndarray | None = None  # per rank, summed over MEMORY_PARTS
 
     @property
     def kind(self) -> ShardingType:
         return self.sharding.sharding_type  # type: ignore[return-value]
+
 
 # -- the planner -------------------------------------------------------------------------------------------
 class _Space:
@@ -62,8 +65,12 @@ class _Space:
         self.column_shards = widths
         self._planner, self._stats, self._unit, self._tot, self._free = planner, stats, unit, tot, free
 
-    def _need(self, probe: ParameterSharding) -> np.ndarray:
-        return self._planner._unit_load(self._stats, self._unit, probe, False).mem.sum(0)
+    def _need(self, probe: ParameterSharding, upto: int) -> np.ndarray:
+        """Memory ranks ``0..upto-1`` would hold under ``probe`` (the unit's tables together)."""
+        total = np.zeros((len(MEMORY_PARTS), upto))
+        for i in self._unit:
+            total += self._planner._model.probe_memory(self._stats[i], probe, upto)
+        return total.sum(0)
 
     @staticmethod
     def _lowest(scores: np.ndarray, room: np.ndarray, ok: np.ndarray, k: int) -> list[int]:
@@ -74,12 +81,12 @@ class _Space:
         return sorted(int(x) for x in np.argsort(-room, kind="stable")[:k])
 
     def best_ranks(self, k: int, probe: ParameterSharding) -> list[int]:
-        need = self._need(probe)[0]  # every shard of the probe weighs what its first one does
+        need = self._need(probe, 1)[0]  # every shard of the probe weighs what its first one does
         return self._lowest(self._tot, self._free, self._free >= need, k)
 
     def best_hosts(self, k: int, probe: ParameterSharding) -> list[int]:
         H, L = self.num_hosts, self.local_size
-        need = self._need(probe)[:L]  # the probe's first host
+        need = self._need(probe, L)  # the probe's first host
         free = self._free.reshape(H, L)
         return self._lowest(self._tot.reshape(H, L).max(1), free.min(1), (free >= need).all(1), k)
 
@@ -150,6 +157,7 @@ class Planner:
         self.min_column_width = min_column_width
         self._model = CostModel(self.topology, batch_size)
         self._last: PlanReport | None = None
+        self._base: dict[tuple[int, ...], Load] = {}
 
     # -- inputs --------------------------------------------------------------------------------------------
     def _entries(self, model_or_tables) -> list[tuple[str, BaseEmbeddingConfig, str, object]]:
@@ -295,10 +303,31 @@ class Planner:
         return allowed
 
     def _unit_load(self, stats, unit, ps: ParameterSharding, offload: bool) -> Load:
+        if len(unit) == 1:
+            return self._model.of_placement(stats[unit[0]], ps, offload)
         total = self._model.empty()
         for i in unit:
             total += self._model.of_placement(stats[i], ps, offload)
         return total
+
+    def _unit_loads(self, stats, unit, ps: ParameterSharding) -> tuple[Load, Load]:
+        """The unit's load with its tables in device memory and in host memory, computed together."""
+        if len(unit) == 1:
+            return self._model.of_placement(stats[unit[0]], ps, both=True)
+        device, host = self._model.empty(), self._model.empty()
+        for i in unit:
+            d, h = self._model.of_placement(stats[i], ps, both=True)
+            device += d
+            host += h
+        return device, host
+
+    def _base_load(self, stats, unit) -> Load:
+        """The unit's table-wise load (data-parallel where that is all it may be): its size for ordering."""
+        key = tuple(unit)
+        if key not in self._base:
+            only_dp = self._allowed(stats, unit) == [ShardingType.DATA_PARALLEL]
+            self._base[key] = self._unit_load(stats, unit, data_parallel() if only_dp else table_wise(0), False)
+        return self._base[key]
 
     def _candidates(self, stats, unit, allowed, tot, used, host_used) -> list[_Candidate]:
         topo = self.topology
@@ -310,12 +339,18 @@ class Planner:
         cands = [_Candidate(ps) for ps in out]
         if topo.host_memory is not None and all(
                 self.constraints.get(stats[i].config.name, TableConstraint()).allow_host_memory for i in unit):
-            cands += [_Candidate(replace(c.sharding, compute_kernel="fused_uvm"), offload=True)
-                      for c in cands if c.kind != ShardingType.DATA_PARALLEL]
+            offloaded = []
+            for c in cands:
+                if c.kind != ShardingType.DATA_PARALLEL:
+                    c.load, host = self._unit_loads(stats, unit, c.sharding)
+                    offloaded.append(_Candidate(replace(c.sharding, compute_kernel="fused_uvm"), True, host))
+            cands += offloaded
         host_budget = np.inf if topo.host_memory is None else topo.host_memory
         for c in cands:
-            c.load = self._unit_load(stats, unit, c.sharding, c.offload)
-            over = used + c.load.mem.sum(0) - budget
+            if c.load is None:
+                c.load = self._unit_load(stats, unit, c.sharding, c.offload)
+            c.time, c.mem = c.load.time.sum(0), c.load.mem.sum(0)
+            over = used + c.mem - budget
             host_over = host_used + c.load.host - host_budget
             c.fits = bool((over <= 0).all() and (host_over <= 0).all())
             if not c.fits:
@@ -328,6 +363,7 @@ class Planner:
 
     def _plan(self, stats: list[TableStats]) -> PlanReport:
         self._check_names(stats)
+        self._base: dict[tuple[int, ...], Load] = {}
         topo, model = self.topology, self._model
         total = model.empty()
         choices: list[TableChoice | None] = [None] * len(stats)
@@ -368,8 +404,7 @@ class Planner:
         """Units largest first (memory and work shares), and each one's least total work (its table-wise cost)."""
         mem, work = [], []
         for unit in units:
-            only_dp = self._allowed(stats, unit) == [ShardingType.DATA_PARALLEL]
-            load = self._unit_load(stats, unit, data_parallel() if only_dp else table_wise(0), False)
+            load = self._base_load(stats, unit)
             mem.append(load.mem.sum())
             work.append(load.time.sum())
         mem_a, work_a = np.array(mem), np.array(work)
@@ -388,11 +423,11 @@ class Planner:
             tot, used = total.time.sum(0), total.mem.sum(0)
             cands = self._candidates(stats, unit, allowed, tot, used, total.host)
             for n, c in enumerate(cands):
-                new = tot + c.load.time.sum(0)  # type: ignore[union-attr]
+                new = tot + c.time
                 # the slowest rank can end no lower than the mean work once every table is placed: judging by that
                 # bound keeps the greedy from spreading early tables thin at the cost of total work
                 projected = max(new.max(), (new.sum() + max(remaining, 0.0)) / len(new))
-                mem_peak = (used + c.load.mem.sum(0)).max() / (budget if np.isfinite(budget) else 1.0)  # type: ignore[union-attr]
+                mem_peak = (used + c.mem).max() / (budget if np.isfinite(budget) else 1.0)
                 c.key = (projected, new.sum(), n) if mode == "time" else (mem_peak, projected, n)
             fitting = sorted((c for c in cands if c.fits), key=lambda c: c.key)
             if not fitting:
@@ -402,7 +437,8 @@ class Planner:
             # the runner-up is the best other sharding type; another placement of the same type only if none
             others = sorted((c for c in cands if c is not best), key=lambda c: (c.kind == best.kind, not c.fits, c.key))
             for i in unit:
-                own = self._model.of_placement(stats[i], best.sharding, best.offload)
+                # a unit of one table: its load is the candidate's
+                own = best.load if len(unit) == 1 else self._model.of_placement(stats[i], best.sharding, best.offload)
                 ch = self._choice(stats[i], best.sharding, own, best.offload)
                 if others:
                     ru = others[0]
@@ -415,7 +451,7 @@ class Planner:
 
     @staticmethod
     def _why(best: _Candidate, other: _Candidate, tot: np.ndarray) -> str:
-        b, o = tot + best.load.time.sum(0), tot + other.load.time.sum(0)  # type: ignore[union-attr]
+        b, o = tot + best.time, tot + other.time
         if o.max() > b.max():
             return f"slowest rank {1e3 * o.max():.3f} ms instead of {1e3 * b.max():.3f} ms"
         if o.sum() > b.sum():
@@ -430,9 +466,7 @@ class Planner:
         capacity = M * topo.device_memory + (0 if topo.host_memory is None else topo.num_hosts * topo.host_memory)
         needs = []
         for unit in units:
-            allowed = self._allowed(stats, unit)
-            ps = data_parallel() if allowed == [ShardingType.DATA_PARALLEL] else table_wise(0)
-            needs.append((float(self._unit_load(stats, unit, ps, False).mem.sum()), unit))
+            needs.append((float(self._base_load(stats, unit).mem.sum()), unit))
         need = sum(n for n, _ in needs) + float(fixed.mem.sum())
         if need > capacity:
             big = sorted(needs, key=lambda x: -x[0])[:5]
