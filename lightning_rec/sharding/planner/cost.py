@@ -192,6 +192,68 @@ class CostModel:
                 loads.append(Load(tt, mem.copy() if both else mem, np.zeros(self.H)))
         return (loads[0], loads[1]) if both else loads[0]
 
+    def summary(self, s: TableStats, ps: ParameterSharding, both: bool = False):
+        """``(time, memory, host memory)`` per rank / host of a valid placement of one table, the same numbers as
+        ``load.time.sum(0)``, ``load.mem.sum(0)`` and ``load.host`` of :meth:`of_placement` (bit for bit: the
+        parts are added in the same order), without building the per-part load. ``both``: the pair (device
+        memory, host memory).
+
+        The search compares thousands of candidates: ranks without a shard of the table differ only by
+        their host, so they are computed per host and the shards' ranks per shard.
+        """
+        tiling = KINDS[ps.sharding_type].layout(s.config, ps, self.M, self.local)  # type: ignore[index]
+        if tiling is None:
+            load = self.replicated(s)
+            return load.time.sum(0), load.mem.sum(0), load.host
+        hw, M, B, R = self.hw, self.M, self.B, self.R
+        ranks, rows, cols = tiling.rank, tiling.rows, tiling.cols
+        live = rows > 0
+        frac = rows / s.rows
+        ids = M * B * s.ids * frac
+        row_bytes = 2 * cols * s.elem + s.state_bytes(cols)
+        if s.grads == "dense":
+            t1 = rows * (row_bytes + cols * s.elem) / hw.update_bandwidth
+        else:
+            t1 = ids * row_bytes / hw.update_bandwidth
+        a = np.where(live, B * (8 * s.ids * frac + 8 * s.features), 0.0)
+        out_per = B * (s.features if s.pooled else s.ids * frac)
+        o = np.where(live, out_per * cols * s.wire, 0.0)
+        hosts = ranks // self.local
+        # what a rank sends at the inter-host speed, less what stays on its host (as in _a2a)
+        c = 1 / hw.inter_host_bandwidth - 1 / hw.intra_host_bandwidth
+        base_a = a.sum() / hw.inter_host_bandwidth - np.bincount(hosts, a, minlength=self.H) * c
+        base_o = o.sum() / hw.inter_host_bandwidth - np.bincount(hosts, o, minlength=self.H) * c
+        t2 = (a * self.k_in + np.maximum(base_a[hosts] - a / hw.intra_host_bandwidth, 0.0)) / 2
+        t3 = o * self.k_in + np.maximum(base_o[hosts] - o / hw.intra_host_bandwidth, 0.0)
+        t4 = B * s.ids / hw.bucketize_rate if np.count_nonzero(live) > tiling.col_blocks else 0.0
+        if R > 1:
+            uniq = rows * -np.expm1(-ids / np.maximum(rows, 1))
+            union = rows * -np.expm1(-R * ids / np.maximum(rows, 1))
+            t6 = (R * uniq * 8 + 2 * (R - 1) / R * union * cols * s.wire) / hw.inter_host_bandwidth
+        else:
+            t6 = 0.0
+        # ranks without a shard: only the senders' all-to-all terms and bucketizing, as the dense sum adds them
+        zero = np.zeros(self.H)
+        idle = ((((((zero + 0.0) + (0.0 + np.maximum(base_a, 0.0)) / 2) + (0.0 + np.maximum(base_o, 0.0))) + t4)
+                 + 0.0) + 0.0)[self.host_of]
+        per_shard = self._shard_memory(s, rows, cols)
+        out = []
+        for host in ((False, True) if both else (False,)):
+            bw = hw.host_lookup_bandwidth if host else hw.lookup_bandwidth
+            t0 = ids * (cols * s.elem + hw.lookup_overhead_bytes) / bw
+            time = idle.copy()
+            time[ranks] = (((((t0 + t1) + t2) + t3) + t4) + 0.0) + t6
+            mem = np.zeros(M)
+            if host:
+                mem[ranks] = ((0.0 + 0.0) + 0.0) + per_shard[3]
+                order = np.argsort(ranks, kind="stable")  # the dense sum adds a host's ranks in rank order
+                kept = (per_shard[0] + per_shard[1]) + per_shard[2]
+                out.append((time, mem, np.bincount(hosts[order], kept[order], minlength=self.H)))
+            else:
+                mem[ranks] = ((per_shard[0] + per_shard[1]) + per_shard[2]) + per_shard[3]
+                out.append((time, mem, np.zeros(self.H)))
+        return (out[0], out[1]) if both else out[0]
+
     def replicated(self, s: TableStats) -> Load:
         hw, B, N, D = self.hw, self.B, s.rows, s.dim
         load = self.empty()

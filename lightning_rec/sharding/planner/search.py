@@ -49,6 +49,7 @@ class _Candidate:
     key: tuple = ()
     time: np.ndarray | None = None  # per rank, summed over TIME_PARTS
     mem: np.ndarray | None = None  # per rank, summed over MEMORY_PARTS
+    host: np.ndarray | None = None  # host memory per host
 
     @property
     def kind(self) -> ShardingType:
@@ -76,7 +77,7 @@ class _Space:
     def _lowest(scores: np.ndarray, room: np.ndarray, ok: np.ndarray, k: int) -> list[int]:
         # the k lowest-scoring places that fit; else the k with most room (the candidate then reports the shortfall)
         if ok.sum() >= k:
-            order = np.lexsort((np.arange(len(scores)), scores))
+            order = np.argsort(scores, kind="stable")  # ties: the lower index
             return sorted(int(x) for x in order[ok[order]][:k])
         return sorted(int(x) for x in np.argsort(-room, kind="stable")[:k])
 
@@ -337,25 +338,35 @@ class Planner:
         space = _Space(self, stats, unit, widths, tot, budget - used)
         out = [ps for st in allowed for ps in KINDS[st].candidates(space)]
         cands = [_Candidate(ps) for ps in out]
+        single = len(unit) == 1
         if topo.host_memory is not None and all(
                 self.constraints.get(stats[i].config.name, TableConstraint()).allow_host_memory for i in unit):
             offloaded = []
             for c in cands:
                 if c.kind != ShardingType.DATA_PARALLEL:
-                    c.load, host = self._unit_loads(stats, unit, c.sharding)
-                    offloaded.append(_Candidate(replace(c.sharding, compute_kernel="fused_uvm"), True, host))
+                    host = _Candidate(replace(c.sharding, compute_kernel="fused_uvm"), True)
+                    if single:
+                        (c.time, c.mem, c.host), (host.time, host.mem, host.host) = self._model.summary(
+                            stats[unit[0]], c.sharding, both=True)
+                    else:
+                        c.load, host.load = self._unit_loads(stats, unit, c.sharding)
+                    offloaded.append(host)
             cands += offloaded
         host_budget = np.inf if topo.host_memory is None else topo.host_memory
         for c in cands:
-            if c.load is None:
-                c.load = self._unit_load(stats, unit, c.sharding, c.offload)
-            c.time, c.mem = c.load.time.sum(0), c.load.mem.sum(0)
+            if c.time is None:
+                if single:
+                    c.time, c.mem, c.host = self._model.summary(stats[unit[0]], c.sharding)
+                else:
+                    if c.load is None:
+                        c.load = self._unit_load(stats, unit, c.sharding, c.offload)
+                    c.time, c.mem, c.host = c.load.time.sum(0), c.load.mem.sum(0), c.load.host
             over = used + c.mem - budget
-            host_over = host_used + c.load.host - host_budget
+            host_over = host_used + c.host - host_budget
             c.fits = bool((over <= 0).all() and (host_over <= 0).all())
             if not c.fits:
                 r = int(np.argmax(over)) if over.max() > 0 else None
-                c.short = (f"does not fit: rank {r} would need {gib(used[r] + c.load.mem[:, r].sum())} of "
+                c.short = (f"does not fit: rank {r} would need {gib(used[r] + c.mem[r])} of "
                            f"{gib(budget)} ({gib(over[r])} short)" if r is not None else
                            f"does not fit: host {int(np.argmax(host_over))} short of host memory by "
                            f"{gib(host_over.max())}")
@@ -427,13 +438,17 @@ class Planner:
                 # the slowest rank can end no lower than the mean work once every table is placed: judging by that
                 # bound keeps the greedy from spreading early tables thin at the cost of total work
                 projected = max(new.max(), (new.sum() + max(remaining, 0.0)) / len(new))
-                mem_peak = (used + c.mem).max() / (budget if np.isfinite(budget) else 1.0)
-                c.key = (projected, new.sum(), n) if mode == "time" else (mem_peak, projected, n)
+                if mode == "time":
+                    c.key = (projected, new.sum(), n)
+                else:
+                    c.key = ((used + c.mem).max() / (budget if np.isfinite(budget) else 1.0), projected, n)
             fitting = sorted((c for c in cands if c.fits), key=lambda c: c.key)
             if not fitting:
                 return self._no_fit(stats, unit, cands, total, sum(x is not None for x in choices))
             best = fitting[0]
-            total += best.load  # type: ignore[arg-type]
+            if best.load is None:  # the candidates of one table carry only sums over the parts
+                best.load = self._unit_load(stats, unit, best.sharding, best.offload)
+            total += best.load
             # the runner-up is the best other sharding type; another placement of the same type only if none
             others = sorted((c for c in cands if c is not best), key=lambda c: (c.kind == best.kind, not c.fits, c.key))
             for i in unit:
@@ -479,9 +494,9 @@ class Planner:
             )
 
     def _no_fit(self, stats, unit, cands, total: Load, placed: int) -> str:
-        best = min(cands, key=lambda c: (c.load.mem.sum(0) + total.mem.sum(0)).max())  # type: ignore[union-attr]
+        best = min(cands, key=lambda c: (c.mem + total.mem.sum(0)).max())
         names = [stats[i].label for i in unit]
-        need = (best.load.mem.sum(0) + total.mem.sum(0)).max()  # type: ignore[union-attr]
+        need = (best.mem + total.mem.sum(0)).max()
         missing = need - self.topology.device_memory  # type: ignore[operator]
         return (
             f"no placement of table{'s' if len(unit) > 1 else ''} {names} fits in device memory after {placed} other "
