@@ -232,23 +232,27 @@ class CostModel:
             t6 = (R * uniq * 8 + 2 * (R - 1) / R * union * cols * s.wire) / hw.inter_host_bandwidth
         else:
             t6 = 0.0
-        # ranks without a shard: only the senders' all-to-all terms and bucketizing, as the dense sum adds them
-        zero = np.zeros(self.H)
-        idle = ((((((zero + 0.0) + (0.0 + np.maximum(base_a, 0.0)) / 2) + (0.0 + np.maximum(base_o, 0.0))) + t4)
-                 + 0.0) + 0.0)[self.host_of]
+        if len(ranks) < M:  # ranks without a shard: the senders' all-to-all terms and bucketizing only
+            zero = np.zeros(self.H)
+            idle = ((((((zero + 0.0) + (0.0 + np.maximum(base_a, 0.0)) / 2) + (0.0 + np.maximum(base_o, 0.0))) + t4)
+                     + 0.0) + 0.0)[self.host_of]
+        else:
+            idle = np.empty(M)
         per_shard = self._shard_memory(s, rows, cols)
         out = []
         for host in ((False, True) if both else (False,)):
             bw = hw.host_lookup_bandwidth if host else hw.lookup_bandwidth
             t0 = ids * (cols * s.elem + hw.lookup_overhead_bytes) / bw
-            time = idle.copy()
+            time = idle.copy() if both else idle
             time[ranks] = (((((t0 + t1) + t2) + t3) + t4) + 0.0) + t6
             mem = np.zeros(M)
             if host:
                 mem[ranks] = ((0.0 + 0.0) + 0.0) + per_shard[3]
-                order = np.argsort(ranks, kind="stable")  # the dense sum adds a host's ranks in rank order
                 kept = (per_shard[0] + per_shard[1]) + per_shard[2]
-                out.append((time, mem, np.bincount(hosts[order], kept[order], minlength=self.H)))
+                if len(ranks) > 1 and not (ranks[1:] > ranks[:-1]).all():
+                    order = np.argsort(ranks, kind="stable")  # the dense sum adds a host's ranks in rank order
+                    hosts, kept = hosts[order], kept[order]
+                out.append((time, mem, np.bincount(hosts, kept, minlength=self.H)))
             else:
                 mem[ranks] = ((per_shard[0] + per_shard[1]) + per_shard[2]) + per_shard[3]
                 out.append((time, mem, np.zeros(self.H)))

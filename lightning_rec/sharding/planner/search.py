@@ -76,9 +76,15 @@ class _Space:
     @staticmethod
     def _lowest(scores: np.ndarray, room: np.ndarray, ok: np.ndarray, k: int) -> list[int]:
         # the k lowest-scoring places that fit; else the k with most room (the candidate then reports the shortfall)
-        if ok.sum() >= k:
-            order = np.argsort(scores, kind="stable")  # ties: the lower index
-            return sorted(int(x) for x in order[ok[order]][:k])
+        if ok.sum() >= k:  # the first k of a stable sort of the fitting places by score (ties: the lower index)
+            vals = np.where(ok, scores, np.inf)
+            if k == 1:
+                return [int(np.argmin(vals))]
+            if k < len(vals):
+                idx = np.flatnonzero(vals <= np.partition(vals, k - 1)[k - 1])
+            else:
+                idx = np.arange(len(vals))
+            return sorted(int(x) for x in idx[np.argsort(vals[idx], kind="stable")][:k])
         return sorted(int(x) for x in np.argsort(-room, kind="stable")[:k])
 
     def best_ranks(self, k: int, probe: ParameterSharding) -> list[int]:
