@@ -119,8 +119,8 @@ class CostModel:
             sender -= np.bincount(ranks, x, minlength=self.M) / hw.intra_host_bandwidth
         return owner, np.maximum(sender, 0.0)
 
-    def _shard_memory(self, s: TableStats, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        """Per-shard [weights, optimizer, gradients, buffers] bytes, shape ``[len(MEMORY_PARTS), shards]``."""
+    def _shard_memory(self, s: TableStats, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Per-shard (weights, optimizer, gradients, buffers) bytes, one array each (MEMORY_PARTS)."""
         M, B = self.M, self.B
         ids = M * B * s.ids * (rows / s.rows)  # ids this shard receives per step
         out_per = B * (s.features if s.pooled else s.ids * (rows / s.rows))  # pooled rows, or one row per id
@@ -130,8 +130,7 @@ class CostModel:
             grads = ids * (cols * s.elem + 8)
         else:
             grads = 0 * ids
-        return np.stack([rows * cols * s.elem, rows * s.state_bytes(cols), grads,
-                         ids * 16 + 2 * M * out_per * cols * s.wire])
+        return (rows * cols * s.elem, rows * s.state_bytes(cols), grads, ids * 16 + 2 * M * out_per * cols * s.wire)
 
     def probe_memory(self, s: TableStats, ps: ParameterSharding, upto: int) -> np.ndarray:
         """Device memory ``[len(MEMORY_PARTS), upto]`` of ranks ``0..upto-1`` under a placement (no offload)."""
@@ -141,7 +140,9 @@ class CostModel:
             out += self.replicated(s).mem[:, :upto]
             return out
         mine = tiling.rank < upto
-        out[:, tiling.rank[mine]] = self._shard_memory(s, tiling.rows[mine], tiling.cols[mine])
+        where = tiling.rank[mine]
+        for i, part in enumerate(self._shard_memory(s, tiling.rows[mine], tiling.cols[mine])):
+            out[i, where] = part
         return out
 
     def sharded(

@@ -9,6 +9,7 @@ module scores them with the cost model and keeps the best.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
@@ -187,7 +188,7 @@ class Planner:
             if not isinstance(t, BaseEmbeddingConfig):
                 raise TypeError(f"expected embedding table configs or a model, got {type(t).__name__}")
         names = [t.name for t in tables]
-        dup = sorted({n for n in names if names.count(n) > 1})
+        dup = sorted(n for n, c in Counter(names).items() if c > 1)
         if dup:
             raise ValueError(f"table names must be unique within a collection; repeated: {dup}")
         return [("", t, self.gradients or "dense", None) for t in tables]
