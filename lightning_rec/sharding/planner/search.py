@@ -9,7 +9,6 @@ module scores them with the cost model and keeps the best.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
@@ -58,6 +57,25 @@ class _Candidate:
 
 
 # -- the planner -------------------------------------------------------------------------------------------
+_INT64_MAX = 2**63 - 1
+
+
+def _check_collection(tables: Sequence[BaseEmbeddingConfig]) -> None:
+    """The checks a collection makes of its tables (``modules.EmbeddingBagCollection``), with its messages."""
+    names: set[str] = set()
+    owner: dict[str, str] = {}
+    for t in tables:
+        if t.name in names:
+            raise ValueError(f"table name {t.name!r} is used twice; table names must be unique")
+        names.add(t.name)
+        for f in t.feature_names:
+            if f in owner:
+                raise ValueError(
+                    f"feature {f!r} is listed by tables {owner[f]!r} and {t.name!r}; a feature may look up one table"
+                )
+            owner[f] = t.name
+
+
 class _Space:
     """Where a unit's placements may go: the ``CandidateSpace`` the sharding kinds propose candidates in."""
 
@@ -187,13 +205,14 @@ class Planner:
         for t in tables:
             if not isinstance(t, BaseEmbeddingConfig):
                 raise TypeError(f"expected embedding table configs or a model, got {type(t).__name__}")
-        names = [t.name for t in tables]
-        dup = sorted(n for n, c in Counter(names).items() if c > 1)
-        if dup:
-            raise ValueError(f"table names must be unique within a collection; repeated: {dup}")
+        _check_collection(tables)
         return [("", t, self.gradients or "dense", None) for t in tables]
 
     def _stats(self, path: str, t: BaseEmbeddingConfig, grads: str) -> TableStats:
+        for attr in ("num_embeddings", "embedding_dim"):
+            if getattr(t, attr) > _INT64_MAX:  # no tensor can have that many rows or columns
+                raise ValueError(f"table {t.name!r}: {attr}={getattr(t, attr)} is larger than the largest tensor "
+                                 f"size, 2**63 - 1")
         ids = sum(self.pooling_factors.get(f, self.default_pooling_factor) for f in t.feature_names)
         backend = self.topology.backend or ("nccl" if self.topology.device == "cuda" else "gloo")
         # gloo carries bfloat16 as float32 (comm._wire_dtype); pooled outputs are at least the table's width
@@ -449,6 +468,8 @@ class Planner:
                     c.key = (projected, new.sum(), n)
                 else:
                     c.key = ((used + c.mem).max() / (budget if np.isfinite(budget) else 1.0), projected, n)
+            if not cands:
+                raise PlannerError(self._no_candidate(stats, unit, allowed))
             fitting = sorted((c for c in cands if c.fits), key=lambda c: c.key)
             if not fitting:
                 return self._no_fit(stats, unit, cands, total, sum(x is not None for x in choices))
@@ -499,6 +520,22 @@ class Planner:
                 "Add ranks or memory, lower the batch size, use a smaller optimizer state (rowwise_adagrad) or "
                 "fused/sparse gradients"
             )
+
+    def _no_candidate(self, stats, unit, allowed: list[ShardingType]) -> str:
+        topo = self.topology
+        names = [stats[i].label for i in unit]
+        why = []
+        if {ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD} & set(allowed):
+            why.append(f"table_row_wise and grid_shard split rows over the ranks of one host and need several hosts "
+                       f"of several ranks (this layout: {topo.num_hosts} host(s) x {topo.local_size} rank(s); set "
+                       "local_size)")
+        if {ShardingType.COLUMN_WISE, ShardingType.GRID_SHARD} & set(allowed):
+            dims = sorted({stats[i].dim for i in unit})
+            why.append(f"column_wise and grid_shard need embedding_dim {dims} split into at least 2 shards of "
+                       f">= min_column_width={self.min_column_width} columns")
+        return (f"table{'s' if len(unit) > 1 else ''} {names}: no placement of the allowed sharding types "
+                f"{[a.value for a in allowed]} exists here: " + "; ".join(why)
+                + ". Allow another sharding type for it")
 
     def _no_fit(self, stats, unit, cands, total: Load, placed: int) -> str:
         best = min(cands, key=lambda c: (c.mem + total.mem.sum(0)).max())
