@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()
     lines = ["# Planner run time: before vs after, one run", "",
              f"Before: `lightning_rec/sharding/planner.py` at {args.before[:10]}; after: the working tree. "
-             f"Alternating, {args.repeats} runs each, median seconds; fused row-wise Adagrad, 512 samples per rank.", "",
+             f"Alternating, {args.repeats} runs each, median seconds; fused row-wise Adagrad, 512 samples per "
+             "rank.", "",
              "| case | before s | after s | speed-up | same plans |", "|---|---:|---:|---:|---|"]
     for name, tables, pooling, topo_kw in cases():
         times: dict[str, list[float]] = {"before": [], "after": []}

@@ -106,7 +106,7 @@ def load_tables(path: str | Path) -> tuple[list, dict[str, float], dict[str, Tab
                 raise ValueError("the name is used by an earlier table")
             factors = spec.get("pooling_factors") or {}
             if "pooling_factor" in spec:
-                factors = {f: spec["pooling_factor"] for f in cfg.feature_names} | factors
+                factors = dict.fromkeys(cfg.feature_names, spec["pooling_factor"]) | factors
             if not isinstance(factors, dict) or set(factors) - set(cfg.feature_names):
                 raise ValueError(f"pooling_factors must map this table's features {cfg.feature_names} to ids per "
                                  f"sample, got {factors!r}")

@@ -34,7 +34,8 @@ def row_wise(sizes_placement: list[int] | tuple[list[int], str] | None = None) -
     """Rows split over every rank of the group, in even blocks unless ``sizes_placement`` gives rows per rank."""
     if isinstance(sizes_placement, tuple):
         sizes_placement = sizes_placement[0]
-    return ParameterSharding(ShardingType.ROW_WISE, row_sizes=None if sizes_placement is None else list(sizes_placement))
+    sizes = None if sizes_placement is None else list(sizes_placement)
+    return ParameterSharding(ShardingType.ROW_WISE, row_sizes=sizes)
 
 
 def column_wise(ranks: list[int], size_per_rank: list[int] | None = None) -> ParameterSharding:

@@ -109,8 +109,10 @@ TABLE = "- {name: a, num_embeddings: 100, embedding_dim: 8, feature_names: [f]}\
      r"table \['a'\]: no placement of the allowed sharding types \['table_row_wise', 'grid_shard'\].*1 host\(s\) x 4"),
     ("- {name: a, num_embeddings: 100, embedding_dim: 8, feature_names: [f], "
      "placement: {sharding_type: table_wise, rank: 0}}\n", [],
-     r"line 1, table 'a': placement keys \['rank'\] do not apply to table_wise; it takes \['compute_kernel', 'ranks'\]"),
-    (TABLE, ["--json", "{tmp}/no/such/dir/plan.json"], r"--json .*no/such/dir/plan.json: the directory .* does not exist"),
+     r"line 1, table 'a': placement keys \['rank'\] do not apply to table_wise; "
+     r"it takes \['compute_kernel', 'ranks'\]"),
+    (TABLE, ["--json", "{tmp}/no/such/dir/plan.json"],
+     r"--json .*no/such/dir/plan.json: the directory .* does not exist"),
 ])
 def test_rough_edges_are_one_line_errors(tmp_path, capsys, body: str, args: list[str], message: str) -> None:
     f = tmp_path / "t.yaml"

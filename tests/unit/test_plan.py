@@ -328,8 +328,8 @@ def test_valid_plans_tile_every_table(case) -> None:
         cover = torch.zeros(t.num_embeddings, t.embedding_dim, dtype=torch.int32)
         for s in shards:
             assert s.rows >= 0 and s.cols > 0
-            assert 0 <= s.row_offset and s.row_offset + s.rows <= t.num_embeddings
-            assert 0 <= s.col_offset and s.col_offset + s.cols <= t.embedding_dim
+            assert s.row_offset >= 0 and s.row_offset + s.rows <= t.num_embeddings
+            assert s.col_offset >= 0 and s.col_offset + s.cols <= t.embedding_dim
             cover[s.row_offset : s.row_offset + s.rows, s.col_offset : s.col_offset + s.cols] += 1
         assert bool((cover == 1).all()), f"{t.name}: {ps} -> {shards} does not tile the table exactly"
         assert shards == _expected_shards(t, ps, world, local)
@@ -372,9 +372,9 @@ def test_every_sharding_type_has_exactly_one_kind() -> None:
     assert list(KINDS) == list(ShardingType)
     assert [k.sharding_type for k in KINDS.values()] == list(ShardingType)
     assert len({type(k) for k in KINDS.values()}) == len(ShardingType)
-    for st in ShardingType:
-        assert kind_of(st) is KINDS[st] is kind_of(st.value.upper())
-        assert set(KINDS[st].fields) <= set(PLACEMENT_FIELDS)
+    for sharding_type in ShardingType:
+        assert kind_of(sharding_type) is KINDS[sharding_type] is kind_of(sharding_type.value.upper())
+        assert set(KINDS[sharding_type].fields) <= set(PLACEMENT_FIELDS)
 
 
 @pytest.mark.parametrize("st", list(ShardingType), ids=lambda s: s.value)
@@ -423,17 +423,17 @@ class _Space:
 @pytest.mark.parametrize("world, local", [(1, 1), (4, 4), (4, 1), (8, 2), (8, 4)])
 def test_kind_candidates_are_valid_placements_of_their_type(world: int, local: int) -> None:
     t = _tables((50, 12))[0]
-    for st, kind in KINDS.items():
+    for sharding_type, kind in KINDS.items():
         space = _Space(world, local, [2, 3, 4, 6])
         cands = kind.candidates(space)
         for ps in cands:
-            assert ps.sharding_type == st
+            assert ps.sharding_type == sharding_type
             resolve_table(t, ps, world, local)  # raises if the kind proposed something invalid
-            assert kind.label(ps).startswith(st.value)
-        for _, k, probe in space.asked:  # probes sit on the first ranks / hosts and resolve too
-            assert probe.sharding_type == st
+            assert kind.label(ps).startswith(sharding_type.value)
+        for _, _k, probe in space.asked:  # probes sit on the first ranks / hosts and resolve too
+            assert probe.sharding_type == sharding_type
             resolve_table(t, probe, world, local)
-        if st in (ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD) and (local == 1 or local == world):
+        if sharding_type in (ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD) and (local == 1 or local == world):
             assert cands == [], "with one rank per host or one host, host-based types repeat other types"
-        if st == ShardingType.COLUMN_WISE:
+        if sharding_type == ShardingType.COLUMN_WISE:
             assert sorted(len(ps.ranks) for ps in cands) == [k for k in (2, 3, 4, 6) if k <= world]

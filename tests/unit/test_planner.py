@@ -22,8 +22,8 @@ from lightning_rec.sharding import (
     table_row_wise,
     table_wise,
 )
-from lightning_rec.sharding.plan import resolve_module_plan, resolve_table
 from lightning_rec.sharding.mesh import MeshInfo, resolve_local_size
+from lightning_rec.sharding.plan import resolve_module_plan, resolve_table
 from lightning_rec.sharding.planner import OPTIMIZER_STATE, CostModel, automatic_plan, parse_bytes
 
 DT = (torch.float32, torch.float16, torch.bfloat16)
@@ -275,7 +275,7 @@ def test_only_host_types_on_one_host_is_a_clear_error() -> None:
     with pytest.raises(PlannerError, match=r"4 host\(s\) x 1 rank\(s\)"):
         Planner(Topology(4, local_size=1), constraints=only).plan(tables)
     narrow = {"a": TableConstraint(sharding_types=["column_wise"])}
-    with pytest.raises(PlannerError, match=r"column_wise and grid_shard need embedding_dim \[64\].*min_column_width=64"):
+    with pytest.raises(PlannerError, match=r"column_wise and grid_shard need embedding_dim \[64\].*width=64"):
         Planner(Topology(4), constraints=narrow, min_column_width=64).plan(tables)
     # with two hosts of two ranks the same constraint has placements
     mod = Planner(Topology(4, local_size=2), constraints=only).plan(tables).plan[""]

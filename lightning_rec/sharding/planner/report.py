@@ -114,7 +114,8 @@ class PlanReport:
         ]
         for c in self.tables:
             name = f"{c.module}/{c.table}" if c.module else c.table
-            where = placement_label(c.sharding) + (" [host mem]" if c.offloaded else "") + (" [fixed]" if c.fixed else "")
+            where = (placement_label(c.sharding) + (" [host mem]" if c.offloaded else "")
+                     + (" [fixed]" if c.fixed else ""))
             why = f"{c.runner_up}: {c.rejected_because}" if c.runner_up else c.rejected_because
             lines.append(f"{name:<28} {where:<34} {gib(c.memory_per_rank):>10} {c.time_ms:>8.3f}  {why}")
         lines += ["", "per rank (ms: " + ", ".join(TIME_PARTS) + " | GiB: " + ", ".join(MEMORY_PARTS) + "):"]

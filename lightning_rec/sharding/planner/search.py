@@ -11,32 +11,17 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol, runtime_checkable
 
 import numpy as np
-from torch import nn
 
-from lightning_rec.configs import BaseEmbeddingConfig, PoolingType, ShardingType
-from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
+from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
 from lightning_rec.optim import as_spec
 from lightning_rec.sharding.plan import ShardingPlan, data_parallel, resolve_table, table_wise
 from lightning_rec.sharding.planner.cost import GRADIENTS, MEMORY_PARTS, OPTIMIZER_STATE, CostModel, Load, TableStats
+from lightning_rec.sharding.planner.inputs import PlacedCollection, plan_entries, table_stats
 from lightning_rec.sharding.planner.report import PlanReport, TableChoice, placement_label
 from lightning_rec.sharding.planner.topology import PlannerError, TableConstraint, Topology, gib
 from lightning_rec.sharding.types import KINDS, ParameterSharding, placement_of
-
-
-@runtime_checkable
-class PlacedCollection(Protocol):
-    """What the planner reads of an already-sharded collection (``ShardedCollection``'s public accessors).
-
-    Matched structurally so the planner needs nothing from ``sharded.py``, which calls the planner.
-    """
-
-    tables: list[BaseEmbeddingConfig]
-    shards: Mapping[str, list | None]
-    is_fused: bool
-    sparse_grad: bool
 
 
 @dataclass
@@ -57,25 +42,6 @@ class _Candidate:
 
 
 # -- the planner -------------------------------------------------------------------------------------------
-_INT64_MAX = 2**63 - 1
-
-
-def _check_collection(tables: Sequence[BaseEmbeddingConfig]) -> None:
-    """The checks a collection makes of its tables (``modules.EmbeddingBagCollection``), with its messages."""
-    names: set[str] = set()
-    owner: dict[str, str] = {}
-    for t in tables:
-        if t.name in names:
-            raise ValueError(f"table name {t.name!r} is used twice; table names must be unique")
-        names.add(t.name)
-        for f in t.feature_names:
-            if f in owner:
-                raise ValueError(
-                    f"feature {f!r} is listed by tables {owner[f]!r} and {t.name!r}; a feature may look up one table"
-                )
-            owner[f] = t.name
-
-
 class _Space:
     """Where a unit's placements may go: the ``CandidateSpace`` the sharding kinds propose candidates in."""
 
@@ -117,14 +83,6 @@ class _Space:
         return self._lowest(self._tot.reshape(H, L).max(1), free.min(1), (free >= need).all(1), k)
 
 
-def _collections(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(p, m) for p, m in model.named_modules() if type(m) in (EmbeddingBagCollection, EmbeddingCollection)]
-
-
-def _configs_of(m) -> list:
-    return m.embedding_bag_configs() if hasattr(m, "embedding_bag_configs") else m.embedding_configs()
-
-
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -138,7 +96,8 @@ class Planner:
         pooling_factors: ``{feature name: mean ids per sample}``; others use ``default_pooling_factor``.
         optimizer: kind of the embedding optimizer, which fixes its state size (see ``OPTIMIZER_STATE``).
         gradients: ``"dense"``, ``"sparse"`` or ``"fused"`` (updated inside backward; data_parallel is
-            then only used where a constraint allows it); default: each collection's ``sparse_grad``, dense for bare table lists.
+            then only used where a constraint allows it); default: each collection's ``sparse_grad``, dense
+            for bare table lists.
         constraints: ``{table name: TableConstraint}`` (allowed types, a fixed placement).
         together: groups of table names that get one placement together (same type and ranks).
         min_column_width: narrowest column shard considered for column_wise / grid_shard.
@@ -187,38 +146,11 @@ class Planner:
 
     # -- inputs --------------------------------------------------------------------------------------------
     def _entries(self, model_or_tables) -> list[tuple[str, BaseEmbeddingConfig, str, object]]:
-        """(module path, config, gradients, sharded placement or None) for every table to plan or estimate."""
-        if isinstance(model_or_tables, nn.Module):
-            out = []
-            unsharded = {id(m) for _, m in _collections(model_or_tables)}
-            for path, m in model_or_tables.named_modules():
-                sharded = isinstance(m, PlacedCollection)
-                if not sharded and id(m) not in unsharded:
-                    continue
-                # a collection whose only fused tables are data-parallel is fused too
-                fused = sharded and m.is_fused
-                grads = self.gradients or ("fused" if fused else "sparse" if m.sparse_grad else "dense")
-                tables = m.tables if sharded else _configs_of(m)
-                out += [(path, t, grads, m.shards[t.name] if sharded else None) for t in tables]
-            return out
-        tables = list(model_or_tables)
-        for t in tables:
-            if not isinstance(t, BaseEmbeddingConfig):
-                raise TypeError(f"expected embedding table configs or a model, got {type(t).__name__}")
-        _check_collection(tables)
-        return [("", t, self.gradients or "dense", None) for t in tables]
+        return plan_entries(model_or_tables, self.gradients)
 
     def _stats(self, path: str, t: BaseEmbeddingConfig, grads: str) -> TableStats:
-        for attr in ("num_embeddings", "embedding_dim"):
-            if getattr(t, attr) > _INT64_MAX:  # no tensor can have that many rows or columns
-                raise ValueError(f"table {t.name!r}: {attr}={getattr(t, attr)} is larger than the largest tensor "
-                                 f"size, 2**63 - 1")
-        ids = sum(self.pooling_factors.get(f, self.default_pooling_factor) for f in t.feature_names)
-        backend = self.topology.backend or ("nccl" if self.topology.device == "cuda" else "gloo")
-        # gloo carries bfloat16 as float32 (comm._wire_dtype); pooled outputs are at least the table's width
-        wire = 4 if backend == "gloo" and t.dtype.itemsize < 4 else t.dtype.itemsize
-        return TableStats(path, t, t.num_embeddings, t.embedding_dim, t.dtype.itemsize, wire, len(t.feature_names),
-                      float(ids), t.pooling != PoolingType.NONE, grads, OPTIMIZER_STATE[self.optimizer])
+        return table_stats(path, t, grads, self.topology, self.optimizer, self.pooling_factors,
+                           self.default_pooling_factor)
 
     def _check_names(self, stats: list[TableStats]) -> None:
         features = {f for s in stats for f in s.config.feature_names}
@@ -226,7 +158,8 @@ class Planner:
         if unknown:
             raise ValueError(f"pooling_factors name features {unknown} that no table has; features: {sorted(features)}")
         names = {s.config.name for s in stats}
-        for what, keys in (("constraints", list(self.constraints)), ("together", [n for g in self.together for n in g])):
+        together = [n for g in self.together for n in g]
+        for what, keys in (("constraints", list(self.constraints)), ("together", together)):
             bad = sorted({k for k in keys if k not in names})
             if bad:
                 raise ValueError(f"{what} name tables {bad} that are not in the model; tables: {sorted(names)}")
@@ -288,7 +221,8 @@ class Planner:
         return self._last
 
     # -- search ----------------------------------------------------------------------------------------------
-    def _choice(self, s: TableStats, ps: ParameterSharding, load: Load, offload: bool, fixed: bool = False) -> TableChoice:
+    def _choice(self, s: TableStats, ps: ParameterSharding, load: Load, offload: bool,
+                fixed: bool = False) -> TableChoice:
         per_rank = load.mem[:3].sum(0) + load.mem[3]
         t = load.time.sum(0)
         return TableChoice(s.path, s.config.name, ps, float(per_rank.max()) + float(load.host.max(initial=0)),
@@ -304,8 +238,8 @@ class Planner:
             members = [i for n in group for i in by_name.get(n, [])]
             for i in members:
                 if i in seen:
-                    raise ValueError(f"table {stats[i].config.name!r} is in two 'together' groups: {self.together[seen[i]]} "
-                                     f"and {group}")
+                    raise ValueError(f"table {stats[i].config.name!r} is in two 'together' groups: "
+                                     f"{self.together[seen[i]]} and {group}")
                 seen[i] = g
             units.append(sorted(members))
         units += [[i] for i in range(len(stats)) if i not in seen]
@@ -412,8 +346,8 @@ class Planner:
                 for i in unit:
                     c = self.constraints.get(stats[i].config.name)
                     if c is None or c.placement is None:
-                        raise ValueError(f"table {stats[i].config.name!r} is kept together with tables that have a fixed "
-                                         "placement: give it the same placement")
+                        raise ValueError(f"table {stats[i].config.name!r} is kept together with tables that have a "
+                                         "fixed placement: give it the same placement")
                     resolve_table(stats[i].config, c.placement, topo.model_parallel_size, topo.local_size)
                     load = model.of_placement(stats[i], c.placement)
                     total += load
