@@ -51,11 +51,9 @@ class ShardingSummary(L.Callback):
             return
         strategy = trainer.strategy
         mesh = getattr(strategy, "mesh_info", None)
-        mp = mesh.model_parallel_size if mesh is not None else trainer.world_size
-        # the host blocks the plan was resolved with are not stored; one host per model-parallel group is the default
-        local = getattr(strategy, "num_processes", mp) if trainer.num_nodes > 1 else mp
-        local = local if mp % local == 0 else mp
-        topo = Topology(trainer.world_size, mp, local, device="cuda" if strategy.root_device.type == "cuda" else "cpu")
+        device = "cuda" if strategy.root_device.type == "cuda" else "cpu"
+        # without the strategy's mesh (another strategy), the whole world is one model-parallel group on one host
+        topo = Topology.from_mesh(mesh, device=device) if mesh is not None else Topology(trainer.world_size, device=device)
         kw = {} if self.batch_size is None else {"batch_size": self.batch_size}
         planner = Planner(topo, optimizer=_optimizer_kind(trainer), pooling_factors=self.pooling_factors, **kw)
         self.last_report = planner.estimate(pl_module)

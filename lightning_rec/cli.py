@@ -26,8 +26,8 @@ from pathlib import Path
 import yaml
 
 from lightning_rec.configs import EmbeddingBagConfig, EmbeddingConfig
-from lightning_rec.sharding.plan import ParameterSharding
 from lightning_rec.sharding.planner import OPTIMIZER_STATE, Planner, PlannerError, TableConstraint, Topology
+from lightning_rec.sharding.types import ParameterSharding, kind_of
 
 _TABLE_KEYS = {"name", "num_embeddings", "embedding_dim", "feature_names", "dtype", "pooling", "pooling_factor",
                "pooling_factors", "sharding_types", "placement", "allow_host_memory", "sequence"}
@@ -35,6 +35,10 @@ _TABLE_KEYS = {"name", "num_embeddings", "embedding_dim", "feature_names", "dtyp
 
 class TableFileError(ValueError):
     """A table file that cannot be read; the message names the file, the line and the table."""
+
+
+class CliError(Exception):
+    """A command-line argument that cannot be used (e.g. an output path); the message names it."""
 
 
 def _line(node: yaml.Node) -> int:
@@ -49,9 +53,11 @@ def load_tables(path: str | Path) -> tuple[list, dict[str, float], dict[str, Tab
     """Read a table file: (configs, pooling factors by feature, constraints by table, together groups)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
-        raise TableFileError(f"cannot read table file {str(path)!r}: {e}") from None
+        raise TableFileError(f"cannot read table file {str(path)!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise TableFileError(f"{path}: not a YAML or JSON text file (byte {e.start} is not UTF-8)") from None
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)  # JSON reads as YAML too, with line numbers
     except yaml.YAMLError as e:
@@ -80,6 +86,7 @@ def load_tables(path: str | Path) -> tuple[list, dict[str, float], dict[str, Tab
         if not isinstance(spec, dict):
             raise TableFileError(f"{where}: each table must be a mapping, got {spec!r}")
         label = f"table {spec.get('name')!r}" if "name" in spec else "a table without a name"
+        placement = spec.get("placement")
         unknown = sorted(set(spec) - _TABLE_KEYS)
         if unknown:
             raise TableFileError(f"{where}, {label}: unknown keys {unknown}; known keys: {sorted(_TABLE_KEYS)}")
@@ -92,29 +99,47 @@ def load_tables(path: str | Path) -> tuple[list, dict[str, float], dict[str, Tab
             if isinstance(kw["feature_names"], str):
                 raise ValueError(f"feature_names must be a list, got {kw['feature_names']!r}")
             cfg = (EmbeddingConfig if spec.get("sequence") else EmbeddingBagConfig)(**kw)
+            for k in ("num_embeddings", "embedding_dim"):
+                if getattr(cfg, k) >= 2**63:
+                    raise ValueError(f"{k}={getattr(cfg, k)} is larger than the largest tensor size, 2**63 - 1")
             if any(c.name == cfg.name for c in configs):
                 raise ValueError("the name is used by an earlier table")
             factors = spec.get("pooling_factors") or {}
             if "pooling_factor" in spec:
-                factors = {f: spec["pooling_factor"] for f in cfg.feature_names} | factors
+                factors = dict.fromkeys(cfg.feature_names, spec["pooling_factor"]) | factors
             if not isinstance(factors, dict) or set(factors) - set(cfg.feature_names):
                 raise ValueError(f"pooling_factors must map this table's features {cfg.feature_names} to ids per "
                                  f"sample, got {factors!r}")
             pooling.update(factors)
             if "sharding_types" in spec or "placement" in spec or "allow_host_memory" in spec:
-                placement = spec.get("placement")
                 if placement is not None:
-                    if not isinstance(placement, dict) or "sharding_type" not in placement:
-                        raise ValueError(f"placement must be a mapping with sharding_type, got {placement!r}")
-                    placement = ParameterSharding(**placement)
+                    placement = _placement(placement)
                 types = spec.get("sharding_types")
                 if types is not None:
                     types = [ParameterSharding(t).sharding_type for t in types]
                 constraints[cfg.name] = TableConstraint(types, placement, bool(spec.get("allow_host_memory", True)))
         except (TypeError, ValueError) as e:
-            raise TableFileError(f"{where}, {label}: {e}") from None
+            msg = str(e)
+            # the config's own messages already name the table
+            raise TableFileError(f"{where}: {msg}" if msg.startswith(label) else f"{where}, {label}: {msg}") from None
         configs.append(cfg)
     return configs, pooling, constraints, together
+
+
+def _placement(spec: object) -> ParameterSharding:
+    """A fixed placement from the file: ``sharding_type`` and the fields that type accepts."""
+    if not isinstance(spec, dict) or "sharding_type" not in spec:
+        raise ValueError(f"placement must be a mapping with sharding_type, got {spec!r}")
+    kind = kind_of(spec["sharding_type"])
+    accepted = {"sharding_type", "compute_kernel", *kind.fields}
+    unknown = sorted(set(spec) - accepted)
+    if unknown:
+        raise ValueError(f"placement keys {unknown} do not apply to {kind.sharding_type.value}; it takes "
+                         f"{sorted(accepted - {'sharding_type'})}")
+    for k in kind.fields:
+        if k in spec and not isinstance(spec[k], list):
+            raise ValueError(f"placement {k} must be a list of integers, got {spec[k]!r}")
+    return ParameterSharding(**spec)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -139,6 +164,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def plan_command(args: argparse.Namespace) -> int:
+    if args.json not in (None, "-"):
+        out = Path(args.json)
+        if not out.parent.is_dir():  # say so before planning, not after
+            raise CliError(f"--json {args.json}: the directory {str(out.parent)!r} does not exist")
     configs, pooling, constraints, together = load_tables(args.tables)
     topo = Topology(args.world_size, args.model_parallel_size, args.local_size, args.device_memory, args.host_memory,
                     device=args.device, backend=args.backend)
@@ -153,7 +182,10 @@ def plan_command(args: argparse.Namespace) -> int:
         return 0
     print(report)
     if args.json:
-        Path(args.json).write_text(json.dumps(report.as_dict(), indent=1))
+        try:
+            Path(args.json).write_text(json.dumps(report.as_dict(), indent=1))
+        except OSError as e:
+            raise CliError(f"--json {args.json}: cannot write: {e.strerror or e}") from None
     return 0
 
 
@@ -162,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return plan_command(args)
-    except (PlannerError, ValueError, TypeError) as e:
+    except (PlannerError, ValueError, TypeError, CliError) as e:
         print(f"lightning-rec {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -99,7 +99,9 @@ class RecShardedStrategy(DDPStrategy):
         if mp is None and dp is None:
             mp, dp = self.num_processes, self.num_nodes
         replicas, mp = check_layout(self.world_size, mp, dp)
-        self.mesh_info = init_2d_mesh(mp, replicas, "cuda" if self.root_device.type == "cuda" else "cpu")
+        # one host holds this node's processes (the whole shard group on one node)
+        local = mp if self.num_nodes == 1 else self.num_processes
+        self.mesh_info = init_2d_mesh(mp, replicas, "cuda" if self.root_device.type == "cuda" else "cpu", local)
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = self.mesh_info.mesh
 
@@ -110,9 +112,7 @@ class RecShardedStrategy(DDPStrategy):
         if plan is None and hasattr(module, "configure_sharding"):
             plan = module.configure_sharding()
         mi = self.mesh_info
-        local = mi.model_parallel_size if self.num_nodes == 1 else self.num_processes
-        if mi.model_parallel_size % local:
-            local = mi.model_parallel_size
+        local = mi.local_size
         if plan is None:
             # the planner sees the layout, the device and the batch size (found as Lightning's batch-size finder does)
             from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr

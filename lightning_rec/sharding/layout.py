@@ -5,7 +5,10 @@ Ranks here are ranks of the model-parallel (shard) group, never global ranks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -19,14 +22,19 @@ class ShardMeta:
     rank: int
 
 
+def even_blocks(total: int, parts: int) -> np.ndarray:
+    """:func:`even_split` as an int64 array (what the planner's vectorized cost model needs)."""
+    block = -(-total // parts)
+    return np.clip(total - np.arange(parts, dtype=np.int64) * block, 0, block)
+
+
 def even_split(total: int, parts: int) -> list[int]:
     """Sizes of ``torch.chunk``-style blocks: ``ceil(total / parts)`` each, the tail short or empty.
 
     >>> even_split(10, 4), even_split(5, 4)
     ([3, 3, 3, 1], [2, 2, 1, 0])
     """
-    block = -(-total // parts)
-    return [max(0, min(block, total - i * block)) for i in range(parts)]
+    return even_blocks(total, parts).tolist()
 
 
 def offsets_of(sizes: list[int]) -> list[int]:
@@ -38,6 +46,49 @@ def offsets_of(sizes: list[int]) -> list[int]:
 
 def host_ranks(host_index: int, local_size: int) -> list[int]:
     return list(range(host_index * local_size, (host_index + 1) * local_size))
+
+
+@dataclass(frozen=True, eq=False)
+class Tiling:
+    """A table cut into ``k`` column blocks, each split into the same ``n`` row blocks.
+
+    Column block ``c`` (``col_sizes[c]`` wide) is split into row blocks ``row_sizes`` on the ranks
+    ``owners[c]``. ``rank``, ``rows`` and ``cols`` hold one entry per shard (column block major): the
+    planner's cost model reads them; :meth:`shards` gives the ``ShardMeta`` list the sharded modules and
+    checkpoints use, so both see the same tiling.
+    """
+
+    row_sizes: np.ndarray  # [n]
+    col_sizes: np.ndarray  # [k]
+    owners: np.ndarray  # [k, n]
+
+    @staticmethod
+    def grid(row_sizes: Sequence[int] | np.ndarray, col_sizes: Sequence[int],
+             owners: Sequence[Sequence[int]] | np.ndarray) -> Tiling:
+        return Tiling(np.asarray(row_sizes, dtype=np.int64), np.asarray(col_sizes, dtype=np.int64),
+                      np.asarray(owners, dtype=np.int64).reshape(len(col_sizes), -1))
+
+    @property
+    def col_blocks(self) -> int:
+        return len(self.col_sizes)
+
+    @property
+    def rank(self) -> np.ndarray:
+        return self.owners.reshape(-1)
+
+    @property
+    def rows(self) -> np.ndarray:
+        return np.tile(self.row_sizes, len(self.col_sizes))
+
+    @property
+    def cols(self) -> np.ndarray:
+        return np.repeat(self.col_sizes, len(self.row_sizes))
+
+    def shards(self) -> list[ShardMeta]:
+        row_offs, col_offs = offsets_of(self.row_sizes.tolist()), offsets_of(self.col_sizes.tolist())
+        owners = self.owners.tolist()
+        return [ShardMeta(row_offs[r], row_offs[r + 1] - row_offs[r], col_offs[c], col_offs[c + 1] - col_offs[c],
+                          owners[c][r]) for c in range(len(self.col_sizes)) for r in range(len(self.row_sizes))]
 
 
 def block_shards(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 
@@ -59,7 +60,7 @@ def test_plan_from_json_list_to_stdout(tmp_path, capsys) -> None:
 @pytest.mark.parametrize("body, message", [
     ("tables:\n  - name: a\n    num_embeddings: 10\n    embedding_dim: 4\n    feature_names: [f]\n"
      "  - name: b\n    num_embeddings: -1\n    embedding_dim: 4\n    feature_names: [g]\n",
-     r"line 6, table 'b': table 'b': num_embeddings must be a positive int"),
+     r"line 6: table 'b': num_embeddings must be a positive int"),
     ("tables:\n  - name: a\n    embedding_dim: 4\n    feature_names: [f]\n", r"line 2, table 'a': missing \['num_embeddings'\]"),
     ("- name: a\n  num_embeddings: 10\n  embedding_dim: 4\n  feature_names: [f]\n  colour: red\n",
      r"line 1, table 'a': unknown keys \['colour'\]"),
@@ -90,3 +91,52 @@ def test_console_script(tmp_path) -> None:
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "estimated step time" in r.stdout
+
+
+# -- rough edges: one line naming the file / field / value, never a traceback --------------------------------
+TABLE = "- {name: a, num_embeddings: 100, embedding_dim: 8, feature_names: [f]}\n"
+
+
+@pytest.mark.parametrize("body, args, message", [
+    ("- {name: a, num_embeddings: 1e20, embedding_dim: 8, feature_names: [f]}\n", [],
+     r"t.yaml line 1: table 'a': num_embeddings must be a positive int, got '1e20'"),
+    ("- {name: a, num_embeddings: 100000000000000000000, embedding_dim: 8, feature_names: [f]}\n", [],
+     r"t.yaml line 1, table 'a': num_embeddings=100000000000000000000 is larger than the largest tensor size"),
+    (TABLE + "- {name: b, num_embeddings: 100, embedding_dim: 8, feature_names: [g, f]}\n", [],
+     r"feature 'f' is listed by tables 'a' and 'b'; a feature may look up one table"),
+    ("- {name: a, num_embeddings: 100, embedding_dim: 64, feature_names: [f], "
+     "sharding_types: [table_row_wise, grid_shard]}\n", [],
+     r"table \['a'\]: no placement of the allowed sharding types \['table_row_wise', 'grid_shard'\].*1 host\(s\) x 4"),
+    ("- {name: a, num_embeddings: 100, embedding_dim: 8, feature_names: [f], "
+     "placement: {sharding_type: table_wise, rank: 0}}\n", [],
+     r"line 1, table 'a': placement keys \['rank'\] do not apply to table_wise; "
+     r"it takes \['compute_kernel', 'ranks'\]"),
+    (TABLE, ["--json", "{tmp}/no/such/dir/plan.json"],
+     r"--json .*no/such/dir/plan.json: the directory .* does not exist"),
+])
+def test_rough_edges_are_one_line_errors(tmp_path, capsys, body: str, args: list[str], message: str) -> None:
+    f = tmp_path / "t.yaml"
+    f.write_text(body)
+    rc = main(["plan", str(f), "--world-size", "4", *[a.replace("{tmp}", str(tmp_path)) for a in args]])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert re.search(message, err), err
+
+
+def test_a_binary_table_file_is_named(tmp_path, capsys) -> None:
+    f = tmp_path / "weights.bin"
+    f.write_bytes(bytes(range(256)) * 4)
+    assert main(["plan", str(f), "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "weights.bin" in err and "not a YAML or JSON text file" in err and len(err.strip().splitlines()) == 1
+
+
+def test_json_into_an_unwritable_path_is_an_error_naming_it(tmp_path, capsys) -> None:
+    f = tmp_path / "t.yaml"
+    f.write_text(TABLE)
+    target = tmp_path / "plan.json"
+    target.mkdir()  # a directory where the file should go
+    assert main(["plan", str(f), "--world-size", "2", "--json", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert f"--json {target}: cannot write" in err and "Traceback" not in err

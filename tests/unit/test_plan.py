@@ -1,4 +1,4 @@
-"""Sharding plans: validation messages, shard tiling of every placement type, and the default planner.
+"""Sharding plans: validation messages and the shard tiling of every placement type.
 
 Nothing here starts processes: ``resolve_module_plan`` and ``construct_module_sharding_plan`` validate a
 plan from the tables, the group size and the local size alone.
@@ -25,8 +25,8 @@ from lightning_rec.sharding import (
     table_wise,
 )
 from lightning_rec.sharding.layout import ShardMeta, even_split
-from lightning_rec.sharding.plan import resolve_module_plan
-from lightning_rec.sharding.planner import default_module_plan
+from lightning_rec.sharding.plan import resolve_module_plan, resolve_table
+from lightning_rec.sharding.types import KINDS, PLACEMENT_FIELDS, kind_of, placement_of
 
 DIMS = (1, 2, 3, 4, 6, 8, 12)
 ALL_TYPES = tuple(s.value for s in ShardingType)
@@ -328,8 +328,8 @@ def test_valid_plans_tile_every_table(case) -> None:
         cover = torch.zeros(t.num_embeddings, t.embedding_dim, dtype=torch.int32)
         for s in shards:
             assert s.rows >= 0 and s.cols > 0
-            assert 0 <= s.row_offset and s.row_offset + s.rows <= t.num_embeddings
-            assert 0 <= s.col_offset and s.col_offset + s.cols <= t.embedding_dim
+            assert s.row_offset >= 0 and s.row_offset + s.rows <= t.num_embeddings
+            assert s.col_offset >= 0 and s.col_offset + s.cols <= t.embedding_dim
             cover[s.row_offset : s.row_offset + s.rows, s.col_offset : s.col_offset + s.cols] += 1
         assert bool((cover == 1).all()), f"{t.name}: {ps} -> {shards} does not tile the table exactly"
         assert shards == _expected_shards(t, ps, world, local)
@@ -357,73 +357,6 @@ def test_row_wise_default_is_torch_chunk(rows: int, world: int) -> None:
 
 
 # -- the default planner --------------------------------------------------------------------------------
-@st.composite
-def planner_cases(draw):
-    n = draw(st.integers(1, 12))
-    dtypes = (torch.float32, torch.float16, torch.bfloat16)
-    tables = [
-        EmbeddingBagConfig(
-            draw(st.integers(1, 200)),
-            draw(st.sampled_from(DIMS)),
-            f"t{i}",
-            [f"f{i}"],
-            dtype=draw(st.sampled_from(dtypes)),
-        )
-        for i in range(n)
-    ]
-    return tables, draw(st.integers(1, 8))
-
-
-def _bytes(t: EmbeddingBagConfig) -> int:
-    return t.num_embeddings * t.embedding_dim * t.dtype.itemsize
-
-
-@settings(max_examples=50, deadline=None)
-@given(planner_cases())
-def test_default_module_plan_is_deterministic_and_valid(case) -> None:
-    tables, world = case
-    plan = default_module_plan(tables, world)
-    assert list(plan) == [t.name for t in tables]
-    # same tables, fresh objects -> same plan
-    again = default_module_plan(
-        [
-            EmbeddingBagConfig(t.num_embeddings, t.embedding_dim, t.name, list(t.feature_names), dtype=t.dtype)
-            for t in tables
-        ],
-        world,
-    )
-    assert again == plan
-    assert all(ps.sharding_type == ShardingType.TABLE_WISE for ps in plan.values())
-    resolved = resolve_module_plan(tables, plan, world, world)
-    assert all(s is not None and len(s) == 1 for s in resolved.values())
-    # greedy onto the least-loaded rank: loads end within one table of each other
-    load = [0] * world
-    for t in tables:
-        load[plan[t.name].ranks[0]] += _bytes(t)
-    assert max(load) - min(load) <= max(_bytes(t) for t in tables)
-    if len(tables) >= world:
-        assert min(load) > 0, "a rank was left empty although there are enough tables"
-    else:
-        assert len({ps.ranks[0] for ps in plan.values()}) == len(tables), "tables share a rank while ranks sit idle"
-
-
-def test_default_module_plan_example() -> None:
-    # largest first (ties by config order), each onto the least-loaded rank (ties by lowest rank)
-    tables = _tables((100, 8), (400, 8), (100, 8), (100, 8), (300, 8))
-    plan = default_module_plan(tables, 2)
-    assert {n: ps.ranks[0] for n, ps in plan.items()} == {"t1": 0, "t4": 1, "t0": 1, "t2": 0, "t3": 1}
-    assert default_module_plan(tables, 2) == plan
-    same = _tables((10, 4), (10, 4), (10, 4), (10, 4))
-    assert [ps.ranks[0] for ps in default_module_plan(same, 3).values()] == [0, 1, 2, 0]
-    # dtype counts: a float16 table weighs half as much
-    mixed = [
-        EmbeddingBagConfig(100, 8, "a", ["a"]),
-        EmbeddingBagConfig(150, 8, "b", ["b"], dtype=torch.float16),
-        EmbeddingBagConfig(60, 8, "c", ["c"]),
-    ]
-    assert {n: ps.ranks[0] for n, ps in default_module_plan(mixed, 2).items()} == {"a": 0, "b": 1, "c": 1}
-
-
 def test_numpy_integers_are_accepted() -> None:
     import numpy as np
 
@@ -432,3 +365,75 @@ def test_numpy_integers_are_accepted() -> None:
     assert [s.rank for s in shards] == [1]
     shards = resolve_module_plan(tables, {"t0": row_wise(list(np.array([4, 0, 6, 0])))}, 4, 4)["t0"]
     assert [s.rows for s in shards] == [4, 0, 6, 0]
+
+
+# -- one kind per sharding type (sharding/types.py) -------------------------------------------------------
+def test_every_sharding_type_has_exactly_one_kind() -> None:
+    assert list(KINDS) == list(ShardingType)
+    assert [k.sharding_type for k in KINDS.values()] == list(ShardingType)
+    assert len({type(k) for k in KINDS.values()}) == len(ShardingType)
+    for sharding_type in ShardingType:
+        assert kind_of(sharding_type) is KINDS[sharding_type] is kind_of(sharding_type.value.upper())
+        assert set(KINDS[sharding_type].fields) <= set(PLACEMENT_FIELDS)
+
+
+@pytest.mark.parametrize("st", list(ShardingType), ids=lambda s: s.value)
+def test_a_kind_refuses_every_field_it_does_not_list(st: ShardingType) -> None:
+    t = _tables((12, 8))[0]
+    for f in PLACEMENT_FIELDS:
+        if f in KINDS[st].fields:
+            continue
+        with pytest.raises(ValueError, match=rf"table 't0': {f} does not apply to {st.value}"):
+            KINDS[st].tiling(t, ParameterSharding(st, **{f: [0]}), 4, 2)
+
+
+@settings(max_examples=50, deadline=None)
+@given(placements())
+def test_kind_tiling_is_plan_resolution_and_placement_of_inverts_it(case) -> None:
+    world, local, tables, plan = case
+    resolved = resolve_module_plan(tables, plan, world, local)
+    for t in tables:
+        ps = plan[t.name]
+        tiling = kind_of(ps.sharding_type).tiling(t, ps, world, local)
+        assert (tiling is None) == (resolved[t.name] is None)
+        if tiling is None:
+            continue
+        assert tiling.shards() == resolved[t.name] == _expected_shards(t, ps, world, local)
+        assert tiling.col_blocks == len({s.col_offset for s in resolved[t.name]})
+        # the description of resolved shards resolves to the same shards (reports of sharded modules use it)
+        again = placement_of(resolved[t.name], world, local)
+        assert resolve_table(t, again, world, local) == resolved[t.name], (ps, again)
+
+
+class _Space:
+    def __init__(self, group_size: int, local_size: int, column_shards: list[int]) -> None:
+        self.group_size, self.local_size, self.num_hosts = group_size, local_size, group_size // local_size
+        self.column_shards = column_shards
+        self.asked: list[tuple[str, int, ParameterSharding]] = []
+
+    def best_ranks(self, k, probe):
+        self.asked.append(("ranks", k, probe))
+        return list(range(self.group_size - k, self.group_size))
+
+    def best_hosts(self, k, probe):
+        self.asked.append(("hosts", k, probe))
+        return list(range(self.num_hosts - k, self.num_hosts))
+
+
+@pytest.mark.parametrize("world, local", [(1, 1), (4, 4), (4, 1), (8, 2), (8, 4)])
+def test_kind_candidates_are_valid_placements_of_their_type(world: int, local: int) -> None:
+    t = _tables((50, 12))[0]
+    for sharding_type, kind in KINDS.items():
+        space = _Space(world, local, [2, 3, 4, 6])
+        cands = kind.candidates(space)
+        for ps in cands:
+            assert ps.sharding_type == sharding_type
+            resolve_table(t, ps, world, local)  # raises if the kind proposed something invalid
+            assert kind.label(ps).startswith(sharding_type.value)
+        for _, _k, probe in space.asked:  # probes sit on the first ranks / hosts and resolve too
+            assert probe.sharding_type == sharding_type
+            resolve_table(t, probe, world, local)
+        if sharding_type in (ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD) and (local == 1 or local == world):
+            assert cands == [], "with one rank per host or one host, host-based types repeat other types"
+        if sharding_type == ShardingType.COLUMN_WISE:
+            assert sorted(len(ps.ranks) for ps in cands) == [k for k in (2, 3, 4, 6) if k <= world]

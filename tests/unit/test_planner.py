@@ -22,8 +22,9 @@ from lightning_rec.sharding import (
     table_row_wise,
     table_wise,
 )
+from lightning_rec.sharding.mesh import MeshInfo, resolve_local_size
 from lightning_rec.sharding.plan import resolve_module_plan, resolve_table
-from lightning_rec.sharding.planner import OPTIMIZER_STATE, _CostModel, automatic_plan, parse_bytes
+from lightning_rec.sharding.planner import OPTIMIZER_STATE, CostModel, automatic_plan, parse_bytes
 
 DT = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -89,7 +90,7 @@ def test_cost_model_layouts_match_plan_resolution(seed: int) -> None:
     t = EmbeddingBagConfig(rng.randint(1, 300), rng.choice([8, 16, 64]), "t", ["f"])
     topo = Topology(8, 8, rng.choice([2, 4]))
     planner = Planner(topo, batch_size=16, default_pooling_factor=3)
-    model = _CostModel(topo, 16)
+    model = CostModel(topo, 16)
     s = planner._stats("", t, rng.choice(["dense", "sparse"]))
     placements = [table_wise(rng.randrange(8)), row_wise(), column_wise([3, 1]), table_row_wise(1),
                   grid_shard([1, 0]), data_parallel()]
@@ -252,3 +253,43 @@ def test_parse_bytes_and_topology_errors() -> None:
         Topology(4, 4, 3)
     with pytest.raises(ValueError, match="unknown optimizer"):
         Planner(optimizer="rmsprop")
+
+
+def test_tables_the_module_refuses_are_refused_with_its_message() -> None:
+    shared = [EmbeddingBagConfig(10, 8, "a", ["f", "g"]), EmbeddingBagConfig(10, 8, "b", ["h", "f"])]
+    twice = [EmbeddingBagConfig(10, 8, "a", ["f"]), EmbeddingBagConfig(10, 8, "a", ["g"])]
+    for tables in (shared, twice):
+        with pytest.raises(ValueError) as module_error:
+            EmbeddingBagCollection(tables, device="meta")
+        with pytest.raises(ValueError) as planner_error:
+            Planner(Topology(2)).plan(tables)
+        assert str(planner_error.value) == str(module_error.value)
+
+
+def test_only_host_types_on_one_host_is_a_clear_error() -> None:
+    tables = [EmbeddingBagConfig(100, 64, "a", ["f"]), EmbeddingBagConfig(100, 64, "b", ["g"])]
+    only = {"a": TableConstraint(sharding_types=["table_row_wise", "grid_shard"])}
+    with pytest.raises(PlannerError, match=r"table \['a'\]: no placement .*\['table_row_wise', 'grid_shard'\].*"
+                                           r"1 host\(s\) x 4 rank\(s\)"):
+        Planner(Topology(4), constraints=only).plan(tables)
+    with pytest.raises(PlannerError, match=r"4 host\(s\) x 1 rank\(s\)"):
+        Planner(Topology(4, local_size=1), constraints=only).plan(tables)
+    narrow = {"a": TableConstraint(sharding_types=["column_wise"])}
+    with pytest.raises(PlannerError, match=r"column_wise and grid_shard need embedding_dim \[64\].*width=64"):
+        Planner(Topology(4), constraints=narrow, min_column_width=64).plan(tables)
+    # with two hosts of two ranks the same constraint has placements
+    mod = Planner(Topology(4, local_size=2), constraints=only).plan(tables).plan[""]
+    assert mod["a"].sharding_type in (ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD)
+
+
+def test_sizes_beyond_int64_name_the_table() -> None:
+    with pytest.raises(ValueError, match=r"table 'huge': num_embeddings=100000000000000000000 is larger"):
+        Planner(Topology(2)).plan([EmbeddingBagConfig(10**20, 8, "huge", ["f"])])
+
+
+def test_topology_from_mesh_reads_the_ranks_per_host() -> None:
+    mesh = MeshInfo(None, None, None, 8, 2, 4)  # type: ignore[arg-type]
+    topo = Topology.from_mesh(mesh, device_memory="1GB")
+    assert (topo.world_size, topo.model_parallel_size, topo.local_size, topo.device_memory) == (16, 8, 4, 10**9)
+    assert MeshInfo(None, None, None, 8, 1, 3).local_size == 8  # type: ignore[arg-type]  # 3 does not divide 8
+    assert resolve_local_size(8, 2) == 2 and resolve_local_size(8, 16) == 8

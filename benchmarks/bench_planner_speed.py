@@ -1,0 +1,115 @@
+"""The planner's run time, before and after a change, side by side in one run, and whether the plans agree.
+
+The "before" planner is read from git (``--before``, default the last commit with the single-module
+planner) and imported next to the working tree's one; both plan the same tables, alternately, ``--repeats``
+times; the table reports the median of each and their ratio (a ratio is meaningful on a loaded machine,
+an absolute time less so), and checks that both chose the same placement for every table.
+
+Cases: the DLRM job's 26 Criteo-shaped tables (2 hosts x 8 GPUs), and 1,000 tables x 4,096 ranks
+(model-parallel groups of 8 and of 4,096; CUDA defaults, 80 GB per rank, 2 TB host memory, fused
+row-wise Adagrad) as in ``bench_planner.py``.
+
+Usage:
+    python benchmarks/bench_planner_speed.py [--before REV] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lightning_rec import EmbeddingBagConfig  # noqa: E402
+from lightning_rec.data.synthetic import CRITEO_CARDINALITIES  # noqa: E402
+from lightning_rec.sharding import planner as new_planner  # noqa: E402
+
+BEFORE = "58aa38eb753c0263e0aab7b4b07f6a03605b7669"  # sharding/planner.py as one module, before the refactor
+
+
+def load_before(rev: str):
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:lightning_rec/sharding/planner.py"],
+                         capture_output=True, text=True, check=True).stdout
+    path = Path(tempfile.mkdtemp()) / "planner_before.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("planner_before", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def cases():
+    dlrm = [EmbeddingBagConfig(int(c), 128, f"t_{i}", [f"cat_{i}"]) for i, c in enumerate(CRITEO_CARDINALITIES)]
+    yield ("DLRM 26 Criteo tables, 16 ranks (2 hosts x 8)", dlrm, {f"cat_{i}": 1.0 for i in range(26)},
+           dict(world_size=16, model_parallel_size=16, local_size=8, device_memory="80GB", device="cuda"))
+    for mp in (8, 4096):
+        rng = random.Random(0)
+        tables = [EmbeddingBagConfig(int(10 ** rng.uniform(3, 7.3)), rng.choice([16, 32, 64, 128, 256]), f"table_{i}",
+                                     [f"f{i}"]) for i in range(1000)]
+        pooling = {f"f{i}": rng.choice([1, 1, 5, 20, 50]) for i in range(1000)}
+        yield (f"1,000 tables x 4,096 ranks, model-parallel group {mp}", tables, pooling,
+               dict(world_size=4096, model_parallel_size=mp, local_size=min(8, mp), device_memory="80GB",
+                    host_memory="2TB", device="cuda"))
+
+
+def run(mod, tables, pooling, topo_kw) -> tuple[float, list]:
+    planner = mod.Planner(mod.Topology(**topo_kw), batch_size=512, pooling_factors=pooling,
+                          optimizer="rowwise_adagrad", gradients="fused")
+    t0 = time.perf_counter()
+    planner.plan(tables)
+    dt = time.perf_counter() - t0
+    rep = planner.explain()
+    placements = [(c.table, c.sharding.sharding_type.value, c.sharding.ranks, c.sharding.host_indexes,
+                   c.sharding.compute_kernel) for c in rep.tables]
+    return dt, [placements, rep.step_time_ms]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--before", default=BEFORE)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planner_speed.md"))
+    args = ap.parse_args(argv)
+    before = load_before(args.before)
+    load0 = os.getloadavg()
+    lines = ["# Planner run time: before vs after, one run", "",
+             f"Before: `lightning_rec/sharding/planner.py` at {args.before[:10]}; after: the working tree. "
+             f"Alternating, {args.repeats} runs each, median seconds; fused row-wise Adagrad, 512 samples per "
+             "rank.", "",
+             "| case | before s | after s | speed-up | same plans |", "|---|---:|---:|---:|---|"]
+    for name, tables, pooling, topo_kw in cases():
+        times: dict[str, list[float]] = {"before": [], "after": []}
+        results = {}
+        for r in range(args.repeats):
+            order = [("before", before), ("after", new_planner)]
+            for label, mod in (order if r % 2 == 0 else order[::-1]):
+                dt, res = run(mod, tables, pooling, topo_kw)
+                times[label].append(dt)
+                results[label] = res
+        b, a = statistics.median(times["before"]), statistics.median(times["after"])
+        same = results["before"][0] == results["after"][0]
+        step_b, step_a = results["before"][1], results["after"][1]
+        same_text = "yes" if same and abs(step_a - step_b) <= 1e-9 * abs(step_b) else "NO"
+        lines.append(f"| {name} | {b:.3f} | {a:.3f} | {b / a:.1f}x | {same_text} |")
+        print(lines[-1], flush=True)
+    lines += ["", f"Machine: {os.cpu_count()} cores; load average {load0[0]:.1f} at start, {os.getloadavg()[0]:.1f} "
+              "at end (other processes share the cores: compare the ratio, not the seconds).", "",
+              f"Command: `python benchmarks/bench_planner_speed.py {' '.join(sys.argv[1:] if argv is None else argv)}`"]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,29 @@
+"""Automatic sharding plans: a cost model of the sharded pipeline and a greedy search over it.
+
+``topology`` (the cluster, its speeds, per-table constraints), ``cost`` (time and memory of a placement),
+``search`` (the :class:`Planner`), ``report`` (:class:`PlanReport`, the explanation).
+"""
+
+from lightning_rec.sharding.planner.cost import GRADIENTS, MEMORY_PARTS, OPTIMIZER_STATE, TIME_PARTS, CostModel
+from lightning_rec.sharding.planner.report import PlanReport, TableChoice, placement_label
+from lightning_rec.sharding.planner.search import PlacedCollection, Planner, automatic_plan
+from lightning_rec.sharding.planner.topology import Hardware, PlannerError, TableConstraint, Topology, parse_bytes
+
+__all__ = [
+    "GRADIENTS",
+    "MEMORY_PARTS",
+    "OPTIMIZER_STATE",
+    "TIME_PARTS",
+    "CostModel",
+    "Hardware",
+    "PlacedCollection",
+    "PlanReport",
+    "Planner",
+    "PlannerError",
+    "TableChoice",
+    "TableConstraint",
+    "Topology",
+    "automatic_plan",
+    "parse_bytes",
+    "placement_label",
+]

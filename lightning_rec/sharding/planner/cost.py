@@ -1,0 +1,295 @@
+"""The cost model: one training step's time and the memory of every rank, for a placement of a table.
+
+It follows what the sharded pipeline actually does (``sharding/sharded.py``, ``sharding/comm.py``):
+
+* a sharded table's owner of a row block receives ``M x batch x ids_per_sample x row_fraction`` ids
+  (every rank of the group sends its own), looks them up on its columns and updates what the gradient
+  touched: the touched ids with sparse or fused gradients, the whole shard with dense gradients;
+* input dist: ids (8 bytes) and bag lengths go to every shard with rows; output dist: pooled partial
+  rows come back (all-to-all, so row-wise sends ``M`` partial sums per sample) and the reverse
+  all-to-all in backward; ids are bucketized by row block on the sender when a table has several;
+* data-parallel tables: a lookup on every rank, then the touched rows' union is gathered and all-reduced
+  over the whole world (``comm.embedding_grad``); with 2D layouts, shards all-reduce their touched rows
+  over the replica group likewise.
+
+An all-to-all costs each rank (bytes sent + bytes received) / 2 over the bandwidth of each link (within
+a host or across hosts); an all-reduce ``2 (n - 1) / n x bytes`` over the slowest link it crosses.
+Distinct ids are estimated as for uniformly spread ids, an upper bound for skewed ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from lightning_rec.configs import BaseEmbeddingConfig
+from lightning_rec.sharding.layout import ShardMeta
+from lightning_rec.sharding.planner.topology import Topology
+from lightning_rec.sharding.types import KINDS, ParameterSharding
+
+#: optimizer kind -> (fp32 state values per weight value, fp32 state values per row)
+OPTIMIZER_STATE: dict[str, tuple[int, int]] = {
+    "sgd": (0, 0), "momentum": (1, 0), "adagrad": (1, 0), "rowwise_adagrad": (0, 1), "adam": (2, 0),
+    "lamb": (2, 0), "partial_rowwise_adam": (1, 1), "partial_rowwise_lamb": (1, 1),
+}
+GRADIENTS = ("dense", "sparse", "fused")
+
+TIME_PARTS = ("lookup", "update", "input_dist", "output_dist", "bucketize", "dp_sync", "replica_sync")
+MEMORY_PARTS = ("weights", "optimizer", "gradients", "buffers")
+
+
+@dataclass
+class TableStats:
+    """What the cost model needs of one table."""
+
+    path: str
+    config: BaseEmbeddingConfig
+    rows: int
+    dim: int
+    elem: int  # bytes per weight value
+    wire: int  # bytes per value on the wire and in pooled outputs (bf16 travels as fp32 on gloo)
+    features: int
+    ids: float  # ids per sample over the table's features
+    pooled: bool
+    grads: str
+    state: tuple[int, int]
+
+    @property
+    def label(self) -> str:
+        return f"{self.path}/{self.config.name}" if self.path else self.config.name
+
+    def state_bytes(self, cols: np.ndarray | float) -> np.ndarray | float:
+        return 4 * (self.state[0] * cols + self.state[1])
+
+
+@dataclass
+class Load:
+    """Per-rank time [len(TIME_PARTS), M], device memory [len(MEMORY_PARTS), M] and host memory [H]."""
+
+    time: np.ndarray
+    mem: np.ndarray
+    host: np.ndarray
+
+    def __iadd__(self, other: Load) -> Load:
+        self.time += other.time
+        self.mem += other.mem
+        self.host += other.host
+        return self
+
+
+class CostModel:
+    """Per-rank time and memory of placements on one topology, for ``batch_size`` samples per rank."""
+
+    def __init__(self, topo: Topology, batch_size: int) -> None:
+        self.topo, self.hw, self.B = topo, topo.hardware, batch_size
+        self.M, self.local, self.R = topo.model_parallel_size, topo.local_size, topo.replicas
+        self.H = topo.num_hosts
+        self.host_of = np.arange(self.M) // self.local
+        hw = self.hw
+        # seconds per byte a shard owner receives from (or sends to) every other rank of the group
+        self.k_in = (self.local - 1) / hw.intra_host_bandwidth + (self.M - self.local) / hw.inter_host_bandwidth
+        self.world = topo.world_size
+        self.world_bw = hw.inter_host_bandwidth if self.world > self.local else hw.intra_host_bandwidth
+
+    def empty(self) -> Load:
+        return Load(np.zeros((len(TIME_PARTS), self.M)), np.zeros((len(MEMORY_PARTS), self.M)), np.zeros(self.H))
+
+    def _spread(self, ranks: np.ndarray, x: np.ndarray, distinct: bool) -> np.ndarray:
+        """Per-shard values summed per rank. With distinct ranks (one shard per rank, true of every tiling of
+        one table) a scatter gives the same numbers as ``np.bincount`` at a fraction of its cost."""
+        if not distinct:
+            return np.bincount(ranks, x, minlength=self.M)
+        out = np.zeros(self.M)
+        out[ranks] = x
+        return out
+
+    def _a2a(self, ranks: np.ndarray, x: np.ndarray, distinct: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Every rank of the group sends ``x[s]`` bytes to ``ranks[s]``: (owner-side, sender-side) seconds per rank."""
+        hw = self.hw
+        owner = self._spread(ranks, x * self.k_in, distinct)
+        per_host = np.bincount(ranks // self.local, x, minlength=self.H)
+        # a rank sends everything at the inter-host speed, less what stays on its host or on itself
+        sender = (x.sum() / hw.inter_host_bandwidth
+                  - per_host * (1 / hw.inter_host_bandwidth - 1 / hw.intra_host_bandwidth))[self.host_of]
+        if distinct:
+            sender[ranks] -= x / hw.intra_host_bandwidth
+        else:
+            sender -= np.bincount(ranks, x, minlength=self.M) / hw.intra_host_bandwidth
+        return owner, np.maximum(sender, 0.0)
+
+    def _shard_memory(self, s: TableStats, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Per-shard (weights, optimizer, gradients, buffers) bytes, one array each (MEMORY_PARTS)."""
+        M, B = self.M, self.B
+        ids = M * B * s.ids * (rows / s.rows)  # ids this shard receives per step
+        out_per = B * (s.features if s.pooled else s.ids * (rows / s.rows))  # pooled rows, or one row per id
+        if s.grads == "dense":
+            grads = rows * cols * s.elem
+        elif s.grads == "sparse":
+            grads = ids * (cols * s.elem + 8)
+        else:
+            grads = 0 * ids
+        return (rows * cols * s.elem, rows * s.state_bytes(cols), grads, ids * 16 + 2 * M * out_per * cols * s.wire)
+
+    def probe_memory(self, s: TableStats, ps: ParameterSharding, upto: int) -> np.ndarray:
+        """Device memory ``[len(MEMORY_PARTS), upto]`` of ranks ``0..upto-1`` under a placement (no offload)."""
+        tiling = KINDS[ps.sharding_type].layout(s.config, ps, self.M, self.local)  # type: ignore[index]
+        out = np.zeros((len(MEMORY_PARTS), upto))
+        if tiling is None:
+            out += self.replicated(s).mem[:, :upto]
+            return out
+        mine = tiling.rank < upto
+        where = tiling.rank[mine]
+        for i, part in enumerate(self._shard_memory(s, tiling.rows[mine], tiling.cols[mine])):
+            out[i, where] = part
+        return out
+
+    def sharded(
+        self, s: TableStats, ranks: np.ndarray, rows: np.ndarray, cols: np.ndarray, offload: bool, col_blocks: int,
+        distinct: bool = False, both: bool = False,
+    ) -> Load | tuple[Load, Load]:
+        """The load of shards ``(ranks, rows, cols)``; ``both``: (in device memory, in host memory)."""
+        hw, M, B = self.hw, self.M, self.B
+        time = np.zeros((len(TIME_PARTS), M))
+        live = rows > 0
+        frac = rows / s.rows
+        ids = M * B * s.ids * frac  # ids this shard receives per step
+        put = lambda x: self._spread(ranks, x, distinct)  # noqa: E731 - per-shard values summed per rank
+        t = time
+        row_bytes = 2 * cols * s.elem + s.state_bytes(cols)
+        if s.grads == "dense":  # the step and zero_grad run over the whole shard
+            t[1] = put(rows * (row_bytes + cols * s.elem) / hw.update_bandwidth)
+        else:
+            t[1] = put(ids * row_bytes / hw.update_bandwidth)
+        a = np.where(live, B * (8 * s.ids * frac + 8 * s.features), 0.0)
+        out_per = B * (s.features if s.pooled else s.ids * frac)  # pooled rows, or one row per id
+        o = np.where(live, out_per * cols * s.wire, 0.0)
+        own, every = self._a2a(ranks, a, distinct)
+        t[2] = (own + every) / 2
+        own, every = self._a2a(ranks, o, distinct)
+        t[3] = own + every  # forward and the reverse in backward, each (sent + received) / 2
+        if np.count_nonzero(live) > col_blocks:
+            t[4] = B * s.ids / hw.bucketize_rate  # several row blocks: every sender sorts ids by block
+        if self.R > 1:
+            uniq = rows * -np.expm1(-ids / np.maximum(rows, 1))
+            union = rows * -np.expm1(-self.R * ids / np.maximum(rows, 1))
+            rep = (self.R * uniq * 8 + 2 * (self.R - 1) / self.R * union * cols * s.wire) / hw.inter_host_bandwidth
+            t[6] = put(rep)
+        per_shard = self._shard_memory(s, rows, cols)
+        mem = np.zeros((len(MEMORY_PARTS), M))
+        for i in range(len(MEMORY_PARTS)):
+            mem[i] = put(per_shard[i])
+        loads = []
+        for host in ((False, True) if both else (offload,)):
+            bw = hw.host_lookup_bandwidth if host else hw.lookup_bandwidth
+            tt = time.copy() if both else time
+            tt[0] = put(ids * (cols * s.elem + hw.lookup_overhead_bytes) / bw)
+            if host:  # weights, state and gradients in host memory; lookup buffers stay on the device
+                hm = np.zeros_like(mem)
+                hm[3] = mem[3]
+                loads.append(Load(tt, hm, np.bincount(self.host_of, mem[:3].sum(0), minlength=self.H)))
+            else:
+                loads.append(Load(tt, mem.copy() if both else mem, np.zeros(self.H)))
+        return (loads[0], loads[1]) if both else loads[0]
+
+    def summary(self, s: TableStats, ps: ParameterSharding, both: bool = False):
+        """``(time, memory, host memory)`` per rank / host of a valid placement of one table, the same numbers as
+        ``load.time.sum(0)``, ``load.mem.sum(0)`` and ``load.host`` of :meth:`of_placement` (bit for bit: the
+        parts are added in the same order), without building the per-part load. ``both``: the pair (device
+        memory, host memory).
+
+        The search compares thousands of candidates: ranks without a shard of the table differ only by
+        their host, so they are computed per host and the shards' ranks per shard.
+        """
+        tiling = KINDS[ps.sharding_type].layout(s.config, ps, self.M, self.local)  # type: ignore[index]
+        if tiling is None:
+            load = self.replicated(s)
+            return load.time.sum(0), load.mem.sum(0), load.host
+        hw, M, B, R = self.hw, self.M, self.B, self.R
+        ranks, rows, cols = tiling.rank, tiling.rows, tiling.cols
+        live = rows > 0
+        frac = rows / s.rows
+        ids = M * B * s.ids * frac
+        row_bytes = 2 * cols * s.elem + s.state_bytes(cols)
+        if s.grads == "dense":
+            t1 = rows * (row_bytes + cols * s.elem) / hw.update_bandwidth
+        else:
+            t1 = ids * row_bytes / hw.update_bandwidth
+        a = np.where(live, B * (8 * s.ids * frac + 8 * s.features), 0.0)
+        out_per = B * (s.features if s.pooled else s.ids * frac)
+        o = np.where(live, out_per * cols * s.wire, 0.0)
+        hosts = ranks // self.local
+        # what a rank sends at the inter-host speed, less what stays on its host (as in _a2a)
+        c = 1 / hw.inter_host_bandwidth - 1 / hw.intra_host_bandwidth
+        base_a = a.sum() / hw.inter_host_bandwidth - np.bincount(hosts, a, minlength=self.H) * c
+        base_o = o.sum() / hw.inter_host_bandwidth - np.bincount(hosts, o, minlength=self.H) * c
+        t2 = (a * self.k_in + np.maximum(base_a[hosts] - a / hw.intra_host_bandwidth, 0.0)) / 2
+        t3 = o * self.k_in + np.maximum(base_o[hosts] - o / hw.intra_host_bandwidth, 0.0)
+        t4 = B * s.ids / hw.bucketize_rate if np.count_nonzero(live) > tiling.col_blocks else 0.0
+        if R > 1:
+            uniq = rows * -np.expm1(-ids / np.maximum(rows, 1))
+            union = rows * -np.expm1(-R * ids / np.maximum(rows, 1))
+            t6 = (R * uniq * 8 + 2 * (R - 1) / R * union * cols * s.wire) / hw.inter_host_bandwidth
+        else:
+            t6 = 0.0
+        if len(ranks) < M:  # ranks without a shard: the senders' all-to-all terms and bucketizing only
+            zero = np.zeros(self.H)
+            idle = ((((((zero + 0.0) + (0.0 + np.maximum(base_a, 0.0)) / 2) + (0.0 + np.maximum(base_o, 0.0))) + t4)
+                     + 0.0) + 0.0)[self.host_of]
+        else:
+            idle = np.empty(M)
+        per_shard = self._shard_memory(s, rows, cols)
+        out = []
+        for host in ((False, True) if both else (False,)):
+            bw = hw.host_lookup_bandwidth if host else hw.lookup_bandwidth
+            t0 = ids * (cols * s.elem + hw.lookup_overhead_bytes) / bw
+            time = idle.copy() if both else idle
+            time[ranks] = (((((t0 + t1) + t2) + t3) + t4) + 0.0) + t6
+            mem = np.zeros(M)
+            if host:
+                mem[ranks] = ((0.0 + 0.0) + 0.0) + per_shard[3]
+                kept = (per_shard[0] + per_shard[1]) + per_shard[2]
+                if len(ranks) > 1 and not (ranks[1:] > ranks[:-1]).all():
+                    order = np.argsort(ranks, kind="stable")  # the dense sum adds a host's ranks in rank order
+                    hosts, kept = hosts[order], kept[order]
+                out.append((time, mem, np.bincount(hosts, kept, minlength=self.H)))
+            else:
+                mem[ranks] = ((per_shard[0] + per_shard[1]) + per_shard[2]) + per_shard[3]
+                out.append((time, mem, np.zeros(self.H)))
+        return (out[0], out[1]) if both else out[0]
+
+    def replicated(self, s: TableStats) -> Load:
+        hw, B, N, D = self.hw, self.B, s.rows, s.dim
+        load = self.empty()
+        local_ids = B * s.ids
+        uniq = N * -math.expm1(-local_ids / N)
+        union = N * -math.expm1(-self.world * local_ids / N)
+        t, m = load.time, load.mem
+        t[0] = local_ids * (D * s.elem + hw.lookup_overhead_bytes) / hw.lookup_bandwidth
+        row_bytes = 2 * D * s.elem + s.state_bytes(D)
+        t[1] = (N * (row_bytes + D * s.elem) if s.grads == "dense" else union * row_bytes) / hw.update_bandwidth
+        if self.world > 1:
+            w = self.world
+            t[5] = (w * uniq * 8 + 2 * (w - 1) / w * union * D * s.wire) / self.world_bw
+        m[0] = N * D * s.elem
+        m[1] = N * s.state_bytes(D)
+        m[2] = N * D * s.elem if s.grads == "dense" else (local_ids + union) * D * s.elem
+        m[3] = local_ids * 16
+        return load
+
+    def of_placement(self, s: TableStats, ps: ParameterSharding, offload: bool = False, both: bool = False):
+        """The load of a valid placement (``both``: the pair in device memory, in host memory)."""
+        tiling = KINDS[ps.sharding_type].layout(s.config, ps, self.M, self.local)  # type: ignore[index]
+        if tiling is None:
+            return self.replicated(s)
+        return self.sharded(s, tiling.rank, tiling.rows, tiling.cols, offload, tiling.col_blocks, True, both)
+
+    def of_shards(self, s: TableStats, shards: list[ShardMeta] | None, offload: bool = False) -> Load:
+        if shards is None:
+            return self.replicated(s)
+        arr = np.array([[sh.rank, sh.rows, sh.cols] for sh in shards], dtype=np.int64).reshape(-1, 3)
+        col_blocks = len({sh.col_offset for sh in shards})
+        return self.sharded(s, arr[:, 0], arr[:, 1], arr[:, 2], offload, col_blocks)
+
+

@@ -1,0 +1,133 @@
+"""The explanation of a plan: each table's placement, cost and runner-up, and every rank's estimates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lightning_rec.sharding.plan import ShardingPlan
+from lightning_rec.sharding.planner.cost import MEMORY_PARTS, TIME_PARTS
+from lightning_rec.sharding.planner.topology import Topology, gib
+from lightning_rec.sharding.types import KINDS, ParameterSharding
+
+
+def placement_label(ps: ParameterSharding) -> str:
+    """``table_wise ranks [3]``, ``row_wise (all ranks)``, ...: the kind's label of a placement."""
+    return KINDS[ps.sharding_type].label(ps)  # type: ignore[index]
+
+
+@dataclass
+class TableChoice:
+    """One table's placement in a plan and what it costs."""
+
+    module: str
+    table: str
+    sharding: ParameterSharding
+    memory_per_rank: float  # bytes on the rank holding the most of it
+    memory_total: float  # bytes over all ranks of the group
+    time_ms: float  # its share of the step time on the rank it costs most
+    offloaded: bool = False
+    fixed: bool = False
+    runner_up: str | None = None
+    rejected_because: str = ""
+
+    def as_dict(self) -> dict:
+        ps = self.sharding
+        return {
+            "module": self.module, "table": self.table, "sharding_type": ps.sharding_type.value,  # type: ignore[union-attr]
+            "ranks": ps.ranks, "host_indexes": ps.host_indexes, "compute_kernel": ps.compute_kernel,
+            "offloaded_to_host": self.offloaded, "fixed": self.fixed,
+            "memory_per_rank_bytes": int(self.memory_per_rank), "memory_total_bytes": int(self.memory_total),
+            "time_ms": self.time_ms, "runner_up": self.runner_up, "runner_up_rejected_because": self.rejected_because,
+        }
+
+
+@dataclass
+class PlanReport:
+    """A plan with its estimates: per table, per rank (memory and step-time components), and why.
+
+    ``str(report)`` is a readable table; :meth:`as_dict` the same for programs. ``plan`` is the
+    ``ShardingPlan``; ``step_time_ms`` the estimated step time of the slowest rank.
+    """
+
+    plan: ShardingPlan
+    tables: list[TableChoice]
+    topology: Topology
+    settings: dict
+    time: np.ndarray  # seconds [TIME_PARTS, M]
+    memory: np.ndarray  # bytes [MEMORY_PARTS, M]
+    host_memory: np.ndarray  # bytes per host of tables kept in host memory
+    latency_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def rank_time_ms(self) -> np.ndarray:
+        return 1e3 * (self.time.sum(0) + self.latency_s)
+
+    @property
+    def step_time_ms(self) -> float:
+        return float(self.rank_time_ms.max())
+
+    @property
+    def slowest_rank(self) -> int:
+        return int(np.argmax(self.rank_time_ms))
+
+    def module_plan(self, module_path: str = "") -> dict[str, ParameterSharding]:
+        return dict(self.plan.plan.get(module_path, {}))
+
+    def as_dict(self) -> dict:
+        topo = self.topology
+        t = self.rank_time_ms
+        return {
+            "layout": {"world_size": topo.world_size, "model_parallel_size": topo.model_parallel_size,
+                       "local_size": topo.local_size, "replicas": topo.replicas,
+                       "device_memory_bytes": topo.device_memory, "host_memory_bytes": topo.host_memory,
+                       "device": topo.device, "backend": topo.backend},
+            "settings": dict(self.settings),
+            "step_time_ms": self.step_time_ms, "slowest_rank": self.slowest_rank,
+            "time_ms_mean": float(t.mean()),
+            "tables": [c.as_dict() for c in self.tables],
+            "ranks": [
+                {"rank": r, "time_ms": float(t[r]),
+                 **{f"{p}_ms": float(1e3 * self.time[i, r]) for i, p in enumerate(TIME_PARTS)},
+                 "memory_bytes": int(self.memory[:, r].sum()),
+                 **{f"{p}_bytes": int(self.memory[i, r]) for i, p in enumerate(MEMORY_PARTS)}}
+                for r in range(self.time.shape[1])
+            ],
+            "host_memory_bytes": [int(x) for x in self.host_memory],
+            "notes": list(self.notes),
+        }
+
+    def __str__(self) -> str:
+        topo, M = self.topology, self.time.shape[1]
+        budget = "unlimited" if topo.device_memory is None else gib(topo.device_memory)
+        lines = [
+            f"Sharding plan: world {topo.world_size} = {topo.replicas} replica(s) x {M} model-parallel ranks, "
+            f"{topo.local_size} ranks per host; device memory {budget} per rank"
+            + ("" if topo.host_memory is None else f", host memory {gib(topo.host_memory)} per host"),
+            "settings: " + ", ".join(f"{k}={v}" for k, v in self.settings.items()),
+            f"estimated step time {self.step_time_ms:.3f} ms (slowest rank {self.slowest_rank}; "
+            f"mean {self.rank_time_ms.mean():.3f} ms); peak memory {gib(self.memory.sum(0).max())} per rank",
+            "",
+            f"{'table':<28} {'placement':<34} {'mem/rank':>10} {'ms':>8}  runner-up: why not",
+        ]
+        for c in self.tables:
+            name = f"{c.module}/{c.table}" if c.module else c.table
+            where = (placement_label(c.sharding) + (" [host mem]" if c.offloaded else "")
+                     + (" [fixed]" if c.fixed else ""))
+            why = f"{c.runner_up}: {c.rejected_because}" if c.runner_up else c.rejected_because
+            lines.append(f"{name:<28} {where:<34} {gib(c.memory_per_rank):>10} {c.time_ms:>8.3f}  {why}")
+        lines += ["", "per rank (ms: " + ", ".join(TIME_PARTS) + " | GiB: " + ", ".join(MEMORY_PARTS) + "):"]
+        t = self.rank_time_ms
+        shown = range(M) if M <= 16 else sorted(np.argsort(-t, kind="stable")[:8].tolist())
+        for r in shown:
+            ms = " ".join(f"{1e3 * x:.3f}" for x in self.time[:, r])
+            gb = " ".join(f"{x / 2**30:.3g}" for x in self.memory[:, r])
+            lines.append(f"  rank {r:>5}: {t[r]:9.3f} ms = {ms} | {gib(self.memory[:, r].sum())} = {gb}")
+        if M > 16:
+            lines.append(f"  ... the {len(shown)} slowest of {M} ranks; time min/median/max "
+                         f"{t.min():.3f}/{np.median(t):.3f}/{t.max():.3f} ms")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+

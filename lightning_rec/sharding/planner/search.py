@@ -1,0 +1,508 @@
+"""The search: tables (or groups kept together) largest first, each where the estimated step time of the
+slowest rank grows least (ties: less total work, then the earlier candidate), among placements that fit
+every rank's memory. Deterministic for the same inputs.
+
+Which placements are tried for a table is each sharding kind's business (``sharding/types.py``); this
+module scores them with the cost model and keeps the best.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
+from lightning_rec.optim import as_spec
+from lightning_rec.sharding.plan import ShardingPlan, data_parallel, resolve_table, table_wise
+from lightning_rec.sharding.planner.cost import GRADIENTS, MEMORY_PARTS, OPTIMIZER_STATE, CostModel, Load, TableStats
+from lightning_rec.sharding.planner.inputs import PlacedCollection, plan_entries, table_stats
+from lightning_rec.sharding.planner.report import PlanReport, TableChoice, placement_label
+from lightning_rec.sharding.planner.topology import PlannerError, TableConstraint, Topology, gib
+from lightning_rec.sharding.types import KINDS, ParameterSharding, placement_of
+
+
+@dataclass
+class _Candidate:
+    sharding: ParameterSharding
+    offload: bool = False
+    load: Load | None = None
+    fits: bool = True
+    short: str = ""  # why it does not fit
+    key: tuple = ()
+    time: np.ndarray | None = None  # per rank, summed over TIME_PARTS
+    mem: np.ndarray | None = None  # per rank, summed over MEMORY_PARTS
+    host: np.ndarray | None = None  # host memory per host
+
+    @property
+    def kind(self) -> ShardingType:
+        return self.sharding.sharding_type  # type: ignore[return-value]
+
+
+# -- the planner -------------------------------------------------------------------------------------------
+class _Space:
+    """Where a unit's placements may go: the ``CandidateSpace`` the sharding kinds propose candidates in."""
+
+    def __init__(self, planner: Planner, stats, unit, widths: list[int], tot: np.ndarray, free: np.ndarray) -> None:
+        topo = planner.topology
+        self.group_size, self.local_size, self.num_hosts = topo.model_parallel_size, topo.local_size, topo.num_hosts
+        self.column_shards = widths
+        self._planner, self._stats, self._unit, self._tot, self._free = planner, stats, unit, tot, free
+
+    def _need(self, probe: ParameterSharding, upto: int) -> np.ndarray:
+        """Memory ranks ``0..upto-1`` would hold under ``probe`` (the unit's tables together)."""
+        total = np.zeros((len(MEMORY_PARTS), upto))
+        for i in self._unit:
+            total += self._planner._model.probe_memory(self._stats[i], probe, upto)
+        return total.sum(0)
+
+    @staticmethod
+    def _lowest(scores: np.ndarray, room: np.ndarray, ok: np.ndarray, k: int) -> list[int]:
+        # the k lowest-scoring places that fit; else the k with most room (the candidate then reports the shortfall)
+        if ok.sum() >= k:  # the first k of a stable sort of the fitting places by score (ties: the lower index)
+            vals = np.where(ok, scores, np.inf)
+            if k == 1:
+                return [int(np.argmin(vals))]
+            if k < len(vals):
+                idx = np.flatnonzero(vals <= np.partition(vals, k - 1)[k - 1])
+            else:
+                idx = np.arange(len(vals))
+            return sorted(int(x) for x in idx[np.argsort(vals[idx], kind="stable")][:k])
+        return sorted(int(x) for x in np.argsort(-room, kind="stable")[:k])
+
+    def best_ranks(self, k: int, probe: ParameterSharding) -> list[int]:
+        need = self._need(probe, 1)[0]  # every shard of the probe weighs what its first one does
+        return self._lowest(self._tot, self._free, self._free >= need, k)
+
+    def best_hosts(self, k: int, probe: ParameterSharding) -> list[int]:
+        H, L = self.num_hosts, self.local_size
+        need = self._need(probe, L)  # the probe's first host
+        free = self._free.reshape(H, L)
+        return self._lowest(self._tot.reshape(H, L).max(1), free.min(1), (free >= need).all(1), k)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+class Planner:
+    """Chooses a sharding plan by estimated step time, within memory budgets.
+
+    Args:
+        topology: the cluster (:class:`Topology`); default one CPU rank.
+        batch_size: samples per rank per step.
+        pooling_factors: ``{feature name: mean ids per sample}``; others use ``default_pooling_factor``.
+        optimizer: kind of the embedding optimizer, which fixes its state size (see ``OPTIMIZER_STATE``).
+        gradients: ``"dense"``, ``"sparse"`` or ``"fused"`` (updated inside backward; data_parallel is
+            then only used where a constraint allows it); default: each collection's ``sparse_grad``, dense
+            for bare table lists.
+        constraints: ``{table name: TableConstraint}`` (allowed types, a fixed placement).
+        together: groups of table names that get one placement together (same type and ranks).
+        min_column_width: narrowest column shard considered for column_wise / grid_shard.
+
+    ``plan(model or tables)`` returns a ``ShardingPlan``; ``explain()`` the last :class:`PlanReport`;
+    ``estimate(model or tables, plan)`` the same report for any given plan.
+    """
+
+    def __init__(
+        self,
+        topology: Topology | None = None,
+        *,
+        batch_size: int = 512,
+        pooling_factors: Mapping[str, float] | None = None,
+        default_pooling_factor: float = 1.0,
+        optimizer: str = "sgd",
+        gradients: str | None = None,
+        constraints: Mapping[str, TableConstraint] | None = None,
+        together: Sequence[Sequence[str]] = (),
+        min_column_width: int = 32,
+    ) -> None:
+        self.topology = topology if topology is not None else Topology()
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive int (samples per rank per step), got {batch_size!r}")
+        if optimizer not in OPTIMIZER_STATE:
+            raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {list(OPTIMIZER_STATE)}")
+        if gradients is not None and gradients not in GRADIENTS:
+            raise ValueError(f"gradients must be one of {GRADIENTS} or None, got {gradients!r}")
+        self.pooling_factors = dict(pooling_factors or {})
+        for f, v in [("<default>", default_pooling_factor), *self.pooling_factors.items()]:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"pooling factor of feature {f!r} must be a number >= 0 (ids per sample), got {v!r}")
+        self.batch_size, self.default_pooling_factor = batch_size, float(default_pooling_factor)
+        self.optimizer, self.gradients = optimizer, gradients
+        self.constraints = dict(constraints or {})
+        for name, c in self.constraints.items():
+            if not isinstance(c, TableConstraint):
+                raise TypeError(f"constraint for table {name!r} must be a TableConstraint, got {type(c).__name__}")
+            for st in c.sharding_types or ():
+                ParameterSharding(st)  # raises naming the valid types
+        self.together = [list(g) for g in together]
+        self.min_column_width = min_column_width
+        self._model = CostModel(self.topology, batch_size)
+        self._last: PlanReport | None = None
+        self._base: dict[tuple[int, ...], Load] = {}
+
+    # -- inputs --------------------------------------------------------------------------------------------
+    def _entries(self, model_or_tables) -> list[tuple[str, BaseEmbeddingConfig, str, object]]:
+        return plan_entries(model_or_tables, self.gradients)
+
+    def _stats(self, path: str, t: BaseEmbeddingConfig, grads: str) -> TableStats:
+        return table_stats(path, t, grads, self.topology, self.optimizer, self.pooling_factors,
+                           self.default_pooling_factor)
+
+    def _check_names(self, stats: list[TableStats]) -> None:
+        features = {f for s in stats for f in s.config.feature_names}
+        unknown = sorted(f for f in self.pooling_factors if f not in features)
+        if unknown:
+            raise ValueError(f"pooling_factors name features {unknown} that no table has; features: {sorted(features)}")
+        names = {s.config.name for s in stats}
+        together = [n for g in self.together for n in g]
+        for what, keys in (("constraints", list(self.constraints)), ("together", together)):
+            bad = sorted({k for k in keys if k not in names})
+            if bad:
+                raise ValueError(f"{what} name tables {bad} that are not in the model; tables: {sorted(names)}")
+
+    def _settings(self) -> dict:
+        return {"batch_size": self.batch_size, "default_pooling_factor": self.default_pooling_factor,
+                "optimizer": self.optimizer, "gradients": self.gradients or "per collection",
+                "min_column_width": self.min_column_width}
+
+    def _report(self, stats, choices, load, notes) -> PlanReport:
+        plan: dict[str, dict[str, ParameterSharding]] = {}
+        for s, c in zip(stats, choices):
+            plan.setdefault(s.path, {})[s.config.name] = c.sharding
+        kinds = {c.sharding.sharding_type for c in choices}
+        lat = self.topology.hardware.collective_latency  # type: ignore[union-attr]
+        n_coll = (6 if kinds - {ShardingType.DATA_PARALLEL} else 0) + (3 if ShardingType.DATA_PARALLEL in kinds else 0)
+        latency = 0.0 if self.topology.world_size == 1 else n_coll * lat * max(1.0, math.log2(self.topology.world_size))
+        return PlanReport(ShardingPlan(plan), choices, self.topology, self._settings(), load.time, load.mem,
+                          load.host, latency, notes)
+
+    # -- public ----------------------------------------------------------------------------------------------
+    def estimate(self, model_or_tables, plan: ShardingPlan | None = None) -> PlanReport:
+        """The cost model's report for ``plan`` (default: the placement of ``model``'s sharded collections)."""
+        M, L = self.topology.model_parallel_size, self.topology.local_size
+        entries = self._entries(model_or_tables)
+        total = self._model.empty()
+        choices, stats = [], []
+        for path, t, grads, shards in entries:
+            s = self._stats(path, t, grads)
+            if plan is not None:
+                mod = plan.get_plan_for_module(path)
+                if mod is None or t.name not in mod:
+                    raise ValueError(f"the plan has no entry for table {t.name!r} of module {path!r}")
+                ps = mod[t.name]
+                shards = resolve_table(t, ps, M, L)  # type: ignore[arg-type]
+            elif shards is None and not self._is_sharded(model_or_tables, path):
+                raise ValueError(f"table {t.name!r} of module {path!r} is not sharded; pass the plan to estimate")
+            load = self._model.of_shards(s, shards)
+            total += load
+            ps = plan.plan[path][t.name] if plan is not None else placement_of(shards, M, L)
+            choices.append(self._choice(s, ps, load, False, fixed=True))
+            stats.append(s)
+        return self._report(stats, choices, total, [])
+
+    @staticmethod
+    def _is_sharded(model, path: str) -> bool:
+        return hasattr(model, "get_submodule") and isinstance(model.get_submodule(path), PlacedCollection)
+
+    def plan(self, model_or_tables) -> ShardingPlan:
+        """A plan for every unsharded collection of ``model`` (or for a list of table configs, module ``""``)."""
+        entries = [e for e in self._entries(model_or_tables) if e[3] is None]
+        self._last = self._plan([self._stats(p, t, g) for p, t, g, _ in entries])
+        return self._last.plan
+
+    def explain(self) -> PlanReport:
+        """The report of the last :meth:`plan` call."""
+        if self._last is None:
+            raise RuntimeError("explain() describes the last plan: call plan(...) first")
+        return self._last
+
+    # -- search ----------------------------------------------------------------------------------------------
+    def _choice(self, s: TableStats, ps: ParameterSharding, load: Load, offload: bool,
+                fixed: bool = False) -> TableChoice:
+        per_rank = load.mem[:3].sum(0) + load.mem[3]
+        t = load.time.sum(0)
+        return TableChoice(s.path, s.config.name, ps, float(per_rank.max()) + float(load.host.max(initial=0)),
+                           float(per_rank.sum() + load.host.sum()), float(1e3 * t.max()), offload, fixed)
+
+    def _units(self, stats: list[TableStats]) -> list[list[int]]:
+        by_name: dict[str, list[int]] = {}
+        for i, s in enumerate(stats):
+            by_name.setdefault(s.config.name, []).append(i)
+        seen: dict[int, int] = {}
+        units = []
+        for g, group in enumerate(self.together):
+            members = [i for n in group for i in by_name.get(n, [])]
+            for i in members:
+                if i in seen:
+                    raise ValueError(f"table {stats[i].config.name!r} is in two 'together' groups: "
+                                     f"{self.together[seen[i]]} and {group}")
+                seen[i] = g
+            units.append(sorted(members))
+        units += [[i] for i in range(len(stats)) if i not in seen]
+        return units
+
+    def _allowed(self, stats: list[TableStats], unit: list[int]) -> list[ShardingType]:
+        allowed = list(ShardingType)
+        for i in unit:
+            c = self.constraints.get(stats[i].config.name)
+            if c is not None and c.sharding_types is not None:
+                mine = {ParameterSharding(x).sharding_type for x in c.sharding_types}
+                allowed = [a for a in allowed if a in mine]
+            # fused data-parallel copies each look up the whole world's batch (the union), a cost not modelled
+            # here: never chosen automatically (a plan or a constraint may still ask for it)
+            if stats[i].grads == "fused" and not (c is not None and c.sharding_types is not None):
+                allowed = [a for a in allowed if a != ShardingType.DATA_PARALLEL]
+        if not allowed:
+            names = [stats[i].config.name for i in unit]
+            raise PlannerError(f"tables {names}: no sharding type is allowed by their constraints"
+                               + (" (data_parallel is excluded with fused gradients)" if any(
+                                   stats[i].grads == "fused" for i in unit) else ""))
+        return allowed
+
+    def _unit_load(self, stats, unit, ps: ParameterSharding, offload: bool) -> Load:
+        if len(unit) == 1:
+            return self._model.of_placement(stats[unit[0]], ps, offload)
+        total = self._model.empty()
+        for i in unit:
+            total += self._model.of_placement(stats[i], ps, offload)
+        return total
+
+    def _unit_loads(self, stats, unit, ps: ParameterSharding) -> tuple[Load, Load]:
+        """The unit's load with its tables in device memory and in host memory, computed together."""
+        if len(unit) == 1:
+            return self._model.of_placement(stats[unit[0]], ps, both=True)
+        device, host = self._model.empty(), self._model.empty()
+        for i in unit:
+            d, h = self._model.of_placement(stats[i], ps, both=True)
+            device += d
+            host += h
+        return device, host
+
+    def _base_load(self, stats, unit) -> Load:
+        """The unit's table-wise load (data-parallel where that is all it may be): its size for ordering."""
+        key = tuple(unit)
+        if key not in self._base:
+            only_dp = self._allowed(stats, unit) == [ShardingType.DATA_PARALLEL]
+            self._base[key] = self._unit_load(stats, unit, data_parallel() if only_dp else table_wise(0), False)
+        return self._base[key]
+
+    def _candidates(self, stats, unit, allowed, tot, used, host_used) -> list[_Candidate]:
+        topo = self.topology
+        budget = np.inf if topo.device_memory is None else topo.device_memory
+        dims = [stats[i].dim for i in unit]
+        widths = [k for k in _divisors(math.gcd(*dims)) if k > 1 and min(dims) // k >= self.min_column_width]
+        space = _Space(self, stats, unit, widths, tot, budget - used)
+        out = [ps for st in allowed for ps in KINDS[st].candidates(space)]
+        cands = [_Candidate(ps) for ps in out]
+        single = len(unit) == 1
+        if topo.host_memory is not None and all(
+                self.constraints.get(stats[i].config.name, TableConstraint()).allow_host_memory for i in unit):
+            offloaded = []
+            for c in cands:
+                if c.kind != ShardingType.DATA_PARALLEL:
+                    host = _Candidate(replace(c.sharding, compute_kernel="fused_uvm"), True)
+                    if single:
+                        (c.time, c.mem, c.host), (host.time, host.mem, host.host) = self._model.summary(
+                            stats[unit[0]], c.sharding, both=True)
+                    else:
+                        c.load, host.load = self._unit_loads(stats, unit, c.sharding)
+                    offloaded.append(host)
+            cands += offloaded
+        host_budget = np.inf if topo.host_memory is None else topo.host_memory
+        for c in cands:
+            if c.time is None:
+                if single:
+                    c.time, c.mem, c.host = self._model.summary(stats[unit[0]], c.sharding)
+                else:
+                    if c.load is None:
+                        c.load = self._unit_load(stats, unit, c.sharding, c.offload)
+                    c.time, c.mem, c.host = c.load.time.sum(0), c.load.mem.sum(0), c.load.host
+            over = used + c.mem - budget
+            host_over = host_used + c.host - host_budget
+            c.fits = bool((over <= 0).all() and (host_over <= 0).all())
+            if not c.fits:
+                r = int(np.argmax(over)) if over.max() > 0 else None
+                c.short = (f"does not fit: rank {r} would need {gib(used[r] + c.mem[r])} of "
+                           f"{gib(budget)} ({gib(over[r])} short)" if r is not None else
+                           f"does not fit: host {int(np.argmax(host_over))} short of host memory by "
+                           f"{gib(host_over.max())}")
+        return cands
+
+    def _plan(self, stats: list[TableStats]) -> PlanReport:
+        self._check_names(stats)
+        self._base: dict[tuple[int, ...], Load] = {}
+        topo, model = self.topology, self._model
+        total = model.empty()
+        choices: list[TableChoice | None] = [None] * len(stats)
+        notes: list[str] = []
+        units = []
+        for unit in self._units(stats):
+            fixed = [i for i in unit if self.constraints.get(stats[i].config.name, TableConstraint()).placement]
+            if fixed:
+                for i in unit:
+                    c = self.constraints.get(stats[i].config.name)
+                    if c is None or c.placement is None:
+                        raise ValueError(f"table {stats[i].config.name!r} is kept together with tables that have a "
+                                         "fixed placement: give it the same placement")
+                    resolve_table(stats[i].config, c.placement, topo.model_parallel_size, topo.local_size)
+                    load = model.of_placement(stats[i], c.placement)
+                    total += load
+                    choices[i] = self._choice(stats[i], c.placement, load, False, fixed=True)
+            elif unit:
+                units.append(unit)
+        self._check_total(stats, units, total)
+        if topo.replicas > 1 and any(s.grads == "fused" for s in stats):
+            notes.append("fused tables under replica groups look up the union of the replicas' batches; the "
+                         "estimates do not include that extra lookup")
+        failures = []
+        for mode in ("time", "memory"):
+            # a second pass places by memory balance when the time-first pass leaves a table without room
+            trial = Load(total.time.copy(), total.mem.copy(), total.host.copy())
+            trial_choices = list(choices)
+            failure = self._greedy(stats, units, trial, trial_choices, mode)
+            if failure is None:
+                if mode == "memory":
+                    notes.append("placed by memory balance: placing by time first left a table without room")
+                return self._report(stats, trial_choices, trial, notes)
+            failures.append(failure)
+        raise PlannerError(failures[0])
+
+    def _order(self, stats, units) -> tuple[list[list[int]], list[float]]:
+        """Units largest first (memory and work shares), and each one's least total work (its table-wise cost)."""
+        mem, work = [], []
+        for unit in units:
+            load = self._base_load(stats, unit)
+            mem.append(load.mem.sum())
+            work.append(load.time.sum())
+        mem_a, work_a = np.array(mem), np.array(work)
+        size = mem_a / max(mem_a.sum(), 1e-30) + work_a / max(work_a.sum(), 1e-30)
+        order = np.lexsort((np.arange(len(units)), -size))
+        return [units[i] for i in order], [float(work_a[i]) for i in order]
+
+    def _greedy(self, stats, units, total: Load, choices: list, mode: str) -> str | None:
+        topo = self.topology
+        budget = np.inf if topo.device_memory is None else topo.device_memory
+        ordered, work = self._order(stats, units)
+        remaining = float(sum(work))
+        for unit, own_work in zip(ordered, work):
+            remaining -= own_work
+            allowed = self._allowed(stats, unit)
+            tot, used = total.time.sum(0), total.mem.sum(0)
+            cands = self._candidates(stats, unit, allowed, tot, used, total.host)
+            for n, c in enumerate(cands):
+                new = tot + c.time
+                # the slowest rank can end no lower than the mean work once every table is placed: judging by that
+                # bound keeps the greedy from spreading early tables thin at the cost of total work
+                projected = max(new.max(), (new.sum() + max(remaining, 0.0)) / len(new))
+                if mode == "time":
+                    c.key = (projected, new.sum(), n)
+                else:
+                    c.key = ((used + c.mem).max() / (budget if np.isfinite(budget) else 1.0), projected, n)
+            if not cands:
+                raise PlannerError(self._no_candidate(stats, unit, allowed))
+            fitting = sorted((c for c in cands if c.fits), key=lambda c: c.key)
+            if not fitting:
+                return self._no_fit(stats, unit, cands, total, sum(x is not None for x in choices))
+            best = fitting[0]
+            if best.load is None:  # the candidates of one table carry only sums over the parts
+                best.load = self._unit_load(stats, unit, best.sharding, best.offload)
+            total += best.load
+            # the runner-up is the best other sharding type; another placement of the same type only if none
+            others = sorted((c for c in cands if c is not best), key=lambda c: (c.kind == best.kind, not c.fits, c.key))
+            for i in unit:
+                # a unit of one table: its load is the candidate's
+                own = best.load if len(unit) == 1 else self._model.of_placement(stats[i], best.sharding, best.offload)
+                ch = self._choice(stats[i], best.sharding, own, best.offload)
+                if others:
+                    ru = others[0]
+                    ch.runner_up = placement_label(ru.sharding) + (" [host mem]" if ru.offload else "")
+                    ch.rejected_because = ru.short if not ru.fits else self._why(best, ru, tot)
+                else:
+                    ch.rejected_because = "the only allowed placement"
+                choices[i] = ch
+        return None
+
+    @staticmethod
+    def _why(best: _Candidate, other: _Candidate, tot: np.ndarray) -> str:
+        b, o = tot + best.time, tot + other.time
+        if o.max() > b.max():
+            return f"slowest rank {1e3 * o.max():.3f} ms instead of {1e3 * b.max():.3f} ms"
+        if o.sum() > b.sum():
+            return f"same slowest rank, {1e3 * (o.sum() - b.sum()):.3f} ms more work over all ranks"
+        return "placed by memory balance instead"
+
+    def _check_total(self, stats, units, fixed: Load) -> None:
+        topo = self.topology
+        if topo.device_memory is None:
+            return
+        M = topo.model_parallel_size
+        capacity = M * topo.device_memory + (0 if topo.host_memory is None else topo.num_hosts * topo.host_memory)
+        needs = []
+        for unit in units:
+            needs.append((float(self._base_load(stats, unit).mem.sum()), unit))
+        need = sum(n for n, _ in needs) + float(fixed.mem.sum())
+        if need > capacity:
+            big = sorted(needs, key=lambda x: -x[0])[:5]
+            names = ", ".join(f"{stats[u[0]].label!r}{'+' if len(u) > 1 else ''} {gib(n)}" for n, u in big)
+            raise PlannerError(
+                f"the tables need at least {gib(need)} (weights, optimizer state, gradients and lookup buffers) but "
+                f"the {M} model-parallel ranks have {gib(capacity)}: {gib(need - capacity)} missing. Largest: {names}. "
+                "Add ranks or memory, lower the batch size, use a smaller optimizer state (rowwise_adagrad) or "
+                "fused/sparse gradients"
+            )
+
+    def _no_candidate(self, stats, unit, allowed: list[ShardingType]) -> str:
+        topo = self.topology
+        names = [stats[i].label for i in unit]
+        why = []
+        if {ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD} & set(allowed):
+            why.append(f"table_row_wise and grid_shard split rows over the ranks of one host and need several hosts "
+                       f"of several ranks (this layout: {topo.num_hosts} host(s) x {topo.local_size} rank(s); set "
+                       "local_size)")
+        if {ShardingType.COLUMN_WISE, ShardingType.GRID_SHARD} & set(allowed):
+            dims = sorted({stats[i].dim for i in unit})
+            why.append(f"column_wise and grid_shard need embedding_dim {dims} split into at least 2 shards of "
+                       f">= min_column_width={self.min_column_width} columns")
+        return (f"table{'s' if len(unit) > 1 else ''} {names}: no placement of the allowed sharding types "
+                f"{[a.value for a in allowed]} exists here: " + "; ".join(why)
+                + ". Allow another sharding type for it")
+
+    def _no_fit(self, stats, unit, cands, total: Load, placed: int) -> str:
+        best = min(cands, key=lambda c: (c.mem + total.mem.sum(0)).max())
+        names = [stats[i].label for i in unit]
+        need = (best.mem + total.mem.sum(0)).max()
+        missing = need - self.topology.device_memory  # type: ignore[operator]
+        return (
+            f"no placement of table{'s' if len(unit) > 1 else ''} {names} fits in device memory after {placed} other "
+            f"tables were placed: its least demanding placement, {placement_label(best.sharding)}, {best.short}; "
+            f"about {gib(max(missing, 0))} missing on the fullest rank. Add ranks or memory, allow more sharding types "
+            "for it, or lower the batch size"
+        )
+
+
+
+def automatic_plan(
+    model,
+    group_size: int,
+    local_size: int | None = None,
+    world_size: int | None = None,
+    embedding_optimizer=None,
+    **planner_kwargs,
+) -> Planner:
+    """The planner ``shard_modules`` and the strategy use when no plan is given; call ``.plan(model)`` on it.
+
+    ``embedding_optimizer`` (a fused spec or dict) sets the optimizer state size and fused gradients;
+    other keywords go to :class:`Planner` (``topology`` fields are built from the sizes here).
+    """
+    topo_kw = {k: planner_kwargs.pop(k) for k in ("device_memory", "host_memory", "device", "backend", "hardware")
+               if k in planner_kwargs}
+    topo = Topology(world_size or group_size, group_size, local_size, **topo_kw)
+    spec = as_spec(embedding_optimizer)
+    if spec is not None:
+        planner_kwargs.setdefault("optimizer", spec.kind)
+        planner_kwargs.setdefault("gradients", "fused")
+    return Planner(topo, **planner_kwargs)

@@ -1,0 +1,149 @@
+"""What a plan is for: the cluster's sizes and memory (:class:`Topology`), its speeds (:class:`Hardware`),
+per-table limits (:class:`TableConstraint`), and the planner's error."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from lightning_rec.configs import ShardingType
+from lightning_rec.sharding.mesh import MeshInfo
+from lightning_rec.sharding.types import ParameterSharding
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(value: int | float | str | None, what: str = "memory") -> int | None:
+    """``"80GB"`` -> 80e9 bytes (SI), ``"64GiB"`` -> 64 * 2**30; ints and floats are bytes; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected a size such as 80GB or 64GiB, got {value!r}")
+    if isinstance(value, (int, float)):
+        if not value > 0 or not math.isfinite(value):
+            raise ValueError(f"{what}: must be a positive number of bytes, got {value!r}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?i?)[bB]?\s*", str(value))
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"{what}: expected a size such as 80GB, 64GiB or 1TB, got {value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def gib(n: float) -> str:
+    """Bytes in GiB for messages and reports."""
+    return f"{n / 2**30:.3g} GiB"
+
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Speeds the cost model assumes; bandwidths in bytes per second.
+
+    ``lookup_bandwidth``: embedding bytes a lookup processes per second, forward and backward together
+    (each id also costs ``lookup_overhead_bytes``); ``update_bandwidth``: bytes per second of an optimizer
+    step over rows (weight, gradient, state); ``host_lookup_bandwidth``: lookups of tables kept in host
+    memory; ``bucketize_rate``: ids per second a sender sorts into row blocks.
+    The CPU / gloo defaults were fitted to ``benchmarks/results/sharding.md``; the CUDA / NCCL ones are
+    round numbers for a current GPU node (NVLink within a host, a 200 Gb/s NIC per GPU across hosts).
+    """
+
+    lookup_bandwidth: float
+    update_bandwidth: float
+    intra_host_bandwidth: float
+    inter_host_bandwidth: float
+    host_lookup_bandwidth: float
+    bucketize_rate: float
+    collective_latency: float
+    lookup_overhead_bytes: float = 64.0
+
+    @staticmethod
+    def defaults(device: str = "cpu", backend: str | None = None) -> Hardware:
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        backend = backend or ("nccl" if device == "cuda" else "gloo")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if device == "cpu":
+            hw = Hardware(4e9, 6e9, 1e9, 1e9, 4e9, 2.7e7, 2e-4)
+        else:
+            hw = Hardware(1e12, 1.5e12, 1.5e11, 2.5e10, 2e10, 5e9, 3e-5)
+        if backend == "gloo" and device == "cuda":  # gloo moves GPU tensors through host memory over TCP
+            hw = replace(hw, intra_host_bandwidth=5e9, inter_host_bandwidth=2e9, collective_latency=2e-4)
+        return hw
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The cluster a plan is for.
+
+    Args:
+        world_size: all ranks (``replicas x model_parallel_size``).
+        model_parallel_size: ranks of one model-parallel group, the ranks plans speak of (default: world).
+        local_size: ranks per host within that group (default: the whole group is one host).
+        device_memory: per rank, for tables (weights, optimizer state, gradients, lookup buffers); an int
+            in bytes or a string such as ``"80GB"``; None: unlimited.
+        host_memory: per host, for tables kept in host memory (looked up at ``host_lookup_bandwidth``);
+            None: tables stay in device memory.
+        device, backend: pick default ``hardware`` speeds (``"cpu"``/``"gloo"``, ``"cuda"``/``"nccl"``).
+        hardware: explicit speeds (see :class:`Hardware`).
+    """
+
+    world_size: int = 1
+    model_parallel_size: int | None = None
+    local_size: int | None = None
+    device_memory: int | str | None = None
+    host_memory: int | str | None = None
+    device: str = "cpu"
+    backend: str | None = None
+    hardware: Hardware | None = None
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen: fields resolved once here
+        for k in ("world_size", "model_parallel_size", "local_size"):
+            v = getattr(self, k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise ValueError(f"{k} must be a positive int, got {v!r}")
+        mp = self.model_parallel_size or self.world_size
+        if self.world_size % mp:
+            raise ValueError(f"model_parallel_size={mp} must divide world_size={self.world_size}")
+        local = self.local_size or mp
+        if mp % local:
+            raise ValueError(f"local_size={local} (ranks per host) must divide model_parallel_size={mp}")
+        set_("model_parallel_size", mp)
+        set_("local_size", local)
+        set_("device_memory", parse_bytes(self.device_memory, "device_memory"))
+        set_("host_memory", parse_bytes(self.host_memory, "host_memory"))
+        if self.hardware is None:
+            set_("hardware", Hardware.defaults(self.device, self.backend))
+
+    @property
+    def replicas(self) -> int:
+        return self.world_size // self.model_parallel_size  # type: ignore[operator]
+
+    @property
+    def num_hosts(self) -> int:
+        return self.model_parallel_size // self.local_size  # type: ignore[operator]
+
+    @staticmethod
+    def from_mesh(mesh: MeshInfo, **kwargs) -> Topology:
+        """The topology of a built mesh (world, model-parallel group, ranks per host); ``kwargs`` set the
+        other fields (``device_memory``, ``host_memory``, ``device``, ``backend``, ``hardware``)."""
+        return Topology(mesh.world_size, mesh.model_parallel_size, mesh.local_size, **kwargs)
+
+
+@dataclass(frozen=True)
+class TableConstraint:
+    """Per-table limits: the sharding types the planner may use, or one fixed placement."""
+
+    sharding_types: Sequence[ShardingType | str] | None = None
+    placement: ParameterSharding | None = None
+    allow_host_memory: bool = True
+
+
+class PlannerError(ValueError):
+    """No plan fits: the message says which tables and how much memory is missing."""
+
+
