@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_rec import _compat
-from lightning_rec.checkpoint import _barrier, _broadcast_path, _partial, _rank
+from lightning_rec.checkpoint import atomic
 
 
 def _record_offsets(path: Path) -> dict[str, tuple[int, int]]:
@@ -52,7 +52,7 @@ def _gather_to_zero(value: Any) -> torch.Tensor | None:
     group = value._process_group
     if 0 not in dist.get_process_group_ranks(group):
         return None
-    rank = _rank()
+    rank = atomic.rank()
     dtype = value.metadata().tensor_properties.dtype
     wire = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     if rank != 0:
@@ -81,10 +81,10 @@ def export_state_dict(model: nn.Module, path: str | os.PathLike) -> Path:
     Collective: every rank calls it; rank 0 writes. No rank holds more than one full table beyond its own
     shards. The file appears at ``path`` only when complete.
     """
-    path = _broadcast_path(path)
+    path = atomic.broadcast_path(path)
     state = model.state_dict()
-    rank = _rank()
-    tmp = _partial(path)
+    rank = atomic.rank()
+    tmp = atomic.partial_path(path)
     offsets: dict[str, tuple[int, int]] = {}
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,7 +122,7 @@ def export_state_dict(model: nn.Module, path: str | os.PathLike) -> Path:
     if rank == 0:
         handle.close()
         os.replace(tmp, path)
-    _barrier()
+    atomic.barrier()
     return path
 
 
