@@ -20,7 +20,7 @@ import torch
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, ShardingPlan
 from lightning_rec import checkpoint as ckpt
 from lightning_rec.checkpoint import atomic
-from lightning_rec.sharding import full_state_dict, row_wise, shard_modules, table_wise
+from lightning_rec.sharding import row_wise, shard_modules, table_wise
 from lightning_rec.testing import run_distributed
 
 TABLES = [EmbeddingBagConfig(name="t", num_embeddings=40, embedding_dim=8, feature_names=["f"]),
@@ -33,22 +33,13 @@ def _model(seed: int = 0):
     return shard_modules(EmbeddingBagCollection(TABLES), PLAN)
 
 
-def _save_job(rank: int, ws: int, path: str) -> dict:
-    model = _model()
-    ckpt.save(path, model)
-    return full_state_dict(model)  # collective
-
-
-def _load_job(rank: int, ws: int, paths: list[str]) -> list[str]:
-    out = []
-    for path in paths:
-        model = _model(seed=1)
-        try:
-            ckpt.load(path, model)
-            out.append("loaded")
-        except ckpt.CheckpointError as e:  # an Exception: `except Exception` sees it too
-            out.append(f"{type(e).__name__}: {e}")
-    return out
+def _load(path: str) -> str:
+    model = _model(seed=1)
+    try:
+        ckpt.load(path, model)
+    except ckpt.CheckpointError as e:  # an Exception: `except Exception` sees it too
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
 
 
 def _piece(path: Path, fqn: str):
@@ -56,53 +47,64 @@ def _piece(path: Path, fqn: str):
     return next((idx, info) for idx, info in md.storage_data.items() if idx.fqn == fqn)
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> tuple[Path, dict]:
-    path = tmp_path_factory.mktemp("ckpt") / "c"
-    want = run_distributed(_save_job, 2, str(path), timeout_s=120)[0]
-    return path, want
-
-
-def _copy(src: Path, dst: Path) -> Path:
+def _damage(root: Path) -> dict[str, str]:
+    """Three damaged copies of ``root / "c"``; returns the damaged file of each."""
     import shutil
 
-    shutil.copytree(src, dst)
-    return dst
-
-
-def test_damage_is_named(saved, tmp_path) -> None:
-    src, want = saved
-    # flipped bytes inside the piece of table t held by rank 1
-    flipped = _copy(src, tmp_path / "flipped")
-    idx, info = _piece(flipped, "state_dict.embedding_bags.t.weight")
+    src = root / "c"
+    flipped, truncated, missing = (shutil.copytree(src, root / n) for n in ("flipped", "truncated", "missing"))
+    _, info = _piece(flipped, "state_dict.embedding_bags.t.weight")  # a flipped byte in table t's piece
     with open(flipped / info.relative_path, "r+b") as f:
         f.seek(info.offset + info.length - 200)
         b = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0xFF]))
-    # a truncated file and a missing file
-    truncated = _copy(src, tmp_path / "truncated")
     _, tinfo = _piece(truncated, "state_dict.embedding_bags.u.weight")
-    size = (truncated / tinfo.relative_path).stat().st_size
-    os.truncate(truncated / tinfo.relative_path, size - 100)
-    missing = _copy(src, tmp_path / "missing")
+    os.truncate(truncated / tinfo.relative_path, (truncated / tinfo.relative_path).stat().st_size - 100)
     (missing / tinfo.relative_path).unlink()
-    cases = ((flipped, rf"{info.relative_path} is damaged: tensor 'state_dict\.embedding_bags\.t\.weight'.*CRC-32"
-                       r".*rank \d"),
-             (truncated, rf"{tinfo.relative_path} is truncated: tensor 'state_dict\.embedding_bags\.u\.weight'"
-                         r".*rank \d"),
-             (missing, rf"FileNotFoundError.*{tinfo.relative_path}"),
-             (src, "^loaded$"))  # the undamaged directory loads (its checksums are checked on the same path)
-    results = run_distributed(_load_job, 2, [str(p) for p, _ in cases], timeout_s=120)
-    for r in results:  # every rank raises, whichever rank reads the bad piece
-        for (path, pattern), got in zip(cases, r):
-            assert re.search(pattern, got), (path.name, got)
-            assert path == src or got.startswith("CheckpointError"), got
+    return {"flipped": info.relative_path, "truncated": tinfo.relative_path, "missing": tinfo.relative_path}
 
 
-def _failing_save_job(rank: int, ws: int, path: str, how: str) -> dict:
+def _integrity_job(rank: int, ws: int, root: str) -> dict:
+    """Save, damage copies (rank 0), load each on every rank; then the failing saves. One spawn for the file."""
+    model = _model()
+    ckpt.save(Path(root) / "c", model)
+    files = _damage(Path(root)) if rank == 0 else None
+    obj = [files]
+    torch.distributed.broadcast_object_list(obj, src=0)
+    out = {"files": obj[0], "loads": {n: _load(str(Path(root) / n)) for n in ("flipped", "truncated", "missing", "c")}}
+    for how in ("enospc", "error", "rename"):
+        out[how] = _failing_save(rank, str(Path(root) / how / "c"), how)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> tuple[Path, list[dict]]:
+    root = tmp_path_factory.mktemp("integrity")
+    # a long group timeout: a rank left waiting would show as a slow save, not as a fast failure
+    return root, run_distributed(_integrity_job, 2, str(root), timeout_s=300)
+
+
+def test_damage_is_named(results) -> None:
+    _, res = results
+    files = res[0]["files"]
+    patterns = {
+        "flipped": rf"{files['flipped']} is damaged: tensor 'state_dict\.embedding_bags\.t\.weight'.*CRC-32.*rank \d",
+        "truncated": rf"{files['truncated']} is truncated: tensor 'state_dict\.embedding_bags\.u\.weight'.*rank \d",
+        "missing": rf"FileNotFoundError.*{files['missing']}",
+        "c": "^loaded$",  # the undamaged directory loads (its checksums are checked on the same path)
+    }
+    for r in res:  # every rank raises, whichever rank reads the bad piece
+        for name, pattern in patterns.items():
+            got = r["loads"][name]
+            assert re.search(pattern, got), (name, got)
+            assert name == "c" or got.startswith("CheckpointError"), got
+
+
+def _failing_save(rank: int, path: str, how: str) -> dict:
     import torch.distributed.checkpoint.filesystem as fs
 
+    original_write, original_swap = fs._write_files_from_queue, atomic.swap_in
     model = _model()
     ckpt.save(path, model)  # the previous checkpoint
     with torch.no_grad():
@@ -133,14 +135,16 @@ def _failing_save_job(rank: int, ws: int, path: str, how: str) -> dict:
             out += f" | bytes={e.bytes_needed} rank={e.rank}"
     except Exception as e:  # noqa: BLE001
         out = f"{type(e).__name__}: {e}"
+    fs._write_files_from_queue, atomic.swap_in = original_write, original_swap
     return {"out": out, "seconds": time.monotonic() - start}
 
 
 @pytest.mark.parametrize("how", ["enospc", "error", "rename"])
-def test_failed_save_stops_every_rank_and_keeps_previous(tmp_path, how: str) -> None:
+def test_failed_save_stops_every_rank_and_keeps_previous(results, how: str) -> None:
+    root, res = results
+    tmp_path = root / how
     path = tmp_path / "c"
-    # a long group timeout: a rank left waiting would show as a slow test, not as a fast failure
-    results = run_distributed(_failing_save_job, 2, str(path), how, timeout_s=300)
+    results = [r[how] for r in res]
     for r in results:
         assert r["seconds"] < 20, r
         assert r["out"] != "saved", r

@@ -121,9 +121,9 @@ class _Fit(ClickModule):
         return _loader()
 
 
-def _strategy_job(rank: int, ws: int, path: str, trusted: bool) -> str:
+def _fit(path: str, trusted: bool) -> str:
     strategy = RecShardedStrategy(trusted_checkpoints=trusted)
-    trainer = L.Trainer(accelerator="cpu", devices=ws, strategy=strategy, max_epochs=1, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         limit_train_batches=1, num_sanity_val_steps=0, limit_val_batches=0)
     try:
@@ -135,20 +135,34 @@ def _strategy_job(rank: int, ws: int, path: str, trusted: bool) -> str:
     return "loaded"
 
 
-@pytest.mark.parametrize("where", ["meta", "dcp", "single-file"])
-def test_strategy_refuses_planted_payload(tmp_path, where: str) -> None:
-    marker = tmp_path / "marker"
-    if where == "single-file":
-        path = tmp_path / "one.ckpt"
-        torch.save({"state_dict": ClickModule().state_dict(), "evil": Payload(str(marker))}, path)
-    else:
-        path = _saved(tmp_path)
-        (_plant_meta if where == "meta" else _plant_dcp)(path, marker)
-    (res,) = run_distributed(_strategy_job, 1, str(path), False, init_process_group=False, timeout_s=120)
-    assert res.startswith("refused:") and "builtins.exec" in res and "trusted_checkpoints" in res, res
-    assert not marker.exists(), "the payload ran"
-    (res,) = run_distributed(_strategy_job, 1, str(path), True, init_process_group=False, timeout_s=120)
-    assert marker.exists(), res
+def _strategy_job(rank: int, ws: int, cases: list[tuple[str, str]]) -> list[tuple[str, bool, str, bool]]:
+    """For each (checkpoint, marker): the untrusted fit, whether the marker exists, the trusted fit, again."""
+    out = []
+    for path, marker in cases:
+        refused = _fit(path, False)
+        ran_untrusted = Path(marker).exists()
+        trusted = _fit(path, True)
+        out.append((refused, ran_untrusted, trusted, Path(marker).exists()))
+    return out
+
+
+def test_strategy_refuses_planted_payload(tmp_path) -> None:
+    cases = []
+    for where in ("meta", "dcp", "single-file"):
+        marker = tmp_path / f"marker-{where}"
+        if where == "single-file":
+            path = tmp_path / "one.ckpt"
+            torch.save({"state_dict": ClickModule().state_dict(), "evil": Payload(str(marker))}, path)
+        else:
+            path = _saved(tmp_path, where)
+            (_plant_meta if where == "meta" else _plant_dcp)(path, marker)
+        cases.append((str(path), str(marker)))
+    (results,) = run_distributed(_strategy_job, 1, cases, init_process_group=False, timeout_s=180)
+    for (path, _), (refused, ran_untrusted, trusted, ran_trusted) in zip(cases, results):
+        assert refused.startswith("refused:") and "builtins.exec" in refused, (path, refused)
+        assert "trusted_checkpoints" in refused, refused
+        assert not ran_untrusted, f"the payload in {path} ran"
+        assert ran_trusted, (path, trusted)  # the opt-in unpickles it: the payload is live
 
 
 _TINY = """
@@ -172,17 +186,21 @@ data:
 """
 
 
-def _cli_job(rank: int, ws: int, config: str, ckpt_path: str, trust: bool) -> str:
+def _cli_job(rank: int, ws: int, config: str, ckpt_path: str, marker: str) -> list[tuple[str, bool]]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
     import dlrm  # noqa: PLC0415 - the example is a script, not a package
 
-    try:
-        dlrm.main(["--config", config, "--ckpt_path", ckpt_path, "--trust_checkpoint", str(trust).lower()])
-    except ckpt.UnsafeCheckpointError as e:
-        return f"refused: {e}"
-    except Exception as e:  # noqa: BLE001 - a trusted load goes on to find the checkpoint is another model's
-        return f"{type(e).__name__}: {e}"
-    return "loaded"
+    out = []
+    for trust in (False, True):
+        try:
+            dlrm.main(["--config", config, "--ckpt_path", ckpt_path, "--trust_checkpoint", str(trust).lower()])
+            res = "loaded"
+        except ckpt.UnsafeCheckpointError as e:
+            res = f"refused: {e}"
+        except Exception as e:  # noqa: BLE001 - a trusted load goes on to find the checkpoint is another model's
+            res = f"{type(e).__name__}: {e}"
+        out.append((res, Path(marker).exists()))
+    return out
 
 
 def test_main_job_refuses_planted_payload(tmp_path) -> None:
@@ -190,11 +208,11 @@ def test_main_job_refuses_planted_payload(tmp_path) -> None:
     _plant_meta(path, marker)
     config = tmp_path / "tiny.yaml"
     config.write_text(_TINY.format(root=tmp_path))
-    (res,) = run_distributed(_cli_job, 1, str(config), str(path), False, init_process_group=False, timeout_s=180)
-    assert res.startswith("refused:") and "--trust_checkpoint" in res, res
-    assert not marker.exists(), "the payload ran"
-    (res,) = run_distributed(_cli_job, 1, str(config), str(path), True, init_process_group=False, timeout_s=180)
-    assert marker.exists(), res
+    ((refused, ran_untrusted), (trusted, ran_trusted)), = run_distributed(
+        _cli_job, 1, str(config), str(path), str(marker), init_process_group=False, timeout_s=240)
+    assert refused.startswith("refused:") and "--trust_checkpoint" in refused, refused
+    assert not ran_untrusted, "the payload ran"
+    assert ran_trusted, trusted
 
 
 def test_v1_fixture_loads_safely_into_one_process() -> None:
