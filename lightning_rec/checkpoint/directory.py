@@ -100,13 +100,13 @@ def write(path: str | os.PathLike, tensors: Mapping[str, Any], meta: dict[str, A
                 raise FileExistsError(f"checkpoint path {path} exists and is a file, not a checkpoint directory")
             atomic.remove(tmp)  # left by a save that was killed
             tmp.mkdir(parents=True)
-        except Exception as e:  # noqa: BLE001 - every rank must hear about it
+        except Exception as e:  # every rank must hear about it
             error = e
     atomic.agree(error, f"preparing checkpoint {path}")
     writer = CheckedWriter(tmp, rank)
     try:
         dcp.save(chunk_tree(dict(tensors)), storage_writer=writer)
-    except BaseException as e:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
+    except BaseException as e:  # DCP raises CheckpointException, a BaseException
         if isinstance(e, KeyboardInterrupt):
             raise
         error = _unwrap(e, tmp, "writing checkpoint")
@@ -120,7 +120,7 @@ def write(path: str | os.PathLike, tensors: Mapping[str, Any], meta: dict[str, A
                 atomic.swap_in(tmp, path)
             except OSError as e:
                 error = DiskFullError(tmp / META_FILE, 0, rank) if e.errno == errno.ENOSPC else e
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 error = e
         atomic.agree(error, f"completing checkpoint {path}")
     except BaseException:
@@ -203,14 +203,14 @@ def load(
                 if t:
                     targets[f"optimizer_{i}"] = t
                 applies.append(apply)
-    except Exception as e:  # noqa: BLE001 - every rank must hear about it before DCP's collectives
+    except Exception as e:  # every rank must hear about it before DCP's collectives
         error = e
     atomic.agree(error, f"loading checkpoint {path}")
     planner = dcp.DefaultLoadPlanner(allow_partial_load=not strict)
     try:
         with torch.no_grad():
             dcp.load(targets, storage_reader=reader, planner=planner)  # in place: the state_dict shares storage
-    except BaseException as e:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
+    except BaseException as e:  # DCP raises CheckpointException, a BaseException
         if isinstance(e, KeyboardInterrupt):
             raise
         raise _unwrap(e, path, "loading checkpoint") from e

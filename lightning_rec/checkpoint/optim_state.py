@@ -152,7 +152,7 @@ def _merge_over_ranks(leaves: dict[str, dict[str, Any]]) -> dict[str, dict[str, 
 def optimizer_targets(model: nn.Module, optimizer: Any, saved: dict[str, dict[str, Any]], index: int):
     """DCP load targets for one optimizer, and a function that applies what was loaded. Checks first."""
     names = _param_names(model, optimizer)
-    params = {n: p for n, p in model.named_parameters()}
+    params = dict(model.named_parameters())
     places = placements(model)
     leaves = _leaves(optimizer)
     plain_have = sorted(k for k in leaves if k != "fused")

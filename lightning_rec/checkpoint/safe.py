@@ -68,7 +68,7 @@ def load_dcp_metadata(path: str | os.PathLike, trusted: bool = False) -> Any:
         raise
     except FileNotFoundError as e:
         raise CheckpointError(f"{path} is missing: not a complete checkpoint directory") from e
-    except Exception as e:  # noqa: BLE001 - a damaged pickle fails in many ways; name the file
+    except Exception as e:
         raise CheckpointError(f"cannot read the checkpoint metadata {path}: {type(e).__name__}: {e}") from e
 
 
@@ -83,7 +83,7 @@ def refusing_unsafe(path: str | os.PathLike) -> Iterator[None]:
         allowed = {f"{g.__module__}.{g.__qualname__}" for g in META_GLOBALS}
         try:
             unsafe = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path) if g not in allowed]
-        except Exception:  # noqa: BLE001 - fall back to torch's message
+        except Exception:
             unsafe = []
         if not unsafe:
             m = re.search(r"GLOBAL ([\w.]+)", str(e))

@@ -75,7 +75,49 @@ def _integrity_job(rank: int, ws: int, root: str) -> dict:
     out = {"files": obj[0], "loads": {n: _load(str(Path(root) / n)) for n in ("flipped", "truncated", "missing", "c")}}
     for how in ("enospc", "error", "rename"):
         out[how] = _failing_save(rank, str(Path(root) / how / "c"), how)
+    out["export"] = _failing_export(rank, str(Path(root) / "export" / "model.pt"))
     return out
+
+
+class _FullDisk:
+    """A file whose writes fail as on a full disk."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def seek(self, *a):
+        return self.handle.seek(*a)
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def close(self):
+        self.handle.close()
+
+
+def _failing_export(rank: int, path: str) -> dict:
+    from lightning_rec import export
+
+    original = export._skeleton
+    if rank == 0:
+        export._skeleton = lambda *a: (lambda h, off: (_FullDisk(h), off))(*original(*a))
+    start = time.monotonic()
+    try:
+        export.export_state_dict(_model(), path)
+        out = "exported"
+    except ckpt.CheckpointError as e:
+        out = f"{type(e).__name__}: {e}"
+    export._skeleton = original
+    return {"out": out, "seconds": time.monotonic() - start}
+
+
+def test_failed_export_stops_every_rank_and_leaves_no_file(results) -> None:
+    root, res = results
+    out = [r["export"] for r in res]
+    assert all(r["seconds"] < 20 for r in out), out
+    assert out[0]["out"].startswith("DiskFullError") and ".model.pt.partial" in out[0]["out"], out
+    assert out[1]["out"].startswith("CheckpointError") and "rank 0" in out[1]["out"], out
+    assert sorted(p.name for p in (root / "export").iterdir()) == []
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +175,7 @@ def _failing_save(rank: int, path: str, how: str) -> dict:
         out = f"{type(e).__name__}: {e}"
         if isinstance(e, ckpt.DiskFullError):
             out += f" | bytes={e.bytes_needed} rank={e.rank}"
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         out = f"{type(e).__name__}: {e}"
     fs._write_files_from_queue, atomic.swap_in = original_write, original_swap
     return {"out": out, "seconds": time.monotonic() - start}
