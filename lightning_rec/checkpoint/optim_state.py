@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_rec.checkpoint.errors import CheckpointError
 from lightning_rec.checkpoint.placement import Placement, placements
 from lightning_rec.optim import CombinedOptimizer, FusedOptimizer
 
@@ -83,12 +84,21 @@ def _param_names(model: nn.Module, optimizer: Any) -> dict[int, str]:
 def optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     """``{"tensors": {flat key: tensor or ShardedTensor}, "meta": {...}}`` for one (possibly combined) optimizer.
 
-    Collective: every rank calls it (the meta is merged over ranks, since each rank holds other tables).
+    Collective: every rank calls it (the meta is merged over ranks, since each rank holds other tables). An
+    error on one rank is raised on every rank at that merge, so no rank is left waiting.
     """
-    names = _param_names(model, optimizer)
-    places = placements(model)
     tensors: dict[str, Any] = {}
     leaves_meta: dict[str, dict[str, Any]] = {}
+    try:
+        _flatten(model, optimizer, tensors, leaves_meta)
+    except Exception as e:  # raised below, on every rank
+        return {"tensors": {}, "meta": _merge_over_ranks({}, e)}
+    return {"tensors": tensors, "meta": _merge_over_ranks(leaves_meta)}
+
+
+def _flatten(model: nn.Module, optimizer: Any, tensors: dict[str, Any], leaves_meta: dict[str, Any]) -> None:
+    names = _param_names(model, optimizer)
+    places = placements(model)
     for j, leaf in _leaves(optimizer).items():
         layout: dict[str, dict[str, Any]] = {}
         for p, st in _leaf_state(leaf):
@@ -116,14 +126,21 @@ def optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
                         f"state shaped like the parameter {shape}, one value per row, or scalars"
                     )
         leaves_meta[j] = {"kind": _leaf_kind(leaf), "groups": _leaf_groups(leaf, names), "state": layout}
-    return {"tensors": tensors, "meta": _merge_over_ranks(leaves_meta)}
 
 
-def _merge_over_ranks(leaves: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _merge_over_ranks(leaves: dict[str, dict[str, Any]], error: Exception | None = None) -> dict[str, dict[str, Any]]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
         return leaves
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, leaves)
+    dist.all_gather_object(gathered, {"error": f"{type(error).__name__}: {error}"} if error is not None else leaves)
+    if error is not None:
+        raise error
+    failed = [(r, x["error"]) for r, x in enumerate(gathered) if "error" in x]
+    if failed:
+        raise CheckpointError(f"collecting optimizer state failed on rank {failed[0][0]} (so every rank stops): "
+                              f"{failed[0][1]}")
     plain = [sorted(k for k in x if k != "fused") for x in gathered]
     if any(p != plain[0] for p in plain):
         raise ValueError(f"ranks disagree on their optimizers: {[[x[k]['kind'] for k in x] for x in gathered]}")

@@ -73,7 +73,7 @@ def _integrity_job(rank: int, ws: int, root: str) -> dict:
     obj = [files]
     torch.distributed.broadcast_object_list(obj, src=0)
     out = {"files": obj[0], "loads": {n: _load(str(Path(root) / n)) for n in ("flipped", "truncated", "missing", "c")}}
-    for how in ("enospc", "error", "rename"):
+    for how in ("enospc", "error", "optimizer", "rename"):
         out[how] = _failing_save(rank, str(Path(root) / how / "c"), how)
     out["export"] = _failing_export(rank, str(Path(root) / "export" / "model.pt"))
     return out
@@ -147,8 +147,10 @@ def _failing_save(rank: int, path: str, how: str) -> dict:
     import torch.distributed.checkpoint.filesystem as fs
 
     original_write, original_swap = fs._write_files_from_queue, atomic.swap_in
+    original_flatten = ckpt.optim_state._flatten
     model = _model()
-    ckpt.save(path, model)  # the previous checkpoint
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    ckpt.save(path, model, [opt])  # the previous checkpoint
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
@@ -162,6 +164,11 @@ def _failing_save(rank: int, path: str, how: str) -> dict:
             raise RuntimeError("disk controller on fire")
 
         fs._write_files_from_queue = broken
+    if how == "optimizer" and rank == 1:
+        def bad_state(*args, **kwargs):
+            raise ValueError("optimizer state of an unexpected shape")
+
+        ckpt.optim_state._flatten = bad_state
     if how == "rename" and rank == 0:
         def no_rename(tmp, dst):
             raise PermissionError(f"cannot rename {tmp}")
@@ -169,7 +176,7 @@ def _failing_save(rank: int, path: str, how: str) -> dict:
         atomic.swap_in = no_rename
     start = time.monotonic()
     try:
-        ckpt.save(path, model)
+        ckpt.save(path, model, [opt])
         out = "saved"
     except ckpt.CheckpointError as e:
         out = f"{type(e).__name__}: {e}"
@@ -178,10 +185,11 @@ def _failing_save(rank: int, path: str, how: str) -> dict:
     except Exception as e:
         out = f"{type(e).__name__}: {e}"
     fs._write_files_from_queue, atomic.swap_in = original_write, original_swap
+    ckpt.optim_state._flatten = original_flatten
     return {"out": out, "seconds": time.monotonic() - start}
 
 
-@pytest.mark.parametrize("how", ["enospc", "error", "rename"])
+@pytest.mark.parametrize("how", ["enospc", "error", "optimizer", "rename"])
 def test_failed_save_stops_every_rank_and_keeps_previous(results, how: str) -> None:
     root, res = results
     tmp_path = root / how
@@ -197,6 +205,9 @@ def test_failed_save_stops_every_rank_and_keeps_previous(results, how: str) -> N
             assert int(r["out"].split("bytes=")[1].split()[0]) >= 20 * 8 * 4, r  # rank 1's rows of t at least
     elif how == "error":
         assert all("disk controller on fire" in r["out"] and "rank" in r["out"] for r in results), results
+    elif how == "optimizer":
+        assert results[1]["out"].startswith("ValueError: optimizer state of an unexpected shape"), results
+        assert results[0]["out"].startswith("CheckpointError") and "on rank 1" in results[0]["out"], results
     else:
         assert all("cannot rename" in r["out"] for r in results), results
     assert not (tmp_path / ".c.partial").exists(), "the partial directory was left behind"
