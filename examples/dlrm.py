@@ -40,6 +40,9 @@ class DLRMCLI(LightningCLI):
             parser.link_arguments(f"data.{source}", f"model.{target}", apply_on="instantiate")
         parser.add_argument("--ckpt_path", type=str | None, default=None,
                             help="resume from a checkpoint directory (any world size, layout or plan)")
+        parser.add_argument("--trust_checkpoint", type=bool, default=False,
+                            help="load --ckpt_path with full unpickling, which runs code the files name; only for "
+                                 "checkpoints you wrote whose hyper-parameters hold arbitrary objects")
 
 
 def final_line(metrics: dict[str, Any], seconds: float, achievable: float | None = None) -> str:
@@ -59,7 +62,13 @@ def main(args: list[str] | None = None) -> dict[str, float]:
         parser_kwargs={"default_config_files": [str(DEFAULT_CONFIG)]},
         save_config_kwargs={"overwrite": True},
     )
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
+    # never run code from a checkpoint unless told to trust it; Lightning does not pass weights_only on to
+    # strategies that restore after setup (rec_sharded), so the strategy is told directly
+    trust = bool(cli.config.get("trust_checkpoint"))
+    if trust and hasattr(cli.trainer.strategy, "trusted_checkpoints"):
+        cli.trainer.strategy.trusted_checkpoints = True
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"),
+                    weights_only=not trust)
     metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
     if cli.trainer.is_global_zero:
         print(final_line(metrics, time.perf_counter() - start, achievable_auc(cli.datamodule)), flush=True)

@@ -8,6 +8,7 @@ from lightning_rec._compat import check_versions as _check_versions, fbgemm_dist
 
 _check_versions(_torch.__version__, _fbgemm_distribution())
 
+from lightning_rec.checkpoint import CheckpointError, DiskFullError, UnsafeCheckpointError  # noqa: E402
 from lightning_rec.configs import (  # noqa: E402
     EmbeddingBagConfig,
     EmbeddingConfig,
@@ -51,6 +52,9 @@ _register()
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
+    "DiskFullError",
+    "UnsafeCheckpointError",
     "CombinedOptimizer",
     "FusedOptimizer",
     "FusedOptimizerSpec",

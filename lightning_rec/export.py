@@ -9,7 +9,9 @@ record in place as its shards arrive; the other ranks only send their own shards
 
 from __future__ import annotations
 
+import errno
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +21,12 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_rec import _compat
-from lightning_rec.checkpoint import _barrier, _broadcast_path, _partial, _rank
+from lightning_rec.checkpoint import atomic
+from lightning_rec.checkpoint.errors import DiskFullError
 
 
 def _record_offsets(path: Path) -> dict[str, tuple[int, int]]:
     """``{storage key: (byte offset, size)}`` of the ``data/<key>`` records of a torch.save zip file."""
-    import zipfile
-
     out = {}
     with zipfile.ZipFile(path) as z, open(path, "rb") as f:
         for info in z.infolist():
@@ -52,7 +53,7 @@ def _gather_to_zero(value: Any) -> torch.Tensor | None:
     group = value._process_group
     if 0 not in dist.get_process_group_ranks(group):
         return None
-    rank = _rank()
+    rank = atomic.rank()
     dtype = value.metadata().tensor_properties.dtype
     wire = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     if rank != 0:
@@ -81,26 +82,19 @@ def export_state_dict(model: nn.Module, path: str | os.PathLike) -> Path:
     Collective: every rank calls it; rank 0 writes. No rank holds more than one full table beyond its own
     shards. The file appears at ``path`` only when complete.
     """
-    path = _broadcast_path(path)
+    path = atomic.broadcast_path(path)
     state = model.state_dict()
-    rank = _rank()
-    tmp = _partial(path)
+    rank = atomic.rank()
+    tmp = atomic.partial_path(path)
     offsets: dict[str, tuple[int, int]] = {}
+    error: BaseException | None = None
+    handle = None
     if rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        skeleton: dict[str, Any] = {}
-        for key, v in state.items():
-            if _compat.is_sharded_tensor(v):
-                skeleton[key] = torch.empty(list(v.size()), dtype=v.metadata().tensor_properties.dtype)
-            elif torch.is_tensor(v):
-                skeleton[key] = torch.empty(v.shape, dtype=v.dtype)
-            else:
-                skeleton[key] = v
-        with torch.serialization.skip_data():
-            torch.save(skeleton, tmp)
-        del skeleton  # never touched, but let the allocator have it back before tables arrive
-        offsets = _record_offsets(tmp)
-        handle = open(tmp, "r+b")  # noqa: SIM115 - closed below, after every tensor is filled
+        try:
+            handle, offsets = _skeleton(state, path, tmp)
+        except Exception as e:  # every rank must hear about it before sending shards
+            error = _disk_full(e, tmp, state)
+    atomic.agree(error, f"exporting {path}")
     index = 0  # storages are numbered in the order the pickler meets them: the state_dict's order
     for key, v in state.items():
         if _compat.is_sharded_tensor(v):
@@ -109,21 +103,57 @@ def export_state_dict(model: nn.Module, path: str | os.PathLike) -> Path:
             full = v.detach().to("cpu") if rank == 0 else None
         else:
             continue
-        if rank == 0:
-            start, size = offsets[str(index)]
-            data = _as_bytes(full)
-            if data.numel() != size:
-                raise RuntimeError(f"export of {key!r}: {data.numel()} bytes for a record of {size}")
-            handle.seek(start)
-            handle.write(memoryview(data.numpy()))
-            del data
+        if rank == 0 and error is None:
+            # after a failure rank 0 still receives every shard, so no sender is left waiting
+            try:
+                start, size = offsets[str(index)]
+                data = _as_bytes(full)
+                if data.numel() != size:
+                    raise RuntimeError(f"export of {key!r}: {data.numel()} bytes for a record of {size}")
+                handle.seek(start)
+                handle.write(memoryview(data.numpy()))
+                del data
+            except Exception as e:  # reported to every rank below
+                error = _disk_full(e, tmp, state)
         del full
         index += 1
     if rank == 0:
-        handle.close()
-        os.replace(tmp, path)
-    _barrier()
+        try:
+            handle.close()
+            if error is None:
+                os.replace(tmp, path)
+        except Exception as e:  # reported to every rank below
+            error = error or _disk_full(e, tmp, state)
+        if error is not None:
+            atomic.remove(tmp)
+    atomic.agree(error, f"exporting {path}")
     return path
+
+
+def _skeleton(state: dict[str, Any], path: Path, tmp: Path) -> tuple[Any, dict[str, tuple[int, int]]]:
+    """Rank 0: the file's skeleton at ``tmp`` (every record sized, no bytes), opened for filling in."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    skeleton: dict[str, Any] = {}
+    for key, v in state.items():
+        if _compat.is_sharded_tensor(v):
+            skeleton[key] = torch.empty(list(v.size()), dtype=v.metadata().tensor_properties.dtype)
+        elif torch.is_tensor(v):
+            skeleton[key] = torch.empty(v.shape, dtype=v.dtype)
+        else:
+            skeleton[key] = v
+    with torch.serialization.skip_data():
+        torch.save(skeleton, tmp)
+    del skeleton  # never touched, but let the allocator have it back before tables arrive
+    return open(tmp, "r+b"), _record_offsets(tmp)  # closed by the caller, after every tensor is filled
+
+
+def _disk_full(e: Exception, tmp: Path, state: dict[str, Any]) -> Exception:
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        need = sum((v.size().numel() * v.metadata().tensor_properties.dtype.itemsize)
+                   if _compat.is_sharded_tensor(v) else v.nbytes for v in state.values()
+                   if torch.is_tensor(v) or _compat.is_sharded_tensor(v))
+        return DiskFullError(tmp, need, 0)
+    return e
 
 
 class ExportStateDict(L.Callback):

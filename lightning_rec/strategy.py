@@ -50,6 +50,9 @@ class RecShardedStrategy(DDPStrategy):
             adds it (stepped every step, at its spec's learning rate).
         process_group_backend: default nccl on CUDA, gloo on CPU.
         timeout: collective timeout.
+        trusted_checkpoints: load checkpoints with full unpickling, which runs any code the files name. Only
+            for checkpoints you wrote whose hyper-parameters or callback states hold arbitrary objects; by
+            default loading refuses such files (``UnsafeCheckpointError``) and never runs code from them.
     """
 
     strategy_name = "rec_sharded"
@@ -63,6 +66,7 @@ class RecShardedStrategy(DDPStrategy):
         embedding_optimizer: Any = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(seconds=1800),
+        trusted_checkpoints: bool = False,
         **kwargs: Any,
     ) -> None:
         start_method = kwargs.pop("start_method", "popen")
@@ -84,6 +88,7 @@ class RecShardedStrategy(DDPStrategy):
 
         self.embedding_optimizer = as_spec(embedding_optimizer)
         self.mesh_info: MeshInfo | None = None
+        self.trusted_checkpoints = trusted_checkpoints
 
     @classmethod
     @override
@@ -326,6 +331,7 @@ class RecShardedStrategy(DDPStrategy):
         by position in another model's parameter list, cannot be remapped and is refused.
         """
         from lightning_rec import checkpoint as ckpt
+        from lightning_rec.checkpoint.safe import refusing_unsafe
 
         module = self.lightning_module
         assert module is not None
@@ -333,12 +339,17 @@ class RecShardedStrategy(DDPStrategy):
         fitting = module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
         optimizers = self.optimizers if fitting else []
         if ckpt.is_checkpoint_dir(path):
-            meta = ckpt.load(path, module, optimizers, strict=module.strict_loading)
+            meta = ckpt.load(path, module, optimizers, strict=module.strict_loading,
+                             trusted=self.trusted_checkpoints or weights_only is False)
             meta.pop("format", None)
             if fitting:
                 meta["optimizer_states"] = []  # restored above; Lightning only checks the key exists
             return meta
-        loaded = super().load_checkpoint(path, weights_only=weights_only)
+        if self.trusted_checkpoints or weights_only is False:
+            loaded = super().load_checkpoint(path, weights_only=False)
+        else:
+            with refusing_unsafe(path):  # never run code from a file we were not told to trust
+                loaded = super().load_checkpoint(path, weights_only=True)
         module.load_state_dict(loaded["state_dict"], strict=module.strict_loading)
         if fitting and any(s.get("state") for s in loaded.get("optimizer_states", [])):
             raise ValueError(

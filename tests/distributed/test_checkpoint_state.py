@@ -5,9 +5,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, ShardingPlan
+from lightning_rec import (
+    CombinedOptimizer,
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    KeyedJaggedTensor,
+    ShardingPlan,
+    full_state_dict,
+)
 from lightning_rec import checkpoint as ckpt
 from lightning_rec.sharding import column_wise, fused_optimizer, row_wise, shard_modules, table_wise
 from lightning_rec.testing import run_distributed
@@ -122,3 +131,50 @@ def test_fused_collections_may_share_table_names(tmp_path) -> None:
         weights[n] -= SPEC["lr"] * g / (sums[n].sqrt()[:, None] + 1e-8)
     for n, w in weights.items():
         torch.testing.assert_close(results[0]["weights"][n], w, atol=1e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+
+
+# -- checkpoints users already have: the committed lightning_rec.dcp/1 fixture -------------------------------
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v1_checkpoint"
+
+
+def _fixture_model():
+    from tests.lightning.models import ClickModule
+
+    plan = ShardingPlan({"ebc": {"user": row_wise(), "item": table_wise(1), "geo": table_wise(0)}})
+    model = shard_modules(ClickModule(), plan, embedding_grad="mean",
+                          embedding_optimizer={"kind": "rowwise_adagrad", "lr": 0.1})
+    return model, CombinedOptimizer([torch.optim.Adagrad(model.head.parameters(), lr=0.1), fused_optimizer(model)])
+
+
+def _v1_fixture_job(rank: int, ws: int, out: str) -> dict:
+    model, opt = _fixture_model()
+    meta = ckpt.load(FIXTURE, model, [opt])  # the old format: row-wise state broadcast over columns
+    sums = {n: st["sum"].clone() for n, st in fused_optimizer(model).state_dict()["tables"].items()}
+    weights = full_state_dict(model)
+    ckpt.save(out, model, [opt])  # today's format, then back: bitwise again
+    fresh, fresh_opt = _fixture_model()
+    ckpt.load(out, fresh, [fresh_opt])
+    again = {n: st["sum"] for n, st in fused_optimizer(fresh).state_dict()["tables"].items()}
+    return {"step": meta["global_step"], "sums": sums, "weights": weights, "again": again,
+            "head_sum": opt.optimizers[0].state_dict()["state"][0]["sum"]}
+
+
+def test_v1_fixture_resumes_bitwise_and_resaves_one_value_per_row(tmp_path) -> None:
+    want = torch.load(FIXTURE.parent / "v1_checkpoint.expected.pt", weights_only=True)
+    out = tmp_path / "v2"
+    results = run_distributed(_v1_fixture_job, 2, str(out))
+    for rank, r in enumerate(results):
+        assert r["step"] == 4
+        assert r["sums"].keys() == want["sums"][rank].keys() and r["sums"], r["sums"].keys()
+        for name, s in want["sums"][rank].items():
+            assert torch.equal(r["sums"][name], s), name
+            assert torch.equal(r["again"][name], s), name
+        for k, v in want["weights"].items():
+            assert torch.equal(r["weights"][k], v), k
+        assert r["head_sum"].abs().sum() > 0
+    md = ckpt.storage.CheckedReader(out, 0).read_metadata().state_dict_metadata
+    rows = {k: list(v.size) for k, v in md.items() if k.endswith("/sum") and "fused" in k}
+    assert rows == {"optimizer_0.fused/ebc.embedding_bags.user.weight/sum": [11, 1],
+                    "optimizer_0.fused/ebc.embedding_bags.item.weight/sum": [13, 1],
+                    "optimizer_0.fused/ebc.embedding_bags.geo.weight/sum": [5, 1]}, rows

@@ -1,0 +1,99 @@
+"""Collective helpers and all-or-nothing directory / file writes, shared by checkpoints and exports.
+
+A write goes to ``.<name>.partial`` next to the target and is renamed into place only after every rank
+reported success, so a failure (or a kill) part-way leaves the previous version as it was. A failure on any
+rank is raised on every rank at the next agreement point, within seconds rather than after the collective
+timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+from lightning_rec.checkpoint.errors import CheckpointError
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if distributed() else 0
+
+
+def barrier() -> None:
+    if distributed():
+        dist.barrier()
+
+
+def broadcast_path(path: str | os.PathLike) -> Path:
+    """Rank 0's ``path`` on every rank (ranks may compute different names, e.g. from a timestamp)."""
+    if distributed():
+        obj = [str(path)]
+        dist.broadcast_object_list(obj, src=0)
+        path = obj[0]
+    return Path(path)
+
+
+def partial_path(path: Path) -> Path:
+    """Where a write of ``path`` goes until it is complete."""
+    return path.with_name(f".{path.name}.partial")
+
+
+def previous_path(path: Path) -> Path:
+    """Where the previous version of ``path`` waits while the new one is swapped in."""
+    return path.with_name(f".{path.name}.previous")
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The directory to read: ``path``, or the previous one if a save died while swapping them in."""
+    path = Path(path)
+    if not path.exists() and previous_path(path).is_dir():
+        return previous_path(path)
+    return path
+
+
+def agree(error: BaseException | None, what: str) -> None:
+    """Collective: raise on every rank if ``error`` is set on any rank (the first failing rank's error).
+
+    Every rank must reach this call whatever happened locally, so failures are caught, not raised, before it.
+    """
+    if distributed() and dist.get_world_size() > 1:
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    else:
+        failed = [] if error is None else [(rank(), f"{type(error).__name__}: {error}")]
+    if not failed:
+        return
+    if error is not None:
+        raise error  # this rank's own error, as it was
+    r, message = failed[0]
+    raise CheckpointError(f"{what} failed on rank {r} (so every rank stops): {message}")
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+        path.unlink()
+
+
+def swap_in(tmp: Path, path: Path) -> None:
+    """Rename the complete ``tmp`` to ``path``; the old ``path`` survives as ``.previous`` until then."""
+    old = previous_path(path)
+    if path.exists():
+        remove(old)
+        os.replace(path, old)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        if old.exists() and not path.exists():
+            os.replace(old, path)
+        raise
+    remove(old)
