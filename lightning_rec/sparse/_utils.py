@@ -40,8 +40,14 @@ def lengths_and_offsets(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both of ``lengths`` / ``offsets`` from whichever was given, checked against ``values`` when eager."""
     if lengths is None and offsets is None:
-        raise SparseInputError(f"{what} needs `lengths` or `offsets`")
-    check = checks_enabled()
+        if values.numel() == 0:  # TorchRec's ``KeyedJaggedTensor([], torch.Tensor())``: nothing to cut
+            lengths = torch.zeros(0, dtype=torch.int32, device=values.device)
+        else:
+            raise SparseInputError(f"{what} needs `lengths` or `offsets`")
+    # values on the meta device have shapes only: nothing to check against
+    check = checks_enabled() and values.device.type != "meta"
+    if isinstance(lengths, torch.Tensor) and lengths.numel() == 0 and lengths.dim() > 1:
+        lengths = lengths.reshape(-1)  # TorchRec accepts torch.tensor([[], []])
     if lengths is not None:
         if check:
             _check_integer("lengths", lengths, what)

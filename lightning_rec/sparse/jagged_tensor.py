@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from lightning_rec.sparse import _format
 from lightning_rec.sparse._utils import SparseMeta, checks_enabled, lengths_and_offsets
 
 
@@ -66,8 +67,7 @@ class JaggedTensor(metaclass=SparseMeta):
         values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None
     ) -> JaggedTensor:
         """Keep the first ``lengths[i]`` entries of each row of a padded ``[B, N, ...]`` tensor."""
-        mask = torch.arange(values.size(1), device=values.device).unsqueeze(0) < lengths.unsqueeze(1)
-        return JaggedTensor(values[mask], weights=None if weights is None else weights[mask], lengths=lengths)
+        return _from_dense_lengths(values, lengths, weights)
 
     @staticmethod
     def from_dense(values: list[torch.Tensor], weights: list[torch.Tensor] | None = None) -> JaggedTensor:
@@ -148,6 +148,9 @@ class JaggedTensor(metaclass=SparseMeta):
             if t is not None:
                 t.record_stream(stream)
 
+    def __str__(self) -> str:
+        return _format.jagged("JaggedTensor", self._values, self._weights, self._offsets)
+
     def __repr__(self) -> str:
         w = "" if self._weights is None else f", weights={self._weights}"
         return f"JaggedTensor(values={self._values}, lengths={self._lengths}{w})"
@@ -178,3 +181,10 @@ def jt_is_equal(jt_1: JaggedTensor, jt_2: JaggedTensor) -> bool:
         and torch.equal(jt_1.lengths(), jt_2.lengths())
         and (w1 is None or torch.equal(w1, w2))  # type: ignore[arg-type]
     )
+
+
+@torch.fx.wrap
+def _from_dense_lengths(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None) -> JaggedTensor:
+    # one fx node: ``weights is None`` cannot be decided on a traced argument
+    mask = torch.arange(values.size(1), device=values.device).unsqueeze(0) < lengths.unsqueeze(1)
+    return JaggedTensor(values[mask], weights=None if weights is None else weights[mask], lengths=lengths)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from lightning_rec.sparse import _format
 from lightning_rec.sparse._utils import (
     SparseInputError,
     SparseMeta,
@@ -196,6 +197,15 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
     @staticmethod
     def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Same keys, stride and dtypes, no ids."""
+        return _empty_like(kjt)
+
+    @staticmethod
+    def concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+        """Keys of every KJT side by side (each KJT's bags stay key-major)."""
+        return _concat(kjt_list)
+
+    @staticmethod
+    def _empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         n = sum(kjt.stride_per_key())
         return KeyedJaggedTensor(
             kjt.keys(),
@@ -207,8 +217,7 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
         )
 
     @staticmethod
-    def concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
-        """Keys of every KJT side by side (the KJTs must not share keys' order constraints: key-major)."""
+    def _concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
         if not kjt_list:
             raise ValueError("KeyedJaggedTensor.concat needs at least one KeyedJaggedTensor")
         has_w = [k.weights_or_none() is not None for k in kjt_list]
@@ -425,10 +434,25 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
         self.length_per_key()
         return self
 
+    def __str__(self) -> str:
+        return _format.keyed_jagged(self._keys, self._values, self._weights, self._offsets,
+                                    self._lengths_offset_per_key)
+
     def __repr__(self) -> str:
         w = "" if self._weights is None else f", weights={self._weights.tolist()}"
         return (f"KeyedJaggedTensor(keys={self._keys}, stride_per_key={self._stride_per_key}, "
                 f"lengths={self._lengths.tolist()}, values={self._values.tolist()}{w})")
+
+
+# fx.wrap: under torch.fx tracing these are single graph nodes (their arguments are Proxies to iterate over)
+@torch.fx.wrap
+def _concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor._concat(kjt_list)
+
+
+@torch.fx.wrap
+def _empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor._empty_like(kjt)
 
 
 def kjt_is_equal(kjt_1: KeyedJaggedTensor, kjt_2: KeyedJaggedTensor) -> bool:

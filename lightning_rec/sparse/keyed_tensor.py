@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lightning_rec.sparse import _format
 from lightning_rec.sparse._utils import SparseMeta, checks_enabled, cumsum_list
 
 
@@ -89,6 +90,10 @@ class KeyedTensor(metaclass=SparseMeta):
 
         A key found in several KeyedTensors is taken from the first; a key may appear in several groups.
         """
+        return _regroup(keyed_tensors, groups)
+
+    @staticmethod
+    def _regroup(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]) -> list[torch.Tensor]:
         where: dict[str, tuple[int, int]] = {}
         for t, kt in enumerate(keyed_tensors):
             if kt.key_dim() != 1:
@@ -110,7 +115,23 @@ class KeyedTensor(metaclass=SparseMeta):
         """``regroup`` with the groups named by ``keys``."""
         if len(groups) != len(keys):
             raise ValueError(f"regroup_as_dict: {len(groups)} groups but {len(keys)} keys")
-        return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups)))
+        return _regroup_as_dict(keyed_tensors, groups, list(keys))
+
+    def __str__(self) -> str:
+        return _format.keyed(self.to_dict())
 
     def __repr__(self) -> str:
         return f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key}, values={self._values})"
+
+
+# fx.wrap: under torch.fx tracing a regroup is one graph node (its arguments are Proxies to iterate over)
+@torch.fx.wrap
+def _regroup(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]) -> list[torch.Tensor]:
+    return KeyedTensor._regroup(keyed_tensors, groups)
+
+
+@torch.fx.wrap
+def _regroup_as_dict(
+    keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]], keys: list[str]
+) -> dict[str, torch.Tensor]:
+    return dict(zip(keys, KeyedTensor._regroup(keyed_tensors, groups)))
