@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import torch.nn.functional as F
-from torch.fx._symbolic_trace import is_fx_tracing
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing as is_fx_tracing
 
 from lightning_rec import kernels
 from lightning_rec.configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig, PoolingType
@@ -255,8 +255,10 @@ class EmbeddingBagCollection(_CollectionBase):
                 psw = psw.float()
         tables = self._weights()
         b = kjt.stride()
-        # the fbgemm kernel is opaque to torch.compile; F.embedding_bag traces
-        if checks_enabled() and kernels.resolve_kernel(self.kernel, tables, self.sparse_grad) == "fbgemm" and b > 0:
+        if torch.compiler.is_compiling():
+            # the fbgemm kernel is opaque to torch.compile; one F.embedding_bag per feature traces
+            pooled = self._compiled_pooled(kjt, tables, psw)
+        elif kernels.resolve_kernel(self.kernel, tables, self.sparse_grad) == "fbgemm" and b > 0:
             if self._fbgemm is None:
                 self._fbgemm = kernels.FbgemmPooledKernel(layout.feature_table)
             pooled = self._fbgemm(tables, kjt.values(), kjt.offsets(), psw)
@@ -266,6 +268,23 @@ class EmbeddingBagCollection(_CollectionBase):
             )
         pooled = layout.apply_mean(pooled, kjt.lengths(), b)
         return KeyedTensor(layout.embedding_names, layout.dims, pooled)
+
+    def _compiled_pooled(
+        self, kjt: KeyedJaggedTensor, tables: list[torch.Tensor], psw: torch.Tensor | None
+    ) -> torch.Tensor:
+        # narrow() with the same (symbolic) start and length keeps ids and weights the same size for dynamo
+        b, values, offsets = kjt.stride(), kjt.values(), kjt.offsets()
+        opk, lpk = kjt.offset_per_key(), kjt.length_per_key()
+        outs = []
+        for i, t in enumerate(self._layout.feature_table):
+            w = tables[t]
+            bag_offsets = offsets[i * b : (i + 1) * b + 1] - offsets[i * b]
+            outs.append(F.embedding_bag(
+                values.narrow(0, opk[i], lpk[i]), w, bag_offsets, mode="sum", include_last_offset=True,
+                per_sample_weights=None if psw is None else psw.narrow(0, opk[i], lpk[i]).to(w.dtype),
+                sparse=self.sparse_grad,
+            ))
+        return torch.cat(outs, dim=1)
 
     def _fx_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         # torch.fx sees a Proxy, not a KJT: one F.embedding_bag per feature on its JaggedTensor, as TorchRec

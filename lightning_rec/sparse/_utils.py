@@ -84,8 +84,7 @@ def segment_gather_index(starts: torch.Tensor, lens: torch.Tensor, total: int | 
     """Index that concatenates segments ``[starts[i], starts[i] + lens[i])`` in order, without a loop."""
     if total is None:
         total = int(lens.sum()) if lens.numel() else 0
-    if total == 0:
-        return torch.zeros(0, dtype=torch.long, device=starts.device)
+    # no branch on ``total``: under torch.compile it is a symbolic size (an empty result needs none)
     out_starts = torch.cumsum(lens, 0) - lens
     shift = torch.repeat_interleave(starts - out_starts, lens, output_size=total)
     return torch.arange(total, device=starts.device) + shift
