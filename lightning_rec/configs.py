@@ -29,7 +29,30 @@ class ShardingType(enum.Enum):
     GRID_SHARD = "grid_shard"
 
 
+class DataType(enum.Enum):
+    """Storage type of a table's weights (TorchRec's names). The lookup kernels here take FP32, FP16, BF16."""
+
+    FP32 = "FP32"
+    FP16 = "FP16"
+    BF16 = "BF16"
+    INT64 = "INT64"
+    INT32 = "INT32"
+    INT8 = "INT8"
+    UINT8 = "UINT8"
+    INT4 = "INT4"
+    INT2 = "INT2"
+
+
 _DTYPES = {torch.float32, torch.float16, torch.bfloat16}
+_DATA_TYPE_TO_DTYPE = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
+_DTYPE_TO_DATA_TYPE = {v: k for k, v in _DATA_TYPE_TO_DTYPE.items()}
+
+
+def data_type_to_dtype(data_type: DataType) -> torch.dtype:
+    """TorchRec's helper: the torch dtype of a (floating point) ``DataType``."""
+    if data_type not in _DATA_TYPE_TO_DTYPE:
+        raise ValueError(f"DataType.{data_type.name} tables are not supported: use FP32, FP16 or BF16")
+    return _DATA_TYPE_TO_DTYPE[data_type]
 
 
 def _to_pooling(p: PoolingType | str) -> PoolingType:
@@ -44,19 +67,23 @@ def _to_pooling(p: PoolingType | str) -> PoolingType:
 class BaseEmbeddingConfig:
     """Fields common to pooled and sequence tables.
 
-    ``init_fn`` (called in place on the full ``[num_embeddings, embedding_dim]`` weight, or on each
-    shard when a model built on the meta device is sharded) wins over the uniform bounds; the default
-    bounds are TorchRec's ``+-sqrt(1 / num_embeddings)``.
+    Fields in TorchRec's order. ``init_fn`` (called in place on the full ``[num_embeddings, embedding_dim]``
+    weight, or on each shard when a model built on the meta device is sharded) wins over the uniform
+    bounds; the default bounds are TorchRec's ``+-sqrt(1 / num_embeddings)``. ``feature_names`` defaults
+    to ``[name]``. The weight type is ``data_type`` (TorchRec) or ``dtype`` (a torch dtype); give either.
     """
 
     num_embeddings: int
     embedding_dim: int
     name: str = ""
+    data_type: DataType | None = None
     feature_names: list[str] = field(default_factory=list)
-    dtype: torch.dtype = torch.float32
-    weight_init_min: float | None = None
     weight_init_max: float | None = None
+    weight_init_min: float | None = None
+    num_embeddings_post_pruning: int | None = None
     init_fn: Callable[[torch.Tensor], object] | None = None
+    need_pos: bool = False
+    dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -65,9 +92,7 @@ class BaseEmbeddingConfig:
             v = getattr(self, attr)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"table {self.name!r}: {attr} must be a positive int, got {v!r}")
-        self.feature_names = list(self.feature_names)
-        if not self.feature_names:
-            raise ValueError(f"table {self.name!r}: feature_names is empty; list the features that look it up")
+        self.feature_names = list(self.feature_names) or [self.name]
         for f in self.feature_names:
             if not isinstance(f, str):
                 raise ValueError(f"table {self.name!r}: feature names must be strings, got {f!r}")
@@ -75,8 +100,24 @@ class BaseEmbeddingConfig:
             raise ValueError(f"table {self.name!r}: duplicate feature names in {self.feature_names}")
         if isinstance(self.dtype, str):
             self.dtype = getattr(torch, self.dtype, None)  # type: ignore[assignment]
+        if isinstance(self.data_type, str) and self.data_type.upper() in DataType.__members__:
+            self.data_type = DataType[self.data_type.upper()]
+        if self.data_type is not None:
+            if not isinstance(self.data_type, DataType):
+                raise ValueError(f"table {self.name!r}: data_type must be a DataType, got {self.data_type!r}")
+            if self.data_type not in _DATA_TYPE_TO_DTYPE:
+                raise ValueError(
+                    f"table {self.name!r}: DataType.{self.data_type.name} tables are not supported; use FP32, FP16 or BF16"
+                )
+            dt = _DATA_TYPE_TO_DTYPE[self.data_type]
+            if self.dtype is not None and self.dtype != dt:
+                raise ValueError(f"table {self.name!r}: data_type={self.data_type} but dtype={self.dtype}")
+            self.dtype = dt
+        elif self.dtype is None:
+            self.dtype = torch.float32
         if self.dtype not in _DTYPES:
             raise ValueError(f"table {self.name!r}: dtype must be one of float32, float16, bfloat16, got {self.dtype}")
+        self.data_type = _DTYPE_TO_DATA_TYPE[self.dtype]
         bound = math.sqrt(1.0 / self.num_embeddings)
         if self.weight_init_min is None:
             self.weight_init_min = -bound

@@ -7,9 +7,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+import torch.nn.functional as F
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing as is_fx_tracing
+
 from lightning_rec import kernels
 from lightning_rec.configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from lightning_rec.sparse._utils import checks_enabled, segment_gather_index
 
 
 class _Table(nn.Module):
@@ -31,7 +35,7 @@ class _Table(nn.Module):
 _TableContainer = kernels.TableContainer
 
 
-def _check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type) -> None:
+def _check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type, allow_shared: bool = False) -> None:
     names = set()
     owner: dict[str, str] = {}
     for t in tables:
@@ -41,7 +45,7 @@ def _check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type) -> None:
             raise ValueError(f"table name {t.name!r} is used twice; table names must be unique")
         names.add(t.name)
         for f in t.feature_names:
-            if f in owner:
+            if f in owner and not allow_shared:
                 raise ValueError(
                     f"feature {f!r} is listed by tables {owner[f]!r} and {t.name!r}; a feature may look up one table"
                 )
@@ -51,9 +55,14 @@ def _check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type) -> None:
 class _FeatureLayout:
     """Static facts about a collection's features, in config order (shared with the sharded modules)."""
 
-    def __init__(self, tables: Sequence[BaseEmbeddingConfig]) -> None:
+    def __init__(self, tables: Sequence[BaseEmbeddingConfig], strict: bool = True) -> None:
         self.tables = list(tables)
+        # strict: the input KJT must hold exactly these features; otherwise extra keys are ignored (TorchRec)
+        self.strict = strict
         self.feature_names = [f for t in tables for f in t.feature_names]
+        # output keys: a feature read by several tables is named "<feature>@<table>", as in TorchRec
+        shared = {f for f in self.feature_names if self.feature_names.count(f) > 1}
+        self.embedding_names = [f"{f}@{t.name}" if f in shared else f for t in tables for f in t.feature_names]
         self.feature_table = [i for i, t in enumerate(tables) for _ in t.feature_names]
         self.feature_table_names = [tables[i].name for i in self.feature_table]
         self.dims = [tables[i].embedding_dim for i in self.feature_table]
@@ -62,15 +71,23 @@ class _FeatureLayout:
         self._index = {f: i for i, f in enumerate(self.feature_names)}
 
     def select(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """Return ``features`` in config order; raise listing missing and unexpected keys."""
+        """Return ``features`` in config order with int64 ids; raise listing missing and unexpected keys."""
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"expected a KeyedJaggedTensor, got {type(features).__name__}")
+        v = features.values()
+        if v.dim() != 1 or v.is_floating_point() or v.is_complex() or v.dtype == torch.bool:
+            raise ValueError(
+                f"the embedding lookup needs 1-D integer ids, but the KeyedJaggedTensor values are "
+                f"{v.dtype} of shape {tuple(v.shape)} (features {features.keys()})"
+            )
+        if features.variable_stride_per_key():
+            features = _expand_variable_batch(features)
         keys = features.keys()
         if keys != self.feature_names:
             missing = [f for f in self.feature_names if f not in set(keys)]
-            unexpected = [k for k in keys if k not in self._index]
+            unexpected = [k for k in keys if k not in self._index] if self.strict else []
             # a KJT from permute() may repeat a key; which copy to use would be a guess
-            duplicated = sorted({k for k in keys if keys.count(k) > 1})
+            duplicated = sorted({k for k in keys if keys.count(k) > 1 and k in self._index})
             if missing or unexpected or duplicated:
                 raise ValueError(
                     f"KeyedJaggedTensor keys do not match the collection's features: missing {missing}, "
@@ -79,14 +96,43 @@ class _FeatureLayout:
                 )
             pos = {k: i for i, k in enumerate(keys)}
             features = features.permute([pos[f] for f in self.feature_names])
-        kernels.validate_ids(
-            features.values(), features.length_per_key(), self.rows, self.feature_names, self.feature_table_names
-        )
+        if features.values().dtype != torch.long or features.lengths().dtype != torch.long:
+            features = KeyedJaggedTensor(
+                features.keys(), features.values().long(), weights=features.weights_or_none(),
+                lengths=features.lengths().long(), stride=features.stride(), length_per_key=features.length_per_key(),
+            )
+        if checks_enabled() and features.values().device.type != "meta":
+            kernels.validate_ids(
+                features.values(), features.length_per_key(), self.rows, self.feature_names, self.feature_table_names
+            )
         return features
 
     def apply_mean(self, pooled: torch.Tensor, lengths: torch.Tensor, batch_size: int) -> torch.Tensor:
         div = kernels.mean_divisor(lengths, self.dims, self.is_mean, batch_size)
         return pooled if div is None else pooled / div.to(pooled.dtype)
+
+
+def _expand_variable_batch(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """A variable-batch (VBE) KJT as a full-batch one: sample ``j`` of feature ``f`` reads the bag
+    ``inverse_indices[f][j]``. Pooling the expanded bags equals pooling then expanding (TorchRec's result)."""
+    inv = kjt.inverse_indices_or_none()
+    if inv is None:
+        raise ValueError(
+            "this KeyedJaggedTensor has a batch size per feature (stride_per_key_per_rank) but no "
+            "inverse_indices: the unsharded collections need them to give every feature the full batch"
+        )
+    inv_keys, inv_t = inv
+    row = {k: i for i, k in enumerate(inv_keys)}
+    missing = [k for k in kjt.keys() if k not in row]
+    if missing:
+        raise ValueError(f"inverse_indices has no row for features {missing} (it has {list(inv_keys)})")
+    lopk = kjt.lengths_offset_per_key()
+    idx = torch.cat([inv_t[row[k]].long() + lopk[i] for i, k in enumerate(kjt.keys())])
+    lengths = kjt.lengths()[idx]
+    gather = segment_gather_index(kjt.offsets()[:-1][idx].long(), lengths.long())
+    w = kjt.weights_or_none()
+    return KeyedJaggedTensor(kjt.keys(), kjt.values()[gather], weights=None if w is None else w[gather],
+                             lengths=lengths, stride=inv_t.size(1))
 
 
 def _make_tables(tables: Sequence[BaseEmbeddingConfig], device: torch.device | str | None) -> _TableContainer:
@@ -98,13 +144,41 @@ def _make_tables(tables: Sequence[BaseEmbeddingConfig], device: torch.device | s
     return container
 
 
-class EmbeddingBagCollection(nn.Module):
+class _CollectionBase(nn.Module):
+    """What both collections share: TorchRec's ``device`` attribute and ``reset_parameters``."""
+
+    _layout: _FeatureLayout
+
+    def _table_modules(self) -> _TableContainer:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        for p in self.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    def reset_parameters(self) -> None:
+        """Initialise every table again from its config (``init_fn`` or the uniform bounds)."""
+        for t in self._layout.tables:
+            w = self._table_modules()[t.name].weight
+            if w.device.type != "meta":
+                t.init_weight(w)
+
+    def _traced_tables(self) -> list[torch.Tensor]:
+        return [self._table_modules()[t.name].weight for t in self._layout.tables]
+
+
+class EmbeddingBagCollection(_CollectionBase):
     """Pooled embedding tables looked up by a KeyedJaggedTensor (TorchRec's ``EmbeddingBagCollection``).
 
     Each feature's bag is pooled (SUM or MEAN, per table) into one vector; the output KeyedTensor has one
-    block per feature, in config order. Several features may share a table. With ``is_weighted=True`` the
-    KJT's per-id weights scale each embedding (weighted MEAN divides the weighted sum by the bag length);
-    without it, weights in the input are ignored, as in TorchRec.
+    block per feature, in config order. Several features may share a table, and one feature may be read by
+    several tables (its output keys are then ``"<feature>@<table>"``, as in TorchRec). With
+    ``is_weighted=True`` the KJT's per-id weights scale each embedding (weighted MEAN divides the weighted
+    sum by the bag length); without it, weights in the input are ignored, as in TorchRec. Input keys the
+    tables do not read are ignored (TorchRec's behaviour) unless ``strict_features=True``. A KJT with a
+    batch size per feature (VBE) needs ``inverse_indices``; the output has the full batch.
 
     Args:
         tables: one ``EmbeddingBagConfig`` per table.
@@ -114,6 +188,7 @@ class EmbeddingBagCollection(nn.Module):
             (``F.embedding_bag``; the reference).
         sparse_grad: produce sparse gradients (for torch's SGD, Adagrad, SparseAdam), so a step costs
             what the batch touched, not the table size.
+        strict_features: raise when the input has keys no table reads.
     """
 
     def __init__(
@@ -123,15 +198,19 @@ class EmbeddingBagCollection(nn.Module):
         device: torch.device | str | None = None,
         kernel: str = "auto",
         sparse_grad: bool = False,
+        strict_features: bool = False,
     ) -> None:
         super().__init__()
-        _check_tables(tables, EmbeddingBagConfig)
-        self._layout = _FeatureLayout(tables)
+        _check_tables(tables, EmbeddingBagConfig, allow_shared=True)
+        self._layout = _FeatureLayout(tables, strict=strict_features)
         self._is_weighted = is_weighted
         self.kernel = kernels.validate_kernel(kernel)
         self.sparse_grad = sparse_grad
         self.embedding_bags = _make_tables(tables, device)
         self._fbgemm: kernels.FbgemmPooledKernel | None = None
+
+    def _table_modules(self) -> _TableContainer:
+        return self.embedding_bags
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return list(self._layout.tables)  # type: ignore[arg-type]
@@ -144,15 +223,22 @@ class EmbeddingBagCollection(nn.Module):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         layout = self._layout
+        if is_fx_tracing():
+            return self._fx_forward(features)
         kjt = layout.select(features)
         psw = None
         if self._is_weighted:
             psw = kjt.weights_or_none()
             if psw is None:
                 raise ValueError("this EmbeddingBagCollection is weighted (is_weighted=True) but the input has no weights")
+            if not psw.is_floating_point():
+                psw = psw.float()
         tables = self._weights()
         b = kjt.stride()
-        if kernels.resolve_kernel(self.kernel, tables, self.sparse_grad) == "fbgemm" and b > 0:
+        if torch.compiler.is_compiling():
+            # the fbgemm kernel is opaque to torch.compile; one F.embedding_bag per feature traces
+            pooled = self._compiled_pooled(kjt, tables, psw)
+        elif kernels.resolve_kernel(self.kernel, tables, self.sparse_grad) == "fbgemm" and b > 0:
             if self._fbgemm is None:
                 self._fbgemm = kernels.FbgemmPooledKernel(layout.feature_table)
             pooled = self._fbgemm(tables, kjt.values(), kjt.offsets(), psw)
@@ -161,37 +247,95 @@ class EmbeddingBagCollection(nn.Module):
                 tables, layout.feature_table, kjt.values(), kjt.offsets(), b, psw, self.sparse_grad
             )
         pooled = layout.apply_mean(pooled, kjt.lengths(), b)
-        return KeyedTensor(layout.feature_names, layout.dims, pooled)
+        return KeyedTensor(layout.embedding_names, layout.dims, pooled)
+
+    def _compiled_pooled(
+        self, kjt: KeyedJaggedTensor, tables: list[torch.Tensor], psw: torch.Tensor | None
+    ) -> torch.Tensor:
+        # narrow() with the same (symbolic) start and length keeps ids and weights the same size for dynamo
+        b, values, offsets = kjt.stride(), kjt.values(), kjt.offsets()
+        opk, lpk = kjt.offset_per_key(), kjt.length_per_key()
+        outs = []
+        for i, t in enumerate(self._layout.feature_table):
+            w = tables[t]
+            bag_offsets = offsets[i * b : (i + 1) * b + 1] - offsets[i * b]
+            outs.append(F.embedding_bag(
+                values.narrow(0, opk[i], lpk[i]), w, bag_offsets, mode="sum", include_last_offset=True,
+                per_sample_weights=None if psw is None else psw.narrow(0, opk[i], lpk[i]).to(w.dtype),
+                sparse=self.sparse_grad,
+            ))
+        return torch.cat(outs, dim=1)
+
+    def _fx_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        # torch.fx sees a Proxy, not a KJT: one F.embedding_bag per feature on its JaggedTensor, as TorchRec
+        # traces, so the graph holds only KJT / JaggedTensor method calls and torch functions.
+        layout = self._layout
+        jts = features.to_dict()
+        tables = self._traced_tables()
+        outs = []
+        for f, t, mean in zip(layout.feature_names, layout.feature_table, layout.is_mean):
+            jt = jts[f]
+            out = F.embedding_bag(jt.values().long(), tables[t], jt.offsets().long(), mode="sum",
+                                  per_sample_weights=jt.weights().to(tables[t].dtype) if self._is_weighted else None,
+                                  include_last_offset=True)
+            if mean:
+                out = out / jt.lengths().clamp(min=1).unsqueeze(1).to(out.dtype)
+            outs.append(out)
+        return KeyedTensor(layout.embedding_names, layout.dims, torch.cat(outs, dim=1))
 
 
-class EmbeddingCollection(nn.Module):
+class EmbeddingCollection(_CollectionBase):
     """Sequence embedding tables (TorchRec's ``EmbeddingCollection``): one vector per id, no pooling.
 
-    ``forward`` returns ``{feature: JaggedTensor}`` whose values are ``[ids, dim]``, in config order.
+    ``forward`` returns ``{feature: JaggedTensor}`` whose values are ``[ids, dim]``, in config order (keys
+    ``"<feature>@<table>"`` for a feature read by several tables). With ``need_indices=True`` each
+    JaggedTensor's weights are the looked-up ids, as in TorchRec.
     """
 
     def __init__(
         self,
         tables: Sequence[EmbeddingConfig],
         device: torch.device | str | None = None,
+        need_indices: bool = False,
         sparse_grad: bool = False,
+        strict_features: bool = False,
     ) -> None:
         super().__init__()
-        _check_tables(tables, EmbeddingConfig)
-        self._layout = _FeatureLayout(tables)
+        _check_tables(tables, EmbeddingConfig, allow_shared=True)
+        self._layout = _FeatureLayout(tables, strict=strict_features)
+        self._need_indices = need_indices
         self.sparse_grad = sparse_grad
         self.embeddings = _make_tables(tables, device)
+
+    def _table_modules(self) -> _TableContainer:
+        return self.embeddings
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
         return list(self._layout.tables)  # type: ignore[arg-type]
 
+    def need_indices(self) -> bool:
+        return self._need_indices
+
+    def embedding_dim(self) -> int:
+        return self._layout.dims[0] if self._layout.dims else 0
+
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         layout = self._layout
+        if is_fx_tracing():
+            jts = features.to_dict()
+            tables = self._traced_tables()
+            return {
+                name: JaggedTensor(F.embedding(jts[f].values().long(), tables[t]), lengths=jts[f].lengths(),
+                                   weights=jts[f].values() if self._need_indices else None)
+                for name, f, t in zip(layout.embedding_names, layout.feature_names, layout.feature_table)
+            }
         kjt = layout.select(features)
         tables = [self.embeddings[t.name].weight for t in layout.tables]
         embs = kernels.torch_sequence(tables, layout.feature_table, kjt.values(), kjt.length_per_key(), self.sparse_grad)
         b = kjt.stride()
+        opk = kjt.offset_per_key()
         return {
-            f: JaggedTensor(e, lengths=kjt.lengths()[i * b : (i + 1) * b])
-            for i, (f, e) in enumerate(zip(layout.feature_names, embs))
+            name: JaggedTensor(e, lengths=kjt.lengths()[i * b : (i + 1) * b],
+                               weights=kjt.values()[opk[i] : opk[i + 1]] if self._need_indices else None)
+            for i, (name, e) in enumerate(zip(layout.embedding_names, embs))
         }

@@ -1,47 +1,27 @@
-"""DLRM (Naumov et al., 2019) as a RecModule: bottom MLP, pooled embeddings, pairwise dots, top MLP.
+"""TorchRec's DLRM family (``torchrec.models.dlrm``): same constructors, shapes and state_dict keys.
 
-The architecture and argument names follow TorchRec's ``torchrec.models.dlrm.DLRM`` so that model code
-ports by changing imports; the Lightning parts (steps, metrics, optimizers) are added on top.
+``DLRM(embedding_bag_collection=, dense_in_features=, dense_arch_layer_sizes=, over_arch_layer_sizes=)``
+maps ``forward(dense_features, sparse_features)`` to logits ``[B, 1]``; a TorchRec DLRM checkpoint loads into
+it. ``DLRM_DCN`` and ``DLRM_Projection`` swap the interaction; ``DLRMTrain`` adds the loss. The Lightning model
+that trains these parts is ``lightning_rec.models.DLRM`` (``models/lightning_dlrm.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from lightning_rec.configs import EmbeddingBagConfig
-from lightning_rec.module import RecModule
 from lightning_rec.modules import EmbeddingBagCollection
-from lightning_rec.sharding.plan import ShardingPlan
+from lightning_rec.nn import MLP, LowRankCrossNet
 from lightning_rec.sparse import KeyedJaggedTensor
 
-_EMBEDDING_OPTIMIZERS = ("adagrad", "sgd", "sparse_adam")
 
-
-def mlp(in_features: int, layer_sizes: Sequence[int], last_activation: bool = True) -> nn.Sequential:
-    """Linear layers with ReLU between them (and after the last one unless ``last_activation=False``)."""
-    layers: list[nn.Module] = []
-    for i, out in enumerate(layer_sizes):
-        layers.append(nn.Linear(in_features, out))
-        if last_activation or i < len(layer_sizes) - 1:
-            layers.append(nn.ReLU())
-        in_features = out
-    return nn.Sequential(*layers)
-
-
-class DenseArch(nn.Module):
-    """Bottom MLP: ``[B, num_dense] -> [B, D]``."""
-
-    def __init__(self, in_features: int, layer_sizes: Sequence[int]) -> None:
-        super().__init__()
-        self.model = mlp(in_features, layer_sizes)
-
-    def forward(self, dense: torch.Tensor) -> torch.Tensor:
-        return self.model(dense)
+def choose(n: int, k: int) -> int:
+    """Binomial coefficient (TorchRec's helper)."""
+    return math.comb(n, k) if 0 <= k <= n else 0
 
 
 class SparseArch(nn.Module):
@@ -50,226 +30,222 @@ class SparseArch(nn.Module):
     def __init__(self, embedding_bag_collection: EmbeddingBagCollection) -> None:
         super().__init__()
         self.embedding_bag_collection = embedding_bag_collection
-        self.feature_names = [f for t in embedding_bag_collection.embedding_bag_configs() for f in t.feature_names]
+        configs = embedding_bag_collection.embedding_bag_configs()
+        if not configs:
+            raise ValueError("SparseArch needs an EmbeddingBagCollection with at least one table")
+        self.D = configs[0].embedding_dim
+        self._sparse_feature_names = [f for c in configs for f in c.feature_names]
+        self.F = len(self._sparse_feature_names)
+
+    @property
+    def sparse_feature_names(self) -> list[str]:
+        return self._sparse_feature_names
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        pooled = self.embedding_bag_collection(features).values()
-        return pooled.view(pooled.size(0), len(self.feature_names), -1)
+        pooled = self.embedding_bag_collection(features)
+        # the collection's output is already in config order: one reshape, no per-feature copies
+        return pooled.values().reshape(-1, self.F, self.D)
+
+
+class DenseArch(nn.Module):
+    """Bottom MLP ``[B, in_features] -> [B, layer_sizes[-1]]`` (ReLU after every layer)."""
+
+    def __init__(self, in_features: int, layer_sizes: list[int], device: torch.device | None = None) -> None:
+        super().__init__()
+        self.model = MLP(in_features, layer_sizes, bias=True, activation="relu", device=device)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.model(features)
+
+
+def _combined(dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+    return torch.cat([dense_features.unsqueeze(1), sparse_features], dim=1)  # [B, F + 1, D]
 
 
 class InteractionArch(nn.Module):
-    """Dot products of every pair of ``[dense, sparse_1, ..., sparse_F]`` vectors, after the dense vector.
-
-    Output: ``[B, D + F * (F + 1) / 2]``. Only pairs ``i < j`` are kept: the matrix is symmetric and the
-    diagonal (squared norms) carries no interaction.
-    """
+    """Dense vector, then the dot products of every pair of ``[dense, sparse_1, ..., sparse_F]``:
+    ``[B, D + F + choose(F, 2)]``."""
 
     def __init__(self, num_sparse_features: int) -> None:
         super().__init__()
-        n = num_sparse_features + 1
-        rows, cols = torch.triu_indices(n, n, offset=1)
-        # buffers so .to(device) moves them; not persistent: they are derived from the feature count
-        self.register_buffer("rows", rows, persistent=False)
-        self.register_buffer("cols", cols, persistent=False)
+        self.F = num_sparse_features
+        # a buffer so .to(device) moves it; not persistent: derived from F
+        self.register_buffer("triu_indices", torch.triu_indices(self.F + 1, self.F + 1, offset=1), persistent=False)
 
-    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        if sparse.size(1) == 0:
-            return dense
-        stacked = torch.cat([dense.unsqueeze(1), sparse], dim=1)  # [B, F + 1, D]
-        dots = torch.bmm(stacked, stacked.transpose(1, 2))
-        return torch.cat([dense, dots[:, self.rows, self.cols]], dim=1)
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        if self.F <= 0:
+            return dense_features
+        combined = _combined(dense_features, sparse_features)
+        dots = torch.bmm(combined, combined.transpose(1, 2))
+        return torch.cat([dense_features, dots[:, self.triu_indices[0], self.triu_indices[1]]], dim=1)
+
+
+class InteractionDCNArch(nn.Module):
+    """A cross network over the flattened ``[dense, sparse...]``: ``[B, (F + 1) * D]``."""
+
+    def __init__(self, num_sparse_features: int, crossnet: nn.Module) -> None:
+        super().__init__()
+        self.F = num_sparse_features
+        self.crossnet = crossnet
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        if self.F <= 0:
+            return dense_features
+        return self.crossnet(_combined(dense_features, sparse_features).flatten(1))
+
+
+class InteractionProjectionArch(nn.Module):
+    """Two MLP branches over the flattened inputs, multiplied as ``[B, F1, D] x [B, D, F2]``:
+    ``[B, D + F1 * F2]``."""
+
+    def __init__(self, num_sparse_features: int, interaction_branch1: nn.Module,
+                 interaction_branch2: nn.Module) -> None:
+        super().__init__()
+        self.F = num_sparse_features
+        self.interaction_branch1 = interaction_branch1
+        self.interaction_branch2 = interaction_branch2
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        if self.F <= 0:
+            return dense_features
+        b, d = dense_features.shape
+        flat = _combined(dense_features, sparse_features).reshape(b, -1)
+        y = self.interaction_branch1(flat).reshape(b, -1, d)
+        z = self.interaction_branch2(flat).reshape(b, d, -1)
+        return torch.cat([dense_features, torch.bmm(y, z).reshape(b, -1)], dim=1)
 
 
 class OverArch(nn.Module):
-    """Top MLP ending in one logit per sample (no activation on the last layer)."""
+    """Top MLP: ReLU layers, then a last linear layer without activation."""
 
-    def __init__(self, in_features: int, layer_sizes: Sequence[int]) -> None:
+    def __init__(self, in_features: int, layer_sizes: list[int], device: torch.device | None = None) -> None:
         super().__init__()
-        self.model = mlp(in_features, layer_sizes, last_activation=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)
-
-
-def _unpack(batch: Any) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor | None]:
-    # lightning_rec.data.Batch, or a (dense, sparse[, labels]) tuple for hand-made loaders
-    if hasattr(batch, "dense") and hasattr(batch, "sparse"):
-        return batch.dense, batch.sparse, getattr(batch, "labels", None)
-    if isinstance(batch, (tuple, list)) and len(batch) in (2, 3):
-        return batch[0], batch[1], batch[2] if len(batch) == 3 else None
-    raise TypeError(
-        f"DLRM expects a lightning_rec.data.Batch or a (dense, sparse, labels) tuple, got {type(batch).__name__}"
-    )
-
-
-def tables_from_cardinalities(
-    feature_names: Sequence[str], num_embeddings_per_feature: Sequence[int], embedding_dim: int, pooling: str = "sum"
-) -> list[EmbeddingBagConfig]:
-    """One table per feature, named after the feature (so a plan names tables by feature)."""
-    if len(feature_names) != len(num_embeddings_per_feature):
-        raise ValueError(
-            f"got {len(feature_names)} feature names but {len(num_embeddings_per_feature)} table sizes "
-            "(num_embeddings_per_feature); give one per feature"
+        if len(layer_sizes) <= 1:
+            raise ValueError(f"OverArch needs at least two layer sizes (ReLU layers, then the output), got {layer_sizes}")
+        self.model = nn.Sequential(
+            MLP(in_features, layer_sizes[:-1], bias=True, activation="relu", device=device),
+            nn.Linear(layer_sizes[-2], layer_sizes[-1], bias=True, device=device),
         )
-    return [
-        EmbeddingBagConfig(name=f, num_embeddings=int(n), embedding_dim=embedding_dim, feature_names=[f],
-                           pooling=pooling)
-        for f, n in zip(feature_names, num_embeddings_per_feature)
-    ]
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.model(features)
 
 
-class DLRM(RecModule):
-    """DLRM click-through model: bottom MLP on dense features, an EmbeddingBagCollection on sparse ones,
-    pairwise dot interaction, top MLP to one logit; trained with binary cross-entropy.
+def _embedding_dim(ebc: EmbeddingBagCollection, dense_arch_layer_sizes: list[int]) -> int:
+    configs = ebc.embedding_bag_configs()
+    if not configs:
+        raise ValueError("DLRM needs at least one embedding table")
+    dims = {c.name: c.embedding_dim for c in configs}
+    if len(set(dims.values())) > 1:
+        raise ValueError(f"every table of a DLRM needs the same embedding_dim, got {dims}")
+    d = configs[0].embedding_dim
+    if dense_arch_layer_sizes[-1] != d:
+        raise ValueError(
+            f"the tables' embedding_dim ({d}) and the last dense arch layer size ({dense_arch_layer_sizes[-1]}) "
+            "must match"
+        )
+    return d
 
-    Tables come from ``tables`` or, when it is None, one per feature (named after it) from
-    ``feature_names`` and ``num_embeddings_per_feature`` (the data module's ``feature_names`` and
-    ``cardinalities``; the example links them). Every table must have ``embedding_dim`` equal to the bottom
-    MLP's last size: the interaction takes dot products between them.
 
-    Validation and test log ``val_*`` / ``test_*`` AUROC, normalized entropy, calibration and log loss
-    (``lightning_rec.metrics.rec_metrics``, synced across ranks) once per epoch, plus the loss.
+class DLRM(nn.Module):
+    """DLRM (Naumov et al., 2019) as TorchRec defines it: logits ``[B, 1]`` from dense and sparse features.
 
     Args:
-        num_dense: dense features per sample.
-        feature_names / num_embeddings_per_feature / embedding_dim / pooling: build one table per feature.
-        tables: explicit table configs (wins over the four above). Not saved in the hyper-parameters (a
-            config may hold an ``init_fn``): pass them again to ``DLRM.load_from_checkpoint``.
-        dense_arch_layer_sizes: bottom MLP sizes; must end with ``embedding_dim`` (default ``[64, D]``).
-        over_arch_layer_sizes: top MLP sizes; must end with 1 (default ``[64, 32, 1]``).
-        dense_lr: Adam learning rate of the MLPs.
-        embedding_optimizer: torch optimizer of plain (non-fused) tables: ``"adagrad"``, ``"sgd"`` or
-            ``"sparse_adam"``. Tables the strategy fuses (``embedding_optimizer=`` on the strategy) are
-            updated inside backward by their kernel instead, and joined here so LR schedulers reach them.
-        embedding_lr: learning rate of that optimizer.
-        sparse_grad: sparse table gradients, so an optimizer step costs what the batch touched.
-        kernel: lookup kernel of the unsharded collection (``"auto"``, ``"torch"``, ``"fbgemm"``).
-        plan: a ``ShardingPlan`` for the ``"sparse_arch.embedding_bag_collection"`` module, or None to
-            let the strategy choose.
+        embedding_bag_collection: the tables; all with the same ``embedding_dim``.
+        dense_in_features: dense features per sample.
+        dense_arch_layer_sizes: bottom MLP; must end with ``embedding_dim``.
+        over_arch_layer_sizes: top MLP (at least two sizes; the last is the output width, usually 1).
+        dense_device: where to allocate the MLPs.
     """
 
     def __init__(
         self,
-        num_dense: int = 13,
-        feature_names: list[str] | None = None,
-        num_embeddings_per_feature: list[int] | None = None,
-        embedding_dim: int = 16,
-        pooling: str = "sum",
-        tables: list[EmbeddingBagConfig] | None = None,
-        dense_arch_layer_sizes: list[int] | None = None,
-        over_arch_layer_sizes: list[int] | None = None,
-        dense_lr: float = 1e-3,
-        embedding_optimizer: str = "adagrad",
-        embedding_lr: float = 0.05,
-        sparse_grad: bool = True,
-        kernel: str = "auto",
-        plan: ShardingPlan | None = None,
+        embedding_bag_collection: EmbeddingBagCollection,
+        dense_in_features: int,
+        dense_arch_layer_sizes: list[int],
+        over_arch_layer_sizes: list[int],
+        dense_device: torch.device | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["tables", "plan"])
-        if tables is None:
-            if feature_names is None or num_embeddings_per_feature is None:
-                raise ValueError(
-                    "DLRM needs `tables`, or `feature_names` and `num_embeddings_per_feature` to build one table each"
-                )
-            tables = tables_from_cardinalities(feature_names, num_embeddings_per_feature, embedding_dim, pooling)
-        if not tables:
-            raise ValueError("DLRM needs at least one embedding table")
-        dense_sizes = list(dense_arch_layer_sizes) if dense_arch_layer_sizes else [64, tables[0].embedding_dim]
-        over_sizes = list(over_arch_layer_sizes) if over_arch_layer_sizes else [64, 32, 1]
-        d = dense_sizes[-1]
-        for t in tables:
-            if t.embedding_dim != d:
-                raise ValueError(
-                    f"table {t.name!r} has embedding_dim {t.embedding_dim} but the bottom MLP ends with {d}: "
-                    "DLRM's interaction needs every table's embedding_dim equal to dense_arch_layer_sizes[-1]"
-                )
-        if over_sizes[-1] != 1:
-            raise ValueError(f"over_arch_layer_sizes must end with 1 (one logit per sample), got {over_sizes}")
-        if embedding_optimizer not in _EMBEDDING_OPTIMIZERS:
-            raise ValueError(
-                f"embedding_optimizer must be one of {list(_EMBEDDING_OPTIMIZERS)}, got {embedding_optimizer!r}"
-            )
-        if embedding_optimizer == "sparse_adam" and not sparse_grad:
-            raise ValueError("embedding_optimizer='sparse_adam' needs sparse_grad=True")
-        num_features = sum(len(t.feature_names) for t in tables)
-        self.dense_arch = DenseArch(num_dense, dense_sizes)
-        self.sparse_arch = SparseArch(EmbeddingBagCollection(tables, kernel=kernel, sparse_grad=sparse_grad))
-        self.inter_arch = InteractionArch(num_features)
-        self.over_arch = OverArch(d + num_features * (num_features + 1) // 2, over_sizes)
-        self._plan = plan
-        self.num_dense = num_dense
-        from lightning_rec.metrics import rec_metrics
+        d = _embedding_dim(embedding_bag_collection, dense_arch_layer_sizes)
+        self.sparse_arch = SparseArch(embedding_bag_collection)
+        f = len(self.sparse_arch.sparse_feature_names)
+        self.dense_arch = DenseArch(dense_in_features, dense_arch_layer_sizes, device=dense_device)
+        self.inter_arch: nn.Module = InteractionArch(num_sparse_features=f)
+        self.over_arch = OverArch(d + choose(f, 2) + f, over_arch_layer_sizes, device=dense_device)
 
-        self.val_metrics = rec_metrics("val_")
-        self.test_metrics = rec_metrics("test_")
+    def forward(self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
+        embedded_dense = self.dense_arch(dense_features)
+        embedded_sparse = self.sparse_arch(sparse_features)
+        return self.over_arch(self.inter_arch(dense_features=embedded_dense, sparse_features=embedded_sparse))
 
-    def configure_sharding(self) -> ShardingPlan | None:
-        return self._plan
 
-    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        """Logits ``[B]``."""
-        if dense.dim() != 2 or dense.size(1) != self.num_dense:
-            raise ValueError(f"dense features must be [batch, {self.num_dense}], got {tuple(dense.shape)}")
-        d = self.dense_arch(dense)
-        s = self.sparse_arch(sparse)
-        return self.over_arch(self.inter_arch(d, s.to(d.dtype))).squeeze(1)
+class DLRM_Projection(DLRM):  # noqa: N801 (TorchRec's name)
+    """DLRM whose interaction is ``InteractionProjectionArch`` (two MLP branches)."""
 
-    def _loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        dense, sparse, labels = _unpack(batch)
-        if labels is None:
-            raise ValueError("this step needs labels: the batch has none")
-        logits = self(dense, sparse)
-        return F.binary_cross_entropy_with_logits(logits.float(), labels.float()), logits, labels
+    def __init__(
+        self,
+        embedding_bag_collection: EmbeddingBagCollection,
+        dense_in_features: int,
+        dense_arch_layer_sizes: list[int],
+        over_arch_layer_sizes: list[int],
+        interaction_branch1_layer_sizes: list[int],
+        interaction_branch2_layer_sizes: list[int],
+        dense_device: torch.device | None = None,
+    ) -> None:
+        super().__init__(embedding_bag_collection, dense_in_features, dense_arch_layer_sizes,
+                         over_arch_layer_sizes, dense_device)
+        d = dense_arch_layer_sizes[-1]
+        f = len(self.sparse_arch.sparse_feature_names)
+        for name, sizes in (("branch1", interaction_branch1_layer_sizes), ("branch2", interaction_branch2_layer_sizes)):
+            if sizes[-1] % d:
+                raise ValueError(f"the last interaction {name} layer size ({sizes[-1]}) is not a multiple of "
+                                 f"the embedding dim ({d})")
+        self.inter_arch = InteractionProjectionArch(
+            num_sparse_features=f,
+            interaction_branch1=DenseArch(f * d + d, interaction_branch1_layer_sizes, device=dense_device),
+            interaction_branch2=DenseArch(f * d + d, interaction_branch2_layer_sizes, device=dense_device),
+        )
+        projected = (interaction_branch1_layer_sizes[-1] // d) * (interaction_branch2_layer_sizes[-1] // d)
+        self.over_arch = OverArch(d + projected, over_arch_layer_sizes, device=dense_device)
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss, _, labels = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True, batch_size=len(labels))
-        return loss
 
-    def _eval_step(self, batch: Any, metrics: nn.Module, prefix: str) -> None:
-        loss, logits, labels = self._loss(batch)
-        metrics.update(torch.sigmoid(logits.float()).detach(), labels.long())
-        self.log(f"{prefix}loss", loss, sync_dist=True, batch_size=len(labels))
+class DLRM_DCN(DLRM):  # noqa: N801 (TorchRec's name)
+    """DLRM whose interaction is a low-rank cross network (DCN-V2)."""
 
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self._eval_step(batch, self.val_metrics, "val_")
+    def __init__(
+        self,
+        embedding_bag_collection: EmbeddingBagCollection,
+        dense_in_features: int,
+        dense_arch_layer_sizes: list[int],
+        over_arch_layer_sizes: list[int],
+        dcn_num_layers: int,
+        dcn_low_rank_dim: int,
+        dense_device: torch.device | None = None,
+    ) -> None:
+        super().__init__(embedding_bag_collection, dense_in_features, dense_arch_layer_sizes,
+                         over_arch_layer_sizes, dense_device)
+        d = dense_arch_layer_sizes[-1]
+        f = len(self.sparse_arch.sparse_feature_names)
+        self.inter_arch = InteractionDCNArch(
+            num_sparse_features=f,
+            crossnet=LowRankCrossNet(in_features=(f + 1) * d, num_layers=dcn_num_layers, low_rank=dcn_low_rank_dim),
+        )
+        self.over_arch = OverArch((f + 1) * d, over_arch_layer_sizes, device=dense_device)
 
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        self._eval_step(batch, self.test_metrics, "test_")
 
-    def _log_metrics(self, metrics: nn.Module) -> None:
-        # compute() already syncs the metric states over every rank (torchmetrics); sync_dist then averages
-        # equal values, which changes nothing but tells Lightning the epoch values are global
-        self.log_dict({k: v.float() for k, v in metrics.compute().items()}, prog_bar=True, sync_dist=True)
-        metrics.reset()
+class DLRMTrain(nn.Module):
+    """A DLRM-family model plus its loss: ``forward(batch) -> (loss, (loss, logits, labels))`` (TorchRec's)."""
 
-    def on_validation_epoch_end(self) -> None:
-        self._log_metrics(self.val_metrics)
+    def __init__(self, dlrm_module: DLRM) -> None:
+        super().__init__()
+        self.model = dlrm_module
+        self.loss_fn = nn.BCEWithLogitsLoss()
 
-    def on_test_epoch_end(self) -> None:
-        self._log_metrics(self.test_metrics)
-
-    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        dense, sparse, _ = _unpack(batch)
-        return torch.sigmoid(self(dense, sparse))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        from lightning_rec.optim import CombinedOptimizer
-
-        tables = {id(p) for m in self.embedding_modules().values() for p in m.parameters()}
-        # fused tables do not require grad: their kernel updates them inside backward
-        emb = [p for p in self.parameters() if id(p) in tables and p.requires_grad]
-        dense = [p for p in self.parameters() if id(p) not in tables and p.requires_grad]
-        hp = self.hparams
-        opts: list[torch.optim.Optimizer | None] = [torch.optim.Adam(dense, lr=hp.dense_lr) if dense else None]
-        if emb:
-            kind = hp.embedding_optimizer
-            if kind == "adagrad":
-                opts.append(torch.optim.Adagrad(emb, lr=hp.embedding_lr))
-            elif kind == "sgd":
-                opts.append(torch.optim.SGD(emb, lr=hp.embedding_lr))
-            else:
-                opts.append(torch.optim.SparseAdam(emb, lr=hp.embedding_lr))
-        opts.append(self.fused_optimizer())
-        return CombinedOptimizer(opts)
+    def forward(self, batch: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        # TorchRec's Batch field names, or lightning_rec.data.Batch's (dense / sparse)
+        dense = batch.dense_features if hasattr(batch, "dense_features") else batch.dense
+        sparse = batch.sparse_features if hasattr(batch, "sparse_features") else batch.sparse
+        logits = self.model(dense, sparse).squeeze(-1)
+        loss = self.loss_fn(logits, batch.labels.float())
+        return loss, (loss.detach(), logits.detach(), batch.labels.detach())

@@ -9,7 +9,7 @@ of the same (local) batch are the negatives.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,6 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 from lightning_rec.configs import EmbeddingConfig
-from lightning_rec.models.dlrm import mlp
 from lightning_rec.module import RecModule
 from lightning_rec.modules import EmbeddingCollection
 from lightning_rec.sharding.plan import ShardingPlan
@@ -34,6 +33,17 @@ def _one_per_sample(name: str, jt: JaggedTensor) -> torch.Tensor:
         raise ValueError(f"feature {name!r} must have exactly one id per sample; sample {bad} has {int(lengths[bad])}")
     return jt.values()
 
+
+
+def mlp(in_features: int, layer_sizes: Sequence[int], last_activation: bool = True) -> nn.Sequential:
+    """Linear layers with ReLU between them (and after the last one unless ``last_activation=False``)."""
+    layers: list[nn.Module] = []
+    for i, out in enumerate(layer_sizes):
+        layers.append(nn.Linear(in_features, out))
+        if last_activation or i < len(layer_sizes) - 1:
+            layers.append(nn.ReLU())
+        in_features = out
+    return nn.Sequential(*layers)
 
 class TwoTowerRetrieval(RecModule):
     """Two-tower retrieval: ``query(user, history sequence)`` and ``candidate(item)`` vectors, dot-product scored.

@@ -270,7 +270,7 @@ def test_low_precision_shared_tables_fixed_case(dtype: torch.dtype, sparse_grad:
 
 def test_empty_batch_output_stays_in_the_graph() -> None:
     ebc = EmbeddingBagCollection(_small_configs(), kernel="torch")
-    kjt = KeyedJaggedTensor.empty(["f0", "f1", "f2"])
+    kjt = KeyedJaggedTensor(["f0", "f1", "f2"], torch.zeros(0, dtype=torch.long), lengths=torch.zeros(0, dtype=torch.long))
     out = ebc(kjt).values()
     assert out.shape == (0, 11) and out.requires_grad
     out.sum().backward()  # a rank with no samples still runs backward
@@ -647,7 +647,7 @@ def test_out_of_range_id_in_embedding_collection_and_shared_table() -> None:
 
 
 def test_kjt_keys_must_match_features() -> None:
-    ebc = EmbeddingBagCollection(_small_configs())
+    ebc = EmbeddingBagCollection(_small_configs(), strict_features=True)
     kjt = KeyedJaggedTensor.from_lengths_sync(["f0", "zz", "f2"], torch.tensor([1, 2, 3]), torch.tensor([1, 1, 1]))
     with pytest.raises(ValueError, match=r"missing \['f1'\], unexpected \['zz'\]"):
         ebc(kjt)
@@ -663,7 +663,8 @@ def test_kjt_keys_must_match_features() -> None:
     repeated = _small_kjt().permute([0, 1, 2, 0])
     with pytest.raises(ValueError, match=r"missing \[\], unexpected \[\], duplicated \['f0'\]"):
         ebc(repeated)
-    ec = EmbeddingCollection([EmbeddingConfig(num_embeddings=3, embedding_dim=2, name="t", feature_names=["x"])])
+    ec = EmbeddingCollection([EmbeddingConfig(num_embeddings=3, embedding_dim=2, name="t", feature_names=["x"])],
+                             strict_features=True)
     with pytest.raises(ValueError, match=r"missing \['x'\], unexpected \['y'\]"):
         ec(KeyedJaggedTensor.from_lengths_sync(["y"], torch.tensor([0]), torch.tensor([1])))
     with pytest.raises(TypeError, match="expected a KeyedJaggedTensor"):
@@ -687,12 +688,7 @@ def test_config_errors() -> None:
         EmbeddingBagCollection([EmbeddingBagConfig(**cfg()), EmbeddingBagConfig(**cfg(feature_names=["g"]))])
     with pytest.raises(ValueError, match="table name 't' is used twice"):
         EmbeddingCollection([EmbeddingConfig(**cfg()), EmbeddingConfig(**cfg(feature_names=["g"]))])
-    with pytest.raises(ValueError, match="feature 'f' is listed by tables 't' and 'u'"):
-        EmbeddingBagCollection([EmbeddingBagConfig(**cfg()), EmbeddingBagConfig(**cfg(name="u"))])
-    with pytest.raises(ValueError, match="feature 'f' is listed by tables 't' and 'u'"):
-        EmbeddingCollection([EmbeddingConfig(**cfg()), EmbeddingConfig(**cfg(name="u"))])
-    with pytest.raises(ValueError, match="feature_names is empty"):
-        EmbeddingBagConfig(**cfg(feature_names=[]))
+    assert EmbeddingBagConfig(**cfg(feature_names=[])).feature_names == ["t"]  # TorchRec's default
     with pytest.raises(ValueError, match="duplicate feature names"):
         EmbeddingBagConfig(**cfg(feature_names=["f", "f"]))
     with pytest.raises(ValueError, match="dtype must be one of"):
@@ -733,3 +729,77 @@ def test_config_init() -> None:
     assert float(w.detach().abs().max()) <= 0.05 and float(w.detach().std()) > 0.01
     c2 = EmbeddingBagConfig(num_embeddings=4, embedding_dim=2, name="t", feature_names=["f"], init_fn=nn.init.ones_)
     assert torch.equal(EmbeddingBagCollection([c2]).embedding_bags["t"].weight.detach(), torch.ones(4, 2))
+
+
+def test_extra_keys_are_ignored_unless_strict() -> None:
+    ebc = EmbeddingBagCollection(_small_configs())
+    base = ebc(_small_kjt(weights=False))
+    extra = KeyedJaggedTensor.concat(
+        [KeyedJaggedTensor.from_lengths_sync(["zz"], torch.tensor([7, 8, 9]), torch.tensor([3] + [0] * (base.values().size(0) - 1))),
+         _small_kjt(weights=False)]
+    )
+    assert torch.equal(ebc(extra).values(), base.values())
+
+
+def test_one_feature_read_by_two_tables() -> None:
+    t1 = EmbeddingBagConfig(num_embeddings=4, embedding_dim=2, name="t1", feature_names=["f"])
+    t2 = EmbeddingBagConfig(num_embeddings=5, embedding_dim=3, name="t2", feature_names=["f"], pooling="mean")
+    ebc = EmbeddingBagCollection([t1, t2])
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1, 3, 0]), torch.tensor([2, 1]))
+    out = ebc(kjt)
+    assert out.keys() == ["f@t1", "f@t2"] and out.length_per_key() == [2, 3]
+    w1, w2 = ebc.embedding_bags["t1"].weight, ebc.embedding_bags["t2"].weight
+    assert torch.allclose(out["f@t1"], torch.stack([w1[1] + w1[3], w1[0]]))
+    assert torch.allclose(out["f@t2"], torch.stack([(w2[1] + w2[3]) / 2, w2[0]]))
+    ec = EmbeddingCollection([EmbeddingConfig(num_embeddings=4, embedding_dim=2, name=n, feature_names=["f"])
+                              for n in ("a", "b")], need_indices=True)
+    res = ec(kjt)
+    assert list(res) == ["f@a", "f@b"]
+    assert torch.equal(res["f@b"].values(), ec.embeddings["b"].weight[torch.tensor([1, 3, 0])])
+    assert res["f@a"].weights().tolist() == [1, 3, 0]  # need_indices: the ids come back as weights
+
+
+def test_float_values_and_int_weights_in_a_kjt() -> None:
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1.0, 2.0]), torch.tensor([2]),
+                                              weights=torch.tensor([1, 2]))
+    assert kjt["f"].weights().dtype == torch.long  # kept as given
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(num_embeddings=4, embedding_dim=2, name="t", feature_names=["f"])])
+    with pytest.raises(ValueError, match=r"lookup needs 1-D integer ids.*torch.float32.*\['f'\]"):
+        ebc(kjt)
+    # integer weights of a weighted collection are used as float weights
+    wbc = EmbeddingBagCollection(ebc.embedding_bag_configs(), is_weighted=True)
+    out = wbc(KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1, 2]), torch.tensor([2]), weights=torch.tensor([1, 2])))
+    w = wbc.embedding_bags["t"].weight
+    assert torch.allclose(out.values(), (w[1] + 2 * w[2]).unsqueeze(0))
+
+
+def test_int32_lengths_lookup_matches_int64() -> None:
+    ebc = EmbeddingBagCollection(_small_configs())
+    kjt = _small_kjt(weights=False)
+    k32 = KeyedJaggedTensor(kjt.keys(), kjt.values().int(), lengths=kjt.lengths().int())
+    assert k32.lengths().dtype == torch.int32 and k32.offsets().dtype == torch.int32
+    assert torch.equal(ebc(k32).values(), ebc(kjt).values())
+
+
+def test_variable_batch_per_feature_matches_expanded_input() -> None:
+    # f0 has 2 distinct bags, f1 has 3; inverse_indices maps a batch of 4 onto them
+    cfgs = [EmbeddingBagConfig(num_embeddings=6, embedding_dim=2, name="t", feature_names=["f0", "f1"], pooling="mean")]
+    ebc = EmbeddingBagCollection(cfgs)
+    vbe = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 2, 3, 4, 5, 0]), lengths=torch.tensor([2, 1, 1, 0, 2]),
+                            stride_per_key_per_rank=[[2], [3]],
+                            inverse_indices=(["f0", "f1"], torch.tensor([[0, 1, 1, 0], [2, 0, 1, 2]])))
+    assert vbe.variable_stride_per_key() and vbe.stride_per_key() == [2, 3] and vbe.stride() == 3
+    full = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 2, 3, 3, 1, 2, 5, 0, 4, 5, 0]),
+                             lengths=torch.tensor([2, 1, 1, 2, 2, 1, 0, 2]))
+    assert torch.allclose(ebc(vbe).values(), ebc(full).values())
+    no_inv = KeyedJaggedTensor(["f0", "f1"], vbe.values(), lengths=vbe.lengths(), stride_per_key_per_rank=[[2], [3]])
+    with pytest.raises(ValueError, match="no inverse_indices"):
+        ebc(no_inv)
+
+
+def test_device_and_reset_parameters() -> None:
+    ebc = EmbeddingBagCollection(_small_configs())
+    assert ebc.device == torch.device("cpu")
+    before = [p.detach().clone() for p in ebc.parameters()]
+    ebc.reset_parameters()
+    assert all(not torch.equal(a, b) for a, b in zip(before, ebc.parameters()))

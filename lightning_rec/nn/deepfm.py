@@ -1,0 +1,30 @@
+"""DeepFM's two interaction parts (Guo et al., 2017) with TorchRec's names: a deep module and an FM term."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _flatten(embeddings: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([e.flatten(1) for e in embeddings], dim=1)
+
+
+class DeepFM(nn.Module):
+    """``dense_module`` applied to the flattened, concatenated embeddings (TorchRec's ``DeepFM``)."""
+
+    def __init__(self, dense_module: nn.Module) -> None:
+        super().__init__()
+        self.dense_module = dense_module
+
+    def forward(self, embeddings: list[torch.Tensor]) -> torch.Tensor:
+        return self.dense_module(_flatten(embeddings))
+
+
+class FactorizationMachine(nn.Module):
+    """Second-order FM term ``0.5 * ((sum x)^2 - sum x^2)`` over the flattened embeddings: ``[B, 1]``."""
+
+    def forward(self, embeddings: list[torch.Tensor]) -> torch.Tensor:
+        x = _flatten(embeddings)
+        s = x.sum(dim=1, keepdim=True)
+        return 0.5 * (s * s - (x * x).sum(dim=1, keepdim=True))

@@ -1,0 +1,72 @@
+"""Position-weighted features (TorchRec's ``PositionWeightedModule`` / ``PositionWeightedProcessor``).
+
+Each feature gets a learned weight per position in its bag; the weights become the JaggedTensor / KJT
+weights, so a weighted ``EmbeddingBagCollection`` pools position-weighted embeddings.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor
+from lightning_rec.sparse._utils import checks_enabled
+
+
+def _positions(lengths: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """Position of every id inside its bag."""
+    starts = torch.repeat_interleave(offsets[:-1].long(), lengths.long(), output_size=n)
+    return torch.arange(n, device=lengths.device) - starts
+
+
+class _PositionWeights(nn.Module):
+    def __init__(self, max_feature_lengths: dict[str, int], device: torch.device | None = None) -> None:
+        super().__init__()
+        self.max_feature_lengths = dict(max_feature_lengths)
+        self.position_weights = nn.ParameterDict(
+            {k: nn.Parameter(torch.ones(n, device=device)) for k, n in self.max_feature_lengths.items()}
+        )
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for p in self.position_weights.values():
+                p.fill_(1.0)
+
+    def _weights_of(self, key: str, jt: JaggedTensor) -> torch.Tensor:
+        lengths = jt.lengths()
+        if checks_enabled() and lengths.numel() and int(lengths.max()) > self.max_feature_lengths[key]:
+            raise ValueError(
+                f"feature {key!r} has a bag of {int(lengths.max())} ids, longer than its max length "
+                f"{self.max_feature_lengths[key]}"
+            )
+        return self.position_weights[key][_positions(lengths, jt.offsets(), jt.values().size(0))]
+
+
+class PositionWeightedModule(_PositionWeights):
+    """``{feature: JaggedTensor}`` -> the same with per-position weights (features without a max length pass)."""
+
+    def forward(self, features: dict[str, JaggedTensor]) -> dict[str, JaggedTensor]:
+        out = {}
+        for key, jt in features.items():
+            if key in self.position_weights:
+                jt = JaggedTensor(jt.values(), weights=self._weights_of(key, jt), lengths=jt.lengths(),
+                                  offsets=jt.offsets())
+            out[key] = jt
+        return out
+
+
+class PositionWeightedProcessor(_PositionWeights):
+    """A KeyedJaggedTensor -> the same with per-position weights (1.0 for features without a max length)."""
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        jts = features.to_dict()
+        weights = [
+            self._weights_of(k, jts[k]) if k in self.position_weights
+            else torch.ones(jts[k].values().size(0), device=features.device)
+            for k in features.keys()
+        ]
+        return KeyedJaggedTensor(
+            features.keys(), features.values(), weights=torch.cat(weights) if weights else None,
+            lengths=features.lengths(), offsets=features.offsets(), stride=features.stride(),
+            stride_per_key_per_rank=features.stride_per_key_per_rank() if features.variable_stride_per_key() else None,
+        )

@@ -1,0 +1,97 @@
+"""Checks and index arithmetic shared by the sparse types."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx._symbolic_trace import ProxyableClassMeta
+
+
+class SparseMeta(ProxyableClassMeta):
+    """Metaclass of the sparse types: under ``torch.fx`` tracing, building one from traced tensors records a
+    node instead of running the constructor (whose checks would need concrete values)."""
+
+
+class SparseInputError(ValueError, AssertionError):
+    """Bad lengths / offsets. A ValueError here; also an AssertionError, which is what TorchRec raises."""
+
+
+def checks_enabled() -> bool:
+    """Data-dependent checks run eagerly only: under torch.compile / TorchScript they would break the graph."""
+    return not (torch.compiler.is_compiling() or torch.jit.is_scripting())
+
+
+def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    """``[0, cumsum(lengths)]`` in the dtype of ``lengths`` (int32 stays int32, as in TorchRec)."""
+    return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0, dtype=lengths.dtype)])
+
+
+def _check_integer(name: str, t: torch.Tensor, what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1:
+        raise SparseInputError(f"{what}: `{name}` must be 1-D, got shape {tuple(t.shape)}")
+    # torch.tensor([]) is float32: an empty tensor carries no values to misread
+    if t.numel() and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+        raise SparseInputError(f"{what}: `{name}` must hold integers, got dtype {t.dtype}")
+
+
+def lengths_and_offsets(
+    values: torch.Tensor, lengths: torch.Tensor | None, offsets: torch.Tensor | None, what: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both of ``lengths`` / ``offsets`` from whichever was given, checked against ``values`` when eager."""
+    if lengths is None and offsets is None:
+        if values.numel() == 0:  # TorchRec's ``KeyedJaggedTensor([], torch.Tensor())``: nothing to cut
+            lengths = torch.zeros(0, dtype=torch.int32, device=values.device)
+        else:
+            raise SparseInputError(f"{what} needs `lengths` or `offsets`")
+    # values on the meta device have shapes only: nothing to check against
+    check = checks_enabled() and values.device.type != "meta"
+    if isinstance(lengths, torch.Tensor) and lengths.numel() == 0 and lengths.dim() > 1:
+        lengths = lengths.reshape(-1)  # TorchRec accepts torch.tensor([[], []])
+    if lengths is not None:
+        if check:
+            _check_integer("lengths", lengths, what)
+            if lengths.numel() and int(lengths.min()) < 0:
+                raise SparseInputError(f"{what}: `lengths` must be non-negative, got min {int(lengths.min())}")
+        if not lengths.numel() and lengths.is_floating_point():
+            lengths = lengths.long()
+        computed = offsets_from_lengths(lengths)
+        if offsets is not None and check:
+            _check_integer("offsets", offsets, what)
+            if not torch.equal(offsets.long(), computed.long()):
+                raise SparseInputError(f"{what}: `offsets` do not match the cumulative sum of `lengths`")
+        offsets = computed if offsets is None else offsets
+    else:
+        assert offsets is not None
+        if check:
+            _check_integer("offsets", offsets, what)
+        if offsets.numel() == 0:  # TorchRec accepts an empty offsets tensor for no bags
+            offsets = torch.zeros(1, dtype=torch.long if offsets.is_floating_point() else offsets.dtype,
+                                  device=offsets.device)
+        if check and int(offsets[0]) != 0:
+            raise SparseInputError(f"{what}: `offsets` must start with 0 and have one more entry than bags")
+        lengths = offsets[1:] - offsets[:-1]
+        if check and lengths.numel() and int(lengths.min()) < 0:
+            raise SparseInputError(f"{what}: `offsets` must be non-decreasing")
+    if check:
+        total = int(offsets[-1])
+        if total != values.size(0):
+            raise SparseInputError(f"{what}: lengths sum to {total} but `values` has {values.size(0)} entries")
+    return lengths, offsets
+
+
+def segment_gather_index(starts: torch.Tensor, lens: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """Index that concatenates segments ``[starts[i], starts[i] + lens[i])`` in order, without a loop."""
+    if total is None:
+        total = int(lens.sum()) if lens.numel() else 0
+    # no branch on ``total``: under torch.compile it is a symbolic size (an empty result needs none)
+    out_starts = torch.cumsum(lens, 0) - lens
+    shift = torch.repeat_interleave(starts - out_starts, lens, output_size=total)
+    return torch.arange(total, device=starts.device) + shift
+
+
+def cumsum_list(xs: list[int]) -> list[int]:
+    out = [0]
+    for x in xs:
+        out.append(out[-1] + x)
+    return out

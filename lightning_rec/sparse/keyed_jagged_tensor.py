@@ -1,0 +1,487 @@
+"""KeyedJaggedTensor: the sparse features of one batch (TorchRec's ``KeyedJaggedTensor``).
+
+The layout is key-major: ``lengths()`` holds all bags of the first key, then all bags of the second key, and
+so on. Every key has ``stride()`` bags, or, with a variable batch size per feature (TorchRec's VBE,
+``stride_per_key_per_rank``), ``stride_per_key()[i]`` bags. Checks that need tensor values run once, when an
+object is built eagerly; methods after that trust the invariants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from lightning_rec.sparse import _format
+from lightning_rec.sparse._utils import (
+    SparseInputError,
+    SparseMeta,
+    checks_enabled,
+    cumsum_list,
+    lengths_and_offsets,
+    offsets_from_lengths,
+    segment_gather_index,
+)
+from lightning_rec.sparse.jagged_tensor import JaggedTensor
+
+
+class KeyedJaggedTensor(metaclass=SparseMeta):
+    """Sparse features of one batch: for each key (feature) and each sample, a bag of ids.
+
+    Args (TorchRec's names and order):
+        keys: feature names; any strings, in the order their bags appear in ``values``.
+        values: ids (or any per-entry data), key-major. The lookup modules require integer ids.
+        weights: optional per-entry weights, same length as ``values``.
+        lengths: ``[sum(stride_per_key)]`` bag sizes, key-major. Give this or ``offsets``.
+        offsets: cumulative bag boundaries (one more entry than bags).
+        stride: batch size; inferred from ``lengths`` unless there are no keys.
+        stride_per_key_per_rank: variable batch size per feature, ``[key][rank]`` (TorchRec's VBE).
+        length_per_key / offset_per_key: ids per key, if the caller already knows them (saves a sync).
+        inverse_indices: ``(keys, [F, B] tensor)`` mapping each sample to its deduplicated bag (VBE).
+
+    Example (2 keys, batch of 3)::
+
+        keys    = ["f1", "f2"]
+        lengths = [2, 0, 1,   1, 1, 1]      # f1: [a b] [] [c]   f2: [d] [e] [f]
+        values  = [a, b, c,   d, e, f]
+    """
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        values: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
+        stride: int | None = None,
+        stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
+        stride_per_key: Sequence[int] | None = None,
+        length_per_key: Sequence[int] | None = None,
+        lengths_offset_per_key: Sequence[int] | None = None,
+        offset_per_key: Sequence[int] | None = None,
+        index_per_key: dict[str, int] | None = None,
+        jt_dict: dict[str, JaggedTensor] | None = None,
+        inverse_indices: tuple[list[str], torch.Tensor] | None = None,
+    ) -> None:
+        keys = list(keys)
+        check = checks_enabled()
+        if check:
+            for k in keys:
+                if not isinstance(k, str):
+                    raise TypeError(f"KeyedJaggedTensor keys must be strings, got {k!r}")
+            if not isinstance(values, torch.Tensor) or values.dim() < 1:
+                raise ValueError("KeyedJaggedTensor `values` must be a tensor with at least one dimension")
+        lengths, offsets = lengths_and_offsets(values, lengths, offsets, "KeyedJaggedTensor")
+        n_bags = lengths.numel()
+        self._variable_stride = stride_per_key_per_rank is not None
+        if stride_per_key_per_rank is not None:
+            self._stride_per_key_per_rank = [[int(s) for s in r] for r in stride_per_key_per_rank]
+            spk = [sum(r) for r in self._stride_per_key_per_rank]
+            if check and (len(spk) != len(keys) or sum(spk) != n_bags):
+                raise SparseInputError(
+                    f"KeyedJaggedTensor: stride_per_key_per_rank gives {spk} bags per key for keys {keys}, "
+                    f"but lengths has {n_bags} bags"
+                )
+            stride = stride if stride is not None else (max(spk) if spk else 0)
+        elif keys:
+            inferred = n_bags // len(keys)
+            if check and n_bags % len(keys):
+                raise SparseInputError(
+                    f"KeyedJaggedTensor: {n_bags} lengths cannot be split evenly over {len(keys)} keys; "
+                    "for a batch size per feature pass stride_per_key_per_rank"
+                )
+            if check and stride is not None and stride != inferred:
+                raise SparseInputError(
+                    f"KeyedJaggedTensor: stride={stride} but {n_bags} lengths over {len(keys)} keys "
+                    f"give a batch size of {inferred}"
+                )
+            stride = inferred
+            spk = [stride] * len(keys)
+            self._stride_per_key_per_rank = [[stride] for _ in keys]
+        else:
+            if check and n_bags:
+                raise SparseInputError("KeyedJaggedTensor with no keys must have no lengths")
+            stride = stride or 0
+            spk = []
+            self._stride_per_key_per_rank = []
+        if check and weights is not None and weights.shape[:1] != values.shape[:1]:
+            raise SparseInputError(
+                f"KeyedJaggedTensor: `weights` has {weights.size(0)} entries but `values` has {values.size(0)}"
+            )
+        self._keys = keys
+        self._values = values
+        self._weights = weights
+        self._lengths = lengths
+        self._offsets = offsets
+        self._stride = stride
+        self._stride_per_key = spk
+        self._lengths_offset_per_key = cumsum_list(spk)
+        self._length_per_key: list[int] | None = None
+        if length_per_key is not None:
+            self._length_per_key = [int(x) for x in length_per_key]
+        elif offset_per_key is not None:
+            self._length_per_key = [int(b - a) for a, b in zip(offset_per_key[:-1], offset_per_key[1:])]
+        if check and self._length_per_key is not None and (
+            len(self._length_per_key) != len(keys) or sum(self._length_per_key) != values.size(0)
+        ):
+            raise SparseInputError(
+                f"KeyedJaggedTensor: length_per_key {self._length_per_key} does not split {values.size(0)} "
+                f"values over keys {keys}"
+            )
+        self._inverse_indices = inverse_indices
+
+    # -- constructors (TorchRec names) --------------------------------------------------------------
+    @staticmethod
+    def from_lengths_sync(
+        keys: Sequence[str],
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        stride: int | None = None,
+        stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
+        inverse_indices: tuple[list[str], torch.Tensor] | None = None,
+    ) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor(keys, values, weights=weights, lengths=lengths, stride=stride,
+                                 stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
+
+    @staticmethod
+    def from_offsets_sync(
+        keys: Sequence[str],
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        stride: int | None = None,
+        stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
+        inverse_indices: tuple[list[str], torch.Tensor] | None = None,
+    ) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor(keys, values, weights=weights, offsets=offsets, stride=stride,
+                                 stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
+
+    @staticmethod
+    def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
+        """Build from ``{key: JaggedTensor}``; JaggedTensors with different bag counts give a VBE KJT."""
+        keys = list(jt_dict)
+        if not keys:
+            return KeyedJaggedTensor.empty()
+        jts = [jt_dict[k] for k in keys]
+        has_w = [jt.weights_or_none() is not None for jt in jts]
+        if any(has_w) and not all(has_w):
+            raise ValueError("from_jt_dict: either every JaggedTensor has weights or none has")
+        strides = [jt.lengths().numel() for jt in jts]
+        return KeyedJaggedTensor(
+            keys,
+            torch.cat([jt.values() for jt in jts]),
+            weights=torch.cat([jt.weights() for jt in jts]) if all(has_w) else None,
+            lengths=torch.cat([jt.lengths() for jt in jts]),
+            stride_per_key_per_rank=None if len(set(strides)) <= 1 else [[s] for s in strides],
+        )
+
+    @staticmethod
+    def empty(
+        is_weighted: bool = False,
+        device: torch.device | str | None = None,
+        values_dtype: torch.dtype | None = None,
+        weights_dtype: torch.dtype | None = None,
+        lengths_dtype: torch.dtype = torch.int32,
+    ) -> KeyedJaggedTensor:
+        """No keys, no values (TorchRec's signature)."""
+        return KeyedJaggedTensor(
+            [],
+            torch.empty(0, dtype=values_dtype or torch.long, device=device),
+            weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
+            lengths=torch.empty(0, dtype=lengths_dtype, device=device),
+            stride=0,
+        )
+
+    @staticmethod
+    def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """Same keys, stride and dtypes, no ids."""
+        return _empty_like(kjt)
+
+    @staticmethod
+    def concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+        """Keys of every KJT side by side (each KJT's bags stay key-major)."""
+        return _concat(kjt_list)
+
+    @staticmethod
+    def _empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        n = sum(kjt.stride_per_key())
+        return KeyedJaggedTensor(
+            kjt.keys(),
+            kjt.values()[:0],
+            weights=None if kjt.weights_or_none() is None else kjt.weights()[:0],
+            lengths=torch.zeros(n, dtype=kjt.lengths().dtype, device=kjt.device),
+            stride=kjt.stride(),
+            stride_per_key_per_rank=kjt.stride_per_key_per_rank() if kjt.variable_stride_per_key() else None,
+        )
+
+    @staticmethod
+    def _concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+        if not kjt_list:
+            raise ValueError("KeyedJaggedTensor.concat needs at least one KeyedJaggedTensor")
+        has_w = [k.weights_or_none() is not None for k in kjt_list]
+        if any(has_w) and not all(has_w):
+            raise ValueError("KeyedJaggedTensor.concat: either every KeyedJaggedTensor has weights or none has")
+        strides = {k.stride() for k in kjt_list if k.keys()}
+        variable = any(k.variable_stride_per_key() for k in kjt_list) or len(strides) > 1
+        keys = [key for k in kjt_list for key in k.keys()]
+        return KeyedJaggedTensor(
+            keys,
+            torch.cat([k.values() for k in kjt_list]),
+            weights=torch.cat([k.weights() for k in kjt_list]) if all(has_w) else None,
+            lengths=torch.cat([k.lengths() for k in kjt_list]),
+            stride=max(strides) if strides else 0,
+            stride_per_key_per_rank=[r for k in kjt_list for r in k.stride_per_key_per_rank()] if variable else None,
+            length_per_key=[n for k in kjt_list for n in k.length_per_key()],
+        )
+
+    # -- accessors ----------------------------------------------------------------------------------
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def lengths(self) -> torch.Tensor:
+        return self._lengths
+
+    def lengths_or_none(self) -> torch.Tensor | None:
+        return self._lengths
+
+    def offsets(self) -> torch.Tensor:
+        return self._offsets
+
+    def offsets_or_none(self) -> torch.Tensor | None:
+        return self._offsets
+
+    def weights(self) -> torch.Tensor:
+        if self._weights is None:
+            raise ValueError("this KeyedJaggedTensor has no weights")
+        return self._weights
+
+    def weights_or_none(self) -> torch.Tensor | None:
+        return self._weights
+
+    def stride(self) -> int:
+        """The batch size: number of bags per key (the largest one with a variable batch size)."""
+        return self._stride
+
+    def stride_per_key(self) -> list[int]:
+        return self._stride_per_key
+
+    def stride_per_key_per_rank(self) -> list[list[int]]:
+        return self._stride_per_key_per_rank
+
+    def variable_stride_per_key(self) -> bool:
+        return self._variable_stride
+
+    def inverse_indices(self) -> tuple[list[str], torch.Tensor]:
+        if self._inverse_indices is None:
+            raise ValueError("this KeyedJaggedTensor has no inverse_indices")
+        return self._inverse_indices
+
+    def inverse_indices_or_none(self) -> tuple[list[str], torch.Tensor] | None:
+        return self._inverse_indices
+
+    @property
+    def device(self) -> torch.device:
+        return self._values.device
+
+    def index_per_key(self) -> dict[str, int]:
+        return {k: i for i, k in enumerate(self._keys)}
+
+    def lengths_offset_per_key(self) -> list[int]:
+        return self._lengths_offset_per_key
+
+    def length_per_key(self) -> list[int]:
+        """Number of ids of each key (one device sync, cached)."""
+        if self._length_per_key is None:
+            if not self._keys:
+                self._length_per_key = []
+            elif not self._variable_stride:
+                self._length_per_key = self._lengths.view(len(self._keys), self._stride).sum(1).tolist()
+            else:
+                bounds = self._offsets[self._lengths_offset_per_key]
+                self._length_per_key = (bounds[1:] - bounds[:-1]).tolist()
+        return self._length_per_key
+
+    def length_per_key_or_none(self) -> list[int] | None:
+        return self._length_per_key
+
+    def offset_per_key(self) -> list[int]:
+        return cumsum_list(self.length_per_key())
+
+    def offset_per_key_or_none(self) -> list[int] | None:
+        return None if self._length_per_key is None else self.offset_per_key()
+
+    def _key_index(self, key: str) -> int:
+        if key not in self._keys:
+            raise KeyError(f"feature {key!r} is not in this KeyedJaggedTensor (keys: {self._keys})")
+        return self._keys.index(key)
+
+    def _slice(self, i: int, opk: list[int], compute_offsets: bool = True) -> JaggedTensor:
+        lo, hi = self._lengths_offset_per_key[i], self._lengths_offset_per_key[i + 1]
+        lengths = self._lengths[lo:hi]
+        return JaggedTensor(
+            self._values[opk[i] : opk[i + 1]],
+            weights=None if self._weights is None else self._weights[opk[i] : opk[i + 1]],
+            lengths=lengths,
+            offsets=(self._offsets[lo : hi + 1] - self._offsets[lo]) if compute_offsets else None,
+        )
+
+    def __getitem__(self, key: str) -> JaggedTensor:
+        return self._slice(self._key_index(key), self.offset_per_key())
+
+    def to_dict(self, compute_offsets: bool = True) -> dict[str, JaggedTensor]:
+        opk = self.offset_per_key()
+        return {k: self._slice(i, opk, compute_offsets) for i, k in enumerate(self._keys)}
+
+    # -- transforms ---------------------------------------------------------------------------------
+    def split(self, segments: Sequence[int]) -> list[KeyedJaggedTensor]:
+        """Split by keys into consecutive groups of ``segments[i]`` keys."""
+        if sum(segments) != len(self._keys) or any(s < 0 for s in segments):
+            raise ValueError(f"split sizes {list(segments)} must be non-negative and sum to {len(self._keys)} keys")
+        opk, lopk, lpk = self.offset_per_key(), self._lengths_offset_per_key, self.length_per_key()
+        out, k = [], 0
+        for s in segments:
+            lo, hi = opk[k], opk[k + s]
+            out.append(
+                KeyedJaggedTensor(
+                    self._keys[k : k + s],
+                    self._values[lo:hi],
+                    weights=None if self._weights is None else self._weights[lo:hi],
+                    lengths=self._lengths[lopk[k] : lopk[k + s]],
+                    stride=self._stride,
+                    stride_per_key_per_rank=self._stride_per_key_per_rank[k : k + s] if self._variable_stride else None,
+                    length_per_key=lpk[k : k + s],
+                    inverse_indices=self._inverse_indices,
+                )
+            )
+            k += s
+        return out
+
+    def permute(self, indices: Sequence[int], indices_tensor: torch.Tensor | None = None) -> KeyedJaggedTensor:
+        """Reorder (or repeat) keys: the result has keys ``[keys[i] for i in indices]``."""
+        n = len(self._keys)
+        indices = list(indices)
+        for i in indices:
+            if not 0 <= i < n:
+                raise ValueError(f"permute index {i} out of range for {n} keys")
+        opk, lopk, lpk = self.offset_per_key(), self._lengths_offset_per_key, self.length_per_key()
+        dev = self._values.device
+        new_lpk = [lpk[i] for i in indices]
+        gather = segment_gather_index(
+            torch.tensor([opk[i] for i in indices], dtype=torch.long, device=dev),
+            torch.tensor(new_lpk, dtype=torch.long, device=dev),
+            total=sum(new_lpk),
+        )
+        if self._variable_stride:
+            bag_gather = segment_gather_index(
+                torch.tensor([lopk[i] for i in indices], dtype=torch.long, device=dev),
+                torch.tensor([self._stride_per_key[i] for i in indices], dtype=torch.long, device=dev),
+                total=sum(self._stride_per_key[i] for i in indices),
+            )
+            lengths = self._lengths[bag_gather]
+        elif n:
+            idx = torch.tensor(indices, dtype=torch.long, device=dev)
+            lengths = self._lengths.view(n, self._stride)[idx].reshape(-1)
+        else:
+            lengths = self._lengths
+        return KeyedJaggedTensor(
+            [self._keys[i] for i in indices],
+            self._values[gather],
+            weights=None if self._weights is None else self._weights[gather],
+            lengths=lengths,
+            stride=self._stride,
+            stride_per_key_per_rank=[self._stride_per_key_per_rank[i] for i in indices] if self._variable_stride else None,
+            length_per_key=new_lpk,
+            inverse_indices=self._inverse_indices,
+        )
+
+    def _apply(self, fn) -> KeyedJaggedTensor:  # noqa: ANN001 (a tensor -> tensor function)
+        return KeyedJaggedTensor(
+            self._keys,
+            fn(self._values),
+            weights=None if self._weights is None else fn(self._weights),
+            lengths=fn(self._lengths),
+            offsets=fn(self._offsets),
+            stride=self._stride,
+            stride_per_key_per_rank=self._stride_per_key_per_rank if self._variable_stride else None,
+            length_per_key=self._length_per_key,
+            inverse_indices=None if self._inverse_indices is None else
+            (self._inverse_indices[0], fn(self._inverse_indices[1])),
+        )
+
+    def to(self, device: torch.device | str, non_blocking: bool = False, dtype: torch.dtype | None = None
+           ) -> KeyedJaggedTensor:
+        if torch.device(device) == self.device and dtype is None:
+            return self
+        kjt = self._apply(lambda t: t.to(device, non_blocking=non_blocking))
+        if dtype is not None and kjt._weights is not None:
+            kjt._weights = kjt._weights.to(dtype)
+        return kjt
+
+    def pin_memory(self) -> KeyedJaggedTensor:
+        return self._apply(lambda t: t.pin_memory())
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        for t in (self._values, self._lengths, self._offsets, self._weights):
+            if t is not None:
+                t.record_stream(stream)
+
+    def sync(self) -> KeyedJaggedTensor:
+        self.length_per_key()
+        return self
+
+    def __str__(self) -> str:
+        return _format.keyed_jagged(self._keys, self._values, self._weights, self._offsets,
+                                    self._lengths_offset_per_key)
+
+    def __repr__(self) -> str:
+        w = "" if self._weights is None else f", weights={self._weights.tolist()}"
+        return (f"KeyedJaggedTensor(keys={self._keys}, stride_per_key={self._stride_per_key}, "
+                f"lengths={self._lengths.tolist()}, values={self._values.tolist()}{w})")
+
+
+# fx.wrap: under torch.fx tracing these are single graph nodes (their arguments are Proxies to iterate over)
+@torch.fx.wrap
+def _concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor._concat(kjt_list)
+
+
+@torch.fx.wrap
+def _empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor._empty_like(kjt)
+
+
+def kjt_is_equal(kjt_1: KeyedJaggedTensor, kjt_2: KeyedJaggedTensor) -> bool:
+    """Same keys, values, lengths, weights and strides (TorchRec's ``kjt_is_equal``)."""
+    if not isinstance(kjt_1, KeyedJaggedTensor) or not isinstance(kjt_2, KeyedJaggedTensor):
+        return False
+    w1, w2 = kjt_1.weights_or_none(), kjt_2.weights_or_none()
+    return (
+        kjt_1.keys() == kjt_2.keys()
+        and kjt_1.stride_per_key() == kjt_2.stride_per_key()
+        and torch.equal(kjt_1.values(), kjt_2.values())
+        and torch.equal(kjt_1.lengths(), kjt_2.lengths())
+        and (w1 is None) == (w2 is None)
+        and (w1 is None or torch.equal(w1, w2))  # type: ignore[arg-type]
+    )
+
+
+class ComputeKJTToJTDict(nn.Module):
+    """``kjt.to_dict()`` as a module (TorchRec's name; fx / script friendly)."""
+
+    def forward(self, keyed_jagged_tensor: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        return keyed_jagged_tensor.to_dict()
+
+
+class ComputeJTDictToKJT(nn.Module):
+    """``KeyedJaggedTensor.from_jt_dict`` as a module (TorchRec's name)."""
+
+    def forward(self, jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor.from_jt_dict(jt_dict)
+
+
+__all__ = ["ComputeJTDictToKJT", "ComputeKJTToJTDict", "KeyedJaggedTensor", "kjt_is_equal", "offsets_from_lengths"]
