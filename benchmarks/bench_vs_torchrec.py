@@ -14,8 +14,10 @@ The job, identical for both libraries:
     20), ids Zipf-like (p(k) ~ 1/(k+1)^a, a=``--zipf``) scattered by one fixed permutation per table; each rank
     draws its own ``--distinct`` batches from the same seeds in both libraries (plain torch generators, the
     same torch build on both sides, so the ids are bitwise the same: the driver checks a checksum);
-  * model = the embedding collection inside a one-attribute ``nn.Module`` (plan path ``"ebc"``); loss = mean of
-    the squared pooled outputs; SGD, lr 0.01;
+  * model = the embedding collection inside a one-attribute ``nn.Module`` (plan path ``"ebc"``); loss = binary
+    cross-entropy with logits of (mean of the pooled vectors) against fixed random 0/1 labels; SGD, lr ``--lr``
+    (0.5: the logit is a mean over many values, so its gradients are small). A
+    repeated batch's loss must drop (else the driver warns: nothing was trained);
   * fused = the update happens inside backward (fbgemm EXACT_SGD): TorchRec's ``EmbeddingBagCollectionSharder
     (fused_params=...)`` with compute kernel ``fused``, stepped through ``model.fused_optimizer``; lightning_rec's
     ``shard_modules(..., embedding_optimizer={"kind": "sgd"})`` stepped through ``fused_optimizer(model)``;
@@ -66,6 +68,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ENV = ROOT / "benchmarks" / ".side_env"
@@ -73,7 +76,6 @@ SIDE_PACKAGES = ["torch==2.13.0", "fbgemm-gpu-cpu==1.8.0", "tensordict", "pyre-e
 LIBS = ("torchrec", "lightning_rec")
 PLANS = ("table_wise", "row_wise", "column_wise", "data_parallel")
 VARIANTS = ("fused", "dense")
-LR = 0.01
 # Criteo-like spread of table sizes (26 sparse features), capped so that a full run fits in memory.
 DLRM_ROWS = [
     200_000, 40_000, 200_000, 200_000, 300, 24, 12_000, 630, 3, 90_000, 5_700, 200_000, 3_200, 27, 15_000,
@@ -120,8 +122,8 @@ def job_tables(job: str, cfg: dict) -> list[tuple[str, int, int]]:
     raise ValueError(job)
 
 
-def make_batches(tables: list[tuple[str, int, int]], cfg: dict, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``cfg['distinct']`` batches as (lengths [F*B], values), key-major; Zipf-like ids via fixed permutations."""
+def make_batches(tables: list[tuple[str, int, int]], cfg: dict, seed: int) -> list[tuple[torch.Tensor, ...]]:
+    """``cfg['distinct']`` batches (lengths [F*B], values, labels [B]), key-major; Zipf ids via fixed permutations."""
     b, n = cfg["batch"], len(tables)
     perm_gen = torch.Generator().manual_seed(1234)
     perms = [torch.randperm(rows, generator=perm_gen) for _, rows, _ in tables]
@@ -140,7 +142,8 @@ def make_batches(tables: list[tuple[str, int, int]], cfg: dict, seed: int) -> li
             rows = tables[t][1]
             k = torch.searchsorted(cdfs[rows], torch.rand(cnt, generator=gen, dtype=torch.float64))
             values.append(perms[t][k.clamp_(max=rows - 1)])
-        out.append((lengths, torch.cat(values)))
+        labels = torch.randint(0, 2, (b,), generator=gen).float()
+        out.append((lengths, torch.cat(values), labels))
     return out
 
 
@@ -151,7 +154,7 @@ class Model(nn.Module):
         super().__init__()
         self.ebc = ebc
 
-    def forward(self, kjt):  # noqa: ANN001, ANN201
+    def forward(self, kjt):
         return self.ebc(kjt)
 
 
@@ -166,21 +169,21 @@ def busy_seconds() -> float | None:
 
 
 # -- the two libraries ----------------------------------------------------------------------------------------
-def build_torchrec(tables, plan: str, variant: str, world: int):  # noqa: ANN001, ANN201
+def build_torchrec(tables, plan: str, variant: str, world: int, lr: float):
     """TorchRec's DMP over the collection with an explicit plan; returns (model, kjt_factory, optimizer)."""
     # optional dependency: only the side environment has TorchRec
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: PLC0415
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor  # noqa: PLC0415
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder  # noqa: PLC0415
-    from torchrec.distributed.model_parallel import DistributedModelParallel  # noqa: PLC0415
-    from torchrec.distributed.sharding_plan import (  # noqa: PLC0415
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import (
         column_wise,
         construct_module_sharding_plan,
         data_parallel,
         row_wise,
         table_wise,
     )
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan  # noqa: PLC0415
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
     configs = [
         EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[f"f{n[1:]}"]) for n, r, d in tables
@@ -188,7 +191,7 @@ def build_torchrec(tables, plan: str, variant: str, world: int):  # noqa: ANN001
     ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
     fused = variant == "fused"
     sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR} if fused else None
+        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": lr} if fused else None
     )
     kernel = "fused" if fused else "dense"
     per_table = {}
@@ -202,7 +205,7 @@ def build_torchrec(tables, plan: str, variant: str, world: int):  # noqa: ANN001
         elif plan == "data_parallel":
             gen = data_parallel()  # always "dense" in TorchRec's helper; ask for the fused kernel explicitly
 
-            def dp(*a, _gen=gen, **kw):  # noqa: ANN002, ANN003, ANN202
+            def dp(*a, _gen=gen, **kw):
                 ps = _gen(*a, **kw)
                 ps.compute_kernel = kernel
                 return ps
@@ -220,19 +223,19 @@ def build_torchrec(tables, plan: str, variant: str, world: int):  # noqa: ANN001
     if fused:
         opt = model.fused_optimizer
     else:
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     keys = [f"f{n[1:]}" for n, _, _ in tables]
 
-    def kjt(lengths: torch.Tensor, values: torch.Tensor):  # noqa: ANN202
+    def kjt(lengths: torch.Tensor, values: torch.Tensor):
         return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths)
 
     return model, kjt, opt
 
 
-def build_lightning_rec(tables, plan: str, variant: str, world: int):  # noqa: ANN001, ANN201
+def build_lightning_rec(tables, plan: str, variant: str, world: int, lr: float):
     """lightning_rec's shard_modules over the same collection and plan; returns (model, kjt_factory, optimizer)."""
     # imported here: this file also runs in the side environment, which has no lightning_rec
-    from lightning_rec import (  # noqa: PLC0415
+    from lightning_rec import (
         EmbeddingBagCollection,
         EmbeddingBagConfig,
         KeyedJaggedTensor,
@@ -245,7 +248,9 @@ def build_lightning_rec(tables, plan: str, variant: str, world: int):  # noqa: A
         table_wise,
     )
 
-    configs = [EmbeddingBagConfig(num_embeddings=r, embedding_dim=d, name=n, feature_names=[f"f{n[1:]}"]) for n, r, d in tables]
+    configs = [
+        EmbeddingBagConfig(num_embeddings=r, embedding_dim=d, name=n, feature_names=[f"f{n[1:]}"]) for n, r, d in tables
+    ]
     fused = variant == "fused"
     ebc = EmbeddingBagCollection(configs, device="meta", sparse_grad=False)
     per_table = {}
@@ -257,15 +262,15 @@ def build_lightning_rec(tables, plan: str, variant: str, world: int):  # noqa: A
             "data_parallel": data_parallel,
         }[plan]()
     model = shard_modules(
-        Model(ebc), ShardingPlan({"ebc": per_table}), embedding_optimizer={"kind": "sgd", "lr": LR} if fused else None
+        Model(ebc), ShardingPlan({"ebc": per_table}), embedding_optimizer={"kind": "sgd", "lr": lr} if fused else None
     )
     if fused:
         opt = fused_optimizer(model)
     else:
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     keys = [f"f{n[1:]}" for n, _, _ in tables]
 
-    def kjt(lengths: torch.Tensor, values: torch.Tensor):  # noqa: ANN202
+    def kjt(lengths: torch.Tensor, values: torch.Tensor):
         return KeyedJaggedTensor(keys, values, lengths=lengths)
 
     return model, kjt, opt
@@ -276,19 +281,21 @@ def run_config(lib: str, rank: int, world: int, cmd: dict) -> dict:
     cfg, job, plan, variant = cmd["cfg"], cmd["job"], cmd["plan"], cmd["variant"]
     tables = job_tables(job, cfg)
     batches = make_batches(tables, cfg, seed=1000 + rank)
-    checksum = sum(int(v.sum()) + 7 * int(lg.sum()) for lg, v in batches)
+    checksum = sum(int(v.sum()) + 7 * int(lg.sum()) + 11 * int(y.sum()) for lg, v, y in batches)
     torch.manual_seed(0)
     dist.barrier()
     t0 = time.perf_counter()
     build = build_torchrec if lib == "torchrec" else build_lightning_rec
-    model, make_kjt, opt = build(tables, plan, variant, world)
+    model, make_kjt, opt = build(tables, plan, variant, world, cfg["lr"])
     setup_s = time.perf_counter() - t0
-    kjts = [make_kjt(lg, v) for lg, v in batches]
+    kjts = [(make_kjt(lg, v), y) for lg, v, y in batches]
     losses: list[float] = []
 
-    def step(kjt) -> float:  # noqa: ANN001
+    def step(batch) -> torch.Tensor:
+        kjt, labels = batch
         out = model(kjt).values()
-        loss = out.square().mean()
+        # a click model's loss on the mean of the pooled vectors: bounded gradients, so no divergence at any lr
+        loss = F.binary_cross_entropy_with_logits(out.mean(1), labels)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -306,7 +313,10 @@ def run_config(lib: str, rank: int, world: int, cmd: dict) -> dict:
     dist.barrier()
     elapsed = time.perf_counter() - t0
     cpu, busy1 = time.process_time() - cpu0, busy_seconds()
-    del model, opt, kjts
+    # the same batch comes back every `distinct` steps: its loss must have dropped, or nothing was trained
+    d = cfg["distinct"]
+    trained = None if len(losses) <= d else bool(losses[d] < losses[0])
+    opt_numel = sum(p.numel() for g in opt.param_groups for p in g["params"]) if variant == "dense" else None
     return {
         "elapsed": elapsed,
         "step_times": step_times,
@@ -315,6 +325,9 @@ def run_config(lib: str, rank: int, world: int, cmd: dict) -> dict:
         "setup_s": setup_s,
         "checksum": checksum,
         "last_loss": float(losses[-1]) if losses else None,
+        "losses": [float(x) for x in losses],
+        "trained": trained,
+        "opt_numel": opt_numel,  # elements the torch optimizer steps (dense variant): both sides should agree
     }
 
 
@@ -328,7 +341,9 @@ def worker(lib: str, rank: int, world: int, port: int) -> None:
             res = {"ok": True, **run_config(lib, rank, world, cmd)}
         except Exception as e:  # reported to the driver, which restarts the group
             traceback.print_exc()
-            res = {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            msg = str(e).splitlines()[0] if str(e) else f"at {Path(where.filename).name}:{where.lineno} {where.line}"
+            res = {"ok": False, "error": f"{type(e).__name__}: {msg}"[:300]}
         print(RESULT + json.dumps(res), flush=True)
         if not res["ok"]:
             break
@@ -356,8 +371,18 @@ class Group:
         self.procs, self.queues = [], []
         for r in range(world):
             log = open(log_dir / f"{lib}-w{world}-r{r}.log", "a")  # noqa: SIM115 (kept open with the process)
-            cmd = [python, str(Path(__file__).resolve()), "--worker", lib, "--rank", str(r), "--world", str(world),
-                   "--port", str(port)]
+            cmd = [
+                python,
+                str(Path(__file__).resolve()),
+                "--worker",
+                lib,
+                "--rank",
+                str(r),
+                "--world",
+                str(world),
+                "--port",
+                str(port),
+            ]
             if nice:
                 cmd = ["nice", "-n", str(nice), *cmd]
             p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
@@ -370,7 +395,7 @@ class Group:
     def _read(p: subprocess.Popen, q: queue.Queue) -> None:
         for line in p.stdout:
             if line.startswith(RESULT):
-                q.put(json.loads(line[len(RESULT):]))
+                q.put(json.loads(line[len(RESULT) :]))
         q.put({"ok": False, "error": f"process exited (code {p.wait()})"})
 
     def run(self, cmd: dict, timeout_s: float) -> list[dict]:
@@ -417,6 +442,8 @@ def summarize(res: list[dict], cfg: dict, world: int) -> dict:
         "setup_s": max(r["setup_s"] for r in res),
         "checksum": [r["checksum"] for r in res],
         "last_loss": res[0]["last_loss"],
+        "trained": [r["trained"] for r in res],
+        "opt_numel": [r["opt_numel"] for r in res],
     }
 
 
@@ -430,8 +457,8 @@ def machine() -> str:
     except OSError:
         pass
     return (
-        f"{os.cpu_count()} CPUs ({model}); {platform.system()} {platform.release()}; Python {platform.python_version()}, "
-        f"torch {torch.__version__} on both sides, gloo, 1 thread per process"
+        f"{os.cpu_count()} CPUs ({model}); {platform.system()} {platform.release()}; "
+        f"Python {platform.python_version()}, torch {torch.__version__} on both sides, gloo, 1 thread per process"
     )
 
 
@@ -444,7 +471,20 @@ def fmt_cell(s: dict | None) -> str:
     return f"{s['sps'] / 1e3:.1f}k (med {s['med_sps'] / 1e3:.1f}k; others {noise})"
 
 
+def ok(s: dict | None) -> bool:
+    return bool(s) and "error" not in s
+
+
 def write_report(path: Path, rows: list[dict], cfg: dict, args: argparse.Namespace, total_s: float) -> None:
+    dlrm_rows = [r for _, r, _ in job_tables("dlrm", cfg)]
+    # perfect scaling: world x the best single-process figure of that job and variant (either library)
+    single: dict[tuple[str, str], float] = {}
+    for row in rows:
+        if row["world"] == 1:
+            for lib in LIBS:
+                if ok(row[lib]):
+                    key = (row["job"], row["variant"])
+                    single[key] = max(single.get(key, 0.0), row[lib]["sps"])
     lines = [
         "# lightning_rec vs TorchRec 1.8.0 (gloo, CPU, one run)",
         "",
@@ -452,34 +492,65 @@ def write_report(path: Path, rows: list[dict], cfg: dict, args: argparse.Namespa
         "",
         (
             f"Job: `big` = {cfg['big_tables']} tables x {cfg['rows']:,} rows x {cfg['dim']}; `dlrm` = 26 tables, "
-            f"{min(job_tables('dlrm', cfg), key=lambda t: t[1])[1]:,}..{max(job_tables('dlrm', cfg), key=lambda t: t[1])[1]:,} "
-            f"rows x {cfg['dim']}; SUM, fp32, one feature per table; {cfg['batch']:,} samples per rank, "
-            f"~{cfg['ids']} Zipf ids per bag (a={cfg['zipf']}); loss = mean(pooled^2); SGD lr {LR}; "
-            f"{cfg['warmup']} warm-up + {cfg['steps']} timed steps between barriers, {cfg['distinct']} distinct batches "
-            f"per rank. Same ids on both sides (checksums compared)."
+            f"{min(dlrm_rows):,}..{max(dlrm_rows):,} rows x {cfg['dim']}; SUM, fp32, one feature per table; "
+            f"{cfg['batch']:,} samples per rank, ~{cfg['ids']} Zipf ids per bag (a={cfg['zipf']}); "
+            f"loss = BCE-with-logits(mean of pooled, random 0/1 labels); SGD lr {cfg['lr']}; {cfg['warmup']} warm-up + "
+            f"{cfg['steps']} timed steps between barriers, {cfg['distinct']} distinct batches per rank. "
+            "Same ids on both sides (checksums compared)."
         ),
         "",
         "Cells: global samples/s over the timed steps (med = from the median step of the slowest rank); "
         "others = cores other processes used on average meanwhile (0.00 = quiet; machine total busy from "
         "/proc/stat minus our workers' CPU time). ratio = lightning_rec / TorchRec samples/s. fused = "
         "update inside backward (fbgemm EXACT_SGD); dense = dense table gradients + torch.optim.SGD. "
-        "`table_wise` at world 1 is the single-process row. Order = which library ran first for that row.",
+        "`table_wise` at world 1 is the single-process row. first = which library ran first for that row. "
+        "scaling = samples/s / (world x the best single-process samples/s of that job and variant), "
+        "TorchRec / lightning_rec.",
         "",
-        "| job | world | plan | variant | order | TorchRec 1.8 | lightning_rec | ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| job | world | plan | variant | first | TorchRec 1.8 | lightning_rec | ratio | scaling |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    ratios = []
     for row in rows:
         tr, lr = row["torchrec"], row["lightning_rec"]
-        ratio = "-"
-        if tr and lr and "error" not in tr and "error" not in lr:
-            ratio = f"{lr['sps'] / tr['sps']:.2f}x"
+        ratio = f"{lr['sps'] / tr['sps']:.2f}x" if ok(tr) and ok(lr) else "-"
+        if ratio != "-":
+            ratios.append(f"{row['job']} w{row['world']} {row['plan']} {row['variant']} {ratio}")
+        limit = row["world"] * single.get((row["job"], row["variant"]), 0.0)
+        scaling = "-"
+        if row["world"] > 1 and limit:
+            scaling = " / ".join(f"{row[lib]['sps'] / limit:.0%}" if ok(row[lib]) else "-" for lib in LIBS)
         lines.append(
-            f"| {row['job']} | {row['world']} | {row['plan']} | {row['variant']} | {row['first']} first | "
-            f"{fmt_cell(tr)} | {fmt_cell(lr)} | {ratio} |"
+            f"| {row['job']} | {row['world']} | {row['plan']} | {row['variant']} | {row['first']} | "
+            f"{fmt_cell(tr)} | {fmt_cell(lr)} | {ratio} | {scaling} |"
         )
+    # data_parallel: TorchRec's fused kernel does not build for it, so compare our fused with its best
+    for row in rows:
+        if row["plan"] == "data_parallel" and row["variant"] == "fused" and ok(row["lightning_rec"]):
+            best = [
+                r["torchrec"]["sps"]
+                for r in rows
+                if r["plan"] == "data_parallel"
+                and r["job"] == row["job"]
+                and r["world"] == row["world"]
+                and ok(r["torchrec"])
+            ]
+            if best:
+                ratios.append(
+                    f"{row['job']} w{row['world']} data_parallel, our fused vs TorchRec's best working variant "
+                    f"{row['lightning_rec']['sps'] / max(best):.2f}x"
+                )
+    noise = [row[lib]["others"] for row in rows for lib in LIBS if ok(row[lib]) and row[lib]["others"] is not None]
     lines += [
         "",
-        f"Total run time {total_s / 60:.1f} min; load average before/after: {args._load0} / {load()}.",
+        "Ratios (lightning_rec / TorchRec): " + ("; ".join(ratios) if ratios else "none") + ".",
+        "",
+        (
+            f"Noise: other processes used {min(noise):.2f}..{max(noise):.2f} cores during the timed sections."
+            if noise
+            else "Noise: not measured (no /proc/stat)."
+        ),
+        f"Total run time {total_s / 60:.1f} min; load average before/after: {args.load0} / {load()}.",
         f"Command: `python benchmarks/bench_vs_torchrec.py {' '.join(sys.argv[1:])}`",
         "",
     ]
@@ -507,8 +578,11 @@ def configs(args: argparse.Namespace) -> list[tuple[str, int, str, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--side-env", default=os.environ.get("LIGHTNING_REC_TORCHREC_ENV", str(DEFAULT_ENV)),
-                    help="TorchRec venv (built on first use); default $LIGHTNING_REC_TORCHREC_ENV or benchmarks/.side_env")
+    ap.add_argument(
+        "--side-env",
+        default=os.environ.get("LIGHTNING_REC_TORCHREC_ENV", str(DEFAULT_ENV)),
+        help="TorchRec venv (built on first use); default $LIGHTNING_REC_TORCHREC_ENV, else benchmarks/.side_env",
+    )
     ap.add_argument("--build-only", action="store_true", help="only build the side environment")
     ap.add_argument("--jobs", nargs="+", default=["big", "dlrm"], choices=["big", "dlrm"])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
@@ -521,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1024, help="samples per rank per step")
     ap.add_argument("--ids", type=int, default=20, help="mean ids per bag")
     ap.add_argument("--zipf", type=float, default=1.05)
+    ap.add_argument("--lr", type=float, default=0.5, help="SGD learning rate, both libraries")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--distinct", type=int, default=4, help="distinct batches per rank, cycled")
@@ -544,9 +619,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.small:
         args.big_tables, args.rows, args.dlrm_scale, args.batch = 4, 5_000, 0.02, 128
         args.warmup, args.steps, args.distinct = 1, 3, 2
-    cfg = {k: getattr(args, k) for k in ("big_tables", "rows", "dlrm_scale", "dim", "batch", "ids", "zipf",
-                                          "warmup", "steps", "distinct")}
-    args._load0 = load()
+    cfg = {
+        k: getattr(args, k)
+        for k in (
+            "big_tables",
+            "rows",
+            "dlrm_scale",
+            "dim",
+            "batch",
+            "ids",
+            "zipf",
+            "lr",
+            "warmup",
+            "steps",
+            "distinct",
+        )
+    }
+    args.load0 = load()
     pythons = {"torchrec": str(side), "lightning_rec": sys.executable}
     out = Path(args.out)
     log_dir = out.parent / "vs_torchrec_logs"
@@ -567,12 +656,22 @@ def main(argv: list[str] | None = None) -> int:
                 if not all(r.get("ok") for r in res):  # a failed group may be stuck: start a fresh one next time
                     groups.pop(key).close(kill=True)
                 row[lib] = summarize(res, cfg, world)
-                raw.append({"lib": lib, **{k: v for k, v in row.items() if k in ("job", "world", "plan", "variant")},
-                            "ranks": res})
+                raw.append(
+                    {
+                        "lib": lib,
+                        **{k: v for k, v in row.items() if k in ("job", "world", "plan", "variant")},
+                        "ranks": res,
+                    }
+                )
             tr, lr = row["torchrec"], row["lightning_rec"]
             if "checksum" in tr and "checksum" in lr and tr["checksum"] != lr["checksum"]:
                 raise SystemExit(f"the two libraries saw different ids for {row}: a bug in this benchmark")
-            print(f"{job} w{world} {plan} {variant}: TorchRec {fmt_cell(tr)} | lightning_rec {fmt_cell(lr)}", flush=True)
+            for lib in LIBS:
+                if False in row[lib].get("trained", []):
+                    print(f"WARNING: {lib} {job} w{world} {plan} {variant}: the loss of a repeated batch did not drop")
+            print(
+                f"{job} w{world} {plan} {variant}: TorchRec {fmt_cell(tr)} | lightning_rec {fmt_cell(lr)}", flush=True
+            )
             rows.append(row)
     finally:
         for g in groups.values():
