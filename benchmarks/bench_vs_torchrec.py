@@ -52,9 +52,12 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
 import platform
+import pstats
 import queue
 import socket
 import statistics
@@ -313,9 +316,16 @@ def run_config(lib: str, rank: int, world: int, cmd: dict) -> dict:
     dist.barrier()
     elapsed = time.perf_counter() - t0
     cpu, busy1 = time.process_time() - cpu0, busy_seconds()
-    # the same batch comes back every `distinct` steps: its loss must have dropped, or nothing was trained
+    if cmd.get("profile"):
+        profile_steps(step, kjts, cfg, f"{cmd['profile']}-{lib}.txt" if rank == 0 else None)
+    bare = None
+    if cmd.get("bare") and world == 1 and variant == "fused":
+        bare = versus_bare_kernel(step, kjts, tables, batches, cfg)
+    # the same batches come back every `distinct` steps: their losses, summed, must have dropped between their
+    # first and last showing, or nothing was trained
     d = cfg["distinct"]
-    trained = None if len(losses) <= d else bool(losses[d] < losses[0])
+    first, last = losses[:d], losses[-d:] if len(losses) >= 2 * d else []
+    trained = bool(sum(last) < sum(first)) if last else None
     opt_numel = sum(p.numel() for g in opt.param_groups for p in g["params"]) if variant == "dense" else None
     return {
         "elapsed": elapsed,
@@ -328,7 +338,69 @@ def run_config(lib: str, rank: int, world: int, cmd: dict) -> dict:
         "losses": [float(x) for x in losses],
         "trained": trained,
         "opt_numel": opt_numel,  # elements the torch optimizer steps (dense variant): both sides should agree
+        "bare": bare,
     }
+
+
+def versus_bare_kernel(step, kjts: list, tables, batches: list, cfg: dict) -> dict:
+    """Median ms of the library's step and of the bare fbgemm kernel's step (same tables, ids, loss, EXACT_SGD),
+    alternated in this one process so that both see the same machine: the library's own overhead."""
+    # both environments have fbgemm-gpu-cpu 1.8.0
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        EmbeddingLocation,
+        OptimType,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(r, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for _, r, d in tables],
+        optimizer=OptimType.EXACT_SGD,
+        learning_rate=cfg["lr"],
+    )
+    tbe.init_embedding_weights_uniform(-0.01, 0.01)  # zeros otherwise
+    inputs = [(v, torch.cat([lg.new_zeros(1), lg.cumsum(0)]), y) for lg, v, y in batches]
+
+    def bare_step(batch) -> None:
+        values, offsets, labels = batch
+        F.binary_cross_entropy_with_logits(tbe(values, offsets).mean(1), labels).backward()
+
+    ours, theirs = [], []
+    for i in range(cfg["warmup"]):
+        bare_step(inputs[i % len(inputs)])
+    for i in range(cfg["steps"]):
+        t0 = time.perf_counter()
+        step(kjts[i % len(kjts)])
+        t1 = time.perf_counter()
+        bare_step(inputs[i % len(inputs)])
+        t2 = time.perf_counter()
+        ours.append(t1 - t0)
+        theirs.append(t2 - t1)
+    return {"lib_ms": 1e3 * statistics.median(ours), "bare_ms": 1e3 * statistics.median(theirs)}
+
+
+def profile_steps(step, kjts: list, cfg: dict, path: str | None) -> None:
+    """After the timed steps: the same steps again under cProfile, then under torch.profiler; text to ``path``.
+
+    Every rank runs the steps (their collectives must match); ranks with ``path=None`` write nothing.
+    """
+    n = cfg["steps"]
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(n):
+        step(kjts[i % len(kjts)])
+    prof.disable()
+    text = io.StringIO()
+    text.write(f"# cProfile over {n} steps (per-step ms = cumtime / {n} x 1000)\n")
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(35)
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
+        for i in range(n):
+            step(kjts[i % len(kjts)])
+    text.write(f"\n# torch.profiler over {n} steps (self CPU time by op)\n")
+    text.write(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+    if path:
+        Path(path).write_text(text.getvalue())
 
 
 def worker(lib: str, rank: int, world: int, port: int) -> None:
@@ -443,6 +515,7 @@ def summarize(res: list[dict], cfg: dict, world: int) -> dict:
         "checksum": [r["checksum"] for r in res],
         "last_loss": res[0]["last_loss"],
         "trained": [r["trained"] for r in res],
+        "bare": res[0].get("bare"),
         "opt_numel": [r["opt_numel"] for r in res],
     }
 
@@ -540,6 +613,28 @@ def write_report(path: Path, rows: list[dict], cfg: dict, args: argparse.Namespa
                     f"{row['job']} w{row['world']} data_parallel, our fused vs TorchRec's best working variant "
                     f"{row['lightning_rec']['sps'] / max(best):.2f}x"
                 )
+    bare_lines = []
+    for row in rows:
+        cells = [row[lib].get("bare") if ok(row[lib]) else None for lib in LIBS]
+        if any(cells):
+            txt = [
+                f"{c['lib_ms']:.2f} ms vs bare {c['bare_ms']:.2f} ms (+{c['lib_ms'] - c['bare_ms']:.2f} ms)"
+                if c
+                else "-"
+                for c in cells
+            ]
+            bare_lines.append(f"| {row['job']} | {row['variant']} | {txt[0]} | {txt[1]} |")
+    if bare_lines:
+        lines += [
+            "",
+            "One process, fused: median step of each library alternated with the bare fbgemm kernel "
+            "(`SplitTableBatchedEmbeddingBagsCodegen`, EXACT_SGD, same tables, ids and loss) in the same process; "
+            "the difference is the library's own per-step overhead.",
+            "",
+            "| job | variant | TorchRec 1.8 | lightning_rec |",
+            "|---|---|---|---|",
+            *bare_lines,
+        ]
     noise = [row[lib]["others"] for row in rows for lib in LIBS if ok(row[lib]) and row[lib]["others"] is not None]
     lines += [
         "",
@@ -602,6 +697,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true", help="smoke test: tiny tables and batches, few steps")
     ap.add_argument("--nice", type=int, default=0, help="run the workers under nice -n N (shared machines)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one configuration may take")
+    ap.add_argument(
+        "--profile",
+        metavar="PREFIX",
+        help="after each configuration's timed steps, profile the same steps on rank 0 of both libraries "
+        "(cProfile, then torch.profiler) and write PREFIX-<job>-w<world>-<plan>-<variant>-<library>.txt",
+    )
+    ap.add_argument(
+        "--bare",
+        action="store_true",
+        help="one-process fused rows: also time the bare fbgemm kernel on the same job, alternating with the "
+        "library's step in the same process (each library's overhead over the kernel, robust to machine load)",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_torchrec.md"))
     ap.add_argument("--worker", choices=LIBS, help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -648,6 +755,10 @@ def main(argv: list[str] | None = None) -> int:
             order = LIBS if n % 2 == 0 else LIBS[::-1]  # alternate which library goes first
             row = {"job": job, "world": world, "plan": plan, "variant": variant, "first": order[0]}
             cmd = {"cfg": cfg, "job": job, "plan": plan, "variant": variant}
+            if args.bare:
+                cmd["bare"] = True
+            if args.profile:
+                cmd["profile"] = f"{args.profile}-{job}-w{world}-{plan}-{variant}"
             for lib in order:
                 key = (lib, world)
                 if key not in groups:
