@@ -751,8 +751,12 @@ def main(argv: list[str] | None = None) -> int:
     rows, raw = [], []
     t_start = time.perf_counter()
     try:
-        for n, (job, world, plan, variant) in enumerate(configs(args)):
-            order = LIBS if n % 2 == 0 else LIBS[::-1]  # alternate which library goes first
+        seen: dict[str, int] = {}
+        for job, world, plan, variant in configs(args):
+            # alternate which library goes first, separately within each variant (rows of one variant are
+            # compared with each other), starting differently per variant
+            n = seen[variant] = seen.get(variant, args.variants.index(variant) - 1) + 1
+            order = LIBS if n % 2 == 0 else LIBS[::-1]
             row = {"job": job, "world": world, "plan": plan, "variant": variant, "first": order[0]}
             cmd = {"cfg": cfg, "job": job, "plan": plan, "variant": variant}
             if args.bare:
