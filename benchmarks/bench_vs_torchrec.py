@@ -77,7 +77,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ENV = ROOT / "benchmarks" / ".side_env"
 SIDE_PACKAGES = ["torch==2.13.0", "fbgemm-gpu-cpu==1.8.0", "tensordict", "pyre-extensions", "iopath", "tqdm"]
 LIBS = ("torchrec", "lightning_rec")
-PLANS = ("table_wise", "row_wise", "column_wise", "data_parallel")
+PLANS = ("table_wise", "row_wise", "column_wise", "data_parallel", "table_row_wise", "grid_shard")
+LOCAL_SIZE = 2  # ranks per "host" for table_row_wise and grid_shard
 VARIANTS = ("fused", "dense")
 # Criteo-like spread of table sizes (26 sparse features), capped so that a full run fits in memory.
 DLRM_ROWS = [
@@ -183,10 +184,19 @@ def build_torchrec(tables, plan: str, variant: str, world: int, lr: float):
         column_wise,
         construct_module_sharding_plan,
         data_parallel,
+        grid_shard,
         row_wise,
+        table_row_wise,
         table_wise,
     )
+    from torchrec.distributed.planner.constants import MIN_CW_DIM
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
+
+    if plan == "grid_shard" and min(d for _, _, d in tables) < 2 * MIN_CW_DIM:
+        raise ValueError(
+            f"TorchRec's grid_shard cuts columns in blocks of {MIN_CW_DIM}: 2 column shards need dim >= "
+            f"{2 * MIN_CW_DIM}"
+        )
 
     configs = [
         EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[f"f{n[1:]}"]) for n, r, d in tables
@@ -205,19 +215,29 @@ def build_torchrec(tables, plan: str, variant: str, world: int, lr: float):
             per_table[name] = row_wise(compute_kernel=kernel)
         elif plan == "column_wise":
             per_table[name] = column_wise(ranks=[0, 1], compute_kernel=kernel)
-        elif plan == "data_parallel":
-            gen = data_parallel()  # always "dense" in TorchRec's helper; ask for the fused kernel explicitly
+        elif plan in ("data_parallel", "table_row_wise", "grid_shard"):
+            # these helpers take no compute kernel (data_parallel's is always "dense"): set it explicitly
+            gen = {
+                "data_parallel": data_parallel,
+                "table_row_wise": lambda i=i: table_row_wise(host_index=i % (world // LOCAL_SIZE)),
+                "grid_shard": lambda: grid_shard(host_indexes=[0, 1]),
+            }[plan]()
 
-            def dp(*a, _gen=gen, **kw):
+            def with_kernel(*a, _gen=gen, **kw):
                 ps = _gen(*a, **kw)
                 ps.compute_kernel = kernel
                 return ps
 
-            per_table[name] = dp
+            per_table[name] = with_kernel
         else:
             raise ValueError(plan)
     module_plan = construct_module_sharding_plan(
-        ebc, per_param_sharding=per_table, sharder=sharder, local_size=world, world_size=world, device_type="cpu"
+        ebc,
+        per_param_sharding=per_table,
+        sharder=sharder,
+        local_size=min(world, LOCAL_SIZE),
+        world_size=world,
+        device_type="cpu",
     )
     env = ShardingEnv.from_process_group(dist.GroupMember.WORLD)
     model = DistributedModelParallel(
@@ -246,8 +266,10 @@ def build_lightning_rec(tables, plan: str, variant: str, world: int, lr: float):
         column_wise,
         data_parallel,
         fused_optimizer,
+        grid_shard,
         row_wise,
         shard_modules,
+        table_row_wise,
         table_wise,
     )
 
@@ -263,9 +285,14 @@ def build_lightning_rec(tables, plan: str, variant: str, world: int, lr: float):
             "row_wise": row_wise,
             "column_wise": lambda: column_wise([0, 1]),
             "data_parallel": data_parallel,
+            "table_row_wise": lambda i=i: table_row_wise(i % (world // LOCAL_SIZE)),
+            "grid_shard": lambda: grid_shard([0, 1]),
         }[plan]()
     model = shard_modules(
-        Model(ebc), ShardingPlan({"ebc": per_table}), embedding_optimizer={"kind": "sgd", "lr": lr} if fused else None
+        Model(ebc),
+        ShardingPlan({"ebc": per_table}),
+        local_size=LOCAL_SIZE if plan in ("table_row_wise", "grid_shard") else None,
+        embedding_optimizer={"kind": "sgd", "lr": lr} if fused else None,
     )
     if fused:
         opt = fused_optimizer(model)
@@ -435,7 +462,10 @@ class Group:
     def __init__(self, lib: str, world: int, python: str, log_dir: Path, nice: int) -> None:
         self.lib, self.world = lib, world
         port = free_port()
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        # TorchRec reads the host size for table_row_wise / grid_shard from LOCAL_WORLD_SIZE
+        env = dict(
+            os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", LOCAL_WORLD_SIZE=str(min(world, LOCAL_SIZE))
+        )
         if lib == "lightning_rec":
             env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         else:
@@ -664,8 +694,10 @@ def configs(args: argparse.Namespace) -> list[tuple[str, int, str, str]]:
             for plan in args.plans:
                 if world == 1 and plan != "table_wise":
                     continue  # one process: every plan is the same local table
-                if plan == "column_wise" and world < 2:
+                if plan in ("column_wise", "table_row_wise") and world < 2:
                     continue
+                if plan == "grid_shard" and world < 2 * LOCAL_SIZE:
+                    continue  # needs two hosts
                 for variant in args.variants:
                     out.append((job, world, plan, variant))
     return out
