@@ -180,6 +180,7 @@ def build_torchrec(tables, plan: str, variant: str, world: int, lr: float):
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner.constants import MIN_CW_DIM
     from torchrec.distributed.sharding_plan import (
         column_wise,
         construct_module_sharding_plan,
@@ -189,7 +190,6 @@ def build_torchrec(tables, plan: str, variant: str, world: int, lr: float):
         table_row_wise,
         table_wise,
     )
-    from torchrec.distributed.planner.constants import MIN_CW_DIM
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
     if plan == "grid_shard" and min(d for _, _, d in tables) < 2 * MIN_CW_DIM:
