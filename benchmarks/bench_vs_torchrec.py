@@ -1,0 +1,834 @@
+"""lightning_rec against TorchRec 1.8.0 on the same embedding jobs, side by side in one run (gloo, CPU).
+
+TorchRec lives in a side environment, never in the project's: on first use this script creates a venv
+(``--side-env``, or ``$LIGHTNING_REC_TORCHREC_ENV``, default ``benchmarks/.side_env``, git-ignored) with
+``torch==2.13.0`` (CPU), ``fbgemm-gpu-cpu==1.8.0``, ``tensordict pyre-extensions iopath tqdm`` and
+``torchrec==1.8.0 --no-deps`` (TorchRec's own requirements would pull a different torch). ``--build-only``
+just builds it.
+
+The job, identical for both libraries:
+  * jobs: ``big`` = ``--big-tables`` tables of ``--rows`` x ``--dim`` (default 8 x 100,000 x 64); ``dlrm`` =
+    26 tables of mixed sizes (Criteo-like spread, capped at 200,000 rows, times ``--dlrm-scale``) x ``--dim``;
+    one feature per table, SUM pooling, fp32;
+  * ``--batch`` samples per rank per step (default 1,024), bags of ids/2 .. 3 ids/2 ids (mean ``--ids``, default
+    20), ids Zipf-like (p(k) ~ 1/(k+1)^a, a=``--zipf``) scattered by one fixed permutation per table; each rank
+    draws its own ``--distinct`` batches from the same seeds in both libraries (plain torch generators, the
+    same torch build on both sides, so the ids are bitwise the same: the driver checks a checksum);
+  * model = the embedding collection inside a one-attribute ``nn.Module`` (plan path ``"ebc"``); loss = binary
+    cross-entropy with logits of (mean of the pooled vectors) against fixed random 0/1 labels; SGD, lr ``--lr``
+    (0.5: the logit is a mean over many values, so its gradients are small). A
+    repeated batch's loss must drop (else the driver warns: nothing was trained);
+  * fused = the update happens inside backward (fbgemm EXACT_SGD): TorchRec's ``EmbeddingBagCollectionSharder
+    (fused_params=...)`` with compute kernel ``fused``, stepped through ``model.fused_optimizer``; lightning_rec's
+    ``shard_modules(..., embedding_optimizer={"kind": "sgd"})`` stepped through ``fused_optimizer(model)``;
+  * dense = dense table gradients + ``torch.optim.SGD``: TorchRec's compute kernel ``dense`` (fbgemm's
+    DenseTableBatchedEmbeddingBagsCodegen), lightning_rec's ``EmbeddingBagCollection(sparse_grad=False)``;
+  * plans, explicit and the same on both sides (every table one type): ``table_wise`` (table i on rank
+    i mod world; at world 1 this is the "one process" row), ``row_wise`` (even blocks), ``column_wise`` (two
+    column shards on ranks 0 and 1), ``data_parallel``; TorchRec's plans come from
+    ``construct_module_sharding_plan`` with ``torchrec.distributed.sharding_plan.{table_wise, row_wise,
+    column_wise, data_parallel}`` and go to ``DistributedModelParallel``; lightning_rec's go to
+    ``shard_modules``. Gradient convention: each library's default (TorchRec divides sharded gradients by
+    the group size, lightning_rec sums); it changes the update's scale, not its cost.
+  * timing: one thread per process; ``--warmup`` steps, then ``--steps`` steps between two barriers;
+    samples/s = world x batch x steps / slowest rank's time. Also the median step (the slowest rank's step,
+    median over steps), which resists interference.
+
+One group of persistent processes per (library, world size) receives the configurations one at a time over
+stdin; the two libraries alternate per configuration (A then B, then B then A) so that a slow phase of the
+machine does not land on one side only. Noise gauge: rank 0 reads /proc/stat at both ends of the timed
+section; "others" = CPU time the whole machine was busy minus the CPU time of our own worker processes
+(``time.process_time`` deltas of every rank), in cores on average over the timed wall time. Figures taken
+while others used a sizeable fraction of a core are not comparable to quiet-machine figures.
+
+Writes ``benchmarks/results/vs_torchrec.md`` (and a JSON of every raw result next to it). Not part of the tests.
+
+Usage:
+    python benchmarks/bench_vs_torchrec.py --build-only                  # create the side environment
+    python benchmarks/bench_vs_torchrec.py --small                       # smoke test, a minute or two
+    python benchmarks/bench_vs_torchrec.py                               # the full comparison
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import queue
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_ENV = ROOT / "benchmarks" / ".side_env"
+SIDE_PACKAGES = ["torch==2.13.0", "fbgemm-gpu-cpu==1.8.0", "tensordict", "pyre-extensions", "iopath", "tqdm"]
+LIBS = ("torchrec", "lightning_rec")
+PLANS = ("table_wise", "row_wise", "column_wise", "data_parallel", "table_row_wise", "grid_shard")
+LOCAL_SIZE = 2  # ranks per "host" for table_row_wise and grid_shard
+VARIANTS = ("fused", "dense")
+# Criteo-like spread of table sizes (26 sparse features), capped so that a full run fits in memory.
+DLRM_ROWS = [
+    200_000, 40_000, 200_000, 200_000, 300, 24, 12_000, 630, 3, 90_000, 5_700, 200_000, 3_200, 27, 15_000,
+    200_000, 10, 5_600, 2_200, 4, 200_000, 18, 15, 200_000, 100, 140_000,
+]  # fmt: skip
+RESULT = "RESULT "
+
+
+# -- side environment ---------------------------------------------------------------------------------------
+def side_python(env: Path) -> Path:
+    return env / "bin" / "python"
+
+
+def build_side_env(env: Path) -> Path:
+    """Create the TorchRec venv once (a marker file says it is complete); return its python."""
+    py = side_python(env)
+    marker = env / ".torchrec-1.8.0-complete"
+    if marker.exists():
+        return py
+    print(f"building the TorchRec side environment in {env} (once; a few minutes) ...", flush=True)
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE, "text": True}
+    steps = [
+        [sys.executable, "-m", "venv", str(env)],
+        [str(py), "-m", "pip", "install", "-q", *SIDE_PACKAGES],
+        # TorchRec's own requirements would replace torch / fbgemm: install it alone
+        [str(py), "-m", "pip", "install", "-q", "--no-deps", "torchrec==1.8.0"],
+        [str(py), "-c", "import torchrec.distributed.model_parallel, fbgemm_gpu"],
+    ]
+    for cmd in steps:
+        r = subprocess.run(cmd, check=False, **quiet)
+        if r.returncode != 0:
+            raise SystemExit(f"building the side environment failed at: {' '.join(cmd)}\n{r.stderr[-3000:]}")
+    marker.write_text("ok\n")
+    return py
+
+
+# -- the job (runs in both environments: plain torch only) ---------------------------------------------------
+def job_tables(job: str, cfg: dict) -> list[tuple[str, int, int]]:
+    """(table name, rows, dim) for one job; feature ``f<i>`` looks up table ``t<i>``."""
+    if job == "big":
+        return [(f"t{i}", cfg["rows"], cfg["dim"]) for i in range(cfg["big_tables"])]
+    if job == "dlrm":
+        return [(f"t{i}", max(4, int(r * cfg["dlrm_scale"])), cfg["dim"]) for i, r in enumerate(DLRM_ROWS)]
+    raise ValueError(job)
+
+
+def make_batches(tables: list[tuple[str, int, int]], cfg: dict, seed: int) -> list[tuple[torch.Tensor, ...]]:
+    """``cfg['distinct']`` batches (lengths [F*B], values, labels [B]), key-major; Zipf ids via fixed permutations."""
+    b, n = cfg["batch"], len(tables)
+    perm_gen = torch.Generator().manual_seed(1234)
+    perms = [torch.randperm(rows, generator=perm_gen) for _, rows, _ in tables]
+    cdfs: dict[int, torch.Tensor] = {}
+    for _, rows, _ in tables:
+        if rows not in cdfs:
+            c = torch.cumsum(torch.arange(1, rows + 1, dtype=torch.float64).pow(-cfg["zipf"]), 0)
+            cdfs[rows] = c / c[-1].clone()
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = max(1, cfg["ids"] // 2), cfg["ids"] + cfg["ids"] // 2
+    out = []
+    for _ in range(cfg["distinct"]):
+        lengths = torch.randint(lo, hi + 1, (n * b,), generator=gen)
+        values = []
+        for t, cnt in enumerate(lengths.view(n, b).sum(1).tolist()):
+            rows = tables[t][1]
+            k = torch.searchsorted(cdfs[rows], torch.rand(cnt, generator=gen, dtype=torch.float64))
+            values.append(perms[t][k.clamp_(max=rows - 1)])
+        labels = torch.randint(0, 2, (b,), generator=gen).float()
+        out.append((lengths, torch.cat(values), labels))
+    return out
+
+
+class Model(nn.Module):
+    """The collection under one attribute, so that both libraries' plans address it as ``"ebc"``."""
+
+    def __init__(self, ebc: nn.Module) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, kjt):
+        return self.ebc(kjt)
+
+
+def busy_seconds() -> float | None:
+    """CPU-seconds the whole machine has been busy since boot (all processes), from /proc/stat."""
+    try:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    # user nice system idle iowait irq softirq steal (guest is inside user)
+    return (f[0] + f[1] + f[2] + f[5] + f[6] + (f[7] if len(f) > 7 else 0)) / os.sysconf("SC_CLK_TCK")
+
+
+# -- the two libraries ----------------------------------------------------------------------------------------
+def build_torchrec(tables, plan: str, variant: str, world: int, lr: float):
+    """TorchRec's DMP over the collection with an explicit plan; returns (model, kjt_factory, optimizer)."""
+    # optional dependency: only the side environment has TorchRec
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner.constants import MIN_CW_DIM
+    from torchrec.distributed.sharding_plan import (
+        column_wise,
+        construct_module_sharding_plan,
+        data_parallel,
+        grid_shard,
+        row_wise,
+        table_row_wise,
+        table_wise,
+    )
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+
+    if plan == "grid_shard" and min(d for _, _, d in tables) < 2 * MIN_CW_DIM:
+        raise ValueError(
+            f"TorchRec's grid_shard cuts columns in blocks of {MIN_CW_DIM}: 2 column shards need dim >= "
+            f"{2 * MIN_CW_DIM}"
+        )
+
+    configs = [
+        EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[f"f{n[1:]}"]) for n, r, d in tables
+    ]
+    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    fused = variant == "fused"
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": lr} if fused else None
+    )
+    kernel = "fused" if fused else "dense"
+    per_table = {}
+    for i, (name, _, _) in enumerate(tables):
+        if plan == "table_wise":
+            per_table[name] = table_wise(rank=i % world, compute_kernel=kernel)
+        elif plan == "row_wise":
+            per_table[name] = row_wise(compute_kernel=kernel)
+        elif plan == "column_wise":
+            per_table[name] = column_wise(ranks=[0, 1], compute_kernel=kernel)
+        elif plan in ("data_parallel", "table_row_wise", "grid_shard"):
+            # these helpers take no compute kernel (data_parallel's is always "dense"): set it explicitly
+            gen = {
+                "data_parallel": data_parallel,
+                "table_row_wise": lambda i=i: table_row_wise(host_index=i % (world // LOCAL_SIZE)),
+                "grid_shard": lambda: grid_shard(host_indexes=[0, 1]),
+            }[plan]()
+
+            def with_kernel(*a, _gen=gen, **kw):
+                ps = _gen(*a, **kw)
+                ps.compute_kernel = kernel
+                return ps
+
+            per_table[name] = with_kernel
+        else:
+            raise ValueError(plan)
+    module_plan = construct_module_sharding_plan(
+        ebc,
+        per_param_sharding=per_table,
+        sharder=sharder,
+        local_size=min(world, LOCAL_SIZE),
+        world_size=world,
+        device_type="cpu",
+    )
+    env = ShardingEnv.from_process_group(dist.GroupMember.WORLD)
+    model = DistributedModelParallel(
+        Model(ebc), env=env, device=torch.device("cpu"), plan=ShardingPlan({"ebc": module_plan}), sharders=[sharder]
+    )
+    if fused:
+        opt = model.fused_optimizer
+    else:
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    keys = [f"f{n[1:]}" for n, _, _ in tables]
+
+    def kjt(lengths: torch.Tensor, values: torch.Tensor):
+        return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths)
+
+    return model, kjt, opt
+
+
+def build_lightning_rec(tables, plan: str, variant: str, world: int, lr: float):
+    """lightning_rec's shard_modules over the same collection and plan; returns (model, kjt_factory, optimizer)."""
+    # imported here: this file also runs in the side environment, which has no lightning_rec
+    from lightning_rec import (
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        KeyedJaggedTensor,
+        ShardingPlan,
+        column_wise,
+        data_parallel,
+        fused_optimizer,
+        grid_shard,
+        row_wise,
+        shard_modules,
+        table_row_wise,
+        table_wise,
+    )
+
+    configs = [
+        EmbeddingBagConfig(num_embeddings=r, embedding_dim=d, name=n, feature_names=[f"f{n[1:]}"]) for n, r, d in tables
+    ]
+    fused = variant == "fused"
+    ebc = EmbeddingBagCollection(configs, device="meta", sparse_grad=False)
+    per_table = {}
+    for i, (name, _, _) in enumerate(tables):
+        per_table[name] = {
+            "table_wise": lambda i=i: table_wise(i % world),
+            "row_wise": row_wise,
+            "column_wise": lambda: column_wise([0, 1]),
+            "data_parallel": data_parallel,
+            "table_row_wise": lambda i=i: table_row_wise(i % (world // LOCAL_SIZE)),
+            "grid_shard": lambda: grid_shard([0, 1]),
+        }[plan]()
+    model = shard_modules(
+        Model(ebc),
+        ShardingPlan({"ebc": per_table}),
+        local_size=LOCAL_SIZE if plan in ("table_row_wise", "grid_shard") else None,
+        embedding_optimizer={"kind": "sgd", "lr": lr} if fused else None,
+    )
+    if fused:
+        opt = fused_optimizer(model)
+    else:
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    keys = [f"f{n[1:]}" for n, _, _ in tables]
+
+    def kjt(lengths: torch.Tensor, values: torch.Tensor):
+        return KeyedJaggedTensor(keys, values, lengths=lengths)
+
+    return model, kjt, opt
+
+
+# -- worker ---------------------------------------------------------------------------------------------------
+def run_config(lib: str, rank: int, world: int, cmd: dict) -> dict:
+    cfg, job, plan, variant = cmd["cfg"], cmd["job"], cmd["plan"], cmd["variant"]
+    tables = job_tables(job, cfg)
+    batches = make_batches(tables, cfg, seed=1000 + rank)
+    checksum = sum(int(v.sum()) + 7 * int(lg.sum()) + 11 * int(y.sum()) for lg, v, y in batches)
+    torch.manual_seed(0)
+    dist.barrier()
+    t0 = time.perf_counter()
+    build = build_torchrec if lib == "torchrec" else build_lightning_rec
+    model, make_kjt, opt = build(tables, plan, variant, world, cfg["lr"])
+    setup_s = time.perf_counter() - t0
+    kjts = [(make_kjt(lg, v), y) for lg, v, y in batches]
+    losses: list[float] = []
+
+    def step(batch) -> torch.Tensor:
+        kjt, labels = batch
+        out = model(kjt).values()
+        # a click model's loss on the mean of the pooled vectors: bounded gradients, so no divergence at any lr
+        loss = F.binary_cross_entropy_with_logits(out.mean(1), labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    for i in range(cfg["warmup"]):
+        step(kjts[i % len(kjts)])
+    dist.barrier()
+    busy0, cpu0, t0 = busy_seconds(), time.process_time(), time.perf_counter()
+    step_times = []
+    for i in range(cfg["steps"]):
+        s0 = time.perf_counter()
+        losses.append(step(kjts[i % len(kjts)]))
+        step_times.append(time.perf_counter() - s0)
+    dist.barrier()
+    elapsed = time.perf_counter() - t0
+    cpu, busy1 = time.process_time() - cpu0, busy_seconds()
+    if cmd.get("profile"):
+        profile_steps(step, kjts, cfg, f"{cmd['profile']}-{lib}.txt" if rank == 0 else None)
+    bare = None
+    if cmd.get("bare") and world == 1 and variant == "fused":
+        bare = versus_bare_kernel(step, kjts, tables, batches, cfg)
+    # the same batches come back every `distinct` steps: their losses, summed, must have dropped between their
+    # first and last showing, or nothing was trained
+    d = cfg["distinct"]
+    first, last = losses[:d], losses[-d:] if len(losses) >= 2 * d else []
+    trained = bool(sum(last) < sum(first)) if last else None
+    opt_numel = sum(p.numel() for g in opt.param_groups for p in g["params"]) if variant == "dense" else None
+    return {
+        "elapsed": elapsed,
+        "step_times": step_times,
+        "own_cpu": cpu,
+        "busy": None if busy0 is None or busy1 is None else busy1 - busy0,
+        "setup_s": setup_s,
+        "checksum": checksum,
+        "last_loss": float(losses[-1]) if losses else None,
+        "losses": [float(x) for x in losses],
+        "trained": trained,
+        "opt_numel": opt_numel,  # elements the torch optimizer steps (dense variant): both sides should agree
+        "bare": bare,
+    }
+
+
+def versus_bare_kernel(step, kjts: list, tables, batches: list, cfg: dict) -> dict:
+    """Median ms of the library's step and of the bare fbgemm kernel's step (same tables, ids, loss, EXACT_SGD),
+    alternated in this one process so that both see the same machine: the library's own overhead."""
+    # both environments have fbgemm-gpu-cpu 1.8.0
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        EmbeddingLocation,
+        OptimType,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(r, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for _, r, d in tables],
+        optimizer=OptimType.EXACT_SGD,
+        learning_rate=cfg["lr"],
+    )
+    tbe.init_embedding_weights_uniform(-0.01, 0.01)  # zeros otherwise
+    inputs = [(v, torch.cat([lg.new_zeros(1), lg.cumsum(0)]), y) for lg, v, y in batches]
+
+    def bare_step(batch) -> None:
+        values, offsets, labels = batch
+        F.binary_cross_entropy_with_logits(tbe(values, offsets).mean(1), labels).backward()
+
+    ours, theirs = [], []
+    for i in range(cfg["warmup"]):
+        bare_step(inputs[i % len(inputs)])
+    for i in range(cfg["steps"]):
+        t0 = time.perf_counter()
+        step(kjts[i % len(kjts)])
+        t1 = time.perf_counter()
+        bare_step(inputs[i % len(inputs)])
+        t2 = time.perf_counter()
+        ours.append(t1 - t0)
+        theirs.append(t2 - t1)
+    return {"lib_ms": 1e3 * statistics.median(ours), "bare_ms": 1e3 * statistics.median(theirs)}
+
+
+def profile_steps(step, kjts: list, cfg: dict, path: str | None) -> None:
+    """After the timed steps: the same steps again under cProfile, then under torch.profiler; text to ``path``.
+
+    Every rank runs the steps (their collectives must match); ranks with ``path=None`` write nothing.
+    """
+    n = cfg["steps"]
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(n):
+        step(kjts[i % len(kjts)])
+    prof.disable()
+    text = io.StringIO()
+    text.write(f"# cProfile over {n} steps (per-step ms = cumtime / {n} x 1000)\n")
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(35)
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
+        for i in range(n):
+            step(kjts[i % len(kjts)])
+    text.write(f"\n# torch.profiler over {n} steps (self CPU time by op)\n")
+    text.write(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+    if path:
+        Path(path).write_text(text.getvalue())
+
+
+def worker(lib: str, rank: int, world: int, port: int) -> None:
+    """Run configurations read from stdin until EOF; one RESULT line of JSON each on stdout."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            res = {"ok": True, **run_config(lib, rank, world, cmd)}
+        except Exception as e:  # reported to the driver, which restarts the group
+            traceback.print_exc()
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            msg = str(e).splitlines()[0] if str(e) else f"at {Path(where.filename).name}:{where.lineno} {where.line}"
+            res = {"ok": False, "error": f"{type(e).__name__}: {msg}"[:300]}
+        print(RESULT + json.dumps(res), flush=True)
+        if not res["ok"]:
+            break
+    dist.destroy_process_group()
+
+
+# -- driver ---------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Group:
+    """``world`` persistent worker processes of one library."""
+
+    def __init__(self, lib: str, world: int, python: str, log_dir: Path, nice: int) -> None:
+        self.lib, self.world = lib, world
+        port = free_port()
+        # TorchRec reads the host size for table_row_wise / grid_shard from LOCAL_WORLD_SIZE
+        env = dict(
+            os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", LOCAL_WORLD_SIZE=str(min(world, LOCAL_SIZE))
+        )
+        if lib == "lightning_rec":
+            env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        else:
+            env.pop("PYTHONPATH", None)
+        self.procs, self.queues = [], []
+        for r in range(world):
+            log = open(log_dir / f"{lib}-w{world}-r{r}.log", "a")  # noqa: SIM115 (kept open with the process)
+            cmd = [
+                python,
+                str(Path(__file__).resolve()),
+                "--worker",
+                lib,
+                "--rank",
+                str(r),
+                "--world",
+                str(world),
+                "--port",
+                str(port),
+            ]
+            if nice:
+                cmd = ["nice", "-n", str(nice), *cmd]
+            p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+            q: queue.Queue = queue.Queue()
+            threading.Thread(target=self._read, args=(p, q), daemon=True).start()
+            self.procs.append(p)
+            self.queues.append(q)
+
+    @staticmethod
+    def _read(p: subprocess.Popen, q: queue.Queue) -> None:
+        for line in p.stdout:
+            if line.startswith(RESULT):
+                q.put(json.loads(line[len(RESULT) :]))
+        q.put({"ok": False, "error": f"process exited (code {p.wait()})"})
+
+    def run(self, cmd: dict, timeout_s: float) -> list[dict]:
+        line = json.dumps(cmd) + "\n"
+        for p in self.procs:
+            p.stdin.write(line)
+            p.stdin.flush()
+        deadline = time.monotonic() + timeout_s
+        out = []
+        for q in self.queues:
+            try:
+                out.append(q.get(timeout=max(0.1, deadline - time.monotonic())))
+            except queue.Empty:
+                out.append({"ok": False, "error": f"timeout after {timeout_s:.0f} s"})
+        return out
+
+    def close(self, kill: bool = False) -> None:
+        for p in self.procs:
+            if kill:
+                p.kill()
+            elif p.stdin:
+                p.stdin.close()
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def summarize(res: list[dict], cfg: dict, world: int) -> dict:
+    bad = [r for r in res if not r.get("ok")]
+    if bad:
+        return {"error": bad[0]["error"]}
+    elapsed = max(r["elapsed"] for r in res)
+    steps = cfg["steps"]
+    med = statistics.median(max(ts) for ts in zip(*(r["step_times"] for r in res)))
+    busy = res[0]["busy"]
+    others = None if busy is None else max(0.0, busy - sum(r["own_cpu"] for r in res)) / res[0]["elapsed"]
+    return {
+        "sps": world * cfg["batch"] * steps / elapsed,
+        "med_sps": world * cfg["batch"] / med,
+        "ms_step": 1e3 * elapsed / steps,
+        "others": others,
+        "setup_s": max(r["setup_s"] for r in res),
+        "checksum": [r["checksum"] for r in res],
+        "last_loss": res[0]["last_loss"],
+        "trained": [r["trained"] for r in res],
+        "bare": res[0].get("bare"),
+        "opt_numel": [r["opt_numel"] for r in res],
+    }
+
+
+def machine() -> str:
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (
+        f"{os.cpu_count()} CPUs ({model}); {platform.system()} {platform.release()}; "
+        f"Python {platform.python_version()}, torch {torch.__version__} on both sides, gloo, 1 thread per process"
+    )
+
+
+def fmt_cell(s: dict | None) -> str:
+    if s is None:
+        return "not run"
+    if "error" in s:
+        return f"fails: {s['error'][:90]}"
+    noise = "?" if s["others"] is None else f"{s['others']:.2f}"
+    return f"{s['sps'] / 1e3:.1f}k (med {s['med_sps'] / 1e3:.1f}k; others {noise})"
+
+
+def ok(s: dict | None) -> bool:
+    return bool(s) and "error" not in s
+
+
+def write_report(path: Path, rows: list[dict], cfg: dict, args: argparse.Namespace, total_s: float) -> None:
+    dlrm_rows = [r for _, r, _ in job_tables("dlrm", cfg)]
+    # perfect scaling: world x the best single-process figure of that job and variant (either library)
+    single: dict[tuple[str, str], float] = {}
+    for row in rows:
+        if row["world"] == 1:
+            for lib in LIBS:
+                if ok(row[lib]):
+                    key = (row["job"], row["variant"])
+                    single[key] = max(single.get(key, 0.0), row[lib]["sps"])
+    lines = [
+        "# lightning_rec vs TorchRec 1.8.0 (gloo, CPU, one run)",
+        "",
+        f"Machine: {machine()}. TorchRec 1.8.0 + fbgemm-gpu-cpu 1.8.0 in a side venv.",
+        "",
+        (
+            f"Job: `big` = {cfg['big_tables']} tables x {cfg['rows']:,} rows x {cfg['dim']}; `dlrm` = 26 tables, "
+            f"{min(dlrm_rows):,}..{max(dlrm_rows):,} rows x {cfg['dim']}; SUM, fp32, one feature per table; "
+            f"{cfg['batch']:,} samples per rank, ~{cfg['ids']} Zipf ids per bag (a={cfg['zipf']}); "
+            f"loss = BCE-with-logits(mean of pooled, random 0/1 labels); SGD lr {cfg['lr']}; {cfg['warmup']} warm-up + "
+            f"{cfg['steps']} timed steps between barriers, {cfg['distinct']} distinct batches per rank. "
+            "Same ids on both sides (checksums compared)."
+        ),
+        "",
+        "Cells: global samples/s over the timed steps (med = from the median step of the slowest rank); "
+        "others = cores other processes used on average meanwhile (0.00 = quiet; machine total busy from "
+        "/proc/stat minus our workers' CPU time). ratio = lightning_rec / TorchRec samples/s. fused = "
+        "update inside backward (fbgemm EXACT_SGD); dense = dense table gradients + torch.optim.SGD. "
+        "`table_wise` at world 1 is the single-process row. first = which library ran first for that row. "
+        "scaling = samples/s / (world x the best single-process samples/s of that job and variant), "
+        "TorchRec / lightning_rec.",
+        "",
+        "| job | world | plan | variant | first | TorchRec 1.8 | lightning_rec | ratio | scaling |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    ratios = []
+    for row in rows:
+        tr, lr = row["torchrec"], row["lightning_rec"]
+        ratio = f"{lr['sps'] / tr['sps']:.2f}x" if ok(tr) and ok(lr) else "-"
+        if ratio != "-":
+            ratios.append(f"{row['job']} w{row['world']} {row['plan']} {row['variant']} {ratio}")
+        limit = row["world"] * single.get((row["job"], row["variant"]), 0.0)
+        scaling = "-"
+        if row["world"] > 1 and limit:
+            scaling = " / ".join(f"{row[lib]['sps'] / limit:.0%}" if ok(row[lib]) else "-" for lib in LIBS)
+        lines.append(
+            f"| {row['job']} | {row['world']} | {row['plan']} | {row['variant']} | {row['first']} | "
+            f"{fmt_cell(tr)} | {fmt_cell(lr)} | {ratio} | {scaling} |"
+        )
+    # data_parallel: TorchRec's fused kernel does not build for it, so compare our fused with its best
+    for row in rows:
+        if row["plan"] == "data_parallel" and row["variant"] == "fused" and ok(row["lightning_rec"]):
+            best = [
+                r["torchrec"]["sps"]
+                for r in rows
+                if r["plan"] == "data_parallel"
+                and r["job"] == row["job"]
+                and r["world"] == row["world"]
+                and ok(r["torchrec"])
+            ]
+            if best:
+                ratios.append(
+                    f"{row['job']} w{row['world']} data_parallel, our fused vs TorchRec's best working variant "
+                    f"{row['lightning_rec']['sps'] / max(best):.2f}x"
+                )
+    bare_lines = []
+    for row in rows:
+        cells = [row[lib].get("bare") if ok(row[lib]) else None for lib in LIBS]
+        if any(cells):
+            txt = [
+                f"{c['lib_ms']:.2f} ms vs bare {c['bare_ms']:.2f} ms (+{c['lib_ms'] - c['bare_ms']:.2f} ms)"
+                if c
+                else "-"
+                for c in cells
+            ]
+            bare_lines.append(f"| {row['job']} | {row['variant']} | {txt[0]} | {txt[1]} |")
+    if bare_lines:
+        lines += [
+            "",
+            "One process, fused: median step of each library alternated with the bare fbgemm kernel "
+            "(`SplitTableBatchedEmbeddingBagsCodegen`, EXACT_SGD, same tables, ids and loss) in the same process; "
+            "the difference is the library's own per-step overhead.",
+            "",
+            "| job | variant | TorchRec 1.8 | lightning_rec |",
+            "|---|---|---|---|",
+            *bare_lines,
+        ]
+    noise = [row[lib]["others"] for row in rows for lib in LIBS if ok(row[lib]) and row[lib]["others"] is not None]
+    lines += [
+        "",
+        "Ratios (lightning_rec / TorchRec): " + ("; ".join(ratios) if ratios else "none") + ".",
+        "",
+        (
+            f"Noise: other processes used {min(noise):.2f}..{max(noise):.2f} cores during the timed sections."
+            if noise
+            else "Noise: not measured (no /proc/stat)."
+        ),
+        f"Total run time {total_s / 60:.1f} min; load average before/after: {args.load0} / {load()}.",
+        f"Command: `python benchmarks/bench_vs_torchrec.py {' '.join(sys.argv[1:])}`",
+        "",
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def configs(args: argparse.Namespace) -> list[tuple[str, int, str, str]]:
+    out = []
+    for job in args.jobs:
+        for world in args.world_sizes:
+            for plan in args.plans:
+                if world == 1 and plan != "table_wise":
+                    continue  # one process: every plan is the same local table
+                if plan in ("column_wise", "table_row_wise") and world < 2:
+                    continue
+                if plan == "grid_shard" and world < 2 * LOCAL_SIZE:
+                    continue  # needs two hosts
+                for variant in args.variants:
+                    out.append((job, world, plan, variant))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--side-env",
+        default=os.environ.get("LIGHTNING_REC_TORCHREC_ENV", str(DEFAULT_ENV)),
+        help="TorchRec venv (built on first use); default $LIGHTNING_REC_TORCHREC_ENV, else benchmarks/.side_env",
+    )
+    ap.add_argument("--build-only", action="store_true", help="only build the side environment")
+    ap.add_argument("--jobs", nargs="+", default=["big", "dlrm"], choices=["big", "dlrm"])
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--plans", nargs="+", default=list(PLANS), choices=PLANS)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--big-tables", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=100_000)
+    ap.add_argument("--dlrm-scale", type=float, default=1.0, help="multiplies the dlrm job's table sizes")
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=1024, help="samples per rank per step")
+    ap.add_argument("--ids", type=int, default=20, help="mean ids per bag")
+    ap.add_argument("--zipf", type=float, default=1.05)
+    ap.add_argument("--lr", type=float, default=0.5, help="SGD learning rate, both libraries")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--distinct", type=int, default=4, help="distinct batches per rank, cycled")
+    ap.add_argument("--small", action="store_true", help="smoke test: tiny tables and batches, few steps")
+    ap.add_argument("--nice", type=int, default=0, help="run the workers under nice -n N (shared machines)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds one configuration may take")
+    ap.add_argument(
+        "--profile",
+        metavar="PREFIX",
+        help="after each configuration's timed steps, profile the same steps on rank 0 of both libraries "
+        "(cProfile, then torch.profiler) and write PREFIX-<job>-w<world>-<plan>-<variant>-<library>.txt",
+    )
+    ap.add_argument(
+        "--bare",
+        action="store_true",
+        help="one-process fused rows: also time the bare fbgemm kernel on the same job, alternating with the "
+        "library's step in the same process (each library's overhead over the kernel, robust to machine load)",
+    )
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_torchrec.md"))
+    ap.add_argument("--worker", choices=LIBS, help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.rank, args.world, args.port)
+        return 0
+
+    side = build_side_env(Path(args.side_env).resolve())
+    if args.build_only:
+        print(f"side environment ready: {side}")
+        return 0
+    if args.small:
+        args.big_tables, args.rows, args.dlrm_scale, args.batch = 4, 5_000, 0.02, 128
+        args.warmup, args.steps, args.distinct = 1, 3, 2
+    cfg = {
+        k: getattr(args, k)
+        for k in (
+            "big_tables",
+            "rows",
+            "dlrm_scale",
+            "dim",
+            "batch",
+            "ids",
+            "zipf",
+            "lr",
+            "warmup",
+            "steps",
+            "distinct",
+        )
+    }
+    args.load0 = load()
+    pythons = {"torchrec": str(side), "lightning_rec": sys.executable}
+    out = Path(args.out)
+    log_dir = out.parent / "vs_torchrec_logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    groups: dict[tuple[str, int], Group] = {}
+    rows, raw = [], []
+    t_start = time.perf_counter()
+    try:
+        seen: dict[str, int] = {}
+        for job, world, plan, variant in configs(args):
+            # alternate which library goes first, separately within each variant (rows of one variant are
+            # compared with each other), starting differently per variant
+            n = seen[variant] = seen.get(variant, args.variants.index(variant) - 1) + 1
+            order = LIBS if n % 2 == 0 else LIBS[::-1]
+            row = {"job": job, "world": world, "plan": plan, "variant": variant, "first": order[0]}
+            cmd = {"cfg": cfg, "job": job, "plan": plan, "variant": variant}
+            if args.bare:
+                cmd["bare"] = True
+            if args.profile:
+                cmd["profile"] = f"{args.profile}-{job}-w{world}-{plan}-{variant}"
+            for lib in order:
+                key = (lib, world)
+                if key not in groups:
+                    groups[key] = Group(lib, world, pythons[lib], log_dir, args.nice)
+                res = groups[key].run(cmd, args.timeout)
+                if not all(r.get("ok") for r in res):  # a failed group may be stuck: start a fresh one next time
+                    groups.pop(key).close(kill=True)
+                row[lib] = summarize(res, cfg, world)
+                raw.append(
+                    {
+                        "lib": lib,
+                        **{k: v for k, v in row.items() if k in ("job", "world", "plan", "variant")},
+                        "ranks": res,
+                    }
+                )
+            tr, lr = row["torchrec"], row["lightning_rec"]
+            if "checksum" in tr and "checksum" in lr and tr["checksum"] != lr["checksum"]:
+                raise SystemExit(f"the two libraries saw different ids for {row}: a bug in this benchmark")
+            for lib in LIBS:
+                if False in row[lib].get("trained", []):
+                    print(f"WARNING: {lib} {job} w{world} {plan} {variant}: the loss of a repeated batch did not drop")
+            print(
+                f"{job} w{world} {plan} {variant}: TorchRec {fmt_cell(tr)} | lightning_rec {fmt_cell(lr)}", flush=True
+            )
+            rows.append(row)
+    finally:
+        for g in groups.values():
+            g.close()
+    total = time.perf_counter() - t_start
+    write_report(out, rows, cfg, args, total)
+    out.with_suffix(".json").write_text(json.dumps({"cfg": cfg, "rows": rows, "raw": raw}, indent=1))
+    print(f"wrote {out} ({total / 60:.1f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
