@@ -85,6 +85,15 @@ class RecShardedStrategy(DDPStrategy):
         self.embedding_optimizer = as_spec(embedding_optimizer)
         self.mesh_info: MeshInfo | None = None
 
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        # init_process_group(device_id=...) and ShardedTensor placements refuse a CUDA device without an index
+        device = super().root_device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", self.local_rank)
+        return device
+
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
