@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import warnings
 from importlib import metadata
+from typing import Any
 
 import torch
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 # Sharded tables are described as ShardedTensors (see make_sharded_tensor); torch warns on every use.
 warnings.filterwarnings("ignore", message=r".*Please use DTensor instead and we are deprecating ShardedTensor.*")
@@ -87,29 +91,42 @@ def has_kernel_for(op: str, device_type: str) -> bool:
         return False
 
 
+def indexed_device(device: Any) -> Any:
+    """``device`` with an index: torch refuses ShardedTensor placements (and ``device_id``) without one."""
+    device = torch.device(device)
+    if device.index is None and device.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def make_sharded_tensor(
-    local: list[tuple[object, list[int]]],
-    shards: list[tuple[list[int], list[int], int]],
+    local: list[tuple[Any, list[int]]],
+    shards: list[tuple],
     global_size: list[int],
-    dtype: object,
-    device_type: str,
-    process_group: object,
-) -> object:
-    """A ShardedTensor over ``local`` pieces ``(tensor, offsets)`` with ``shards`` = ``(offsets, sizes, global rank)``.
+    dtype: Any,
+    device: Any,
+    process_group: Any,
+) -> Any:
+    """A ShardedTensor over ``local`` pieces ``(tensor, offsets)``; ``shards`` = ``(offsets, sizes, global rank[,
+    device])`` of every shard.
 
-    Uses the constructor that trusts the metadata and runs no collective, so ``state_dict()`` may be
-    called on one rank alone. Zero-size shards are left out of the metadata (they hold nothing).
+    A local piece's placement is the device it lives on; another rank's is its ``device`` entry, else
+    ``device`` (a type alone gets the current index). Uses the constructor that trusts the metadata and
+    runs no collective, so ``state_dict()`` may be called on one rank alone. Zero-size shards are left
+    out of the metadata (they hold nothing).
     """
-    import torch
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-
-    metas = [
-        ShardMetadata(shard_offsets=list(off), shard_sizes=list(size), placement=f"rank:{rank}/{device_type}")
-        for off, size, rank in shards
-        if all(s > 0 for s in size)
-    ]
+    me = torch.distributed.get_rank()
+    local_devices = {tuple(off): t.device for t, off in local if t is not None}
+    metas = []
+    for entry in shards:
+        off, size, rank = entry[:3]
+        if not all(s > 0 for s in size):
+            continue
+        where = local_devices.get(tuple(off)) if rank == me else None
+        if where is None:
+            where = entry[3] if len(entry) > 3 and entry[3] is not None else device
+        metas.append(ShardMetadata(shard_offsets=list(off), shard_sizes=list(size),
+                                   placement=f"rank:{rank}/{indexed_device(where)}"))
     by_offsets = {tuple(m.shard_offsets): m for m in metas}
     local_shards = [Shard(tensor=t, metadata=by_offsets[tuple(off)]) for t, off in local if t.numel() > 0]
     meta = ShardedTensorMetadata(
@@ -119,8 +136,6 @@ def make_sharded_tensor(
 
 
 def is_sharded_tensor(x: object) -> bool:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
     return isinstance(x, ShardedTensor)
 
 
@@ -132,7 +147,7 @@ def precision_target_dtype(precision_plugin: object) -> object:
 
 def synced_grad_scaler(scaler: object, group: object) -> object:
     """``scaler``'s settings in a GradScaler whose inf/NaN check is all-reduced over ``group``."""
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: PLC0415 - only with AMP
 
     if isinstance(scaler, ShardedGradScaler):
         return scaler

@@ -90,6 +90,15 @@ class RecShardedStrategy(DDPStrategy):
         self.mesh_info: MeshInfo | None = None
         self.trusted_checkpoints = trusted_checkpoints
 
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        # init_process_group(device_id=...) and ShardedTensor placements refuse a CUDA device without an index
+        device = super().root_device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", self.local_rank)
+        return device
+
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -23,7 +23,9 @@ def _wire_dtype(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.dtype
     return t.dtype
 
 
-def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:
+def _all_to_all(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
     wire = _wire_dtype(x, group)
     out = torch.empty(sum(out_splits), dtype=wire, device=x.device)
     dist.all_to_all_single(out, x.to(wire).contiguous(), out_splits, in_splits, group=group)
@@ -62,19 +64,32 @@ def all_to_all(
         rank 1: x=[b0 b1],    in_splits=[1, 1]   ->  out=[a1 a2 b1],  out_splits=[2, 1]
     """
     if differentiable or x.requires_grad:
-        anchor = torch.zeros(0, requires_grad=True)
+        anchor = torch.zeros(0, requires_grad=True, device=x.device)
         return _AllToAll.apply(x, anchor, list(out_splits), list(in_splits), group)
     return _all_to_all(x, list(out_splits), list(in_splits), group)
 
 
-def all_gather_ints(values: list[int], group: dist.ProcessGroup | None) -> list[list[int]]:
-    """Every rank's list of ints (all lists have the same length).
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a small bookkeeping tensor may travel through ``group``: CPU if its backend takes CPU tensors
+    (gloo), else the current CUDA device (NCCL sees only CUDA tensors)."""
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "mpi" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
+
+def all_gather_ints(
+    values: list[int], group: dist.ProcessGroup | None, device: torch.device | str | None = None
+) -> list[list[int]]:
+    """Every rank's list of ints (all lists have the same length), exchanged on ``device``.
+
+    ``device`` is the caller's module device (default: :func:`collective_device`).
     Example: rank 0 passes ``[3]``, rank 1 ``[5]``; both get ``[[3], [5]]``.
     """
     n = dist.get_world_size(group)
-    local = torch.tensor(values, dtype=torch.long)
-    out = torch.empty(n * len(values), dtype=torch.long)
+    dev = collective_device(group) if device is None else device
+    local = torch.tensor(values, dtype=torch.long, device=dev)
+    out = torch.empty(n * len(values), dtype=torch.long, device=dev)
     _all_gather_single(out, local, group=group)
     return out.view(n, len(values)).tolist()
 
@@ -145,7 +160,7 @@ def own_rows_of_union(union: torch.Tensor, counts: list[int], group: dist.Proces
     Example with 2 ranks, ``counts=[2, 1]``, union ``[u0 u1 u2]`` on both: rank 0 gets ``[u0 u1]``, rank 1
     ``[u2]``; gradients ``[g0 g1]`` and ``[h2]`` come back as the union gradient ``[g0 g1 h2]`` on both.
     """
-    anchor = torch.zeros(0, requires_grad=True)
+    anchor = torch.zeros(0, requires_grad=True, device=union.device)
     return _OwnRowsOfUnion.apply(union, anchor, list(counts), group)
 
 
@@ -157,7 +172,7 @@ def _union_of_touched_rows(ids: list[torch.Tensor], rows: list[int], group: dist
         offsets.append(offsets[-1] + r)
     # one id space (table t's row r is offsets[t] + r), so every table shares the same two collectives
     local = torch.unique(torch.cat([i.long() + off for i, off in zip(ids, offsets)]))
-    counts = [c[0] for c in all_gather_ints([local.numel()], group)]
+    counts = [c[0] for c in all_gather_ints([local.numel()], group, device=dev)]
     width = max(counts)
     padded = torch.full((width,), -1, dtype=torch.long, device=dev)
     padded[: local.numel()] = local
@@ -185,9 +200,10 @@ def _sum_touched_rows(
         else:
             r = g.index_select(0, u)
         rows.append(r)
+    buf_device = rows[0].device
     dtypes = {r.dtype for r in rows}
     wire = rows[0].dtype if len(dtypes) == 1 else torch.float32
-    wire = _wire_dtype(torch.empty(0, dtype=wire), group)
+    wire = _wire_dtype(torch.empty(0, dtype=wire, device=buf_device), group)
     buf = torch.cat([r.to(wire).reshape(-1) for r in rows])
     # moderate buckets: gloo's all-reduce of one buffer of hundreds of MB is slower than of its pieces
     for piece in torch.split(buf, _BUCKET_ELEMENTS):

@@ -1,0 +1,318 @@
+"""The shared machinery of sharded collections: local shards, devices, routing, input checks, stage 1.
+
+A :class:`ShardedCollection` holds this rank's pieces of its tables (and full replicas of data-parallel
+tables), the frozen routing table, and the process groups; its subclasses in ``sharded.py`` add the
+lookup and output dist of pooled and sequence embeddings.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_rec import _compat, kernels
+from lightning_rec.configs import BaseEmbeddingConfig
+from lightning_rec.modules import _FeatureLayout, _Table, _TableContainer
+from lightning_rec.optim import as_spec
+from lightning_rec.sharding import comm, dists, state
+from lightning_rec.sharding.dists import Received
+from lightning_rec.sharding.fused import build_kernels, check_fused, union_lookup
+from lightning_rec.sharding.layout import ShardMeta
+from lightning_rec.sharding.routing import RoutingTable, build_routing
+from lightning_rec.sparse import KeyedJaggedTensor
+
+
+def _broadcast_from_first(w: torch.Tensor, group: dist.ProcessGroup) -> None:
+    if dist.get_world_size(group) == 1:
+        return
+    with torch.no_grad():
+        wire = w.float() if w.dtype == torch.bfloat16 else w
+        dist.broadcast(wire, src=dist.get_process_group_ranks(group)[0], group=group)
+        if wire is not w:
+            w.copy_(wire)
+
+
+def target_device(module: nn.Module, device: torch.device | str | None) -> torch.device:
+    """Where this rank's shards go: ``device``, else where the module's tables are (the default device for meta)."""
+    if device is None:
+        found = [p.device for p in module.parameters()]
+        device = found[0] if found and found[0].type != "meta" else torch.get_default_device()
+    return _compat.indexed_device(device)
+
+
+class ShardedCollection(nn.Module):
+    """Shared machinery of the sharded pooled and sequence collections.
+
+    ``forward`` is three stages, :meth:`input_dist` -> :meth:`lookup` -> :meth:`output_dist`, driven by a
+    frozen :class:`~lightning_rec.sharding.routing.RoutingTable`; data-parallel tables skip them. Other
+    modules read a sharded collection only through the read-only accessors below and
+    ``sharded_collections(model)``; everything underscored is this module's own.
+    """
+
+    _attr = ""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        shards: dict[str, list[ShardMeta] | None],
+        shard_group: dist.ProcessGroup,
+        *,
+        embedding_grad: str = "sum",
+        replica_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        sparse_grad: bool | None = None,
+        embedding_optimizer=None,
+        peer_devices: dict[int, torch.device] | None = None,
+    ) -> None:
+        super().__init__()
+        fused = as_spec(embedding_optimizer)
+        if replica_group is not None and dist.get_world_size(replica_group) == 1:
+            replica_group = None
+        tables: list[BaseEmbeddingConfig] = list(
+            module.embedding_bag_configs() if self._attr == "embedding_bags" else module.embedding_configs()
+        )
+        self._layout = _FeatureLayout(tables)
+        self._shards = shards
+        self._group = shard_group
+        self._replica_group = replica_group
+        self._group_size = dist.get_world_size(shard_group)
+        self._group_rank = dist.get_rank(shard_group)
+        self._global_ranks = dist.get_process_group_ranks(shard_group)
+        replicas = 1 if replica_group is None else dist.get_world_size(replica_group)
+        self._num_dp_ranks = self._group_size * replicas
+        # replicated tables live on every data-parallel rank: the shard group, times the replicas under 2D
+        self._dp_group = shard_group if replica_group is None else dist.group.WORLD
+        self.embedding_grad = embedding_grad
+        self._scale = comm.grad_scale(embedding_grad, self._num_dp_ranks)
+        self.sparse_grad = module.sparse_grad if sparse_grad is None else sparse_grad
+        self._table_dtypes = [t.dtype for t in tables]
+        self._keep_table_dtypes = False
+        self._output_dtype: torch.dtype | None = None
+        dev = self._device = target_device(module, device)
+        peers = peer_devices or {}
+        self._peer_devices = [peers.get(g, dev) for g in self._global_ranks]
+
+        me = self._group_rank
+        source = getattr(module, self._attr)
+        container = _TableContainer()
+        if fused is not None:  # before any shard is allocated
+            check_fused(self._attr, tables, shards)
+        self._local_shards: list[tuple[int, ShardMeta]] = []  # (table index, shard) held here, table order
+        for i, t in enumerate(tables):
+            full = source[t.name].weight.detach()
+            if shards[t.name] is None:
+                if full.is_meta:
+                    w = torch.empty(full.shape, dtype=full.dtype, device=dev)
+                    t.init_weight(w)
+                else:
+                    w = full.to(dev)  # the same storage when already there
+                # replicas must start equal, as DDP makes dense replicas equal
+                _broadcast_from_first(w, self._dp_group)
+                container.add(t.name, _Table(w))
+                continue
+            mine = [s for s in shards[t.name] if s.rank == me]
+            if not mine:
+                continue
+            (s,) = mine
+            if full.is_meta:
+                piece = torch.empty(s.rows, s.cols, dtype=full.dtype, device=dev)
+                t.init_weight(piece)
+            else:
+                piece = full[s.row_offset : s.row_offset + s.rows, s.col_offset : s.col_offset + s.cols]
+                piece = piece.to(dev).clone().contiguous()
+            if replica_group is not None:
+                _broadcast_from_first(piece, replica_group)
+            container.add(t.name, _Table(piece))
+            self._local_shards.append((i, s))
+        self._fused: kernels.FusedPooledKernel | None = None  # this rank's shards
+        self._dp_fused: kernels.FusedPooledKernel | None = None  # the data-parallel tables
+        if fused is not None:
+            # a zero-row shard receives no ids; the fused kernel holds only shards with rows
+            self._local_shards = [(ti, s) for ti, s in self._local_shards if s.rows > 0]
+        setattr(self, self._attr, container)
+
+        self._routing: RoutingTable = build_routing(
+            self._layout.feature_table, self._layout.dims, [shards[t.name] for t in tables],
+            [ti for ti, _ in self._local_shards], me, self._group_size, dev,
+        )
+        if fused is not None:
+            shard_kernel, dp_kernel = build_kernels(
+                {n: container[n].weight for n in container}, fused, [t.name for t in tables],
+                self._layout.feature_table, self._routing, [ti for ti, _ in self._local_shards],
+            )
+            object.__setattr__(self, "_fused", shard_kernel)
+            object.__setattr__(self, "_dp_fused", dp_kernel)
+            # registered once, under the same keys as plain tables: <attr>.<table>.weight
+            setattr(self, self._attr, kernels.FusedTables(self.fused_kernels(), [t.name for t in tables]))
+        self._register_state_dict_hook(state.sharded_state_dict_hook)
+        self._register_load_state_dict_pre_hook(self._load_hook)
+
+    # -- read-only accessors for the rest of the library --------------------------------------------
+    @property
+    def tables(self) -> list[BaseEmbeddingConfig]:
+        """The table configs, in config order."""
+        return list(self._layout.tables)
+
+    @property
+    def shards(self) -> dict[str, list[ShardMeta] | None]:
+        """``{table: every shard of it (all ranks)}``; ``None`` for a data-parallel table."""
+        return dict(self._shards)
+
+    @property
+    def local_shards(self) -> list[tuple[int, ShardMeta]]:
+        """``(table index, shard)`` for the shards this rank holds, in table order."""
+        return list(self._local_shards)
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        return self._group
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        return self._replica_group
+
+    @property
+    def shard_group_ranks(self) -> list[int]:
+        """Global rank of every shard-group rank (``ShardMeta.rank`` indexes this list)."""
+        return list(self._global_ranks)
+
+    @property
+    def table_dtypes(self) -> list[torch.dtype]:
+        return list(self._table_dtypes)
+
+    @property
+    def table_attr(self) -> str:
+        """The attribute holding the tables (``embedding_bags`` or ``embeddings``), as in state_dict keys."""
+        return self._attr
+
+    @property
+    def is_fused(self) -> bool:
+        """Whether any table here (sharded or data-parallel) updates inside backward."""
+        return bool(self.fused_kernels())
+
+    @property
+    def device(self) -> torch.device:
+        """The device of this rank's tables and of every tensor the pipeline makes (with its index)."""
+        return self._device
+
+    @property
+    def peer_devices(self) -> list[torch.device]:
+        """The device each shard-group rank reported at sharding time (ShardedTensor placements)."""
+        return list(self._peer_devices)
+
+    @property
+    def routing(self) -> RoutingTable:
+        """This rank's routing table (frozen; rebuilt only by sharding again)."""
+        return self._routing
+
+    def _load_hook(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        state.load_hook(self, state_dict, prefix)
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        if self._keep_table_dtypes:
+            # a precision plugin converting the model moves tables but keeps the dtype their config fixed
+            convert = fn
+            fn = lambda t: t.to(convert(torch.empty(0, dtype=t.dtype, device=t.device)).device)  # noqa: E731
+        out = super()._apply(fn, recurse)
+        # Ranks without a local piece of a table still need its dtype for the wire; follow conversions.
+        self._table_dtypes = [fn(torch.empty(0, dtype=d, device=self._device)).dtype for d in self._table_dtypes]
+        self._device = _compat.indexed_device(fn(torch.empty(0, device=self._device)).device)
+        self._routing = self._routing.to(self._device)
+        return out
+
+    def keep_table_dtypes(self, output_dtype: torch.dtype | None) -> None:
+        """Make later dtype conversions of this module leave the tables' configured dtypes alone.
+
+        Lookups then return ``output_dtype`` (the precision the rest of the model computes in); gradients
+        flow back into the tables at their own precision. Used by the strategy for ``*-true`` precision.
+        """
+        self._keep_table_dtypes = True
+        self._output_dtype = output_dtype
+
+    def _out_dtype(self) -> torch.dtype:
+        return kernels.promoted_dtype(self._table_dtypes)
+
+    def _wire_weights(self, weights: torch.Tensor | None) -> torch.Tensor | None:
+        """Per-sample weights in the one dtype every rank agrees on, whatever float dtype the caller used.
+
+        The torch kernel casts weights to the table dtype, so any dtype at least as wide as the tables (and
+        float32, which the fused kernel takes) gives the unsharded module's answer.
+        """
+        if weights is None:
+            return None
+        return weights.to(torch.promote_types(self._out_dtype(), torch.float32))
+
+    # -- forward helpers ----------------------------------------------------------------------------
+    def _checked_input(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor | None, list[int]]:
+        """Validate locally, then agree across ranks, so one rank's bad input never leaves others waiting."""
+        err: Exception | None = None
+        kjt = None
+        try:
+            kjt = self._layout.select(features)
+            if kjt.device != self._device:
+                raise ValueError(f"the KeyedJaggedTensor is on {kjt.device} but this sharded collection is on "
+                                 f"{self._device}; move the batch (or the module) with .to()")
+            self._check_weights(kjt)
+        except (ValueError, TypeError) as e:
+            err = e
+        batch = kjt.stride() if kjt is not None else 0
+        if dist.get_world_size(self._dp_group) == 1:
+            if err is not None:
+                raise err
+            return kjt, [batch]
+        # agree over every rank this module exchanges with in forward or backward
+        status = comm.all_gather_ints([batch, int(err is not None)], self._dp_group, device=self._device)
+        by_rank = dict(zip(dist.get_process_group_ranks(self._dp_group), status))
+        bad = sorted(r for r, (_, e) in by_rank.items() if e)
+        if err is not None:
+            raise err
+        if bad:
+            raise ValueError(f"ranks {bad} rejected their input (see the error raised there); stopping this rank too")
+        return kjt, [by_rank[g][0] for g in self._global_ranks]
+
+    def _check_weights(self, kjt: KeyedJaggedTensor) -> None:
+        pass
+
+    def _uses_weights(self) -> bool:
+        return False
+
+    def _table_param(self, ti: int) -> torch.Tensor:
+        return getattr(self, self._attr)._modules[self._layout.tables[ti].name].weight
+
+    def fused_kernels(self) -> list[kernels.FusedPooledKernel]:
+        """The fused kernels of this rank (shards first, then data-parallel tables); empty without a fused optimizer."""
+        return [k for k in (self._fused, self._dp_fused) if k is not None]
+
+    def _fused_lookup(self, kernel, lengths, values, weights, ids_per_feature, batch, group) -> torch.Tensor:
+        return union_lookup(kernel, lengths, values, weights, ids_per_feature, batch, group, self._scale, self._device)
+
+    def _dp_weights(self, kjt: KeyedJaggedTensor) -> list[torch.Tensor]:
+        """The data-parallel tables as the lookup sees them (their backward sums the touched rows over ranks)."""
+        layout, dp_tables = self._layout, self._routing.dp_tables
+        opk = kjt.offset_per_key()
+        ids = [torch.cat([kjt.values()[opk[f] : opk[f + 1]] for f, t in enumerate(layout.feature_table) if t == ti])
+               for ti in dp_tables]
+        return comm.embedding_grad([self._table_param(ti) for ti in dp_tables], ids, self._dp_group, self._scale)
+
+    def _dp_feature_tables(self) -> list[int]:
+        pos = {ti: k for k, ti in enumerate(self._routing.dp_tables)}
+        return [pos[self._layout.feature_table[f]] for f in self._routing.dp_features]
+
+    # -- the three stages ---------------------------------------------------------------------------
+    def input_dist(self, kjt: KeyedJaggedTensor, batches: list[int]) -> Received:
+        """Stage 1: every route's ids to the shard's owner (``batches``: every shard rank's batch size)."""
+        weights = self._wire_weights(kjt.weights_or_none()) if self._uses_weights() else None
+        return dists.input_dist(kjt, weights, self._routing, batches, self._group, self._device)
+
+    def _shard_weights(self, recv: Received) -> list[torch.Tensor]:
+        """This rank's shards as the lookup sees them; under 2D replicas their backward sums over the replicas."""
+        my_route_table = self._routing.my_route_table
+        empty = torch.zeros(0, dtype=torch.long, device=self._device)
+        ids = [empty] * len(self._local_shards)
+        if self._replica_group is not None and self._local_shards:
+            route_ids = torch.split(recv.values, recv.ids_per_route())
+            ids = [torch.cat([route_ids[j] for j, t in enumerate(my_route_table) if t == k] or [empty])
+                   for k in range(len(self._local_shards))]
+        weights = [self._table_param(ti) for ti, _ in self._local_shards]
+        return comm.embedding_grad(weights, ids, self._replica_group, self._scale)

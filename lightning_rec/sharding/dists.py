@@ -1,0 +1,189 @@
+"""The two communication stages of the sharded pipeline: input dist (ids to shard owners) and output dist.
+
+Both are plain functions of a :class:`~lightning_rec.sharding.routing.RoutingTable` and a process group;
+the sharded collections call them as ``input_dist -> lookup -> output_dist`` (see
+docs/ARCHITECTURE.md, "One lookup, walked through"). Every tensor they create lives on ``device``, the
+module's device, so the same code runs over gloo on CPU and over NCCL (or gloo) on CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lightning_rec.sharding import comm
+from lightning_rec.sharding.layout import offsets_of
+from lightning_rec.sharding.routing import RoutingTable
+from lightning_rec.sparse import KeyedJaggedTensor, _offsets_from_lengths, _segment_gather_index
+
+
+def regroup(x: torch.Tensor, seg_sizes: list[int], n_outer: int, n_inner: int) -> torch.Tensor:
+    """Reorder contiguous segments laid out ``[outer][inner]`` into ``[inner][outer]`` order."""
+    sizes = torch.tensor(seg_sizes, dtype=torch.long, device=x.device)
+    starts = _offsets_from_lengths(sizes)[:-1]
+    perm = torch.arange(n_outer * n_inner, device=x.device).view(n_outer, n_inner).t().reshape(-1)
+    return x[_segment_gather_index(starts[perm], sizes[perm])]
+
+
+@dataclass(frozen=True)
+class Received:
+    """What the input dist delivered to this rank, and what the output dist needs to send results back.
+
+    ``lengths`` / ``values`` / ``weights`` are route-major (this rank's routes, each holding the bags of
+    every source rank in group order), ready for the lookup. ``ids_from[s][k]``: ids rank ``s`` sent for
+    this rank's route ``k``. ``positions[i]`` / ``sent[i]``: for route ``i`` of ``routing.all_routes``, where
+    in the feature's local ids the ids this rank sent came from, and how many.
+    """
+
+    lengths: torch.Tensor
+    values: torch.Tensor
+    weights: torch.Tensor | None
+    ids_from: list[list[int]]
+    positions: list[torch.Tensor]
+    sent: list[int]
+
+    def ids_per_route(self) -> list[int]:
+        """Ids this rank looks up for each of its routes (over all source ranks)."""
+        return [sum(col) for col in zip(*self.ids_from)] if self.ids_from and self.ids_from[0] else []
+
+
+def _bucketize(vals: torch.Tensor, lens: torch.Tensor, starts: tuple[int, ...], b: int, device: torch.device):
+    """Split one feature's ids by row block: per-block bag lengths, id counts, block-local ids, permutation."""
+    st = torch.tensor(starts, dtype=torch.long, device=device)
+    bucket = torch.searchsorted(st, vals, right=True) - 1
+    order = torch.argsort(bucket, stable=True)
+    bag = torch.repeat_interleave(torch.arange(b, device=device), lens)
+    counts = torch.bincount(bucket * b + bag, minlength=len(starts) * b).view(len(starts), b)
+    return counts, counts.sum(1).tolist(), vals[order] - st[bucket[order]], order
+
+
+def input_dist(
+    kjt: KeyedJaggedTensor,
+    weights: torch.Tensor | None,
+    routing: RoutingTable,
+    batches: list[int],
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> Received:
+    """Send every route's ids (made local to the shard's row block) to the shard owner; return what came in.
+
+    ``weights`` are the per-sample weights in the dtype every rank agreed on (or None). Comm: an
+    all-to-all of id counts, then of lengths, ids and weights.
+    """
+    b = kjt.stride()
+    values, lengths, opk = kjt.values(), kjt.lengths(), kjt.offset_per_key()
+    per_feature: dict[int, tuple] = {}
+    for r in routing.all_routes:
+        if r.feature in per_feature:
+            continue
+        f, ti = r.feature, r.table
+        vals = values[opk[f] : opk[f + 1]].long()
+        lens = lengths[f * b : (f + 1) * b]
+        w = None if weights is None else weights[opk[f] : opk[f + 1]]
+        starts = routing.row_starts[ti]
+        if len(starts) == 1:
+            per_feature[f] = (lens.view(1, b), [vals.numel()], vals - starts[0], w, None)
+            continue
+        counts, seg, local_vals, order = _bucketize(vals, lens, starts, b, device)
+        per_feature[f] = (counts, seg, local_vals, None if w is None else w[order], order)
+    send_lengths, send_values, send_weights, positions, value_counts = [], [], [], [], []
+    for lst in routing.routes_to:
+        n = 0
+        for r in lst:
+            counts, seg, vals, w, order = per_feature[r.feature]
+            blk = routing.block_of[(r.table, r.shard.row_offset)]
+            lo = sum(seg[:blk])
+            hi = lo + seg[blk]
+            send_lengths.append(counts[blk])
+            send_values.append(vals[lo:hi])
+            if w is not None:
+                send_weights.append(w[lo:hi])
+            positions.append(torch.arange(lo, hi, device=device) if order is None else order[lo:hi])
+            n += hi - lo
+        value_counts.append(n)
+
+    def cat(xs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat(xs) if xs else torch.zeros(0, dtype=dtype, device=device)
+
+    n_ranks, n_mine = routing.group_size, len(routing.my_routes)
+    ones = [1] * n_ranks
+    # sizes before payload: id counts per (source, destination), then lengths, ids, weights
+    counts = torch.tensor(value_counts, dtype=torch.long, device=device)
+    recv_counts = comm.all_to_all(counts, ones, ones, group).tolist()
+    len_in = [len(lst) * b for lst in routing.routes_to]
+    len_out = [n_mine * bs for bs in batches]
+    recv_l = comm.all_to_all(cat(send_lengths, torch.long), len_out, len_in, group)
+    recv_v = comm.all_to_all(cat(send_values, torch.long), recv_counts, value_counts, group)
+    recv_w = None
+    if weights is not None:
+        recv_w = comm.all_to_all(cat(send_weights, weights.dtype), recv_counts, value_counts, group)
+    # received layout is [source][route][bag]; the lookup wants [route][source][bag]
+    seg_bags = [bs for bs in batches for _ in range(n_mine)]
+    bounds = _offsets_from_lengths(torch.tensor(seg_bags, dtype=torch.long, device=device))
+    recv_offsets = _offsets_from_lengths(recv_l)
+    seg_vals = (recv_offsets[bounds[1:]] - recv_offsets[bounds[:-1]]).tolist()
+    return Received(
+        lengths=regroup(recv_l, seg_bags, n_ranks, n_mine),
+        values=regroup(recv_v, seg_vals, n_ranks, n_mine),
+        weights=None if recv_w is None else regroup(recv_w, seg_vals, n_ranks, n_mine),
+        ids_from=[seg_vals[s * n_mine : (s + 1) * n_mine] for s in range(n_ranks)],
+        positions=positions,
+        sent=[v.numel() for v in send_values],
+    )
+
+
+def pooled_output_dist(
+    pooled: torch.Tensor, routing: RoutingTable, batches: list[int], b: int, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Send each source rank its samples' pooled rows; return ``[b, sum of cols_from]``, rank-major columns.
+
+    ``pooled`` is ``[sum(batches), this rank's route columns]`` (the lookup's output). Backward is the
+    reverse all-to-all, run on every rank (see ``comm.all_to_all``).
+    """
+    cols_from = routing.cols_from
+    width = cols_from[routing.group_rank]
+    flat = comm.all_to_all(
+        pooled.reshape(-1), [b * w for w in cols_from], [bs * width for bs in batches], group,
+        differentiable=torch.is_grad_enabled(),
+    )
+    blocks = torch.split(flat, [b * w for w in cols_from])
+    return torch.cat([blk.view(b, w) for blk, w in zip(blocks, cols_from)], dim=1)
+
+
+def sequence_output_dist(
+    embs: list[torch.Tensor],
+    recv: Received,
+    routing: RoutingTable,
+    dims: list[int],
+    wire: torch.dtype,
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Send every id's embedding (columns of its shard) back to the id's rank.
+
+    ``embs[k]`` holds route ``k``'s per-id rows (source-major). Returns, per feature, ``(flat index into the
+    feature's [ids, dim] output, values)`` pieces to be summed into place.
+    """
+    mine = routing.my_routes
+    n_mine, n_ranks = len(mine), routing.group_size
+    cols = [r.shard.cols for r in mine]
+    flat = torch.cat([e.to(wire).reshape(-1) for e in embs]) if embs else torch.zeros(0, dtype=wire, device=device)
+    # route-major [route][source] -> source-major [source][route], in elements
+    elems = [recv.ids_from[s][k] * cols[k] for k in range(n_mine) for s in range(n_ranks)]
+    flat = regroup(flat, elems, n_mine, n_ranks)
+    send = [sum(recv.ids_from[s][k] * cols[k] for k in range(n_mine)) for s in range(n_ranks)]
+    all_routes = routing.all_routes
+    starts = offsets_of([len(x) for x in routing.routes_to])
+    recv_sizes = [sum(n * r.shard.cols for n, r in zip(recv.sent[i0 : i0 + len(lst)], lst))
+                  for i0, lst in zip(starts, routing.routes_to)]
+    back = comm.all_to_all(flat, recv_sizes, send, group, differentiable=torch.is_grad_enabled())
+    chunks = torch.split(back, [n * r.shard.cols for n, r in zip(recv.sent, all_routes)])
+    pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in dims]
+    for r, chunk, pos in zip(all_routes, chunks, recv.positions):
+        d = dims[r.feature]
+        cols_r = torch.arange(r.shard.cols, device=device)
+        idx = (pos.unsqueeze(1) * d + r.shard.col_offset + cols_r).reshape(-1)
+        pieces[r.feature].append((idx, chunk))
+    return pieces

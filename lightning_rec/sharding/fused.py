@@ -1,0 +1,117 @@
+"""Fused (in-backward update) kernels of a sharded collection: what they accept, how they are built, and
+the union-batch lookup that keeps every copy of a table exact (docs/ARCHITECTURE.md, "Fused optimizers and
+the union-batch rule")."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_rec import kernels
+from lightning_rec.configs import BaseEmbeddingConfig
+from lightning_rec.sharding import comm, dists
+from lightning_rec.sharding.layout import ShardMeta
+from lightning_rec.sharding.routing import RoutingTable
+from lightning_rec.sparse import _offsets_from_lengths
+
+
+def check_fused(attr: str, tables: list[BaseEmbeddingConfig], shards: dict[str, list[ShardMeta] | None]) -> None:
+    """Refuse what fbgemm's fused kernel cannot hold, on every rank alike, before anything is allocated."""
+    if attr != "embedding_bags":
+        raise ValueError("embedding_optimizer (fused) supports pooled EmbeddingBagCollections only")
+    kernel_dtypes: dict[object, dict[str, torch.dtype]] = {}  # kernel (a shard rank, or "dp") -> its tables
+    for t in tables:
+        if t.dtype not in (torch.float32, torch.float16):
+            raise ValueError(
+                f"table {t.name!r}: embedding_optimizer (fused) needs float32 or float16 tables, got {t.dtype} "
+                "(fbgemm has no fused CPU kernel for it); use embedding_optimizer=None for this collection"
+            )
+        pieces = shards[t.name]
+        widths = [t.embedding_dim] if pieces is None else [s.cols for s in pieces if s.rows > 0]
+        bad = [w for w in widths if w % 4]
+        if bad:
+            what = "its embedding_dim" if pieces is None else "a column shard of it"
+            raise ValueError(
+                f"table {t.name!r}: {what} is {bad[0]} wide; the fused fbgemm kernel needs a multiple of 4 "
+                "(choose other column shards, or use embedding_optimizer=None)"
+            )
+        for owner in ["dp"] if pieces is None else sorted({s.rank for s in pieces if s.rows > 0}):
+            kernel_dtypes.setdefault(owner, {})[t.name] = t.dtype
+    for owner, dtypes in kernel_dtypes.items():
+        if len(set(dtypes.values())) > 1:
+            where = "the data-parallel tables" if owner == "dp" else f"the shards held by shard rank {owner}"
+            detail = ", ".join(f"{n!r}: {d}" for n, d in dtypes.items())
+            raise ValueError(
+                f"embedding_optimizer (fused): {where} share one kernel, which needs one dtype; got {detail}"
+            )
+
+
+def build_kernels(
+    weights: dict[str, torch.Tensor],
+    spec,
+    table_names: list[str],
+    feature_table: Sequence[int],
+    routing: RoutingTable,
+    local_tables: list[int],
+) -> tuple[kernels.FusedPooledKernel | None, kernels.FusedPooledKernel | None]:
+    """One fused kernel for this rank's shards and one for the data-parallel tables (None where there is none).
+
+    ``weights``: each table's local piece (or replica) by name, copied into the kernels as initial weights.
+    """
+
+    def build(names: list[str], ft: list[int]) -> kernels.FusedPooledKernel:
+        ws = [weights[n] for n in names]
+        return kernels.FusedPooledKernel(
+            [(n, w.shape[0], w.shape[1], w.dtype) for n, w in zip(names, ws)], ft, spec,
+            device=ws[0].device, weights=[w.detach() for w in ws],
+        )
+
+    shard_kernel = dp_kernel = None
+    if local_tables:
+        shard_kernel = build([table_names[ti] for ti in local_tables], list(routing.my_route_table))
+    if routing.dp_tables:
+        pos = {ti: k for k, ti in enumerate(routing.dp_tables)}
+        ft = [pos[feature_table[f]] for f in routing.dp_features]
+        dp_kernel = build([table_names[ti] for ti in routing.dp_tables], ft)
+    return shard_kernel, dp_kernel
+
+
+def union_lookup(
+    kernel: kernels.FusedPooledKernel,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    ids_per_feature: list[int],
+    batch: int,
+    group: dist.ProcessGroup | None,
+    scale: float,
+    device: torch.device,
+) -> torch.Tensor:
+    """SUM-pooled ``[batch, width]`` from feature-major inputs; exact when ``group`` holds copies of the tables.
+
+    A fused kernel updates in backward, so every copy must see the gradient of every rank's samples at
+    once: each rank of ``group`` looks up the union batch (all ranks' bags, feature-major, ranks in
+    group order), keeps its own rows of the output, and in backward all-gathers the rows' gradients
+    into the union's gradient (``comm.own_rows_of_union``). Every copy then applies the same update
+    (bitwise: same inputs, same kernel) and holds the same optimizer state. Cost: ``|group|`` x the
+    lookup and its backward, plus an all-gather of lengths, ids (and weights) in forward and of the
+    pooled gradient in backward. Without autograd (evaluation) only the local batch is looked up.
+    ``scale`` (the ``embedding_grad`` rule) scales the update once, in the kernel.
+    """
+    if group is None or not torch.is_grad_enabled():
+        return kernel(values, _offsets_from_lengths(lengths), weights, grad_scale=scale)
+    n = len(ids_per_feature)
+    info = comm.all_gather_ints([batch, *ids_per_feature], group, device=device)
+    batches = [row[0] for row in info]
+    id_counts = [row[1:] for row in info]
+    lengths = dists.regroup(comm.gather_union(lengths, [n * b for b in batches], group),
+                            [b for b in batches for _ in range(n)], len(batches), n)
+    seg = [c for row in id_counts for c in row]
+    totals = [sum(row) for row in id_counts]
+    values = dists.regroup(comm.gather_union(values, totals, group), seg, len(batches), n)
+    if weights is not None:
+        weights = dists.regroup(comm.gather_union(weights, totals, group), seg, len(batches), n)
+    union = kernel(values, _offsets_from_lengths(lengths), weights, grad_scale=scale)
+    return comm.own_rows_of_union(union, batches, group)

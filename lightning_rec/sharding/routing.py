@@ -1,0 +1,126 @@
+"""The routing table of a sharded collection: which (feature, shard) pairs exist and where their columns go.
+
+Built once, at sharding time, by the pure function :func:`build_routing` from the table layout and the
+resolved shards; the input dist, lookup and output dist only read it. Nothing here talks to other
+processes, so it is unit-tested on one process (``tests/unit/test_routing.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lightning_rec.sharding.layout import ShardMeta, offsets_of
+
+
+@dataclass(frozen=True)
+class Route:
+    """Feature ``feature`` (config order) looked up in the shard ``shard`` of table ``table``."""
+
+    feature: int
+    table: int
+    shard: ShardMeta
+
+
+@dataclass(frozen=True)
+class RoutingTable:
+    """Everything the pipeline needs to know about routes, for one rank of the shard group.
+
+    ``routes_to[r]`` are the routes whose shard rank ``r`` owns, sorted by (table, feature): the order of
+    the all-to-all payloads to (and back from) rank ``r``. ``colmap`` maps the columns of the concatenated
+    ``[data-parallel features | pooled rows back from rank 0 | ... from rank n-1]`` block onto the columns
+    of the collection's output; it is the one tensor here and lives on the module's device.
+    """
+
+    group_rank: int
+    routes_to: tuple[tuple[Route, ...], ...]
+    row_starts: Mapping[int, tuple[int, ...]]  # table -> first row of each non-empty row block, ascending
+    block_of: Mapping[tuple[int, int], int]  # (table, row_offset) -> index of the row block
+    my_route_table: tuple[int, ...]  # for each of this rank's routes: index of the local shard it reads
+    cols_from: tuple[int, ...]  # width of the pooled rows each rank sends back per sample
+    dp_tables: tuple[int, ...]  # data-parallel tables, config order
+    dp_features: tuple[int, ...]  # features of data-parallel tables, config order
+    feat_off: tuple[int, ...]  # first output column of each feature, plus the total width
+    colmap: torch.Tensor
+
+    @property
+    def group_size(self) -> int:
+        return len(self.routes_to)
+
+    @property
+    def my_routes(self) -> tuple[Route, ...]:
+        return self.routes_to[self.group_rank]
+
+    @property
+    def has_model_parallel(self) -> bool:
+        """Whether any feature reads a shard (otherwise the dists are skipped)."""
+        return any(self.routes_to)
+
+    @property
+    def all_routes(self) -> list[Route]:
+        """Every route, destination-rank-major (the order of the senders' payloads)."""
+        return [r for lst in self.routes_to for r in lst]
+
+    def to(self, device: torch.device | str) -> RoutingTable:
+        return dataclasses.replace(self, colmap=self.colmap.to(device))
+
+
+def build_routing(
+    feature_table: Sequence[int],
+    dims: Sequence[int],
+    table_shards: Sequence[Sequence[ShardMeta] | None],
+    local_tables: Sequence[int],
+    group_rank: int,
+    group_size: int,
+    device: torch.device | str = "cpu",
+) -> RoutingTable:
+    """The routing table of one rank.
+
+    ``feature_table[f]`` is feature ``f``'s table, ``dims[f]`` its width; ``table_shards[t]`` every shard
+    of table ``t`` (``None`` for a data-parallel table); ``local_tables`` the table of each shard this rank
+    holds, in the order of its local shards. Zero-row shards get no route: they receive no ids.
+    """
+    row_starts: dict[int, tuple[int, ...]] = {}
+    block_of: dict[tuple[int, int], int] = {}
+    for ti, shards in enumerate(table_shards):
+        if shards is None:
+            continue
+        starts = tuple(sorted({s.row_offset for s in shards if s.rows > 0}))
+        row_starts[ti] = starts
+        for b, start in enumerate(starts):
+            block_of[(ti, start)] = b
+    routes_to: list[list[Route]] = [[] for _ in range(group_size)]
+    for f, ti in enumerate(feature_table):
+        for s in table_shards[ti] or []:
+            if s.rows > 0:
+                if not 0 <= s.rank < group_size:
+                    raise ValueError(f"a shard of table {ti} sits on rank {s.rank}, outside the group of {group_size}")
+                routes_to[s.rank].append(Route(f, ti, s))
+    for lst in routes_to:
+        lst.sort(key=lambda r: (r.table, r.feature))
+    local_index = {ti: k for k, ti in enumerate(local_tables)}
+    mine = routes_to[group_rank]
+    dp_tables = tuple(ti for ti, shards in enumerate(table_shards) if shards is None)
+    dp_features = tuple(f for f, ti in enumerate(feature_table) if ti in set(dp_tables))
+    feat_off = tuple(offsets_of(list(dims)))
+    cols = [list(range(feat_off[f], feat_off[f + 1])) for f in dp_features]
+    for lst in routes_to:
+        for r in lst:
+            first = feat_off[r.feature] + r.shard.col_offset
+            cols.append(list(range(first, first + r.shard.cols)))
+    colmap = torch.tensor([c for block in cols for c in block], dtype=torch.long, device=device)
+    return RoutingTable(
+        group_rank=group_rank,
+        routes_to=tuple(tuple(lst) for lst in routes_to),
+        row_starts=row_starts,
+        block_of=block_of,
+        my_route_table=tuple(local_index[r.table] for r in mine),
+        cols_from=tuple(sum(r.shard.cols for r in lst) for lst in routes_to),
+        dp_tables=dp_tables,
+        dp_features=dp_features,
+        feat_off=feat_off,
+        colmap=colmap,
+    )

@@ -1,0 +1,117 @@
+"""The routing table is a pure function of the layout: checked here on one process, no process group."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lightning_rec import _compat
+from lightning_rec.sharding.agreement import _mismatch_message, describe_table
+from lightning_rec.sharding.dists import Received, regroup
+from lightning_rec.sharding.layout import ShardMeta
+from lightning_rec.sharding.routing import Route, build_routing
+
+
+def _row_wise_10() -> list[ShardMeta]:
+    # docs/ARCHITECTURE.md's walk-through: 10 rows, rows 0-4 on rank 0, rows 5-9 on rank 1
+    return [ShardMeta(0, 5, 0, 4, 0), ShardMeta(5, 5, 0, 4, 1)]
+
+
+def test_row_wise_routes_blocks_and_columns() -> None:
+    shards = _row_wise_10()
+    rt = build_routing([0], [4], [shards], [0], group_rank=0, group_size=2)
+    assert rt.routes_to == ((Route(0, 0, shards[0]),), (Route(0, 0, shards[1]),))
+    assert rt.my_routes == (Route(0, 0, shards[0]),)
+    assert rt.row_starts == {0: (0, 5)}
+    assert rt.block_of == {(0, 0): 0, (0, 5): 1}
+    assert rt.my_route_table == (0,)
+    assert rt.cols_from == (4, 4)
+    assert rt.dp_tables == () and rt.dp_features == ()
+    # both row blocks land on the same 4 output columns: their partial sums add up
+    assert rt.colmap.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert rt.has_model_parallel and rt.group_size == 2
+
+
+def test_data_parallel_and_column_shards_map_onto_output_columns() -> None:
+    # features: a (dp table 0, width 2), b and c (table 1 column-wise 2+4 on ranks 1 and 0)
+    cw = [ShardMeta(0, 3, 0, 2, 1), ShardMeta(0, 3, 2, 4, 0)]
+    rt = build_routing([0, 1, 1], [2, 6, 6], [None, cw], [1], group_rank=0, group_size=2)
+    assert rt.dp_tables == (0,) and rt.dp_features == (0,)
+    assert rt.feat_off == (0, 2, 8, 14)
+    # rank 0 owns columns 2-5 of table 1 for features b and c; rank 1 columns 0-1
+    assert [r.feature for r in rt.routes_to[0]] == [1, 2] and [r.feature for r in rt.routes_to[1]] == [1, 2]
+    assert rt.cols_from == (8, 4)
+    assert rt.my_route_table == (0, 0)
+    want = [0, 1] + [4, 5, 6, 7] + [10, 11, 12, 13] + [2, 3] + [8, 9]
+    assert rt.colmap.tolist() == want
+    # every output column is covered exactly once when no table is row-split
+    assert sorted(want) == list(range(14))
+
+
+def test_zero_row_shards_get_no_route_and_routes_sort_by_table() -> None:
+    rw = [ShardMeta(0, 0, 0, 2, 0), ShardMeta(0, 3, 0, 2, 1)]
+    tw = [ShardMeta(0, 4, 0, 2, 1)]
+    rt = build_routing([1, 0], [2, 2], [rw, tw], [0, 1], group_rank=1, group_size=2)
+    assert rt.routes_to[0] == ()
+    assert [(r.table, r.feature) for r in rt.routes_to[1]] == [(0, 1), (1, 0)]
+    assert rt.row_starts == {0: (0,), 1: (0,)}
+    assert rt.cols_from == (0, 4)
+
+
+def test_no_model_parallel_when_every_table_is_replicated() -> None:
+    rt = build_routing([0, 0], [3, 3], [None], [], group_rank=0, group_size=3)
+    assert not rt.has_model_parallel and rt.cols_from == (0, 0, 0)
+    assert rt.colmap.tolist() == list(range(6))
+
+
+def test_shard_outside_the_group_is_refused() -> None:
+    with pytest.raises(ValueError, match="rank 2, outside the group of 2"):
+        build_routing([0], [4], [[ShardMeta(0, 3, 0, 4, 2)]], [], group_rank=0, group_size=2)
+
+
+def test_routing_table_is_frozen_and_follows_the_device() -> None:
+    rt = build_routing([0], [4], [_row_wise_10()], [0], group_rank=0, group_size=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rt.group_rank = 1  # type: ignore[misc]
+    moved = rt.to("meta")
+    assert moved.colmap.device.type == "meta" and rt.colmap.device.type == "cpu"
+    assert moved.routes_to == rt.routes_to
+    # built directly on a device, under another default device: nothing lands on the default
+    with torch.device("meta"):
+        on_cpu = build_routing([0], [4], [_row_wise_10()], [0], 0, 2, device="cpu")
+    assert on_cpu.colmap.device.type == "cpu"
+
+
+def test_regroup_swaps_outer_and_inner_segments() -> None:
+    # [outer][inner] with 2 outer, 3 inner segments of sizes 1,0,2 | 2,1,0
+    x = torch.tensor([10, 20, 21, 30, 31, 40])
+    out = regroup(x, [1, 0, 2, 2, 1, 0], 2, 3)
+    assert out.tolist() == [10, 30, 31, 40, 20, 21]
+
+
+def test_received_ids_per_route_sums_over_sources() -> None:
+    empty = torch.zeros(0)
+    recv = Received(empty, empty, None, ids_from=[[1, 2], [3, 4], [0, 5]], positions=[], sent=[])
+    assert recv.ids_per_route() == [4, 11]
+    assert Received(empty, empty, None, ids_from=[[], []], positions=[], sent=[]).ids_per_route() == []
+
+
+def test_placement_device_always_has_an_index() -> None:
+    assert _compat.indexed_device("cpu") == torch.device("cpu")
+    assert _compat.indexed_device(torch.device("meta")) == torch.device("meta")
+    if torch.cuda.is_available():
+        assert _compat.indexed_device("cuda").index == torch.cuda.current_device()
+
+
+def test_table_descriptions_differ_exactly_when_layouts_differ() -> None:
+    from lightning_rec import EmbeddingBagConfig
+
+    t = EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["f"])
+    a = describe_table(t, [ShardMeta(0, 3, 0, 4, 0), ShardMeta(3, 7, 0, 4, 1)])
+    b = describe_table(t, [ShardMeta(0, 5, 0, 4, 0), ShardMeta(5, 5, 0, 4, 1)])
+    assert a != b and a == describe_table(t, [ShardMeta(0, 3, 0, 4, 0), ShardMeta(3, 7, 0, 4, 1)])
+    assert describe_table(t, None) != a
+    msg = _mismatch_message({0: ({("", "t"): a}, "o"), 1: ({("", "t"): b}, "o"), 2: ({("", "t"): a}, "o")})
+    assert "table 't'" in msg and "ranks [0, 2]" in msg and "rank 1:" in msg and "sharding options" not in msg
