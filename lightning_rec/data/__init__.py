@@ -6,9 +6,12 @@ data-parallel ranks with the same number of batches per rank, no overlap and no 
 """
 
 from lightning_rec.data._sharding import rank_batch_ranges
+from lightning_rec.data._stream import ClickStream
 from lightning_rec.data.batch import Batch, batch_from_arrays, collate
 from lightning_rec.data.criteo import CriteoNpy, CriteoTSV
 from lightning_rec.data.datamodule import ClickDataModule
+from lightning_rec.data.loader import AgreedLoader, ClickLoader
+from lightning_rec.data.parquet import CriteoParquet
 from lightning_rec.data.synthetic import (
     CRITEO_CARDINALITIES,
     DEFAULT_MULTI_HOT,
@@ -24,9 +27,13 @@ __all__ = [
     "DEFAULT_MULTI_HOT",
     "FEATURE_NAMES",
     "NUM_DENSE",
+    "AgreedLoader",
     "Batch",
     "ClickDataModule",
+    "ClickLoader",
+    "ClickStream",
     "CriteoNpy",
+    "CriteoParquet",
     "CriteoTSV",
     "SyntheticClicks",
     "batch_from_arrays",

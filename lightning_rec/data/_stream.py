@@ -124,7 +124,8 @@ class ClickStream(torch.utils.data.IterableDataset):
     def row_ids(self, start: int, stop: int) -> np.ndarray:
         """Source row indices of stream rows ``[start, stop)`` in this epoch (for checks and tests)."""
         order = self._block_order()
-        return np.concatenate([np.arange(s, e) for s, e in self.source_ranges(start, stop, order)] or [np.zeros(0, int)])
+        parts = [np.arange(s, e) for s, e in self.source_ranges(start, stop, order)]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def remaining_row_ids(self) -> list[np.ndarray]:
         """Source row indices of each of this rank's remaining batches (what ``iter`` would read, ignoring workers)."""

@@ -192,7 +192,8 @@ class CriteoNpy(ClickStream):
         with np.load(path) as z:
             missing = [k for k in cls.FILES if k not in z.files]
             if missing:
-                raise ValueError(f"CriteoNpy: {path!r} lacks arrays {missing} (has {z.files}); expected X_int, X_cat, y")
+                raise ValueError(f"CriteoNpy: {path!r} lacks arrays {missing} (has {z.files}); "
+                                 "expected X_int, X_cat, y")
             return [z[k] for k in cls.FILES], {k: f"{path}[{k}]" for k in cls.FILES}
 
     def read_rows(self, start: int, stop: int):
@@ -205,7 +206,8 @@ class CriteoNpy(ClickStream):
                              f"id {cat[r, j]} is negative")
         bad = np.flatnonzero((y != 0) & (y != 1))
         if bad.size:
-            raise ValueError(f"CriteoNpy: {self._names['y']} row {a + bad[0]} (0-based): label {y[bad[0]]} is not 0 or 1")
+            raise ValueError(f"CriteoNpy: {self._names['y']} row {a + bad[0]} (0-based): label {y[bad[0]]} "
+                             "is not 0 or 1")
         if np.issubdtype(x_int.dtype, np.floating):
             if not np.isfinite(x_int).all():
                 r = int(np.argwhere(~np.isfinite(x_int))[0][0])

@@ -53,7 +53,7 @@ def agreed(iterator: Iterator[Any], what: str) -> Iterator[Any]:
             item = next(iterator)
         except StopIteration:
             status = _DONE
-        except Exception as e:  # noqa: BLE001 - reported on every rank below
+        except Exception as e:
             error, status = e, _FAILED
         flags = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
         dist.all_gather(flags, torch.tensor([status], dtype=torch.int32), group=group)

@@ -30,7 +30,9 @@ _INTERACT_DIM = 4
 _BIAS, _DENSE_STD, _CAT_STD, _INTERACT_STD = -1.5, 0.8, 1.2, 0.6
 
 
-def scaled_cardinalities(size: float, min_cardinality: int = 16, base: Sequence[int] = CRITEO_CARDINALITIES) -> list[int]:
+def scaled_cardinalities(
+    size: float, min_cardinality: int = 16, base: Sequence[int] = CRITEO_CARDINALITIES
+) -> list[int]:
     """``base`` scaled by ``size``, each at least ``min_cardinality`` (or its full count, if smaller)."""
     if not size > 0:
         raise ValueError(f"size must be > 0, got {size}")
@@ -122,7 +124,8 @@ class SyntheticClicks(ClickStream):
         multi_hot = dict(DEFAULT_MULTI_HOT if multi_hot is None else multi_hot)
         for name, m in multi_hot.items():
             if name not in FEATURE_NAMES:
-                raise ValueError(f"SyntheticClicks: multi_hot names unknown feature {name!r}; features are {FEATURE_NAMES}")
+                raise ValueError(f"SyntheticClicks: multi_hot names unknown feature {name!r}; "
+                                 f"features are {FEATURE_NAMES}")
             if not isinstance(m, int) or not 1 <= m <= _MAX_HOT:
                 raise ValueError(f"SyntheticClicks: multi_hot[{name!r}] must be an int in [1, {_MAX_HOT}], got {m!r}")
         if not zipf_exponent > 0:
@@ -178,7 +181,8 @@ class SyntheticClicks(ClickStream):
         dense = np.log1p(counts)
 
         u_len = uniform(row_key, rows[None, :] + (_LEN0 + np.arange(f, dtype=np.uint64))[:, None])
-        lengths = np.where(self._max_hot[:, None] > 0, np.floor(u_len * (self._max_hot[:, None] + 1)), 1).astype(np.int64)
+        hot = self._max_hot[:, None]
+        lengths = np.where(hot > 0, np.floor(u_len * (hot + 1)), 1).astype(np.int64)
         flat_len = lengths.reshape(-1)
         bag = np.repeat(np.arange(f * b), flat_len)  # key-major bag index of every id
         feat, row = bag // b, bag % b
