@@ -9,6 +9,7 @@ rank's message, instead of leaving the others waiting in a collective until the 
 
 from __future__ import annotations
 
+import multiprocessing as mp
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -115,14 +116,20 @@ class ClickLoader:
     """
 
     def __init__(self, dataset: ClickStream, num_workers: int = 0, pin_memory: bool = False,
-                 prefetch_factor: int | None = None, what: str | None = None) -> None:
+                 prefetch_factor: int | None = None, what: str | None = None,
+                 multiprocessing_context: str | None = None) -> None:
         self.dataset = dataset
         self.num_workers, self.pin_memory = int(num_workers), bool(pin_memory)
         # the datasets batch themselves: batch_size=None turns off the DataLoader's own batching. Workers are
-        # not persistent: each epoch's iterator sends them the dataset with that epoch's position.
+        # not persistent: each epoch's iterator sends them the dataset with that epoch's position. They are
+        # forked where the platform can (a process started by spawn, e.g. by torch.multiprocessing, would
+        # otherwise spawn them too, re-importing everything every epoch); they never touch the process group.
+        if multiprocessing_context is None and self.num_workers and "fork" in mp.get_all_start_methods():
+            multiprocessing_context = "fork"
         self._loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
                                   prefetch_factor=prefetch_factor if self.num_workers else None,
-                                  persistent_workers=False)
+                                  persistent_workers=False,
+                                  multiprocessing_context=multiprocessing_context if self.num_workers else None)
         self.what = what or type(dataset).__name__
         self._next_epoch, self._resume = 0, 0
         self._epoch, self._start, self._yielded = None, 0, 0
