@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
-import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_rec import RecShardedStrategy
