@@ -138,15 +138,14 @@ class ClickLoader:
         return len(self.dataset)
 
     def __iter__(self) -> Iterator[Any]:
+        # a generator: the epoch starts at the first next(), so an iter() that only probes the loader (as
+        # Lightning's check that a loader is iterable does) neither starts an epoch nor its workers
         self._epoch, self._start, self._yielded = self._next_epoch, self._resume, 0
         self._next_epoch, self._resume = self._epoch + 1, 0
         self.dataset.set_position(self._epoch, self._start)
         it = iter(self._loader)
         if agreement_needed():
             it = agreed(it, self.what)
-        return self._counting(it)
-
-    def _counting(self, it: Iterator[Any]) -> Iterator[Any]:
         for batch in it:
             self._yielded += 1
             yield batch

@@ -189,3 +189,13 @@ def test_synthetic_train_rows_are_fresh_each_epoch_and_validation_rows_fixed() -
     assert torch.equal(e1, torch.cat([b.dense for b in again]))
     val = ClickLoader(SyntheticClicks(64, 16, seed=1, cardinalities=cards, split="val"))
     assert torch.equal(*[torch.cat([b.dense for b in val]) for _ in range(2)])
+
+
+def test_click_loader_starts_an_epoch_only_when_a_batch_is_taken() -> None:
+    loader = ClickLoader(SyntheticClicks(32, 16, seed=2, cardinalities=[50] * 26))
+    iter(loader)  # a probe, as Lightning's iterable check does: no epoch consumed
+    assert loader.state_dict()["epoch"] == 0
+    first = [b.dense for b in loader]
+    assert (loader.state_dict()["epoch"], loader.state_dict()["position"]) == (0, 32)  # epoch 0 read whole
+    again = SyntheticClicks(32, 16, seed=2, cardinalities=[50] * 26)
+    assert all(torch.equal(a, b.dense) for a, b in zip(first, again))
