@@ -118,7 +118,9 @@ class ClickLoader:
     def __init__(self, dataset: ClickStream, num_workers: int = 0, pin_memory: bool = False,
                  prefetch_factor: int | None = None, what: str | None = None,
                  multiprocessing_context: str | None = None) -> None:
-        self.dataset = dataset
+        # not `.dataset`: Lightning warns on every run about an IterableDataset with a length behind `.dataset`,
+        # a hazard of hand-sharded datasets that the stream's own sharding avoids
+        self.stream = dataset
         self.num_workers, self.pin_memory = int(num_workers), bool(pin_memory)
         # the datasets batch themselves: batch_size=None turns off the DataLoader's own batching. Workers are
         # not persistent: each epoch's iterator sends them the dataset with that epoch's position. They are
@@ -135,14 +137,14 @@ class ClickLoader:
         self._epoch, self._start, self._yielded = None, 0, 0
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(self.stream)
 
     def __iter__(self) -> Iterator[Any]:
         # a generator: the epoch starts at the first next(), so an iter() that only probes the loader (as
         # Lightning's check that a loader is iterable does) neither starts an epoch nor its workers
         self._epoch, self._start, self._yielded = self._next_epoch, self._resume, 0
         self._next_epoch, self._resume = self._epoch + 1, 0
-        self.dataset.set_position(self._epoch, self._start)
+        self.stream.set_position(self._epoch, self._start)
         it = iter(self._loader)
         if agreement_needed():
             it = agreed(it, self.what)
@@ -155,18 +157,18 @@ class ClickLoader:
         if self._epoch is None:
             epoch, position = self._next_epoch, self._resume
         else:
-            epoch, position = self._epoch, self.dataset.position_after(self._yielded)
-        return {"epoch": epoch, "position": position, **self.dataset.describe()}
+            epoch, position = self._epoch, self.stream.position_after(self._yielded)
+        return {"epoch": epoch, "position": position, **self.stream.describe()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state``'s position (a finished epoch resumes at the start of the next one)."""
-        mine = self.dataset.describe()
+        mine = self.stream.describe()
         differ = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
         if differ:
             raise ValueError(f"{self.what}: the loader state was saved for other data (saved vs now: {differ}); "
                              "resume with the same rows, shuffle and seed")
         epoch, position = int(state["epoch"]), int(state["position"])
-        self.dataset.set_position(epoch, position)
-        if self.dataset.epoch_done(position):
+        self.stream.set_position(epoch, position)
+        if self.stream.epoch_done(position):
             epoch, position = epoch + 1, 0
         self._next_epoch, self._resume, self._epoch = epoch, position, None

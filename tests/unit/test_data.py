@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 from types import SimpleNamespace
 
@@ -381,6 +382,10 @@ def test_datamodule_feeds_a_lightning_trainer() -> None:
     model = _Tiny(dm)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(model, dm)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, dm)
     assert model.seen == [Batch] * 3
+    noisy = [str(w.message) for w in caught if "workers" in str(w.message) or "IterableDataset" in str(w.message)]
+    assert not noisy, noisy  # ClickLoader: no "does not have many workers" / "IterableDataset has __len__" warnings
     assert set(trainer.callback_metrics) == {"val_auroc", "val_ne", "val_calibration", "val_logloss"}
