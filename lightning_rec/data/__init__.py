@@ -1,8 +1,11 @@
-"""Click-log data for recommendation models: synthetic Criteo-shaped clicks, Criteo readers, a DataModule.
+"""Click-log data for recommendation models: synthetic Criteo-shaped clicks, Criteo readers (TSV, Parquet,
+npy), a stateful loader and a DataModule.
 
 Every loader yields :class:`Batch` ``(dense, sparse: KeyedJaggedTensor, labels)`` and shards rows over
 data-parallel ranks with the same number of batches per rank, no overlap and no loss (see
-:class:`ClickDataModule` for the rule on the last partial batch).
+:class:`ClickDataModule` for the rule on the last partial batch). :class:`ClickLoader` keeps the epoch and
+the position in it (``state_dict``), so Lightning checkpoints resume mid-epoch at the next batch, and makes
+the ranks agree on every batch, so a bad line or a short rank stops every rank at the same step.
 """
 
 from lightning_rec.data._sharding import rank_batch_ranges

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_rec.cli import main as cli_main
-from lightning_rec.data import CRITEO_CARDINALITIES, ClickLoader, CriteoNpy, CriteoParquet, CriteoTSV, SyntheticClicks
+from lightning_rec.data import CRITEO_CARDINALITIES, ClickDataModule, ClickLoader, CriteoNpy, CriteoParquet, CriteoTSV, SyntheticClicks
 from lightning_rec.data._hashing import hash_into
 from lightning_rec.data.convert import convert
 
@@ -88,6 +88,10 @@ def test_convert_to_parquet_and_npy_reads_the_same_rows(tmp_path) -> None:
     pq_ = CriteoParquet(str(tmp_path / "pq"), 64, cardinalities=CARDS, shuffle=True, shuffle_block=50, seed=1)
     assert_same(flat(list(pq_)), flat(list(tsv)))
     assert_same(flat(list(CriteoParquet(str(tmp_path / "pq"), 64, cardinalities=CARDS))), reference(lines))
+    dm = ClickDataModule(source="criteo_parquet", path=str(tmp_path / "pq"), batch_size=32, train_rows=None,
+                         val_rows=20, test_rows=0, cardinalities=CARDS)
+    assert_same(flat(list(dm.val_dataloader())), reference(lines[400:]))
+    assert sorted(flat(list(dm.train_dataloader()))[3]) == sorted(reference(lines[:400])[3])
     assert cli_main(["convert", str(tmp_path / "tsv"), "--out", str(tmp_path / "npy"), "--format", "npy",
                      "--chunk-rows", "128", "--quiet"]) == 0
     npy = flat(list(CriteoNpy(str(tmp_path / "npy"), 64)))
