@@ -135,7 +135,8 @@ def main() -> None:
         "",
         "| reader | rows/s | vs pyarrow raw CSV read |",
         "|---|---:|---:|",
-        f"| pyarrow.csv.read_csv, one thread (reference: parse only, no ids hashed, no batches) | {raw_rate:,.0f} | 1.00 |",
+        "| pyarrow.csv.read_csv, one thread (reference: parse only, no ids hashed, no batches) | "
+        f"{raw_rate:,.0f} | 1.00 |",
     ]
     names = {"tsv": "CriteoTSV (pyarrow + numpy hex/hash)", "parquet": "CriteoParquet", "npy": "CriteoNpy (mmap)",
              "synthetic": "SyntheticClicks (generated)"}

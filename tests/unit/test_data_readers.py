@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from lightning_rec.cli import main as cli_main
-from lightning_rec.data import CRITEO_CARDINALITIES, ClickDataModule, ClickLoader, CriteoNpy, CriteoParquet, CriteoTSV, SyntheticClicks
+from lightning_rec.data import (
+    CRITEO_CARDINALITIES,
+    ClickDataModule,
+    ClickLoader,
+    CriteoNpy,
+    CriteoParquet,
+    CriteoTSV,
+    SyntheticClicks,
+)
 from lightning_rec.data._hashing import hash_into
 from lightning_rec.data.convert import convert
 
