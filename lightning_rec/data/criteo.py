@@ -3,7 +3,8 @@
 Both yield :class:`Batch` objects sharded over data-parallel ranks by the rule in
 ``lightning_rec.data._sharding`` (same number of batches per rank, no overlap, no loss), each rank reading
 only its own rows, in file order or block-shuffled per epoch (``lightning_rec.data._stream``). Dense
-integers become ``log1p(max(x, 0))``, as DLRM feeds them; categorical ids are folded into each table's range (hashed for raw hex strings, modulo for preprocessed ids).
+integers become ``log1p(max(x, 0))``, as DLRM feeds them; categorical ids are folded into each table's
+range (hashed for raw hex strings, modulo for preprocessed ids).
 """
 
 from __future__ import annotations
