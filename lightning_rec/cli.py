@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from lightning_rec.configs import EmbeddingBagConfig, EmbeddingConfig
+from lightning_rec.data import convert
 from lightning_rec.sharding.planner import OPTIMIZER_STATE, Planner, PlannerError, TableConstraint, Topology
 from lightning_rec.sharding.types import ParameterSharding, kind_of
 
@@ -160,6 +161,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gradients", choices=("dense", "sparse", "fused"), default="sparse")
     p.add_argument("--min-column-width", type=int, default=32)
     p.add_argument("--json", metavar="FILE", help="also write the plan and estimates as JSON ('-' for stdout only)")
+    convert.add_parser(sub)
     return ap
 
 
@@ -193,8 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lightning-rec`` console script."""
     args = _parser().parse_args(argv)
     try:
-        return plan_command(args)
-    except (PlannerError, ValueError, TypeError, CliError) as e:
+        return convert.command(args) if args.command == "convert" else plan_command(args)
+    except (PlannerError, ValueError, TypeError, OSError, CliError) as e:
         print(f"lightning-rec {args.command}: error: {e}", file=sys.stderr)
         return 2
 

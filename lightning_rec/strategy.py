@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -15,6 +16,7 @@ from typing_extensions import override
 
 from lightning_rec import _compat
 from lightning_rec._compat import precision_target_dtype
+from lightning_rec.data.loader import AgreedLoader, ClickLoader
 from lightning_rec.sharding.comm import grad_scale
 from lightning_rec.sharding.mesh import MeshInfo, check_layout, init_2d_mesh
 from lightning_rec.sharding.plan import ShardingPlan
@@ -224,6 +226,17 @@ class RecShardedStrategy(DDPStrategy):
                 f"(use_distributed_sampler=True, the default), DataLoaders of equal length on every rank, or "
                 f"limit_{limit}_batches"
             )
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Loaders without a length (iterable datasets) agree on every batch across ranks: a rank that runs out
+        while others have more raises on every rank at that step, instead of a hang (sized loaders are checked
+        once per stage; ClickLoader agrees by itself)."""
+        dataloader = super().process_dataloader(dataloader)
+        agrees = isinstance(dataloader, (ClickLoader, AgreedLoader))
+        if self.world_size > 1 and not agrees and sized_len(dataloader) is None:
+            return AgreedLoader(dataloader, what="rec_sharded dataloader")
+        return dataloader
 
     @override
     def on_train_start(self) -> None:

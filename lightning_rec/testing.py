@@ -48,6 +48,7 @@ def run_distributed(
     timeout_s: float = 180.0,
     init_process_group: bool = True,
     ranks_per_node: int | None = None,
+    daemon: bool = True,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes; return results by rank.
 
@@ -55,7 +56,8 @@ def run_distributed(
     Trainer built inside ``fn`` joins these processes instead of launching its own; pass
     ``init_process_group=False`` to let it create the process group itself. ``ranks_per_node`` pretends
     the processes run on ``world_size / ranks_per_node`` nodes (NODE_RANK, LOCAL_RANK), as two launcher
-    invocations on one machine would.
+    invocations on one machine would. ``daemon=False`` lets ``fn`` start processes of its own (DataLoader
+    workers); the processes are still killed here if they outlive the run.
 
     ``fn`` must be importable (a module-level function). If any rank raises, the first failing rank's
     traceback is raised here as a RuntimeError; a rank that dies or hangs is reported instead of waiting.
@@ -64,7 +66,7 @@ def run_distributed(
     queue = ctx.SimpleQueue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, timeout_s, init_process_group, ranks_per_node or world_size), daemon=True)
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, timeout_s, init_process_group, ranks_per_node or world_size), daemon=daemon)
         for r in range(world_size)
     ]
     for p in procs:

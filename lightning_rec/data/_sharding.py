@@ -60,7 +60,9 @@ def worker_share(items: Sequence[T]) -> Sequence[T]:
     return items[info.id :: info.num_workers]
 
 
-def global_batch_spans(num_rows: int, batch_size: int, world_size: int, drop_last: bool = False) -> list[tuple[int, int]]:
+def global_batch_spans(
+    num_rows: int, batch_size: int, world_size: int, drop_last: bool = False
+) -> list[tuple[int, int]]:
     """Row range of each global batch (the union over ranks of their k-th batch).
 
     Readers validate a whole global batch before yielding their slice of it, so a bad row makes every rank

@@ -1,29 +1,23 @@
 """Readers for the real Criteo click logs: the raw TSV lines and the preprocessed NumPy arrays.
 
 Both yield :class:`Batch` objects sharded over data-parallel ranks by the rule in
-``lightning_rec.data._sharding`` (same number of batches per rank, no overlap, no loss) and read rows in
-file order (no shuffling). Dense integers become ``log1p(max(x, 0))``, as DLRM feeds them; categorical
-ids are folded into each table's range (hashed for raw hex strings, modulo for preprocessed ids).
+``lightning_rec.data._sharding`` (same number of batches per rank, no overlap, no loss), each rank reading
+only its own rows, in file order or block-shuffled per epoch (``lightning_rec.data._stream``). Dense
+integers become ``log1p(max(x, 0))``, as DLRM feeds them; categorical ids are folded into each table's
+range (hashed for raw hex strings, modulo for preprocessed ids).
 """
 
 from __future__ import annotations
 
 import glob
 import os
-import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
-import torch
 
-from lightning_rec.data._hashing import hash_into
-from lightning_rec.data._sharding import global_batch_spans, rank_batch_ranges, worker_share
-from lightning_rec.data.batch import Batch, batch_from_arrays
+from lightning_rec.data._stream import ClickStream, concat_rows
+from lightning_rec.data._tsv import NUM_CAT, LineIndex, parse_lines
 from lightning_rec.data.synthetic import CRITEO_CARDINALITIES, FEATURE_NAMES, NUM_DENSE
-
-NUM_CAT = len(CRITEO_CARDINALITIES)
-NUM_COLUMNS = 1 + NUM_DENSE + NUM_CAT
-_LINE = re.compile(rb"[01](?:\t(?:-?[0-9]+)?){%d}(?:\t[0-9a-fA-F]{0,16}){%d}\r?\n?" % (NUM_DENSE, NUM_CAT))
 
 
 def resolve_paths(path: str | Sequence[str]) -> list[str]:
@@ -72,24 +66,7 @@ def count_lines(path: str) -> int:
     return n + (last != b"\n")
 
 
-def _explain_bad_line(line: bytes, where: str) -> str:
-    fields = line.rstrip(b"\r\n").split(b"\t")
-    if len(fields) != NUM_COLUMNS:
-        return (f"{where}: expected {NUM_COLUMNS} tab-separated columns (label, {NUM_DENSE} integers, {NUM_CAT} "
-                f"hex categorical ids), got {len(fields)}")
-    if fields[0] not in (b"0", b"1"):
-        return f"{where}: column 1 (label) must be 0 or 1, got {fields[0][:40]!r}"
-    for j, v in enumerate(fields[1 : 1 + NUM_DENSE]):
-        if not re.fullmatch(rb"(?:-?[0-9]+)?", v):
-            return f"{where}: column {j + 2} (integer feature {j}) must be an integer or empty, got {v[:40]!r}"
-    for j, v in enumerate(fields[1 + NUM_DENSE :]):
-        if not re.fullmatch(rb"[0-9a-fA-F]{0,16}", v):
-            return (f"{where}: column {j + 2 + NUM_DENSE} (categorical feature {FEATURE_NAMES[j]}) must be a hex id "
-                    f"of at most 16 digits or empty, got {v[:40]!r}")
-    return f"{where}: malformed line"
-
-
-class CriteoTSV(torch.utils.data.IterableDataset):
+class CriteoTSV(ClickStream):
     """Criteo Kaggle / Terabyte click logs as tab-separated lines.
 
     Each line: ``label \\t 13 integers \\t 26 hex ids``; integers and ids may be empty (a missing integer
@@ -97,11 +74,12 @@ class CriteoTSV(torch.utils.data.IterableDataset):
     feature. Several files (a list, a directory, or a glob such as ``day_*``) read as one stream of rows;
     ``start`` / ``num_rows`` pick a window of it (``None``: to the end).
 
-    Lines are counted once at construction (about 1 GB/s) so that every rank knows the row count. Every
-    rank reads every line but parses only its own; each global batch is checked whole by every rank before
-    it yields its slice, so a bad line stops all ranks at the same step, with an error naming the file,
-    the line number and the column. For large data sets prefer the preprocessed NumPy layout
-    (:class:`CriteoNpy`).
+    Files are indexed once at construction (line count and the byte offset of every 256th line, about
+    1 GB/s), so each rank (and each DataLoader worker) reads and parses only the bytes of its own rows, with
+    pyarrow's CSV reader and vectorised hex parsing. A bad line raises a ValueError naming the file, the
+    line and the column; under :class:`ClickLoader` every rank raises it at the same step. ``shuffle``
+    reads blocks of ``shuffle_block`` lines in an order drawn from ``(seed, epoch)``. For repeated epochs
+    over large data prefer Parquet (``lightning-rec convert``, :class:`CriteoParquet`).
     """
 
     num_dense: int = NUM_DENSE
@@ -116,80 +94,48 @@ class CriteoTSV(torch.utils.data.IterableDataset):
         drop_last: bool = False,
         start: int = 0,
         num_rows: int | None = None,
+        shuffle: bool = False,
+        shuffle_block: int = 65536,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         self.paths = resolve_paths(path)
         self.cardinalities = _check_cardinalities(cardinalities, "CriteoTSV")
+        self._cards = np.asarray(self.cardinalities, dtype=np.uint64)
         self.feature_names = list(FEATURE_NAMES)
-        self.batch_size, self.start = int(batch_size), int(start)
-        self._lines = [count_lines(p) for p in self.paths]
+        self.start = int(start)
+        self._index = [LineIndex.build(p) for p in self.paths]
+        self._first_row = np.cumsum([0] + [ix.lines for ix in self._index])
         what = f"CriteoTSV({self.paths[0]!r}{' ...' if len(self.paths) > 1 else ''})"
-        self.num_rows_total = sum(self._lines)
-        self.num_rows = _window(self.num_rows_total, self.start, num_rows, what)
-        ranges = rank_batch_ranges(self.num_rows, self.batch_size, rank, world_size, drop_last, what)
-        spans = global_batch_spans(self.num_rows, self.batch_size, world_size, drop_last)
-        self._plan = [((a + self.start, b + self.start), (c + self.start, d + self.start))
-                      for (a, b), (c, d) in zip(ranges, spans)]
+        self.num_rows_total = int(self._first_row[-1])
+        n = _window(self.num_rows_total, self.start, num_rows, what)
+        self._init_stream(n, batch_size, rank, world_size, drop_last, shuffle, shuffle_block, seed, what)
 
-    def __len__(self) -> int:
-        return len(self._plan)
+    def read_rows(self, start: int, stop: int):
+        start, stop = start + self.start, stop + self.start
+        parts = []
+        f = int(np.searchsorted(self._first_row, start, side="right")) - 1
+        while start < stop:
+            ix, base = self._index[f], int(self._first_row[f])
+            a, b = start - base, min(stop - base, ix.lines)
+            parts.append(parse_lines(ix.read(a, b), ix.path, a + 1, self._cards))
+            start, f = base + b, f + 1
+        return concat_rows(parts)
 
-    def _lines_from(self, first: int) -> Iterator[tuple[int, bytes, str]]:
-        """(global row, line, "file:line") from row ``first`` on."""
-        row = 0
-        for path, n in zip(self.paths, self._lines):
-            if row + n <= first:
-                row += n
-                continue
-            with open(path, "rb") as f:
-                for lineno, line in enumerate(f, 1):
-                    if row >= first:
-                        yield row, line, f"{path}:{lineno}"
-                    row += 1
-
-    def __iter__(self) -> Iterator[Batch]:
-        plan = list(worker_share(self._plan))
-        if not plan:
-            return
-        lines = self._lines_from(plan[0][1][0])
-        row, line, where = next(lines)
-        for (own_a, own_b), (span_a, span_b) in plan:
-            mine = []
-            while row < span_b:
-                if row >= span_a:
-                    if not _LINE.fullmatch(line):
-                        raise ValueError(_explain_bad_line(line, where))
-                    if own_a <= row < own_b:
-                        mine.append(line)
-                nxt = next(lines, None)
-                if nxt is None and row + 1 < span_b:
-                    raise RuntimeError(f"CriteoTSV: {where} was the last line, but {self.paths} had more lines when "
-                                       "counted; did a file change while reading?")
-                row, line, where = nxt if nxt is not None else (span_b, b"", "")
-            yield self._parse(mine)
-
-    def _parse(self, lines: list[bytes]) -> Batch:
-        fields = [ln.rstrip(b"\r\n").split(b"\t") for ln in lines]
-        labels = np.asarray([int(f[0]) for f in fields], dtype=np.float32)
-        ints = np.asarray([[int(v) if v else 0 for v in f[1 : 1 + NUM_DENSE]] for f in fields], dtype=np.int64)
-        cats = [[f[1 + NUM_DENSE + j] for f in fields] for j in range(NUM_CAT)]
-        lengths = np.asarray([[1 if v else 0 for v in col] for col in cats], dtype=np.int64).reshape(NUM_CAT, -1)
-        values = [hash_into(np.asarray([int(v, 16) for v in col if v], dtype=np.uint64), j, self.cardinalities[j])
-                  for j, col in enumerate(cats)]
-        return batch_from_arrays(_dense_transform(ints.reshape(-1, NUM_DENSE)), lengths, np.concatenate(values),
-                                 labels, self.feature_names)
+    def describe(self) -> dict:
+        return {**super().describe(), "start": self.start}
 
 
-class CriteoNpy(torch.utils.data.IterableDataset):
+class CriteoNpy(ClickStream):
     """The preprocessed Criteo layout: arrays ``X_int`` ``[N, 13]``, ``X_cat`` ``[N, 26]`` and ``y`` ``[N]``.
 
     ``path`` is either a directory holding ``X_int.npy``, ``X_cat.npy`` and ``y.npy`` (memory-mapped, so any
-    size streams), or an ``.npz`` file with arrays ``X_int``, ``X_cat``, ``y`` (as DLRM's
-    ``*_processed.npz``; loaded whole). Integer ``X_int`` are raw counts and become ``log1p(max(x, 0))``;
-    floating ``X_int`` are taken as already transformed. ``X_cat`` holds non-negative integer ids; ids at or
-    above a table's cardinality are folded in by modulo (DLRM's ``--max-ind-range``). ``y`` must be 0/1.
-    Every rank checks each whole global batch before yielding its slice, so bad values stop all ranks at
-    the same step with an error naming the file, row and feature.
+    size streams and each rank touches only its own rows), or an ``.npz`` file with arrays ``X_int``,
+    ``X_cat``, ``y`` (as DLRM's ``*_processed.npz``; loaded whole). Integer ``X_int`` are raw counts and
+    become ``log1p(max(x, 0))``; floating ``X_int`` are taken as already transformed. ``X_cat`` holds
+    non-negative integer ids; ids at or above a table's cardinality are folded in by modulo (DLRM's
+    ``--max-ind-range``). ``y`` must be 0/1. Bad values raise an error naming the file, row and feature
+    (on every rank at the same step under :class:`ClickLoader`). ``shuffle``: as :class:`CriteoTSV`.
     """
 
     num_dense: int = NUM_DENSE
@@ -205,12 +151,16 @@ class CriteoNpy(torch.utils.data.IterableDataset):
         drop_last: bool = False,
         start: int = 0,
         num_rows: int | None = None,
+        shuffle: bool = False,
+        shuffle_block: int = 65536,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         self.path = path
         self.cardinalities = _check_cardinalities(cardinalities, "CriteoNpy")
+        self._cards = np.asarray(self.cardinalities, dtype=np.int64)
         self.feature_names = list(FEATURE_NAMES)
-        self.batch_size, self.start = int(batch_size), int(start)
+        self.start = int(start)
         arrays, self._names = self._open(path)
         x_int, x_cat, y = arrays
         n = y.shape[0] if y.ndim else -1
@@ -227,11 +177,8 @@ class CriteoNpy(torch.utils.data.IterableDataset):
         self._x_int, self._x_cat, self._y = x_int, x_cat, y
         what = f"CriteoNpy({path!r})"
         self.num_rows_total = int(y.shape[0])
-        self.num_rows = _window(self.num_rows_total, self.start, num_rows, what)
-        ranges = rank_batch_ranges(self.num_rows, self.batch_size, rank, world_size, drop_last, what)
-        spans = global_batch_spans(self.num_rows, self.batch_size, world_size, drop_last)
-        self._plan = [((a + self.start, b + self.start), (c + self.start, d + self.start))
-                      for (a, b), (c, d) in zip(ranges, spans)]
+        rows = _window(self.num_rows_total, self.start, num_rows, what)
+        self._init_stream(rows, batch_size, rank, world_size, drop_last, shuffle, shuffle_block, seed, what)
 
     @classmethod
     def _open(cls, path: str) -> tuple[list[np.ndarray], dict[str, str]]:
@@ -246,14 +193,13 @@ class CriteoNpy(torch.utils.data.IterableDataset):
         with np.load(path) as z:
             missing = [k for k in cls.FILES if k not in z.files]
             if missing:
-                raise ValueError(f"CriteoNpy: {path!r} lacks arrays {missing} (has {z.files}); expected X_int, X_cat, y")
+                raise ValueError(f"CriteoNpy: {path!r} lacks arrays {missing} (has {z.files}); "
+                                 "expected X_int, X_cat, y")
             return [z[k] for k in cls.FILES], {k: f"{path}[{k}]" for k in cls.FILES}
 
-    def __len__(self) -> int:
-        return len(self._plan)
-
-    def _check(self, a: int, b: int) -> None:
-        cat, y = np.asarray(self._x_cat[a:b]), np.asarray(self._y[a:b])
+    def read_rows(self, start: int, stop: int):
+        a, b = start + self.start, stop + self.start
+        cat, y, x_int = np.asarray(self._x_cat[a:b]), np.asarray(self._y[a:b]), np.asarray(self._x_int[a:b])
         bad = np.argwhere(cat < 0)
         if bad.size:
             r, j = bad[0]
@@ -261,18 +207,17 @@ class CriteoNpy(torch.utils.data.IterableDataset):
                              f"id {cat[r, j]} is negative")
         bad = np.flatnonzero((y != 0) & (y != 1))
         if bad.size:
-            raise ValueError(f"CriteoNpy: {self._names['y']} row {a + bad[0]} (0-based): label {y[bad[0]]} is not 0 or 1")
-        if np.issubdtype(self._x_int.dtype, np.floating) and not np.isfinite(np.asarray(self._x_int[a:b])).all():
-            r = int(np.argwhere(~np.isfinite(np.asarray(self._x_int[a:b])))[0][0])
-            raise ValueError(f"CriteoNpy: {self._names['X_int']} row {a + r} (0-based) is not finite")
+            raise ValueError(f"CriteoNpy: {self._names['y']} row {a + bad[0]} (0-based): label {y[bad[0]]} "
+                             "is not 0 or 1")
+        if np.issubdtype(x_int.dtype, np.floating):
+            if not np.isfinite(x_int).all():
+                r = int(np.argwhere(~np.isfinite(x_int))[0][0])
+                raise ValueError(f"CriteoNpy: {self._names['X_int']} row {a + r} (0-based) is not finite")
+            dense = x_int.astype(np.float32)
+        else:
+            dense = _dense_transform(x_int)
+        ids = cat.astype(np.int64) % self._cards  # [B, F]
+        return dense, np.ones((NUM_CAT, b - a), dtype=np.int64), ids.T.reshape(-1), y.astype(np.float32)
 
-    def __iter__(self) -> Iterator[Batch]:
-        cards = np.asarray(self.cardinalities, dtype=np.int64)
-        for (a, b), span in worker_share(self._plan):
-            self._check(*span)
-            x_int = np.asarray(self._x_int[a:b])
-            dense = x_int.astype(np.float32) if np.issubdtype(x_int.dtype, np.floating) else _dense_transform(x_int)
-            ids = np.asarray(self._x_cat[a:b]).astype(np.int64) % cards  # [B, F]
-            lengths = np.ones((NUM_CAT, b - a), dtype=np.int64)
-            yield batch_from_arrays(dense, lengths, ids.T.reshape(-1), np.asarray(self._y[a:b], dtype=np.float32),
-                                    self.feature_names)
+    def describe(self) -> dict:
+        return {**super().describe(), "start": self.start}

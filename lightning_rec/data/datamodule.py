@@ -5,20 +5,24 @@ from __future__ import annotations
 import os
 
 import lightning as L
-from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_rec.configs import EmbeddingBagConfig
+from lightning_rec.data._stream import ClickStream
 from lightning_rec.data.criteo import CriteoNpy, CriteoTSV, count_lines, resolve_paths
+from lightning_rec.data.loader import ClickLoader
+from lightning_rec.data.parquet import CriteoParquet
 from lightning_rec.data.synthetic import FEATURE_NAMES, NUM_DENSE, SyntheticClicks, scaled_cardinalities
 
-SOURCES = ("synthetic", "criteo_tsv", "criteo_npy")
+SOURCES = ("synthetic", "criteo_tsv", "criteo_npy", "criteo_parquet")
+_READERS = {"criteo_tsv": CriteoTSV, "criteo_npy": CriteoNpy, "criteo_parquet": CriteoParquet}
 
 
 class ClickDataModule(L.LightningDataModule):
     """Click-through data for DLRM-style models: every loader yields :class:`~lightning_rec.data.Batch`.
 
-    ``source="synthetic"`` streams :class:`SyntheticClicks` (splits are different rows of one hidden task);
-    ``"criteo_tsv"`` / ``"criteo_npy"`` read ``path`` with :class:`CriteoTSV` / :class:`CriteoNpy`, taking
+    ``source="synthetic"`` streams :class:`SyntheticClicks` (splits are different rows of one hidden task; the
+    train split draws fresh rows each epoch); ``"criteo_tsv"`` / ``"criteo_npy"`` / ``"criteo_parquet"`` read
+    ``path`` with :class:`CriteoTSV` / :class:`CriteoNpy` / :class:`CriteoParquet`, taking
     consecutive windows of the rows: train ``[0, train_rows)``, then ``val_rows``, then ``test_rows``
     (``train_rows=None``: every row the validation and test windows leave). ``predict`` reads the test rows.
 
@@ -32,6 +36,12 @@ class ClickDataModule(L.LightningDataModule):
     rows) are split evenly, and fewer leftover rows than ranks join the last full global batch, so a last
     batch can hold ``batch_size + 1`` rows. ``drop_last=True`` drops those leftover rows in training only;
     validation, test and predict always see every row. DataLoader workers take a rank's batches round-robin.
+
+    Loaders are :class:`ClickLoader` objects: ``shuffle=True`` (the default) reads the Criteo training rows as
+    blocks of ``shuffle_block`` rows in an order drawn from ``(seed, epoch)``; their ``state_dict`` is saved
+    in Lightning checkpoints, so a checkpoint taken mid-epoch resumes at the next batch; under a process
+    group every rank agrees on each batch, so a bad line stops every rank at the same step.
+    ``pin_memory`` pins batches for non-blocking copies to the GPU (worth it with ``num_workers > 0``).
     """
 
     def __init__(
@@ -50,6 +60,8 @@ class ClickDataModule(L.LightningDataModule):
         cardinalities: list[int] | None = None,
         drop_last: bool = False,
         min_cardinality: int = 16,
+        shuffle: bool = True,
+        shuffle_block: int = 65536,
     ) -> None:
         super().__init__()
         if source not in SOURCES:
@@ -62,10 +74,11 @@ class ClickDataModule(L.LightningDataModule):
                 raise ValueError(f"ClickDataModule: source={source!r} needs `path` (the Criteo data)")
             if source == "criteo_npy" and not os.path.exists(path):
                 raise FileNotFoundError(f"ClickDataModule: no Criteo .npz file or directory at {path!r}")
-            if source == "criteo_tsv":
+            if source in ("criteo_tsv", "criteo_parquet"):
                 resolve_paths(path)  # fail now, not at the first epoch
             if multi_hot:
-                raise ValueError("ClickDataModule: multi_hot applies to synthetic data only; Criteo features are one id")
+                raise ValueError("ClickDataModule: multi_hot applies to synthetic data only; "
+                                 "Criteo features are one id")
         for name, v in (("train_rows", train_rows), ("val_rows", val_rows), ("test_rows", test_rows)):
             if v is not None and v < 0:
                 raise ValueError(f"ClickDataModule: {name} must be >= 0, got {v}")
@@ -74,6 +87,7 @@ class ClickDataModule(L.LightningDataModule):
         self.rows = {"train": train_rows, "val": val_rows, "test": test_rows}
         self.seed, self.num_workers, self.pin_memory = seed, num_workers, pin_memory
         self.multi_hot, self.drop_last, self.size = multi_hot, drop_last, size
+        self.shuffle, self.shuffle_block = shuffle, shuffle_block
         self.num_dense: int = NUM_DENSE
         self.feature_names: list[str] = list(FEATURE_NAMES)
         self.cardinalities: list[int] = (
@@ -101,7 +115,7 @@ class ClickDataModule(L.LightningDataModule):
             if self.source == "criteo_tsv":
                 self._total_rows = sum(count_lines(p) for p in resolve_paths(self.path))
             else:
-                self._total_rows = CriteoNpy(self.path, 1, self.cardinalities, num_rows=0).num_rows_total
+                self._total_rows = _READERS[self.source](self.path, 1, self.cardinalities, num_rows=0).num_rows_total
         val, test = self.rows["val"], self.rows["test"]
         train = self.rows["train"] if self.rows["train"] is not None else self._total_rows - val - test
         need = train + val + test
@@ -110,7 +124,7 @@ class ClickDataModule(L.LightningDataModule):
                              f"+ val_rows + test_rows = {self.rows['train']} + {val} + {test}")
         return {"train": (0, train), "val": (train, val), "test": (train + val, test)}[split]
 
-    def dataset(self, split: str) -> IterableDataset:
+    def dataset(self, split: str) -> ClickStream:
         """This rank's dataset of ``split`` (``train``, ``val``, ``test`` or ``predict``)."""
         rank, world = self._rank()
         drop_last = self.drop_last and split == "train"
@@ -120,23 +134,22 @@ class ClickDataModule(L.LightningDataModule):
                                    multi_hot=self.multi_hot, drop_last=drop_last, split=rows,
                                    cardinalities=self.cardinalities)
         start, n = self._window(rows)
-        cls = CriteoTSV if self.source == "criteo_tsv" else CriteoNpy
-        return cls(self.path, self.batch_size, self.cardinalities, rank=rank, world_size=world, drop_last=drop_last,
-                   start=start, num_rows=n)
+        return _READERS[self.source](self.path, self.batch_size, self.cardinalities, rank=rank, world_size=world,
+                                     drop_last=drop_last, start=start, num_rows=n, seed=self.seed,
+                                     shuffle=self.shuffle and split == "train", shuffle_block=self.shuffle_block)
 
-    def _loader(self, split: str) -> DataLoader:
-        # the datasets batch themselves: batch_size=None turns off the DataLoader's own batching
-        return DataLoader(self.dataset(split), batch_size=None, num_workers=self.num_workers,
-                          pin_memory=self.pin_memory, persistent_workers=False)
+    def _loader(self, split: str) -> ClickLoader:
+        return ClickLoader(self.dataset(split), num_workers=self.num_workers, pin_memory=self.pin_memory,
+                           what=f"ClickDataModule {split} loader")
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> ClickLoader:
         return self._loader("train")
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> ClickLoader:
         return self._loader("val")
 
-    def test_dataloader(self) -> DataLoader:
+    def test_dataloader(self) -> ClickLoader:
         return self._loader("test")
 
-    def predict_dataloader(self) -> DataLoader:
+    def predict_dataloader(self) -> ClickLoader:
         return self._loader("predict")

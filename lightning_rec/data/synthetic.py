@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
-import torch
 
 from lightning_rec.data._hashing import key_of, uniform
-from lightning_rec.data._sharding import rank_batch_ranges, worker_share
-from lightning_rec.data.batch import Batch, batch_from_arrays
+from lightning_rec.data._stream import Arrays, ClickStream
 
 # Criteo Terabyte click logs: distinct values per categorical feature (the counts TorchRec's and MLPerf's
 # DLRM use as table sizes).
@@ -32,7 +30,9 @@ _INTERACT_DIM = 4
 _BIAS, _DENSE_STD, _CAT_STD, _INTERACT_STD = -1.5, 0.8, 1.2, 0.6
 
 
-def scaled_cardinalities(size: float, min_cardinality: int = 16, base: Sequence[int] = CRITEO_CARDINALITIES) -> list[int]:
+def scaled_cardinalities(
+    size: float, min_cardinality: int = 16, base: Sequence[int] = CRITEO_CARDINALITIES
+) -> list[int]:
     """``base`` scaled by ``size``, each at least ``min_cardinality`` (or its full count, if smaller)."""
     if not size > 0:
         raise ValueError(f"size must be > 0, got {size}")
@@ -57,7 +57,7 @@ def binary_auc(scores: np.ndarray, labels: np.ndarray) -> float:
     return float((r[labels].sum() - pos * (pos + 1) / 2.0) / (pos * neg))
 
 
-class SyntheticClicks(torch.utils.data.IterableDataset):
+class SyntheticClicks(ClickStream):
     """Streaming, Criteo-shaped click rows with labels from a hidden ground-truth model.
 
     Each row has 13 dense features (``log1p`` of heavy-tailed counts, as Criteo is usually fed),
@@ -66,8 +66,10 @@ class SyntheticClicks(torch.utils.data.IterableDataset):
     pairwise interactions of per-id vectors)``: the shape a DLRM can learn. ``achievable_auc`` is that
     hidden model's AUC, the ceiling a learned model approaches.
 
-    Every row is a pure function of ``(seed, split, row index)``: the same rows come out for any batch
-    size, world size or number of DataLoader workers, and no row is held in memory beyond its batch.
+    Every row is a pure function of ``(seed, split, epoch, row index)``: the same rows come out for any batch
+    size, world size or number of DataLoader workers, and no row is held in memory beyond its batch. With
+    ``fresh_epochs`` (the default for ``train``) each epoch draws new rows of the same task, so more epochs
+    help instead of repeating rows; epoch 0's rows do not depend on it.
     The hidden model depends on ``seed`` only, so ``train`` / ``val`` / ``test`` splits are different rows
     of the same task.
 
@@ -88,6 +90,7 @@ class SyntheticClicks(torch.utils.data.IterableDataset):
         split: ``"train"``, ``"val"``, ``"test"`` or ``"predict"``.
         cardinalities: exact table sizes (26 ints), instead of ``size``.
         zipf_exponent: the ids' Zipf exponent (larger is more skewed).
+        fresh_epochs: new rows every epoch (``None``: for the ``train`` split only).
     """
 
     num_dense: int = NUM_DENSE
@@ -106,6 +109,7 @@ class SyntheticClicks(torch.utils.data.IterableDataset):
         cardinalities: Sequence[int] | None = None,
         zipf_exponent: float = 1.05,
         min_cardinality: int = 16,
+        fresh_epochs: bool | None = None,
     ) -> None:
         super().__init__()
         if split not in SPLITS:
@@ -120,19 +124,19 @@ class SyntheticClicks(torch.utils.data.IterableDataset):
         multi_hot = dict(DEFAULT_MULTI_HOT if multi_hot is None else multi_hot)
         for name, m in multi_hot.items():
             if name not in FEATURE_NAMES:
-                raise ValueError(f"SyntheticClicks: multi_hot names unknown feature {name!r}; features are {FEATURE_NAMES}")
+                raise ValueError(f"SyntheticClicks: multi_hot names unknown feature {name!r}; "
+                                 f"features are {FEATURE_NAMES}")
             if not isinstance(m, int) or not 1 <= m <= _MAX_HOT:
                 raise ValueError(f"SyntheticClicks: multi_hot[{name!r}] must be an int in [1, {_MAX_HOT}], got {m!r}")
         if not zipf_exponent > 0:
             raise ValueError(f"SyntheticClicks: zipf_exponent must be > 0, got {zipf_exponent}")
-        self.num_rows, self.batch_size, self.seed, self.split = int(num_rows), int(batch_size), int(seed), split
-        self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
+        self.split = split
         self.cardinalities = cardinalities
         self.feature_names = list(FEATURE_NAMES)
         self.multi_hot = multi_hot
-        self._ranges = rank_batch_ranges(self.num_rows, self.batch_size, rank, world_size, drop_last,
-                                         what=f"SyntheticClicks(split={split!r})")
-        self._row_key = key_of(self.seed, SPLITS[split])
+        self.fresh_epochs = split == "train" if fresh_epochs is None else bool(fresh_epochs)
+        self._init_stream(num_rows, batch_size, rank, world_size, drop_last, False, 1, seed,
+                          f"SyntheticClicks(split={split!r})")
         self._init_hidden_model(zipf_exponent)
 
     def _init_hidden_model(self, zipf_exponent: float) -> None:
@@ -158,31 +162,33 @@ class SyntheticClicks(torch.utils.data.IterableDataset):
         self._dense_mu = 0.5 + 2.0 * uniform(mk, np.arange(NUM_DENSE) + 200)
         self._dense_sigma = 0.5 + 1.0 * uniform(mk, np.arange(NUM_DENSE) + 300)
 
-    def __len__(self) -> int:
-        return len(self._ranges)
+    def read_rows(self, start: int, stop: int) -> Arrays:
+        return self.rows(start, stop, self.epoch)[:4]
 
-    def __iter__(self) -> Iterator[Batch]:
-        for start, stop in worker_share(self._ranges):
-            dense, lengths, values, labels, _ = self.rows(start, stop)
-            yield batch_from_arrays(dense, lengths, values, labels, self.feature_names)
+    def describe(self) -> dict:
+        return {**super().describe(), "split": self.split, "fresh_epochs": self.fresh_epochs}
 
-    def rows(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Rows ``[start, stop)`` of the split: dense, lengths ``[F, B]``, values, labels, true probabilities."""
+    def rows(self, start: int, stop: int, epoch: int = 0) -> tuple[np.ndarray, ...]:
+        """Rows ``[start, stop)`` of the split in ``epoch``: dense, lengths ``[F, B]``, values, labels, true
+        probabilities."""
         b, f = stop - start, len(self.feature_names)
+        row_key = (key_of(self.seed, SPLITS[self.split], epoch) if self.fresh_epochs and epoch
+                   else key_of(self.seed, SPLITS[self.split]))
         rows = np.arange(start, stop, dtype=np.uint64) * np.uint64(_STRIDE)
-        u = uniform(self._row_key, rows[:, None] + np.arange(2 * NUM_DENSE, dtype=np.uint64))
+        u = uniform(row_key, rows[:, None] + np.arange(2 * NUM_DENSE, dtype=np.uint64))
         z = np.sqrt(-2.0 * np.log1p(-u[:, :NUM_DENSE])) * np.cos(2 * np.pi * u[:, NUM_DENSE:])
         counts = np.floor(np.exp(self._dense_mu + self._dense_sigma * z))
         dense = np.log1p(counts)
 
-        u_len = uniform(self._row_key, rows[None, :] + (_LEN0 + np.arange(f, dtype=np.uint64))[:, None])
-        lengths = np.where(self._max_hot[:, None] > 0, np.floor(u_len * (self._max_hot[:, None] + 1)), 1).astype(np.int64)
+        u_len = uniform(row_key, rows[None, :] + (_LEN0 + np.arange(f, dtype=np.uint64))[:, None])
+        hot = self._max_hot[:, None]
+        lengths = np.where(hot > 0, np.floor(u_len * (hot + 1)), 1).astype(np.int64)
         flat_len = lengths.reshape(-1)
         bag = np.repeat(np.arange(f * b), flat_len)  # key-major bag index of every id
         feat, row = bag // b, bag % b
         starts = np.cumsum(flat_len) - flat_len
         slot = np.arange(bag.size) - starts[bag]
-        u_id = uniform(self._row_key, rows[row] + (_ID0 + feat * _MAX_HOT + slot).astype(np.uint64))
+        u_id = uniform(row_key, rows[row] + (_ID0 + feat * _MAX_HOT + slot).astype(np.uint64))
         if self._one_minus_s != 0:
             x = (1.0 + u_id * self._zipf_span[feat]) ** (1.0 / self._one_minus_s)
         else:
@@ -191,7 +197,7 @@ class SyntheticClicks(torch.utils.data.IterableDataset):
         values = (rank_ * self._scatter_a[feat] + self._scatter_b[feat]) % self._n[feat]
 
         probs = self._probabilities(z, values, feat, bag, flat_len, b)
-        labels = (uniform(self._row_key, rows + np.uint64(_LABEL)) < probs).astype(np.float32)
+        labels = (uniform(row_key, rows + np.uint64(_LABEL)) < probs).astype(np.float32)
         return dense.astype(np.float32), lengths, values, labels, probs
 
     def _probabilities(self, z, values, feat, bag, flat_len, b) -> np.ndarray:

@@ -1,0 +1,174 @@
+"""ClickLoader: a stateful DataLoader for the click readers, and the per-step agreement of ranks on their batches.
+
+Every rank of a sharded model runs every forward and backward (each lookup is a collective), so all ranks
+must take a batch at the same step, or all stop. ``agreed`` wraps an iterator so that, at each step, the
+ranks exchange one status each (batch / exhausted / failed) over gloo: a rank that failed to read (a bad
+line) or ran out of batches while others have one makes *every* rank raise at that step, with the failing
+rank's message, instead of leaving the others waiting in a collective until the group timeout.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from lightning_rec.data._stream import ClickStream
+
+_OK, _DONE, _FAILED = 0, 1, 2
+_GLOO_GROUPS: dict[int, Any] = {}
+
+
+def _flag_group() -> Any:
+    """A gloo group for the status flags (the default group when it is gloo; created once otherwise)."""
+    if dist.get_backend() == "gloo":
+        return None
+    key = id(dist.distributed_c10d._get_default_group())
+    if key not in _GLOO_GROUPS:
+        _GLOO_GROUPS[key] = dist.new_group(backend="gloo")
+    return _GLOO_GROUPS[key]
+
+
+def agreement_needed() -> bool:
+    """Whether ranks must agree on each batch: a process group of more than one rank exists."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def agreed(iterator: Iterator[Any], what: str) -> Iterator[Any]:
+    """Yield from ``iterator`` while every rank has an item; raise on every rank as soon as one has none.
+
+    A rank whose ``next`` raised re-raises its own error; the others raise the same type (ValueError,
+    else RuntimeError) with that rank's message. Ranks running out at different steps raise a RuntimeError
+    naming which ranks had batches left. All ranks stop together when all run out.
+    """
+    group = _flag_group()
+    world = dist.get_world_size(group)
+    step = 0
+    while True:
+        item, error, status = None, None, _OK
+        try:
+            item = next(iterator)
+        except StopIteration:
+            status = _DONE
+        except Exception as e:
+            error, status = e, _FAILED
+        flags = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
+        dist.all_gather(flags, torch.tensor([status], dtype=torch.int32), group=group)
+        statuses = [int(f) for f in flags]
+        if all(s == _OK for s in statuses):
+            yield item
+            step += 1
+            continue
+        if all(s == _DONE for s in statuses):
+            return
+        failed = [r for r, s in enumerate(statuses) if s == _FAILED]
+        if failed:
+            messages: list[Any] = [None] * world
+            own = None if error is None else (type(error).__name__, str(error))
+            dist.all_gather_object(messages, own, group=group)
+            if error is not None:
+                raise error
+            kind, text = messages[failed[0]]
+            cls = ValueError if kind == "ValueError" else RuntimeError
+            raise cls(f"{what}: rank {failed[0]} failed reading its batch {step} ({kind}): {text}")
+        done = [r for r, s in enumerate(statuses) if s == _DONE]
+        more = [r for r, s in enumerate(statuses) if s == _OK]
+        raise RuntimeError(
+            f"{what}: ranks {done} ran out of batches after {step} batches while ranks {more} have more. Every rank "
+            "must yield the same number of batches (each sharded lookup is a collective across ranks): give each "
+            "rank an equal share, or drop the rows that do not fill a batch on every rank"
+        )
+
+
+class AgreedLoader:
+    """Wraps any iterable (e.g. a DataLoader of an IterableDataset without a length) with ``agreed``.
+
+    ``state_dict`` / ``load_state_dict`` are passed through when the wrapped loader has them.
+    """
+
+    def __init__(self, loader: Iterable[Any], what: str = "dataloader") -> None:
+        self.loader, self.what = loader, what
+
+    def __iter__(self) -> Iterator[Any]:
+        it = iter(self.loader)
+        return agreed(it, self.what) if agreement_needed() else it
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+class ClickLoader:
+    """A stateful loader of a :class:`ClickStream` (``SyntheticClicks``, ``CriteoTSV``, ``CriteoNpy``, ...).
+
+    Iterating starts the next epoch (the first from a loaded state, if any); ``state_dict()`` holds the epoch
+    and the stream position after the batches yielded so far, so a checkpoint taken at any step resumes at
+    the next batch (Lightning saves and restores it with the fit loop, as for torchdata's
+    ``StatefulDataLoader``). The state is the same on every rank; loaded at another world size, the rows
+    left are re-split over the new ranks. Worker processes (``num_workers``) each read whole batches
+    round-robin; ``pin_memory`` pins them for non-blocking copies to the GPU. Under a process group of more
+    than one rank, the ranks agree on every batch (see ``agreed``).
+    """
+
+    def __init__(self, dataset: ClickStream, num_workers: int = 0, pin_memory: bool = False,
+                 prefetch_factor: int | None = None, what: str | None = None,
+                 multiprocessing_context: str | None = None) -> None:
+        # not `.dataset`: Lightning warns on every run about an IterableDataset with a length behind `.dataset`,
+        # a hazard of hand-sharded datasets that the stream's own sharding avoids
+        self.stream = dataset
+        self.num_workers, self.pin_memory = int(num_workers), bool(pin_memory)
+        # the datasets batch themselves: batch_size=None turns off the DataLoader's own batching. Workers are
+        # not persistent: each epoch's iterator sends them the dataset with that epoch's position. They are
+        # forked where the platform can (a process started by spawn, e.g. by torch.multiprocessing, would
+        # otherwise spawn them too, re-importing everything every epoch); they never touch the process group.
+        if multiprocessing_context is None and self.num_workers and "fork" in mp.get_all_start_methods():
+            multiprocessing_context = "fork"
+        self._loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
+                                  prefetch_factor=prefetch_factor if self.num_workers else None,
+                                  persistent_workers=False,
+                                  multiprocessing_context=multiprocessing_context if self.num_workers else None)
+        self.what = what or type(dataset).__name__
+        self._next_epoch, self._resume = 0, 0
+        self._epoch, self._start, self._yielded = None, 0, 0
+
+    def __len__(self) -> int:
+        return len(self.stream)
+
+    def __iter__(self) -> Iterator[Any]:
+        # a generator: the epoch starts at the first next(), so an iter() that only probes the loader (as
+        # Lightning's check that a loader is iterable does) neither starts an epoch nor its workers
+        self._epoch, self._start, self._yielded = self._next_epoch, self._resume, 0
+        self._next_epoch, self._resume = self._epoch + 1, 0
+        self.stream.set_position(self._epoch, self._start)
+        it = iter(self._loader)
+        if agreement_needed():
+            it = agreed(it, self.what)
+        for batch in it:
+            self._yielded += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "position", ...}``: where the next batch starts."""
+        if self._epoch is None:
+            epoch, position = self._next_epoch, self._resume
+        else:
+            epoch, position = self._epoch, self.stream.position_after(self._yielded)
+        return {"epoch": epoch, "position": position, **self.stream.describe()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state``'s position (a finished epoch resumes at the start of the next one)."""
+        mine = self.stream.describe()
+        differ = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
+        if differ:
+            raise ValueError(f"{self.what}: the loader state was saved for other data (saved vs now: {differ}); "
+                             "resume with the same rows, shuffle and seed")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        self.stream.set_position(epoch, position)
+        if self.stream.epoch_done(position):
+            epoch, position = epoch + 1, 0
+        self._next_epoch, self._resume, self._epoch = epoch, position, None
