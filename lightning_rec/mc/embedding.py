@@ -99,15 +99,18 @@ class _ManagedCollisionWrapper(nn.Module):
         with torch.no_grad():
             cfg = self._configs[table]
             if self._row_init == "uniform":
-                seed = int(_remap.splitmix64(torch.tensor([self._seed])).item()) ^ hash_name(table)
-                vals = _remap.hashed_uniform(ids, weight.shape[1], seed, cfg.weight_init_min, cfg.weight_init_max)
-                weight[local] = vals.to(weight.dtype)
+                weight[local] = self._reinit_values(table, ids, cfg).to(weight.dtype)
             elif self._row_init == "zeros":
                 weight[local] = 0
             elif callable(self._row_init):
                 weight[local] = self._row_init(weight[local], ids).to(weight.dtype)
             for v in self._state_tensors(table, weight):
                 v[local] = 0
+
+    def _reinit_values(self, table: str, ids: torch.Tensor, cfg) -> torch.Tensor:
+        # a pure function of (seed, table, id): every rank and layout re-initialises a row identically
+        seed = int(_remap.splitmix64(torch.tensor([self._seed])).item()) ^ hash_name(table)
+        return _remap.hashed_uniform(ids, cfg.embedding_dim, seed, cfg.weight_init_min, cfg.weight_init_max)
 
     def _move_rows(self, table: str, src: torch.Tensor, dst: torch.Tensor) -> None:
         held = self._table_weights().get(table)

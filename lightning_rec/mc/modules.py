@@ -10,6 +10,7 @@ from torch import nn
 
 from lightning_rec.configs import BaseEmbeddingConfig
 from lightning_rec.mc import _remap
+from lightning_rec.modules import _TableContainer
 from lightning_rec.sparse import KeyedJaggedTensor
 
 DEFAULT_NUM_BUCKETS = 768
@@ -149,6 +150,13 @@ class MCHManagedCollisionModule(nn.Module):
                 f"bucket's rows for {nb} buckets, or an id in two rows)"
             )
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[override]
+        # with tables "a" and "a.b", the key "a.b._mch_raw_ids" starts with this module's prefix "a." but is
+        # the other table's; the container checks unexpected keys
+        n = len(unexpected_keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        del unexpected_keys[n:]
+
     def pending_resize(self) -> bool:
         return int(self._mch_num_buckets) != self._target_num_buckets
 
@@ -252,16 +260,13 @@ class ManagedCollisionCollection(nn.Module):
         return remapped
 
 
-class _ModuleMap(nn.Module):
+class _ModuleMap(_TableContainer):
     """Children keyed by table name (any string; ``ModuleDict`` would refuse dots)."""
 
     def __init__(self, modules: Mapping[str, nn.Module]) -> None:
         super().__init__()
         for k, m in modules.items():
-            self._modules[k] = m
-
-    def __getitem__(self, k: str) -> MCHManagedCollisionModule:
-        return self._modules[k]  # type: ignore[return-value]
+            self.add(k, m)
 
     def items(self):
         return self._modules.items()
