@@ -129,7 +129,7 @@ class _ManagedCollisionWrapper(nn.Module):
         if isinstance(coll, ShardedCollection):
             owners = {t: _dist.ownership(coll, t, m) for t, m in self._managed_collision_collection.modules_by_table().items()}
         for t, m in self._managed_collision_collection.modules_by_table().items():
-            m.prepare(None if owners is None else owners[t].owned_rows)
+            m.prepare(None if owners is None else owners[t].owned_rows, None if owners is None else coll.shard_group)
             if m.pending_resize():
                 self._resize_table(t, m, m.num_buckets, owners)
         return owners

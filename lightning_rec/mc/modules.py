@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_rec.configs import BaseEmbeddingConfig
@@ -87,7 +88,9 @@ class MCHManagedCollisionModule(nn.Module):
         self._index: _remap.SlotIndex | None = None
         self._index_generation: int | None = None
         self._owned: torch.Tensor | None = None  # rows this rank owns when sharded (None: all)
+        self._group: dist.ProcessGroup | None = None  # set while the table is sharded
         self.last_stats: dict[str, int] = {}
+        self._register_state_dict_hook(_gather_state_hook)
 
     @property
     def zch_size(self) -> int:
@@ -122,8 +125,12 @@ class MCHManagedCollisionModule(nn.Module):
         self._mch_generation.fill_(gen)
         self._index_generation = gen
 
-    def prepare(self, owned: torch.Tensor | None = None) -> None:
-        """Rebuild derived state after a load (or first use); with ``owned``, forget rows this rank does not own."""
+    def prepare(self, owned: torch.Tensor | None = None, group: dist.ProcessGroup | None = None) -> None:
+        """Rebuild derived state after a load (or first use); with ``owned``, forget rows this rank does not own.
+
+        ``group``: the shard group when sharded; ``state_dict`` then gathers every rank's rows (collective).
+        """
+        self._group = group
         changed_owner = (owned is None) != (self._owned is None) or (
             owned is not None and not torch.equal(owned, self._owned)
         )
@@ -206,6 +213,25 @@ class MCHManagedCollisionModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"zch_size={self._zch_size}, num_buckets={self._target_num_buckets}, policy={self._eviction_policy}"
+
+
+def _gather_state_hook(module: MCHManagedCollisionModule, state_dict, prefix, local_metadata):
+    """Sharded: fill every rank's buffers with the owners' rows, so state_dict is the full, replicated state.
+
+    Collective over the shard group. Rows a rank does not own are empty (-1 / 0), so MAX picks the owner's
+    values. The buffers themselves are filled (not copies), so an in-place load (DCP) reaches them; the next
+    forward forgets the rows this rank does not own again.
+    """
+    if module._group is None:
+        return state_dict
+    stacked = torch.stack([module._mch_raw_ids, module._mch_last_access, module._mch_counts])
+    dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=module._group)
+    module._mch_raw_ids.copy_(stacked[0])
+    module._mch_last_access.copy_(stacked[1])
+    module._mch_counts.copy_(stacked[2])
+    dist.all_reduce(module._mch_generation, op=dist.ReduceOp.MAX, group=module._group)
+    module._index_generation = None
+    return state_dict
 
 
 class ManagedCollisionCollection(nn.Module):
