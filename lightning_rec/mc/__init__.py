@@ -5,6 +5,7 @@ Public names follow TorchRec: ``MCHManagedCollisionModule`` (one table; ``LRU_Ev
 ``ManagedCollisionEmbeddingCollection`` wrappers.
 """
 
+from lightning_rec.mc.callbacks import ManagedCollisionCallback
 from lightning_rec.mc.embedding import ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection
 from lightning_rec.mc.modules import (
     DEFAULT_NUM_BUCKETS,
@@ -18,6 +19,7 @@ __all__ = [
     "DEFAULT_NUM_BUCKETS",
     "LFU_EvictionPolicy",
     "LRU_EvictionPolicy",
+    "ManagedCollisionCallback",
     "ManagedCollisionCollection",
     "ManagedCollisionEmbeddingBagCollection",
     "ManagedCollisionEmbeddingCollection",
