@@ -18,7 +18,7 @@ from lightning_rec.mc import (
     ManagedCollisionEmbeddingBagCollection,
     MCHManagedCollisionModule,
 )
-from lightning_rec.sharding import full_state_dict, row_wise, shard_modules, table_wise
+from lightning_rec.sharding import full_state_dict, fused_optimizer, row_wise, shard_modules, table_wise
 from lightning_rec.testing import run_distributed
 
 FEATURES = ["f", "g", "h"]
@@ -174,3 +174,55 @@ def test_checkpoint_loads_at_another_world_size_and_bucket_count(tmp_path):
             if k.endswith("_mch_step"):
                 continue  # the load job ran one extra (empty) step
             assert torch.equal(state[k], ref_state[k]), k
+
+
+FUSED = {"kind": "rowwise_adagrad", "lr": 0.5}
+
+
+def _fused_job(rank: int, ws: int):
+    """Fused kernels: a taken row is re-initialised in the kernel's table and its row-wise state zeroed."""
+    model = shard_modules(_model(), _plan("rw", ws), embedding_optimizer=FUSED)
+    opt = fused_optimizer(model)
+    for step in range(3):
+        out, _ = model(_kjt(_slice(_global_batch(step), rank, ws)))
+        out.values().sum().backward()
+        opt.step()
+    coll = model._embedding_module
+    (kernel,) = coll.fused_kernels()
+    state = kernel.optimizer_states()["a"]["sum"]
+    trained = state.clone()
+    # one new id per bag of "f": every one is admitted (LRU), most by evicting a trained row
+    new = {"f": [[2**61 + 97 * (rank * 100 + i)] for i in range(BAGS // ws)], "g": [[]] * (BAGS // ws),
+           "h": [[]] * (BAGS // ws)}
+    kjt = _kjt(new)
+    remapped = model.remap(kjt)
+    rows = remapped.values()
+    offset = _local_offset(coll, "a")
+    pooled = model._embedding_module(remapped)
+    mine = [int(r) - offset for r in _owned_rows(rows, ws, rank)]
+    cfg = coll.tables[0]
+    expect = model._reinit_values("a", torch.tensor(new["f"]).flatten(), cfg)
+    got_pooled = pooled.values()[:, :4]
+    return {
+        "reset": all(float(state[r]) == 0.0 for r in mine),
+        "was_trained": sum(float(trained[r]) > 0 for r in mine),
+        "lookup_is_reinit": torch.equal(got_pooled, expect),
+        "stats": model.mc_stats()["a"],
+    }
+
+
+def _local_offset(coll, table):
+    return next(s.row_offset for ti, s in coll.local_shards if coll.tables[ti].name == table)
+
+
+def _owned_rows(rows, ws, rank):
+    size = {2: 32, 4: 16}[ws]
+    return [r for r in rows.tolist() if r // size == rank]
+
+
+def test_fused_kernels_reset_rows_on_eviction():
+    results = run_distributed(_fused_job, 2)
+    for r in results:
+        assert r["reset"] and r["lookup_is_reinit"], r
+    assert sum(r["was_trained"] for r in results) > 0
+    assert sum(r["stats"]["evicted"] for r in results) > 0
