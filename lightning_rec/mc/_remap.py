@@ -13,6 +13,9 @@ import torch
 
 _HASH_BITS = 40  # bucket hash width: hash * num_buckets must fit in int64
 MAX_BUCKETS = 1 << (63 - _HASH_BITS)
+# sort keys pack (bucket, flag, value) into one int64: steps and counts saturate at 2**31 - 1 for ordering
+_SAT = 1 << 31
+MAX_STEPS = _SAT - 1
 
 
 def _c(x: int) -> int:
@@ -135,7 +138,8 @@ def remap_step(
       * an id that holds a row keeps it: last access := step, count += its occurrences;
       * new ids, best first (more occurrences this step, then smaller id), take rows in eviction order:
         empty rows (lowest first), then rows not touched this step by the policy's score
-        (LRU: oldest access; LFU: smallest count, then oldest access; ties: lowest row);
+        (LRU: oldest access; LFU: smallest count (saturating at 2**31 - 1), then oldest access; ties:
+        lowest row);
       * LRU always admits while rows remain; LFU evicts an id only for a new id seen more often this step
         than the evicted id's total count;
       * a new id left without a row maps to a fallback row of its bucket (``hash(id) % bucket size``)
@@ -159,7 +163,8 @@ def remap_step(
     evicted = 0
     if miss.numel():
         mb = bucket_of(miss, num_buckets)
-        morder = lexsort(mb, -miss_occ, miss)
+        # one stable sort on (bucket, -occurrences); ``miss`` is ascending already (from unique)
+        morder = torch.sort(mb * _SAT + (_SAT - 1 - miss_occ.clamp(max=_SAT - 1)), stable=True).indices
         miss, miss_occ, mb = miss[morder], miss_occ[morder], mb[morder]
         mrank = _rank_in_group(mb)
         # candidate rows: every row of the buckets with new ids, minus the rows hit this step
@@ -170,10 +175,12 @@ def remap_step(
         rows = rows[~touched[rows]]
         rb = rows // bs
         occupied = (raw_ids[rows] >= 0).to(torch.int64)
+        # stable sorts on packed keys; ``rows`` is ascending, which breaks the remaining ties
         if policy == "lru":
-            rorder = lexsort(rb, occupied, last_access[rows], rows)
+            rorder = torch.sort((rb * 2 + occupied) * _SAT + last_access[rows], stable=True).indices
         else:
-            rorder = lexsort(rb, occupied, counts[rows], last_access[rows], rows)
+            inner = torch.sort(counts[rows].clamp(max=_SAT - 1) * _SAT + last_access[rows], stable=True).indices
+            rorder = inner[torch.sort((rb * 2 + occupied)[inner], stable=True).indices]
         rows, rb = rows[rorder], rb[rorder]
         rrank = _rank_in_group(rb)
         # pair the k-th new id of a bucket with the k-th candidate row of that bucket

@@ -92,6 +92,9 @@ class MCHManagedCollisionModule(nn.Module):
         self.last_stats: dict[str, int] = {}
         self._register_state_dict_hook(_gather_state_hook)
 
+    def _label(self) -> str:
+        return "module" if self._name is None else f"table {self._name!r}"
+
     @property
     def zch_size(self) -> int:
         return self._zch_size
@@ -110,12 +113,12 @@ class MCHManagedCollisionModule(nn.Module):
         n = int(num_buckets)
         if n <= 0 or self._zch_size % n or n > _remap.MAX_BUCKETS:
             raise ValueError(
-                f"managed collision {self._name!r}: num_buckets={num_buckets} must be a positive divisor of "
+                f"managed collision {self._label()}: num_buckets={num_buckets} must be a positive divisor of "
                 f"zch_size={self._zch_size} (at most {_remap.MAX_BUCKETS})"
             )
         if current is not None and n % current and current % n:
             raise ValueError(
-                f"managed collision {self._name!r}: cannot resize from {current} to {n} buckets; the new count "
+                f"managed collision {self._label()}: cannot resize from {current} to {n} buckets; the new count "
                 "must be a multiple or a divisor of the current one (each new bucket then lies inside one old "
                 "bucket's rows or covers whole old buckets)"
             )
@@ -153,7 +156,7 @@ class MCHManagedCollisionModule(nn.Module):
         ids = self._mch_raw_ids[rows]
         if bool(bad.any()) or ids.unique().numel() != ids.numel():
             raise ValueError(
-                f"managed collision {self._name!r}: the loaded remap table is inconsistent (an id outside its "
+                f"managed collision {self._label()}: the loaded remap table is inconsistent (an id outside its "
                 f"bucket's rows for {nb} buckets, or an id in two rows)"
             )
 
@@ -169,6 +172,8 @@ class MCHManagedCollisionModule(nn.Module):
 
     def begin_step(self) -> int:
         """Advance the step counter (every rank, every forward) and return the new step."""
+        if int(self._mch_step) >= _remap.MAX_STEPS:
+            raise RuntimeError(f"managed collision {self._label()}: step counter reached {_remap.MAX_STEPS}")
         self._mch_step += 1
         return int(self._mch_step)
 
@@ -177,7 +182,7 @@ class MCHManagedCollisionModule(nn.Module):
         if self._index is None:
             self.prepare()
         if ids.numel() and int(ids.min()) < 0:
-            raise ValueError(f"managed collision {self._name!r}: raw ids must be non-negative, got {int(ids.min())}")
+            raise ValueError(f"managed collision {self._label()}: raw ids must be non-negative, got {int(ids.min())}")
         res = _remap.remap_step(
             ids.to(torch.int64), self._mch_raw_ids, self._mch_last_access, self._mch_counts, self._index,
             int(self._mch_num_buckets), int(self._mch_step), self._eviction_policy.name,
