@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from lightning_rec import (  # noqa: E402
+from lightning_rec import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
     KeyedJaggedTensor,
@@ -44,7 +44,7 @@ from lightning_rec import (  # noqa: E402
     ManagedCollisionEmbeddingBagCollection,
     MCHManagedCollisionModule,
 )
-from lightning_rec.mc._remap import splitmix64  # noqa: E402
+from lightning_rec.mc._remap import splitmix64
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -141,7 +141,8 @@ def main(argv=None) -> None:
         f"Table {args.rows:,} x {args.dim} fp32, {args.buckets} buckets ({args.rows // args.buckets} rows each), "
         f"policy {args.policy}; batch {args.batch} bags x {args.bag} ids = {ids_per_step:,} ids/step; raw ids "
         f"Zipf(1.1) over {int(args.rows * args.distinct):,} values. {args.threads} thread(s), "
-        f"{args.fill} fill steps, then {args.rounds} rounds x {args.steps} steps per method; torch {torch.__version__}, {platform.machine()}.",
+        f"{args.fill} fill steps, then {args.rounds} rounds x {args.steps} steps per method; "
+        f"torch {torch.__version__}, {platform.machine()}.",
         "",
         f"Last timed remap step: {stats['hits']:,} of {stats['lookups']:,} ids hit, "
         f"{stats['admitted']:,} admitted, {stats['evicted']:,} evicted, {stats['unadmitted']:,} unadmitted.",

@@ -19,9 +19,9 @@ __all__ = [
     "DEFAULT_NUM_BUCKETS",
     "LFU_EvictionPolicy",
     "LRU_EvictionPolicy",
+    "MCHManagedCollisionModule",
     "ManagedCollisionCallback",
     "ManagedCollisionCollection",
     "ManagedCollisionEmbeddingBagCollection",
     "ManagedCollisionEmbeddingCollection",
-    "MCHManagedCollisionModule",
 ]

@@ -120,7 +120,8 @@ def remap_sharded(
         perms.append(perm)
         pieces.append(torch.split(v[perm], torch.bincount(d, minlength=world).tolist()))
         counts[:, j] = torch.bincount(d, minlength=world)
-    send_vals = torch.cat([pieces[j][r] for r in range(world) for j in range(nf)] or [torch.zeros(0, dtype=torch.int64)])
+    no_ids = torch.zeros(0, dtype=torch.int64)
+    send_vals = torch.cat([pieces[j][r] for r in range(world) for j in range(nf)] or [no_ids])
     recv_counts = _all_to_all(counts.flatten(), [nf] * world, [nf] * world, group).view(world, nf)
     send_split, recv_split = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
     recv_vals = _all_to_all(send_vals, send_split, recv_split, group)
@@ -139,7 +140,7 @@ def remap_sharded(
     back = _all_to_all(torch.cat(out_segs) if out_segs else recv_vals, recv_split, send_split, group)
     # sender side: back is [dest rank][feature]; undo the sort by destination
     back_segs = torch.split(back, counts.flatten().tolist())
-    for j, (t, i) in enumerate(feats):
+    for j, (_, i) in enumerate(feats):
         slots = torch.cat([back_segs[r * nf + j] for r in range(world)])
         out = torch.empty_like(slots)
         out[perms[j]] = slots

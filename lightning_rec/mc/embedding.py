@@ -127,7 +127,8 @@ class _ManagedCollisionWrapper(nn.Module):
         coll = self._embedding_module
         owners = None
         if isinstance(coll, ShardedCollection):
-            owners = {t: _dist.ownership(coll, t, m) for t, m in self._managed_collision_collection.modules_by_table().items()}
+            mods = self._managed_collision_collection.modules_by_table()
+            owners = {t: _dist.ownership(coll, t, m) for t, m in mods.items()}
         for t, m in self._managed_collision_collection.modules_by_table().items():
             m.prepare(None if owners is None else owners[t].owned_rows, None if owners is None else coll.shard_group)
             if m.pending_resize():

@@ -17,7 +17,7 @@ from lightning_rec.sparse import KeyedJaggedTensor
 DEFAULT_NUM_BUCKETS = 768
 
 
-class LRU_EvictionPolicy:  # noqa: N801 - TorchRec's name
+class LRU_EvictionPolicy:
     """Evict the id accessed least recently; a new id always takes a row while its bucket has one."""
 
     name = "lru"
@@ -26,7 +26,7 @@ class LRU_EvictionPolicy:  # noqa: N801 - TorchRec's name
         return "LRU_EvictionPolicy()"
 
 
-class LFU_EvictionPolicy:  # noqa: N801 - TorchRec's name
+class LFU_EvictionPolicy:
     """Evict the id seen least often (then least recently), and only for a new id seen more often this step."""
 
     name = "lfu"
@@ -160,11 +160,13 @@ class MCHManagedCollisionModule(nn.Module):
                 f"bucket's rows for {nb} buckets, or an id in two rows)"
             )
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[override]
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,  # type: ignore[override]
+                              error_msgs):
         # with tables "a" and "a.b", the key "a.b._mch_raw_ids" starts with this module's prefix "a." but is
         # the other table's; the container checks unexpected keys
         n = len(unexpected_keys)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
         del unexpected_keys[n:]
 
     def pending_resize(self) -> bool:

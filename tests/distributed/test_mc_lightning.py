@@ -39,7 +39,8 @@ class RawIds(Dataset):
         for k in KEYS:
             n = int(torch.randint(1, 4, (1,), generator=g))
             fresh = torch.randint(0, 2**62, (n,), generator=g)
-            feats[k] = torch.where(torch.rand(n, generator=g) < 0.5, HOT[torch.randint(0, 24, (n,), generator=g)], fresh)
+            hot = HOT[torch.randint(0, 24, (n,), generator=g)]
+            feats[k] = torch.where(torch.rand(n, generator=g) < 0.5, hot, fresh)
         return feats, torch.rand((), generator=g).round()
 
 

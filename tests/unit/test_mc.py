@@ -8,7 +8,13 @@ from collections import Counter
 import pytest
 import torch
 
-from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
+from lightning_rec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    KeyedJaggedTensor,
+)
 from lightning_rec.mc import (
     LFU_EvictionPolicy,
     LRU_EvictionPolicy,
@@ -16,8 +22,8 @@ from lightning_rec.mc import (
     ManagedCollisionEmbeddingBagCollection,
     ManagedCollisionEmbeddingCollection,
     MCHManagedCollisionModule,
+    _remap,
 )
-from lightning_rec.mc import _remap
 
 M64 = (1 << 64) - 1
 
@@ -97,7 +103,8 @@ def test_remap_matches_reference(policy, zch, nb):
     pool = [rng.randrange(2**62) for _ in range(3 * zch)]  # more ids than rows: evictions happen
     evicted = 0
     for _ in range(40):
-        ids = [rng.choice(pool[: zch // 2]) if rng.random() < 0.5 else rng.choice(pool) for _ in range(rng.randrange(0, 2 * zch))]
+        n = rng.randrange(0, 2 * zch)
+        ids = [rng.choice(pool[: zch // 2]) if rng.random() < 0.5 else rng.choice(pool) for _ in range(n)]
         m.begin_step()
         res = m.remap(torch.tensor(ids, dtype=torch.int64))
         assert res.slots.tolist() == ref.remap(ids)
@@ -122,7 +129,8 @@ def test_remap_is_independent_of_id_order():
 
 
 def _mc_ebc(zch=32, nb=4, policy=None, **kw):
-    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t.1", num_embeddings=zch, embedding_dim=4, feature_names=["f", "g"])])
+    cfg = EmbeddingBagConfig(name="t.1", num_embeddings=zch, embedding_dim=4, feature_names=["f", "g"])
+    ebc = EmbeddingBagCollection([cfg])
     mcc = ManagedCollisionCollection({"t.1": MCHManagedCollisionModule(zch, num_buckets=nb, eviction_policy=policy)},
                                      ebc.embedding_bag_configs())
     return ManagedCollisionEmbeddingBagCollection(ebc, mcc, **kw)
