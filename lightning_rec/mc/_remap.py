@@ -62,8 +62,14 @@ def hashed_uniform(ids: torch.Tensor, dim: int, seed: int, low: float, high: flo
 
 def _rank_in_group(sorted_groups: torch.Tensor) -> torch.Tensor:
     """Position of each element within its run of equal values (input sorted by group)."""
-    first = torch.searchsorted(sorted_groups, sorted_groups, right=False)
-    return torch.arange(sorted_groups.numel()) - first
+    n = sorted_groups.numel()
+    idx = torch.arange(n)
+    if n == 0:
+        return idx
+    starts = torch.ones(n, dtype=torch.bool)
+    starts[1:] = sorted_groups[1:] != sorted_groups[:-1]
+    # linear, unlike a searchsorted of the array into itself
+    return idx - torch.cummax(torch.where(starts, idx, 0), 0).values
 
 
 def lexsort(*keys: torch.Tensor) -> torch.Tensor:
