@@ -137,8 +137,11 @@ def remap_step(
     num_buckets: int,
     step: int,
     policy: str,
+    update: bool = True,
 ) -> StepResult:
     """Remap one step's ids in place of the state tensors (``raw_ids``, ``last_access``, ``counts``).
+
+    With ``update=False`` (evaluation) nothing changes: known ids get their rows, new ids the fallback row.
 
     Rules (per bucket, independent of id order):
       * an id that holds a row keeps it: last access := step, count += its occurrences;
@@ -161,12 +164,17 @@ def remap_step(
     slot = index.find(uniq)
     hit = slot >= 0
     hs = slot[hit]
-    last_access[hs] = step
-    counts[hs] += occ[hit]
     miss = uniq[~hit]
     miss_occ = occ[~hit]
     admitted_slots = admitted_ids = torch.zeros(0, dtype=torch.int64)
     evicted = 0
+    if not update:
+        if miss.numel():
+            slot = slot.clone()
+            slot[~hit] = bucket_of(miss, num_buckets) * bs + splitmix64(miss).remainder(bs)
+        return StepResult(slot[inverse], admitted_slots, admitted_ids, n, int(occ[hit].sum()), 0, int(miss.numel()))
+    last_access[hs] = step
+    counts[hs] += occ[hit]
     if miss.numel():
         mb = bucket_of(miss, num_buckets)
         # one stable sort on (bucket, -occurrences); ``miss`` is ascending already (from unique)

@@ -173,21 +173,26 @@ class MCHManagedCollisionModule(nn.Module):
         return int(self._mch_num_buckets) != self._target_num_buckets
 
     def begin_step(self) -> int:
-        """Advance the step counter (every rank, every forward) and return the new step."""
+        """Advance the step counter (every rank, every training forward) and return the new step."""
+        if not self.training:
+            return int(self._mch_step)
         if int(self._mch_step) >= _remap.MAX_STEPS:
             raise RuntimeError(f"managed collision {self._label()}: step counter reached {_remap.MAX_STEPS}")
         self._mch_step += 1
         return int(self._mch_step)
 
     def remap(self, ids: torch.Tensor) -> _remap.StepResult:
-        """Remap one step's ids (any order; several features of the table together) and admit new ids."""
+        """Remap one step's ids (any order; several features of the table together) and admit new ids.
+
+        In eval mode (``module.eval()``) the state is only read: new ids get their bucket's fallback row.
+        """
         if self._index is None:
             self.prepare()
         if ids.numel() and int(ids.min()) < 0:
             raise ValueError(f"managed collision {self._label()}: raw ids must be non-negative, got {int(ids.min())}")
         res = _remap.remap_step(
             ids.to(torch.int64), self._mch_raw_ids, self._mch_last_access, self._mch_counts, self._index,
-            int(self._mch_num_buckets), int(self._mch_step), self._eviction_policy.name,
+            int(self._mch_num_buckets), int(self._mch_step), self._eviction_policy.name, update=self.training,
         )
         if res.admitted_slots.numel():
             self._touch()

@@ -270,3 +270,18 @@ def test_errors_are_clear():
         m.resize(6)
     with pytest.raises(ValueError, match="row_init"):
         _mc_ebc(row_init="gaussian")
+
+
+def test_eval_mode_reads_only():
+    m = _mc_ebc(zch=8, nb=2, return_remapped_features=True)
+    _, r = m(_kjt([11, 12], [13]))
+    state = {k: v.clone() for k, v in m.state_dict().items()}
+    m.eval()
+    _, r2 = m(_kjt([11, 99], [13]))  # 99 is new: its fallback row, nothing admitted or changed
+    assert r2.values()[0] == r.values()[0] and r2.values()[2] == r.values()[2]
+    assert m.mc_stats()["t.1"]["unadmitted"] == 1
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    m.train()
+    m(_kjt([99], []))
+    assert 99 in m._managed_collision_collection.modules_by_table()["t.1"]._mch_raw_ids.tolist()
