@@ -51,6 +51,7 @@ class _ManagedCollisionWrapper(nn.Module):
         self._seed = int(seed)
         self._configs = configs
         self._optimizers: list[weakref.ref] = []
+        self._owner_cache: dict[tuple, _dist.Ownership] = {}
         _WRAPPERS.add(self)
 
     # -- optimizer state ----------------------------------------------------------------------------
@@ -128,7 +129,14 @@ class _ManagedCollisionWrapper(nn.Module):
         owners = None
         if isinstance(coll, ShardedCollection):
             mods = self._managed_collision_collection.modules_by_table()
-            owners = {t: _dist.ownership(coll, t, m) for t, m in mods.items()}
+            owners = {}
+            for t, m in mods.items():
+                # O(table) to build: once per (collection, bucket counts), not per step
+                key = (id(coll), t, int(m._mch_num_buckets), m.num_buckets)
+                if key not in self._owner_cache:
+                    self._owner_cache = {k: v for k, v in self._owner_cache.items() if k[:2] != key[:2]}
+                    self._owner_cache[key] = _dist.ownership(coll, t, m)
+                owners[t] = self._owner_cache[key]
         for t, m in self._managed_collision_collection.modules_by_table().items():
             m.prepare(None if owners is None else owners[t].owned_rows, None if owners is None else coll.shard_group)
             if m.pending_resize():
