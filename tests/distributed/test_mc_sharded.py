@@ -9,13 +9,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, ShardingPlan
+from lightning_rec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    KeyedJaggedTensor,
+    ShardingPlan,
+)
 from lightning_rec import checkpoint as ckpt
 from lightning_rec.mc import (
     LFU_EvictionPolicy,
     LRU_EvictionPolicy,
     ManagedCollisionCollection,
     ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
     MCHManagedCollisionModule,
 )
 from lightning_rec.sharding import full_state_dict, fused_optimizer, row_wise, shard_modules, table_wise
@@ -230,3 +238,38 @@ def test_fused_kernels_reset_rows_on_eviction():
         assert r["reset"] and r["lookup_is_reinit"], r
     assert sum(r["was_trained"] for r in results) > 0
     assert sum(r["stats"]["evicted"] for r in results) > 0
+
+
+def _ec_model() -> ManagedCollisionEmbeddingCollection:
+    torch.manual_seed(0)
+    tables = [EmbeddingConfig(name="s", num_embeddings=32, embedding_dim=4, feature_names=["f", "g", "h"])]
+    mcc = ManagedCollisionCollection({"s": MCHManagedCollisionModule(32, num_buckets=8)}, tables)
+    return ManagedCollisionEmbeddingCollection(EmbeddingCollection(tables), mcc, return_remapped_features=True)
+
+
+def _ec_run(model, rank: int, ws: int):
+    out = []
+    for step in range(3):
+        embs, remapped = model(_kjt(_slice(_global_batch(step), rank, ws)))
+        out.append((remapped.values().tolist(), torch.cat([embs[f].values() for f in FEATURES]).detach()))
+    return out
+
+
+def _ec_job(rank: int, ws: int):
+    model = shard_modules(_ec_model(), ShardingPlan({"_embedding_module": {"s": row_wise([16, 16])}}))
+    return _ec_run(model, rank, ws), _full_state(model)
+
+
+def test_sharded_embedding_collection_matches_single_process():
+    ref_model = _ec_model()
+    ref = _ec_run(ref_model, 0, 1)
+    ref_state = {k: v for k, v in ref_model.state_dict().items() if not k.endswith("_mch_generation")}
+    for rank, (steps, state) in enumerate(run_distributed(_ec_job, 2)):
+        for step, ((remap, embs), (ref_remap, ref_embs)) in enumerate(zip(steps, ref)):
+            mine = _per_rank(ref_remap, step, rank, 2)
+            assert remap == mine
+            # per-id embeddings: the single-process ones of this rank's bags, bit for bit
+            pos = _per_rank(list(range(ref_embs.shape[0])), step, rank, 2)
+            assert torch.equal(embs, ref_embs[torch.tensor(pos, dtype=torch.int64)])
+        for k in ref_state:
+            assert torch.equal(state[k], ref_state[k]), k
