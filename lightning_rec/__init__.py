@@ -15,6 +15,15 @@ from lightning_rec.configs import (  # noqa: E402
     PoolingType,
     ShardingType,
 )
+from lightning_rec.mc import (  # noqa: E402
+    LFU_EvictionPolicy,
+    LRU_EvictionPolicy,
+    ManagedCollisionCallback,
+    ManagedCollisionCollection,
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+    MCHManagedCollisionModule,
+)
 from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection  # noqa: E402
 from lightning_rec.module import RecModule  # noqa: E402
 from lightning_rec.optim import CombinedOptimizer, FusedOptimizer, FusedOptimizerSpec  # noqa: E402
@@ -83,6 +92,13 @@ __all__ = [
     "JaggedTensor",
     "KeyedJaggedTensor",
     "KeyedTensor",
+    "LFU_EvictionPolicy",
+    "LRU_EvictionPolicy",
+    "ManagedCollisionCallback",
+    "ManagedCollisionCollection",
+    "ManagedCollisionEmbeddingBagCollection",
+    "ManagedCollisionEmbeddingCollection",
+    "MCHManagedCollisionModule",
     "PoolingType",
     "ShardingType",
 ]

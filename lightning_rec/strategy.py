@@ -17,6 +17,7 @@ from typing_extensions import override
 from lightning_rec import _compat
 from lightning_rec._compat import precision_target_dtype
 from lightning_rec.data.loader import AgreedLoader, ClickLoader
+from lightning_rec.mc.modules import MCHManagedCollisionModule
 from lightning_rec.sharding.comm import grad_scale
 from lightning_rec.sharding.mesh import MeshInfo, check_layout, init_2d_mesh
 from lightning_rec.sharding.plan import ShardingPlan
@@ -28,6 +29,8 @@ def _sharded_param_names(module: nn.Module) -> list[str]:
     for path, m in module.named_modules():
         if isinstance(m, ShardedCollection):
             names += [f"{path}.{n}" if path else n for n, _ in m.named_parameters()]
+        if isinstance(m, MCHManagedCollisionModule):  # remap state is per rank: DDP must not broadcast it
+            names += [f"{path}.{n}" if path else n for n, _ in m.named_buffers()]
     return names
 
 
@@ -274,7 +277,8 @@ class RecShardedStrategy(DDPStrategy):
 
     def _dense_state(self) -> list[torch.Tensor]:
         module = self.lightning_module
-        sharded = tuple(f"{path}." for path, m in module.named_modules() if isinstance(m, ShardedCollection))
+        sharded = tuple(f"{path}." for path, m in module.named_modules()
+                        if isinstance(m, (ShardedCollection, MCHManagedCollisionModule)))
         return [t for n, t in [*module.named_parameters(), *module.named_buffers()] if not n.startswith(sharded)]
 
     def _sync_dense_states(self) -> None:

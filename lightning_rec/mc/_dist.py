@@ -1,0 +1,149 @@
+"""Sharded remapping: each id is remapped on the rank that owns its bucket's rows.
+
+Per step and per rank: bucketize the raw ids, all-to-all them to the owners (counts first, then ids), let
+each owner remap the ids of its buckets (all ranks' ids of a bucket together, so its decisions equal one
+process's), and all-to-all the rows back. Example, 2 ranks, a row-wise table of 2 buckets (bucket 0 on
+rank 0, bucket 1 on rank 1): rank 0 holds ids ``[a(b0), c(b1)]``, rank 1 ``[d(b1)]``; rank 1 receives
+``[c]`` from rank 0 and ``[d]`` from itself, remaps ``{c, d}`` in one step, returns ``c``'s row to rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lightning_rec.mc import _remap
+from lightning_rec.mc.modules import ManagedCollisionCollection, MCHManagedCollisionModule, rebuild, split_by_table
+from lightning_rec.sharding import ShardedCollection
+from lightning_rec.sparse import KeyedJaggedTensor
+
+
+@dataclass
+class Ownership:
+    """Which shard-group rank owns each row of one managed table."""
+
+    owner_of_row: torch.Tensor  # [zch] int64
+    owned_rows: torch.Tensor  # [zch] bool, this rank
+
+
+def _row_shards(coll: ShardedCollection, table: str):
+    cfg = next(c for c in coll.tables if c.name == table)
+    shards = coll.shards[table]
+    if shards is None:
+        raise ValueError(
+            f"managed collision table {table!r} is data-parallel; shard it table-wise or row-wise so that one "
+            "rank owns each bucket"
+        )
+    if coll.replica_group is not None:
+        raise ValueError(f"managed collision table {table!r}: 2D (replicated) sharding is not supported")
+    for s in shards:
+        if s.col_offset != 0 or s.cols != cfg.embedding_dim:
+            raise ValueError(
+                f"managed collision table {table!r} is split by columns; shard it table-wise or row-wise so that "
+                "one rank holds each row whole"
+            )
+    return cfg, [s for s in shards if s.rows > 0]
+
+
+def local_row_offset(coll: ShardedCollection, table: str) -> int | None:
+    """First global row of this rank's shard of ``table`` (None when it holds none)."""
+    mine = [s for ti, s in coll.local_shards if coll.tables[ti].name == table and s.rows > 0]
+    return mine[0].row_offset if mine else None
+
+
+def ownership(coll: ShardedCollection, table: str, m: MCHManagedCollisionModule) -> Ownership:
+    cfg, shards = _row_shards(coll, table)
+    owner = torch.full((cfg.num_embeddings,), -1, dtype=torch.int64)
+    for s in shards:
+        owner[s.row_offset : s.row_offset + s.rows] = s.rank
+    check_alignment(coll, table, m.zch_size, int(m._mch_num_buckets))
+    check_alignment(coll, table, m.zch_size, m.num_buckets)
+    return Ownership(owner, owner == dist.get_rank(coll.shard_group))
+
+
+def check_alignment(coll: ShardedCollection, table: str, zch: int, num_buckets: int) -> None:
+    """Raise unless every shard of ``table`` holds whole buckets of ``num_buckets``."""
+    _, shards = _row_shards(coll, table)
+    bs = zch // num_buckets
+    for s in shards:
+        if s.row_offset % bs or s.rows % bs:
+            raise ValueError(
+                f"managed collision table {table!r}: rank {s.rank}'s rows {s.row_offset}..{s.row_offset + s.rows - 1} "
+                f"split a bucket of {bs} rows ({num_buckets} buckets); row-wise shard boundaries must fall on "
+                "bucket boundaries (choose a bucket count or shard sizes that agree)"
+            )
+
+
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    out = torch.empty(sum(recv), dtype=x.dtype)
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+def remap_sharded(
+    mcc: ManagedCollisionCollection,
+    kjt: KeyedJaggedTensor,
+    coll: ShardedCollection,
+    owners: dict[str, Ownership],
+) -> tuple[KeyedJaggedTensor, dict[str, _remap.StepResult]]:
+    """Collective remap of ``kjt``: every rank of the shard group calls it with its local batch."""
+    if not isinstance(kjt, KeyedJaggedTensor):
+        raise TypeError(f"expected a KeyedJaggedTensor, got {type(kjt).__name__}")
+    group = coll.shard_group
+    world = dist.get_world_size(group)
+    segs, by_table = split_by_table(mcc, kjt)
+    mods = mcc.modules_by_table()
+    # the same feature order on every rank: managed tables in config order, their features in config order
+    keys = kjt.keys()
+    feats: list[tuple[str, int]] = []
+    for cfg in mcc.embedding_configs():
+        if cfg.name not in mods:
+            continue
+        for f in cfg.feature_names:
+            if f not in keys:
+                raise ValueError(f"feature {f!r} of managed table {cfg.name!r} is missing from the input {keys}")
+            feats.append((cfg.name, keys.index(f)))
+    nf = len(feats)
+    dests, perms, pieces = [], [], []
+    counts = torch.zeros(world, nf, dtype=torch.int64)
+    for j, (t, i) in enumerate(feats):
+        m = mods[t]
+        v = segs[i].to(torch.int64)
+        if v.numel() and int(v.min()) < 0:
+            raise ValueError(f"managed collision {t!r}: raw ids must be non-negative, got {int(v.min())}")
+        bs = m.zch_size // int(m._mch_num_buckets)
+        d = owners[t].owner_of_row[_remap.bucket_of(v, int(m._mch_num_buckets)) * bs]
+        perm = torch.sort(d, stable=True).indices
+        dests.append(d)
+        perms.append(perm)
+        pieces.append(torch.split(v[perm], torch.bincount(d, minlength=world).tolist()))
+        counts[:, j] = torch.bincount(d, minlength=world)
+    no_ids = torch.zeros(0, dtype=torch.int64)
+    send_vals = torch.cat([pieces[j][r] for r in range(world) for j in range(nf)] or [no_ids])
+    recv_counts = _all_to_all(counts.flatten(), [nf] * world, [nf] * world, group).view(world, nf)
+    send_split, recv_split = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+    recv_vals = _all_to_all(send_vals, send_split, recv_split, group)
+    # owner side: recv_vals is [src rank][feature] segments; remap each table's ids together
+    recv_segs = list(torch.split(recv_vals, recv_counts.flatten().tolist()))
+    out_segs = list(recv_segs)
+    results = {}
+    for t, m in mods.items():
+        m.begin_step()
+        idx = [r * nf + j for r in range(world) for j in range(nf) if feats[j][0] == t]
+        ids = torch.cat([recv_segs[k] for k in idx]) if idx else torch.zeros(0, dtype=torch.int64)
+        res = m.remap(ids)
+        for k, o in zip(idx, torch.split(res.slots, [recv_segs[k].numel() for k in idx])):
+            out_segs[k] = o
+        results[t] = res
+    back = _all_to_all(torch.cat(out_segs) if out_segs else recv_vals, recv_split, send_split, group)
+    # sender side: back is [dest rank][feature]; undo the sort by destination
+    back_segs = torch.split(back, counts.flatten().tolist())
+    for j, (_, i) in enumerate(feats):
+        slots = torch.cat([back_segs[r * nf + j] for r in range(world)])
+        out = torch.empty_like(slots)
+        out[perms[j]] = slots
+        segs[i] = out
+    del by_table
+    return rebuild(kjt, segs), results

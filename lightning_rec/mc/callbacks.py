@@ -1,0 +1,57 @@
+"""Lightning callback for managed collision: bucket-count schedule and per-epoch hit rate / evictions."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import lightning as L
+import torch
+
+from lightning_rec.mc.embedding import _ManagedCollisionWrapper
+
+
+def managed_collision_modules(model: torch.nn.Module) -> list[tuple[str, _ManagedCollisionWrapper]]:
+    """``(path, wrapper)`` for every managed-collision embedding module in ``model``."""
+    return [(p, m) for p, m in model.named_modules() if isinstance(m, _ManagedCollisionWrapper)]
+
+
+class ManagedCollisionCallback(L.Callback):
+    """Resize managed-collision tables at epoch boundaries and log each epoch's hit rate and evictions.
+
+    Args:
+        resize_at: ``{epoch: num_buckets}``; at the start of that epoch every managed table is resized
+            (ids, rows and optimizer state migrate; see ``resize``). Works sharded: every rank resizes its
+            own buckets.
+        log_stats: log ``mc/<path>/<table>/hit_rate`` and ``.../evicted`` per epoch (summed over ranks).
+    """
+
+    def __init__(self, resize_at: Mapping[int, int] | None = None, log_stats: bool = True) -> None:
+        self.resize_at = {int(k): int(v) for k, v in (resize_at or {}).items()}
+        self.log_stats = log_stats
+        self._totals: dict[str, list[int]] = {}
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._totals = {}
+        n = self.resize_at.get(trainer.current_epoch)
+        if n is not None:
+            for _, m in managed_collision_modules(pl_module):
+                m.resize(n)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
+        for path, m in managed_collision_modules(pl_module):
+            for table, s in m.mc_stats().items():
+                tot = self._totals.setdefault(f"{path}/{table}", [0, 0, 0])
+                tot[0] += s.get("lookups", 0)
+                tot[1] += s.get("hits", 0)
+                tot[2] += s.get("evicted", 0)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.log_stats or not self._totals:
+            return
+        keys = sorted(self._totals)
+        t = torch.tensor([self._totals[k] for k in keys], dtype=torch.float64)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(t)  # each rank counted its own buckets' lookups
+        for k, (lookups, hits, evicted) in zip(keys, t.tolist()):
+            pl_module.log(f"mc/{k}/hit_rate", hits / max(lookups, 1.0), rank_zero_only=True)
+            pl_module.log(f"mc/{k}/evicted", evicted, rank_zero_only=True)

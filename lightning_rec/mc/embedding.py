@@ -1,0 +1,259 @@
+"""Embedding collections behind managed collision: raw ids in, remapped rows looked up (TorchRec's MC-EBC / MC-EC).
+
+The same wrapper runs unsharded and sharded: after ``shard_modules`` has replaced the inner collection by a
+sharded one, the wrapper routes each id to the rank owning its bucket's rows, remaps there, and sends the
+rows back (``_dist``); the sharded collection's own input dist then takes over.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from lightning_rec.mc import _dist, _remap
+from lightning_rec.mc.modules import ManagedCollisionCollection, MCHManagedCollisionModule, remap_local
+from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
+from lightning_rec.sharding import ShardedCollection
+from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+
+RowInit = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+_WRAPPERS: weakref.WeakSet = weakref.WeakSet()
+
+
+class _ManagedCollisionWrapper(nn.Module):
+    _attr = ""
+
+    def __init__(
+        self,
+        embedding_module: nn.Module,
+        managed_collision_collection: ManagedCollisionCollection,
+        return_remapped_features: bool = False,
+        row_init: str | RowInit | None = "uniform",
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        configs = {c.name: c for c in embedding_module._layout.tables}
+        for t, m in managed_collision_collection.modules_by_table().items():
+            if t not in configs or configs[t].num_embeddings != m.zch_size:
+                raise ValueError(f"managed collision table {t!r} is not a table of the embedding module with "
+                                 f"{m.zch_size} rows")
+        if not (row_init in ("uniform", "zeros", None) or callable(row_init)):
+            raise ValueError(f"row_init must be 'uniform', 'zeros', None or a callable, got {row_init!r}")
+        self._embedding_module = embedding_module
+        self._managed_collision_collection = managed_collision_collection
+        self._return_remapped_features = return_remapped_features
+        self._row_init = row_init
+        self._seed = int(seed)
+        self._configs = configs
+        self._optimizers: list[weakref.ref] = []
+        self._owner_cache: dict[tuple, _dist.Ownership] = {}
+        _WRAPPERS.add(self)
+
+    # -- optimizer state ----------------------------------------------------------------------------
+    def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Reset / migrate this optimizer's per-row state with the rows (done automatically at its first step)."""
+        if not any(r() is optimizer for r in self._optimizers):
+            self._optimizers.append(weakref.ref(optimizer))
+
+    def _table_weights(self) -> dict[str, tuple[torch.Tensor, int]]:
+        """``{table: (local weight, global row of its first row)}`` for the managed tables held here."""
+        coll = self._embedding_module
+        tables = getattr(coll, coll.table_attr if isinstance(coll, ShardedCollection) else self._attr)
+        out = {}
+        for t in self._managed_collision_collection.modules_by_table():
+            if isinstance(coll, ShardedCollection):
+                offset = _dist.local_row_offset(coll, t)
+                if offset is None:
+                    continue
+            else:
+                offset = 0
+            out[t] = (tables[t].weight, offset)
+        return out
+
+    def _state_tensors(self, table: str, weight: torch.Tensor) -> list[torch.Tensor]:
+        """Per-row optimizer state of ``table``: registered torch optimizers and fused kernels."""
+        found = []
+        for ref in self._optimizers:
+            opt = ref()
+            if opt is None:
+                continue
+            for v in opt.state.get(weight, {}).values():
+                if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == weight.shape[0]:
+                    found.append(v)
+        coll = self._embedding_module
+        if isinstance(coll, ShardedCollection):
+            for k in coll.fused_kernels():
+                found += list(k.optimizer_states().get(table, {}).values())
+        return found
+
+    def _reinit_rows(self, table: str, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        held = self._table_weights().get(table)
+        if held is None or rows.numel() == 0:
+            return
+        weight, offset = held
+        local = rows - offset
+        with torch.no_grad():
+            cfg = self._configs[table]
+            if self._row_init == "uniform":
+                weight[local] = self._reinit_values(table, ids, cfg).to(weight.dtype)
+            elif self._row_init == "zeros":
+                weight[local] = 0
+            elif callable(self._row_init):
+                weight[local] = self._row_init(weight[local], ids).to(weight.dtype)
+            for v in self._state_tensors(table, weight):
+                v[local] = 0
+
+    def _reinit_values(self, table: str, ids: torch.Tensor, cfg) -> torch.Tensor:
+        # a pure function of (seed, table, id): every rank and layout re-initialises a row identically
+        seed = int(_remap.splitmix64(torch.tensor([self._seed])).item()) ^ hash_name(table)
+        return _remap.hashed_uniform(ids, cfg.embedding_dim, seed, cfg.weight_init_min, cfg.weight_init_max)
+
+    def _move_rows(self, table: str, src: torch.Tensor, dst: torch.Tensor) -> None:
+        held = self._table_weights().get(table)
+        if held is None or src.numel() == 0:
+            return
+        weight, offset = held
+        s, d = src - offset, dst - offset
+        with torch.no_grad():
+            for v in [weight, *self._state_tensors(table, weight)]:
+                v[d] = v[s].clone()
+
+    # -- remapping ----------------------------------------------------------------------------------
+    def _prepare(self) -> dict[str, _dist.Ownership] | None:
+        coll = self._embedding_module
+        owners = None
+        if isinstance(coll, ShardedCollection):
+            mods = self._managed_collision_collection.modules_by_table()
+            owners = {}
+            for t, m in mods.items():
+                # O(table) to build: once per (collection, bucket counts), not per step
+                key = (id(coll), t, int(m._mch_num_buckets), m.num_buckets)
+                if key not in self._owner_cache:
+                    self._owner_cache = {k: v for k, v in self._owner_cache.items() if k[:2] != key[:2]}
+                    self._owner_cache[key] = _dist.ownership(coll, t, m)
+                owners[t] = self._owner_cache[key]
+        for t, m in self._managed_collision_collection.modules_by_table().items():
+            m.prepare(None if owners is None else owners[t].owned_rows, None if owners is None else coll.shard_group)
+            if m.pending_resize():
+                self._resize_table(t, m, m.num_buckets, owners)
+        return owners
+
+    def _resize_table(self, t: str, m: MCHManagedCollisionModule, num_buckets: int, owners) -> int:
+        if owners is not None:
+            _dist.check_alignment(self._embedding_module, t, m.zch_size, num_buckets)
+        src, dst, evicted = m.resize_plan(num_buckets)
+        moving = src != dst
+        self._move_rows(t, src[moving], dst[moving])
+        return evicted
+
+    def resize(self, num_buckets: int) -> dict[str, int]:
+        """Change every managed table's bucket count; ids, rows and optimizer state move with the ids.
+
+        ``num_buckets`` must divide each table and be a multiple or divisor of the current count. Returns
+        ``{table: ids evicted}`` (only a split can evict: a half-bucket with more ids than rows keeps the
+        ones its policy ranks first). Sharded: every rank calls it (no communication is needed, since a new
+        bucket's rows lie on the rank that owned the old rows); shard boundaries must fall on new buckets.
+        """
+        owners = self._prepare()
+        mods = self._managed_collision_collection.modules_by_table()
+        for t, m in mods.items():
+            m.check_num_buckets(num_buckets, int(m._mch_num_buckets))
+            if owners is not None:
+                _dist.check_alignment(self._embedding_module, t, m.zch_size, num_buckets)
+        return {t: self._resize_table(t, m, num_buckets, owners) for t, m in mods.items()}
+
+    def remap(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """Remap ``features`` (advancing the step, admitting and evicting ids); collective when sharded."""
+        owners = self._prepare()
+        if owners is None:
+            kjt, results = remap_local(self._managed_collision_collection, features)
+        else:
+            kjt, results = _dist.remap_sharded(self._managed_collision_collection, features,
+                                               self._embedding_module, owners)
+        for t, res in results.items():
+            self._reinit_rows(t, res.admitted_slots, res.admitted_ids)
+        return kjt
+
+    def mc_stats(self) -> dict[str, dict[str, int]]:
+        """Last step's ``{table: {lookups, hits, admitted, evicted, unadmitted}}`` (this rank's buckets)."""
+        return {t: dict(m.last_stats) for t, m in self._managed_collision_collection.modules_by_table().items()}
+
+
+def hash_name(name: str) -> int:
+    """A stable 62-bit hash of a table name (Python's ``hash`` differs between processes)."""
+    h = 1469598103934665603
+    for b in name.encode():
+        h = ((h ^ b) * 1099511628211) & ((1 << 62) - 1)
+    return h
+
+
+class ManagedCollisionEmbeddingBagCollection(_ManagedCollisionWrapper):
+    """An ``EmbeddingBagCollection`` fed through a ``ManagedCollisionCollection`` (TorchRec's MC-EBC).
+
+    ``forward(kjt)`` takes raw int64 ids and returns ``(KeyedTensor, remapped KJT or None)``; the remapped
+    KJT is returned with ``return_remapped_features=True``. A row taken by a new id is re-initialised
+    (``row_init``: ``"uniform"`` in the table's init range, a pure function of the id so every layout
+    agrees; ``"zeros"``; ``None`` keeps the old values; or ``callable(rows, ids) -> rows``) and its optimizer
+    state reset: fused kernels' state always, a torch optimizer's per-row state once it is registered
+    (automatically at its first ``step``). State that is not per row (Adam's ``step``) is left alone.
+    Shard it with ``shard_modules`` / the strategy like any model: the inner collection is sharded
+    (table-wise or row-wise) and remapping follows it.
+    """
+
+    _attr = "embedding_bags"
+
+    def __init__(
+        self,
+        embedding_bag_collection: EmbeddingBagCollection,
+        managed_collision_collection: ManagedCollisionCollection,
+        return_remapped_features: bool = False,
+        row_init: str | RowInit | None = "uniform",
+        seed: int = 0,
+    ) -> None:
+        super().__init__(embedding_bag_collection, managed_collision_collection, return_remapped_features,
+                         row_init, seed)
+
+    def forward(self, features: KeyedJaggedTensor) -> tuple[KeyedTensor, KeyedJaggedTensor | None]:
+        kjt = self.remap(features)
+        return self._embedding_module(kjt), (kjt if self._return_remapped_features else None)
+
+
+class ManagedCollisionEmbeddingCollection(_ManagedCollisionWrapper):
+    """An ``EmbeddingCollection`` fed through a ``ManagedCollisionCollection`` (TorchRec's MC-EC).
+
+    ``forward(kjt)`` returns ``({feature: JaggedTensor}, remapped KJT or None)``; otherwise as
+    ``ManagedCollisionEmbeddingBagCollection``.
+    """
+
+    _attr = "embeddings"
+
+    def __init__(
+        self,
+        embedding_collection: EmbeddingCollection,
+        managed_collision_collection: ManagedCollisionCollection,
+        return_remapped_features: bool = False,
+        row_init: str | RowInit | None = "uniform",
+        seed: int = 0,
+    ) -> None:
+        super().__init__(embedding_collection, managed_collision_collection, return_remapped_features,
+                         row_init, seed)
+
+    def forward(self, features: KeyedJaggedTensor) -> tuple[dict[str, JaggedTensor], KeyedJaggedTensor | None]:
+        kjt = self.remap(features)
+        return self._embedding_module(kjt), (kjt if self._return_remapped_features else None)
+
+
+def _auto_register(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    # an optimizer stepping a managed table's weights must see its per-row state reset on eviction
+    params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for w in list(_WRAPPERS):
+        if any(id(weight) in params for weight, _ in w._table_weights().values()):
+            w.register_optimizer(optimizer)
+
+
+register_optimizer_step_pre_hook(_auto_register)
