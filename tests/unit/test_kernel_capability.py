@@ -240,3 +240,34 @@ def test_cuda_fused_kernel_matches_cpu_or_names_the_package(kind):
         k.finish_step()
     for g, c in zip(gpu.tables(), cpu.tables()):
         torch.testing.assert_close(g.cpu(), c, rtol=1e-5, atol=1e-5)
+
+
+# -- layering ------------------------------------------------------------------------------------------------
+
+
+def _lightning_rec_imports(path) -> set[str]:
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "lightning_rec":  # from lightning_rec import x
+            found.update(f"lightning_rec.{a.name}" for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_rec"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("lightning_rec"))
+    return found
+
+
+def test_kernels_and_fused_kinds_import_nothing_above_them():
+    from pathlib import Path
+
+    import lightning_rec
+
+    root = Path(lightning_rec.__file__).parent
+    assert _lightning_rec_imports(root / "fused_kinds.py") == set()
+    allowed = {"lightning_rec._compat", "lightning_rec.fused_kinds"}
+    for path in sorted((root / "kernels").glob("*.py")):
+        imports = {m for m in _lightning_rec_imports(path) if not m.startswith("lightning_rec.kernels")}
+        assert imports <= allowed, f"{path.name} imports {sorted(imports - allowed)}"
+        assert len(path.read_text().splitlines()) < 500, path.name
