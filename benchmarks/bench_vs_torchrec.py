@@ -52,6 +52,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -501,18 +502,24 @@ class Group:
         q.put({"ok": False, "error": f"process exited (code {p.wait()})"})
 
     def run(self, cmd: dict, timeout_s: float) -> list[dict]:
+        """Every rank's result; stops waiting as soon as one rank fails (the others may be stuck in a collective
+        that will never complete: the caller then kills the group)."""
         line = json.dumps(cmd) + "\n"
         for p in self.procs:
             p.stdin.write(line)
             p.stdin.flush()
         deadline = time.monotonic() + timeout_s
-        out = []
-        for q in self.queues:
-            try:
-                out.append(q.get(timeout=max(0.1, deadline - time.monotonic())))
-            except queue.Empty:
-                out.append({"ok": False, "error": f"timeout after {timeout_s:.0f} s"})
-        return out
+        out: list[dict | None] = [None] * len(self.procs)
+        while any(r is None for r in out):
+            for i, q in enumerate(self.queues):
+                if out[i] is None:
+                    with contextlib.suppress(queue.Empty):
+                        out[i] = q.get(timeout=0.05)
+            failed = [r for r in out if r is not None and not r.get("ok")]
+            if failed or time.monotonic() > deadline:
+                why = failed[0]["error"] if failed else f"timeout after {timeout_s:.0f} s"
+                return [r if r is not None else {"ok": False, "error": why} for r in out]
+        return out  # type: ignore[return-value]
 
     def close(self, kill: bool = False) -> None:
         for p in self.procs:
