@@ -16,8 +16,9 @@ The job, identical for both libraries:
     same torch build on both sides, so the ids are bitwise the same: the driver checks a checksum);
   * model = the embedding collection inside a one-attribute ``nn.Module`` (plan path ``"ebc"``); loss = binary
     cross-entropy with logits of (mean of the pooled vectors) against fixed random 0/1 labels; SGD, lr ``--lr``
-    (0.5: the logit is a mean over many values, so its gradients are small). A
-    repeated batch's loss must drop (else the driver warns: nothing was trained);
+    (0.5: the logit is a mean over many values, so its gradients are small). The losses of the repeated
+    batches must drop (else the driver warns: nothing was trained); for dense, the driver also records how many
+    elements the torch optimizer steps on each side (``opt_numel`` in the JSON, equal on both sides);
   * fused = the update happens inside backward (fbgemm EXACT_SGD): TorchRec's ``EmbeddingBagCollectionSharder
     (fused_params=...)`` with compute kernel ``fused``, stepped through ``model.fused_optimizer``; lightning_rec's
     ``shard_modules(..., embedding_optimizer={"kind": "sgd"})`` stepped through ``fused_optimizer(model)``;
@@ -25,33 +26,47 @@ The job, identical for both libraries:
     DenseTableBatchedEmbeddingBagsCodegen), lightning_rec's ``EmbeddingBagCollection(sparse_grad=False)``;
   * plans, explicit and the same on both sides (every table one type): ``table_wise`` (table i on rank
     i mod world; at world 1 this is the "one process" row), ``row_wise`` (even blocks), ``column_wise`` (two
-    column shards on ranks 0 and 1), ``data_parallel``; TorchRec's plans come from
-    ``construct_module_sharding_plan`` with ``torchrec.distributed.sharding_plan.{table_wise, row_wise,
-    column_wise, data_parallel}`` and go to ``DistributedModelParallel``; lightning_rec's go to
-    ``shard_modules``. Gradient convention: each library's default (TorchRec divides sharded gradients by
-    the group size, lightning_rec sums); it changes the update's scale, not its cost.
+    column shards on ranks 0 and 1), ``data_parallel``, ``table_row_wise`` (hosts of 2 ranks, tables round-robin
+    over hosts) and, at world >= 4, ``grid_shard`` (2 column shards on hosts 0 and 1; TorchRec cuts columns in
+    blocks of 128, so it needs dim >= 256). TorchRec's plans come from ``construct_module_sharding_plan`` with
+    the helpers of ``torchrec.distributed.sharding_plan`` and an explicit compute kernel, and go to
+    ``DistributedModelParallel``; lightning_rec's go to ``shard_modules``. TorchRec's fused data_parallel does
+    not build in 1.8 (an assertion in its fused optimizer): that cell reads "fails", and the closing note
+    compares our fused data_parallel with TorchRec's best working variant. Gradient convention: each library's
+    default (TorchRec divides sharded gradients by the group size, lightning_rec sums); it changes the
+    update's scale, not its cost.
   * timing: one thread per process; ``--warmup`` steps, then ``--steps`` steps between two barriers;
     samples/s = world x batch x steps / slowest rank's time. Also the median step (the slowest rank's step,
-    median over steps), which resists interference.
+    median over steps), which resists interference. "scaling" = samples/s / (world x the best one-process
+    samples/s of that job and variant); it can pass 100% for dense, whose per-rank optimizer work shrinks
+    with the world size.
+  * ``--bare`` (one-process fused rows): each library's step alternated with the bare fbgemm kernel's step
+    (``SplitTableBatchedEmbeddingBagsCodegen``, EXACT_SGD, same tables, ids and loss) in the same process:
+    the library's own per-step overhead, less sensitive to machine load than two separate runs.
+  * ``--profile PREFIX``: after each configuration's timed steps, the same steps again under cProfile and
+    torch.profiler, written per library by rank 0.
 
 One group of persistent processes per (library, world size) receives the configurations one at a time over
-stdin; the two libraries alternate per configuration (A then B, then B then A) so that a slow phase of the
-machine does not land on one side only. Noise gauge: rank 0 reads /proc/stat at both ends of the timed
-section; "others" = CPU time the whole machine was busy minus the CPU time of our own worker processes
-(``time.process_time`` deltas of every rank), in cores on average over the timed wall time. Figures taken
-while others used a sizeable fraction of a core are not comparable to quiet-machine figures.
+stdin; the two libraries alternate per configuration within each variant (A then B, then B then A) so that a
+slow phase of the machine does not land on one side only. A configuration that fails or hangs on one side
+(``--timeout``) is reported as such and its process group is replaced. Noise gauge: rank 0 reads /proc/stat
+at both ends of the timed section; "others" = CPU time the whole machine was busy minus the CPU time of our
+own worker processes (``time.process_time`` deltas of every rank), in cores on average over the timed wall
+time. Figures taken while others used a sizeable fraction of a core are not comparable to quiet-machine ones.
 
 Writes ``benchmarks/results/vs_torchrec.md`` (and a JSON of every raw result next to it). Not part of the tests.
 
 Usage:
     python benchmarks/bench_vs_torchrec.py --build-only                  # create the side environment
     python benchmarks/bench_vs_torchrec.py --small                       # smoke test, a minute or two
-    python benchmarks/bench_vs_torchrec.py                               # the full comparison
+    python benchmarks/bench_vs_torchrec.py --bare                        # the full comparison
+    python benchmarks/bench_vs_torchrec.py --world-sizes 1 --variants fused --profile /tmp/prof   # profiles
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -501,18 +516,24 @@ class Group:
         q.put({"ok": False, "error": f"process exited (code {p.wait()})"})
 
     def run(self, cmd: dict, timeout_s: float) -> list[dict]:
+        """Every rank's result; stops waiting as soon as one rank fails (the others may be stuck in a collective
+        that will never complete: the caller then kills the group)."""
         line = json.dumps(cmd) + "\n"
         for p in self.procs:
             p.stdin.write(line)
             p.stdin.flush()
         deadline = time.monotonic() + timeout_s
-        out = []
-        for q in self.queues:
-            try:
-                out.append(q.get(timeout=max(0.1, deadline - time.monotonic())))
-            except queue.Empty:
-                out.append({"ok": False, "error": f"timeout after {timeout_s:.0f} s"})
-        return out
+        out: list[dict | None] = [None] * len(self.procs)
+        while any(r is None for r in out):
+            for i, q in enumerate(self.queues):
+                if out[i] is None:
+                    with contextlib.suppress(queue.Empty):
+                        out[i] = q.get(timeout=0.05)
+            failed = [r for r in out if r is not None and not r.get("ok")]
+            if failed or time.monotonic() > deadline:
+                why = failed[0]["error"] if failed else f"timeout after {timeout_s:.0f} s"
+                return [r if r is not None else {"ok": False, "error": why} for r in out]
+        return out  # type: ignore[return-value]
 
     def close(self, kill: bool = False) -> None:
         for p in self.procs:
