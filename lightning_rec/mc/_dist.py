@@ -98,31 +98,43 @@ def remap_sharded(
     # the same feature order on every rank: managed tables in config order, their features in config order
     keys = kjt.keys()
     feats: list[tuple[str, int]] = []
+    problem = ""
     for cfg in mcc.embedding_configs():
         if cfg.name not in mods:
             continue
         for f in cfg.feature_names:
             if f not in keys:
-                raise ValueError(f"feature {f!r} of managed table {cfg.name!r} is missing from the input {keys}")
-            feats.append((cfg.name, keys.index(f)))
+                problem = problem or f"feature {f!r} of managed table {cfg.name!r} is missing from the input {keys}"
+            feats.append((cfg.name, keys.index(f) if f in keys else -1))
     nf = len(feats)
-    dests, perms, pieces = [], [], []
-    counts = torch.zeros(world, nf, dtype=torch.int64)
+    no_ids = torch.zeros(0, dtype=torch.int64)
+    perms, pieces = [], []
+    # one column per feature, and a last one flagging bad input: a rank that raised alone would leave the
+    # others waiting in the collective, so every rank learns of it from the counts and raises
+    counts = torch.zeros(world, nf + 1, dtype=torch.int64)
     for j, (t, i) in enumerate(feats):
         m = mods[t]
-        v = segs[i].to(torch.int64)
+        v = segs[i].to(torch.int64) if i >= 0 else no_ids
         if v.numel() and int(v.min()) < 0:
-            raise ValueError(f"managed collision {t!r}: raw ids must be non-negative, got {int(v.min())}")
+            problem = problem or f"managed collision {t!r}: raw ids must be non-negative, got {int(v.min())}"
+            v = no_ids
         bs = m.zch_size // int(m._mch_num_buckets)
         d = owners[t].owner_of_row[_remap.bucket_of(v, int(m._mch_num_buckets)) * bs]
         perm = torch.sort(d, stable=True).indices
-        dests.append(d)
         perms.append(perm)
         pieces.append(torch.split(v[perm], torch.bincount(d, minlength=world).tolist()))
         counts[:, j] = torch.bincount(d, minlength=world)
-    no_ids = torch.zeros(0, dtype=torch.int64)
+    if problem:
+        counts.zero_()
+        counts[:, nf] = 1
+        pieces = [[no_ids] * world for _ in range(nf)]
     send_vals = torch.cat([pieces[j][r] for r in range(world) for j in range(nf)] or [no_ids])
-    recv_counts = _all_to_all(counts.flatten(), [nf] * world, [nf] * world, group).view(world, nf)
+    recv_counts = _all_to_all(counts.flatten(), [nf + 1] * world, [nf + 1] * world, group).view(world, nf + 1)
+    bad = recv_counts[:, nf].nonzero().flatten().tolist()
+    if problem or bad:
+        raise ValueError(problem or f"managed collision: the input of shard-group rank(s) {bad} is invalid "
+                                    "(their error says why); no rank remapped this step")
+    counts, recv_counts = counts[:, :nf], recv_counts[:, :nf]
     send_split, recv_split = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
     recv_vals = _all_to_all(send_vals, send_split, recv_split, group)
     # owner side: recv_vals is [src rank][feature] segments; remap each table's ids together

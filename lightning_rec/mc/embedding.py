@@ -96,15 +96,15 @@ class _ManagedCollisionWrapper(nn.Module):
         if held is None or rows.numel() == 0:
             return
         weight, offset = held
-        local = rows - offset
+        local = (rows - offset).to(weight.device)
         with torch.no_grad():
             cfg = self._configs[table]
             if self._row_init == "uniform":
-                weight[local] = self._reinit_values(table, ids, cfg).to(weight.dtype)
+                weight[local] = self._reinit_values(table, ids, cfg).to(weight.device, weight.dtype)
             elif self._row_init == "zeros":
                 weight[local] = 0
             elif callable(self._row_init):
-                weight[local] = self._row_init(weight[local], ids).to(weight.dtype)
+                weight[local] = self._row_init(weight[local], ids).to(weight.device, weight.dtype)
             for v in self._state_tensors(table, weight):
                 v[local] = 0
 
@@ -118,7 +118,7 @@ class _ManagedCollisionWrapper(nn.Module):
         if held is None or src.numel() == 0:
             return
         weight, offset = held
-        s, d = src - offset, dst - offset
+        s, d = (src - offset).to(weight.device), (dst - offset).to(weight.device)
         with torch.no_grad():
             for v in [weight, *self._state_tensors(table, weight)]:
                 v[d] = v[s].clone()

@@ -203,7 +203,7 @@ class MCHManagedCollisionModule(nn.Module):
     def resize_plan(self, num_buckets: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Move ids to ``num_buckets`` buckets; returns ``(src_rows, dst_rows, evicted)`` for the caller's rows."""
         if self._index is None:
-            self.prepare(self._owned)
+            self.prepare(self._owned, self._group)
         cur = int(self._mch_num_buckets)
         self.check_num_buckets(num_buckets, cur)
         src, dst, evicted = _remap.resize_plan(
@@ -312,13 +312,15 @@ class _ModuleMap(_TableContainer):
 
 def split_by_table(mcc: ManagedCollisionCollection, kjt: KeyedJaggedTensor):
     """``(per-key value segments, {table: key positions})`` for the managed tables of ``kjt``."""
-    segs = list(torch.split(kjt.values(), kjt.length_per_key()))
+    # remap state lives on CPU (sorting and hashing small batches); ids come back on the input's device
+    segs = list(torch.split(kjt.values().cpu(), kjt.length_per_key()))
     return segs, mcc.table_features(kjt.keys())
 
 
 def rebuild(kjt: KeyedJaggedTensor, segs: list[torch.Tensor]) -> KeyedJaggedTensor:
     values = torch.cat(segs) if segs else kjt.values()
-    return KeyedJaggedTensor(kjt.keys(), values.to(kjt.values().dtype), weights=kjt.weights_or_none(),
+    values = values.to(device=kjt.values().device, dtype=kjt.values().dtype)
+    return KeyedJaggedTensor(kjt.keys(), values, weights=kjt.weights_or_none(),
                              lengths=kjt.lengths(), stride=kjt.stride())
 
 

@@ -26,7 +26,15 @@ from lightning_rec.mc import (
     ManagedCollisionEmbeddingCollection,
     MCHManagedCollisionModule,
 )
-from lightning_rec.sharding import full_state_dict, fused_optimizer, row_wise, shard_modules, table_wise
+from lightning_rec.sharding import (
+    column_wise,
+    data_parallel,
+    full_state_dict,
+    fused_optimizer,
+    row_wise,
+    shard_modules,
+    table_wise,
+)
 from lightning_rec.testing import run_distributed
 
 FEATURES = ["f", "g", "h"]
@@ -273,3 +281,36 @@ def test_sharded_embedding_collection_matches_single_process():
             assert torch.equal(embs, ref_embs[torch.tensor(pos, dtype=torch.int64)])
         for k in ref_state:
             assert torch.equal(state[k], ref_state[k]), k
+
+
+def _errors_job(rank: int, ws: int) -> list[str]:
+    """Bad input on one rank, and plans managed collision cannot follow: every rank raises, none hangs."""
+    msgs = []
+    model = shard_modules(_ec_model(), ShardingPlan({"_embedding_module": {"s": row_wise([16, 16])}}))
+    bags = _slice(_global_batch(0), rank, ws)
+    if rank == 1:
+        bags["g"][0] = [-5]
+    for kjt in (_kjt(bags), _kjt(_slice(_global_batch(1), rank, ws))):
+        try:
+            model(kjt)
+            msgs.append("ok")
+        except ValueError as e:
+            msgs.append(str(e))
+    good = _kjt(_slice(_global_batch(2), rank, ws))
+    for plan in ({"s": column_wise([0, 1])}, {"s": data_parallel()}, {"s": row_wise([14, 18])}):
+        try:
+            shard_modules(_ec_model(), ShardingPlan({"_embedding_module": plan}))(good)
+            msgs.append("ok")
+        except ValueError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def test_errors_reach_every_rank():
+    r0, r1 = run_distributed(_errors_job, 2)
+    assert "non-negative" in r1[0] and "rank(s) [1]" in r0[0]
+    assert r0[1] == r1[1] == "ok"  # the next step runs normally
+    for msgs in (r0, r1):
+        assert "split by columns" in msgs[2]
+        assert "data-parallel" in msgs[3]
+        assert "split a bucket of 4 rows" in msgs[4]
