@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_rec import EmbeddingBagConfig
 from lightning_rec.checkpoint import CheckpointError, UnsafeCheckpointError, read_meta
 from lightning_rec.checkpoint.optim_state import _column_weights, _restore
 from lightning_rec.checkpoint.safe import load_dcp_metadata, load_meta
@@ -43,7 +44,9 @@ def test_meta_allowlist(tmp_path) -> None:
     meta = read_meta(FIXTURE)
     assert meta["format"] == "lightning_rec.dcp/1"
     ok = tmp_path / "ok.pt"
-    hp = {"lr": 0.1, "root": Path("/data"), "args": argparse.Namespace(a=1), "dtype": torch.bfloat16}
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=4, feature_names=["f"], pooling="mean")]
+    hp = {"lr": 0.1, "root": Path("/data"), "args": argparse.Namespace(a=1), "dtype": torch.bfloat16,
+          "tables": tables}
     torch.save({"hyper_parameters": hp, "x": torch.ones(2)}, ok)
     assert load_meta(ok)["hyper_parameters"] == hp
     bad = tmp_path / "bad.pt"
