@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 
@@ -38,6 +39,7 @@ class DiskFullError(CheckpointError, OSError):
 
     def __init__(self, path: str | os.PathLike, bytes_needed: int, rank: int) -> None:
         self.path, self.bytes_needed, self.rank = str(path), bytes_needed, rank
+        self.errno = errno.ENOSPC  # as the OSError it replaces
         CheckpointError.__init__(
             self,
             f"no space left on the device of {path} (rank {rank}): the save needs about {bytes_needed:,} bytes "

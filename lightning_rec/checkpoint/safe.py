@@ -20,17 +20,20 @@ from typing import Any, BinaryIO
 
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
-from lightning.fabric.utilities.data import AttributeDict
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from lightning_rec.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from lightning_rec.configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType, ShardingType
 
-# Types the meta file may hold beyond torch's weights_only set (tensors, dtypes, plain containers):
-# Lightning's hyper-parameter dict, and paths / namespaces that hyper-parameters commonly are.
-META_GLOBALS: list[Any] = [AttributeDict, argparse.Namespace, pathlib.PosixPath, pathlib.PurePosixPath,
-                           pathlib.WindowsPath, pathlib.PureWindowsPath, collections.defaultdict]
+# Types the meta file may hold beyond torch's weights_only set (tensors, dtypes, plain containers): paths and
+# namespaces, which hyper-parameters commonly are, and lightning_rec's table configs (a model's hyper-parameters
+# may list its tables). Lightning writes hyper-parameters as a plain dict.
+META_GLOBALS: list[Any] = [argparse.Namespace, pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath,
+                           pathlib.PureWindowsPath, EmbeddingBagConfig, EmbeddingConfig, PoolingType, ShardingType]
 
-# DCP's metadata: its own dataclasses and enums, and the torch values inside them.
+# DCP's metadata: its own dataclasses and enums, and the torch values inside them. The private names are the
+# ones DCP's own pickles refer to (``_StorageInfo``, ``_MEM_FORMAT_ENCODING``, ``_get_layout``); a torch that
+# renames them fails these loads with UnsafeCheckpointError naming the global, never silently.
 _DCP_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
