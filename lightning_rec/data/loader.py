@@ -38,29 +38,43 @@ def agreement_needed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _fetch(iterator: Iterator[Any]) -> tuple[Any, BaseException | None, int]:
+    try:
+        return next(iterator), None, _OK
+    except StopIteration:
+        return None, None, _DONE
+    except Exception as e:  # reported on every rank by `agreed`
+        return None, e, _FAILED
+
+
 def agreed(iterator: Iterator[Any], what: str) -> Iterator[Any]:
     """Yield from ``iterator`` while every rank has an item; raise on every rank as soon as one has none.
 
     A rank whose ``next`` raised re-raises its own error; the others raise the same type (ValueError,
     else RuntimeError) with that rank's message. Ranks running out at different steps raise a RuntimeError
     naming which ranks had batches left. All ranks stop together when all run out.
+
+    The exchange is off the critical path: the next item is fetched before this one is handed out and its
+    status travels (an asynchronous all-gather of one int per rank) while the caller works on this one.
     """
     group = _flag_group()
     world = dist.get_world_size(group)
-    step = 0
-    while True:
-        item, error, status = None, None, _OK
-        try:
-            item = next(iterator)
-        except StopIteration:
-            status = _DONE
-        except Exception as e:
-            error, status = e, _FAILED
+
+    def exchange(status: int) -> tuple[list[torch.Tensor], Any]:
         flags = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
-        dist.all_gather(flags, torch.tensor([status], dtype=torch.int32), group=group)
+        return flags, dist.all_gather(flags, torch.tensor([status], dtype=torch.int32), group=group, async_op=True)
+
+    step = 0
+    item, error, status = _fetch(iterator)
+    flags, work = exchange(status)
+    while True:
+        work.wait()
         statuses = [int(f) for f in flags]
         if all(s == _OK for s in statuses):
-            yield item
+            current = item
+            item, error, status = _fetch(iterator)
+            flags, work = exchange(status)
+            yield current
             step += 1
             continue
         if all(s == _DONE for s in statuses):
