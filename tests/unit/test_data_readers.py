@@ -228,11 +228,14 @@ def test_loader_state_is_the_same_on_every_rank_and_resumes_at_another_world_siz
             next(it)
         taken += [int(r) for ids in ds(old.index(loader), 2, 10).remaining_row_ids()[:4] for r in ids]
     states = [loader.state_dict() for loader in old]
-    assert states[0] == states[1] and states[0]["position"] == 80
+    assert states[0] == states[1] and (states[0]["position"], states[0]["batches"]) == (80, 4)
     rest = []
     for r in range(3):
         new = ClickLoader(ds(r, 3, 7))
-        new.load_state_dict(states[0])
+        # 4 batches taken + 8 left at 3 ranks > the 11 batches of an epoch at 3 ranks: Lightning's counter would
+        # end the epoch early, and the loader says so
+        with pytest.warns(UserWarning, match="ends this epoch after 7 of them"):
+            new.load_state_dict(states[0])
         rows = sum(len(b) for b in new)  # reads from the loaded position on
         new.stream.set_position(0, 80)
         ids = [int(x) for batch in new.stream.remaining_row_ids() for x in batch]
