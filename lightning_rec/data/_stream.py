@@ -77,6 +77,10 @@ class ClickStream(torch.utils.data.IterableDataset):
         p = self.position
         return [(a + p, b + p) for a, b in mine], [(a + p, b + p) for a, b in spans]
 
+    def batches_left(self) -> int:
+        """This rank's batches left in the epoch from the current position."""
+        return len(self._remaining()[0])
+
     def position_after(self, batches: int) -> int:
         """The stream position once ``batches`` of the remaining batches are consumed (same on every rank)."""
         spans = self._remaining()[1]

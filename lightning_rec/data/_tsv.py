@@ -148,7 +148,15 @@ def parse_raw(buf: bytes, path: str, first_line: int) -> tuple[np.ndarray, np.nd
     n = table.num_rows
     ints = np.empty((n, NUM_DENSE), dtype=np.int64)
     for j in range(NUM_DENSE):
-        ints[:, j] = table.column(f"i{j}").fill_null(0).to_numpy()
+        col = table.column(f"i{j}").combine_chunks()
+        values = np.frombuffer(col.buffers()[1], dtype=np.int64)[col.offset : col.offset + n]
+        if col.null_count:  # a missing integer is 0 (the values under null slots are unspecified)
+            first, skip = divmod(col.offset, 8)
+            bits = np.frombuffer(col.buffers()[0], dtype=np.uint8)[first : (col.offset + n + 7) // 8]
+            valid = np.unpackbits(bits, bitorder="little")[skip : skip + n].astype(bool)
+            ints[:, j] = np.where(valid, values, 0)
+        else:
+            ints[:, j] = values
     chars, lens = [], []
     for j in range(NUM_CAT):
         col = table.column(f"c{j}").combine_chunks()

@@ -33,7 +33,13 @@ class Batch:
                 f"labels {tuple(self.labels.shape)} must all have the same batch size"
             )
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+    def to(self, device: torch.device | str, non_blocking: bool | None = None) -> Batch:
+        """The batch on ``device``. ``non_blocking=None``: asynchronous when copying a pinned batch (a loader
+        with ``pin_memory=True``) to CUDA, so the copy overlaps work already queued on the GPU. Lightning moves
+        batches with ``batch.to(device)``: this default is what makes its copies non-blocking."""
+        if non_blocking is None:
+            non_blocking = (torch.device(device).type == "cuda" and torch.cuda.is_available()
+                            and self.labels.is_pinned())
         return Batch(self.dense.to(device, non_blocking=non_blocking),
                      self.sparse.to(device, non_blocking=non_blocking),
                      self.labels.to(device, non_blocking=non_blocking))

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from lightning_rec.data._tsv import NUM_CAT, LineIndex, hash_ids, parse_raw
 from lightning_rec.data.criteo import _check_cardinalities, resolve_paths
-from lightning_rec.data.parquet import SCHEMA, table_of
+from lightning_rec.data.parquet import INT_COLUMNS, LABEL, SCHEMA, table_of
 from lightning_rec.data.synthetic import NUM_DENSE, scaled_cardinalities
 
 FORMATS = ("parquet", "npy")
@@ -63,7 +63,9 @@ def convert(
         for ix in indexes:
             writer = None
             if fmt == "parquet":
-                writer = pq.ParquetWriter(os.path.join(tmp, os.path.basename(ix.path) + ".parquet"), SCHEMA)
+                # ids are nearly all distinct: dictionary-encoding them costs time and saves nothing
+                writer = pq.ParquetWriter(os.path.join(tmp, os.path.basename(ix.path) + ".parquet"), SCHEMA,
+                                          use_dictionary=[LABEL, *INT_COLUMNS])
             try:
                 for a in range(0, ix.lines, chunk_rows):
                     b = min(ix.lines, a + chunk_rows)

@@ -10,6 +10,7 @@ rank's message, instead of leaving the others waiting in a collective until the 
 from __future__ import annotations
 
 import multiprocessing as mp
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -38,29 +39,43 @@ def agreement_needed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _fetch(iterator: Iterator[Any]) -> tuple[Any, BaseException | None, int]:
+    try:
+        return next(iterator), None, _OK
+    except StopIteration:
+        return None, None, _DONE
+    except Exception as e:  # reported on every rank by `agreed`
+        return None, e, _FAILED
+
+
 def agreed(iterator: Iterator[Any], what: str) -> Iterator[Any]:
     """Yield from ``iterator`` while every rank has an item; raise on every rank as soon as one has none.
 
     A rank whose ``next`` raised re-raises its own error; the others raise the same type (ValueError,
     else RuntimeError) with that rank's message. Ranks running out at different steps raise a RuntimeError
     naming which ranks had batches left. All ranks stop together when all run out.
+
+    The exchange is off the critical path: the next item is fetched before this one is handed out and its
+    status travels (an asynchronous all-gather of one int per rank) while the caller works on this one.
     """
     group = _flag_group()
     world = dist.get_world_size(group)
-    step = 0
-    while True:
-        item, error, status = None, None, _OK
-        try:
-            item = next(iterator)
-        except StopIteration:
-            status = _DONE
-        except Exception as e:
-            error, status = e, _FAILED
+
+    def exchange(status: int) -> tuple[list[torch.Tensor], Any]:
         flags = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
-        dist.all_gather(flags, torch.tensor([status], dtype=torch.int32), group=group)
+        return flags, dist.all_gather(flags, torch.tensor([status], dtype=torch.int32), group=group, async_op=True)
+
+    step = 0
+    item, error, status = _fetch(iterator)
+    flags, work = exchange(status)
+    while True:
+        work.wait()
         statuses = [int(f) for f in flags]
         if all(s == _OK for s in statuses):
-            yield item
+            current = item
+            item, error, status = _fetch(iterator)
+            flags, work = exchange(status)
+            yield current
             step += 1
             continue
         if all(s == _DONE for s in statuses):
@@ -133,8 +148,8 @@ class ClickLoader:
                                   persistent_workers=False,
                                   multiprocessing_context=multiprocessing_context if self.num_workers else None)
         self.what = what or type(dataset).__name__
-        self._next_epoch, self._resume = 0, 0
-        self._epoch, self._start, self._yielded = None, 0, 0
+        self._next_epoch, self._resume, self._resume_batches = 0, 0, 0
+        self._epoch, self._start, self._start_batches, self._yielded = None, 0, 0, 0
 
     def __len__(self) -> int:
         return len(self.stream)
@@ -142,8 +157,9 @@ class ClickLoader:
     def __iter__(self) -> Iterator[Any]:
         # a generator: the epoch starts at the first next(), so an iter() that only probes the loader (as
         # Lightning's check that a loader is iterable does) neither starts an epoch nor its workers
-        self._epoch, self._start, self._yielded = self._next_epoch, self._resume, 0
-        self._next_epoch, self._resume = self._epoch + 1, 0
+        self._epoch, self._start, self._start_batches = self._next_epoch, self._resume, self._resume_batches
+        self._yielded = 0
+        self._next_epoch, self._resume, self._resume_batches = self._epoch + 1, 0, 0
         self.stream.set_position(self._epoch, self._start)
         it = iter(self._loader)
         if agreement_needed():
@@ -153,22 +169,37 @@ class ClickLoader:
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"epoch", "position", ...}``: where the next batch starts."""
+        """``{"epoch", "position", "batches", ...}``: where the next batch starts, and how many batches of the
+        epoch this rank has taken (the same on every rank)."""
         if self._epoch is None:
-            epoch, position = self._next_epoch, self._resume
+            epoch, position, batches = self._next_epoch, self._resume, self._resume_batches
         else:
             epoch, position = self._epoch, self.stream.position_after(self._yielded)
-        return {"epoch": epoch, "position": position, **self.stream.describe()}
+            batches = self._start_batches + self._yielded
+        return {"epoch": epoch, "position": position, "batches": batches,
+                "layout": [self.stream.world_size, self.stream.batch_size], **self.stream.describe()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at ``state``'s position (a finished epoch resumes at the start of the next one)."""
+        """Resume at ``state``'s position (a finished epoch resumes at the start of the next one); saved at
+        another world size or batch size, the rows left are re-split over this layout."""
         mine = self.stream.describe()
         differ = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
         if differ:
             raise ValueError(f"{self.what}: the loader state was saved for other data (saved vs now: {differ}); "
                              "resume with the same rows, shuffle and seed")
-        epoch, position = int(state["epoch"]), int(state["position"])
+        epoch, position, batches = int(state["epoch"]), int(state["position"]), int(state.get("batches", 0))
         self.stream.set_position(epoch, position)
         if self.stream.epoch_done(position):
-            epoch, position = epoch + 1, 0
-        self._next_epoch, self._resume, self._epoch = epoch, position, None
+            epoch, position, batches = epoch + 1, 0, 0
+        elif state.get("layout", [self.stream.world_size, self.stream.batch_size]) != [
+                self.stream.world_size, self.stream.batch_size]:
+            left = self.stream.batches_left()
+            if batches + left > len(self):
+                # Lightning counts batches across the resume and stops the epoch at len(loader) batches
+                warnings.warn(
+                    f"{self.what}: resumed at another layout (world size, batch size {state.get('layout')} -> "
+                    f"{[self.stream.world_size, self.stream.batch_size]}) after {batches} batches, with {left} "
+                    f"batches of this epoch left, but the epoch has {len(self)} batches in this layout: a Lightning "
+                    f"fit loop ends this epoch after {len(self) - batches} of them, skipping the rest of its rows. "
+                    "Resume at the same layout, or at the end of an epoch, to read every row", stacklevel=2)
+        self._next_epoch, self._resume, self._resume_batches, self._epoch = epoch, position, batches, None

@@ -38,6 +38,29 @@ def table_of(labels: np.ndarray, ints: np.ndarray, lengths: np.ndarray, raw: np.
     return pa.Table.from_arrays(cols, schema=SCHEMA)
 
 
+def _column(t: pa.Table, name: str) -> pa.Array:
+    col = t.column(name)
+    return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+
+
+def _values(arr: pa.Array) -> np.ndarray:
+    """A fixed-width array's values, zero-copy (whatever sits under null slots)."""
+    dtype = arr.type.to_pandas_dtype()
+    return np.frombuffer(arr.buffers()[1], dtype=dtype)[arr.offset : arr.offset + len(arr)]
+
+
+def _filled(arr: pa.Array) -> pa.Array:
+    return arr if arr.null_count == 0 else arr.fill_null(0)
+
+
+def _valid(arr: pa.Array) -> np.ndarray:
+    if arr.null_count == 0:
+        return np.ones(len(arr), dtype=bool)
+    first, skip = divmod(arr.offset, 8)  # unpack only the bytes under this slice of the row group
+    raw = np.frombuffer(arr.buffers()[0], dtype=np.uint8)[first : (arr.offset + len(arr) + 7) // 8]
+    return np.unpackbits(raw, bitorder="little")[skip : skip + len(arr)].astype(bool)
+
+
 class CriteoParquet(ClickStream):
     """Criteo rows from Parquet files in the layout above (a file, a directory, a glob, or a list of them).
 
@@ -112,15 +135,16 @@ class CriteoParquet(ClickStream):
         return concat_rows(parts)
 
     def _convert(self, t: pa.Table, k: int):
-        labels = t.column(LABEL).to_numpy(zero_copy_only=False)
-        if t.column(LABEL).null_count or not np.all((labels == 0) | (labels == 1)):
+        labels = _column(t, LABEL)
+        if labels.null_count or not np.all((_values(labels) == 0) | (_values(labels) == 1)):
             f, g, _ = self._groups[k]
             raise ValueError(f"CriteoParquet: {self.paths[f]} row group {g}: a label is null or not 0 or 1")
-        ints = np.stack([t.column(c).fill_null(0).to_numpy() for c in INT_COLUMNS], axis=1)
-        present = np.stack([t.column(c).is_valid().to_numpy(zero_copy_only=False) for c in CAT_COLUMNS])
-        raw = np.concatenate([t.column(c).drop_null().to_numpy() for c in CAT_COLUMNS])
+        ints = np.stack([_values(_filled(_column(t, c))) for c in INT_COLUMNS], axis=1)
+        cols = [_column(t, c) for c in CAT_COLUMNS]
+        present = np.stack([_valid(c) for c in cols])
+        raw = np.concatenate([_values(c)[m] for c, m in zip(cols, present)])
         lengths = present.astype(np.int64)
-        return dense_of(ints), lengths, hash_ids(raw.astype(np.uint64), lengths, self._cards), labels.astype(np.float32)
+        return dense_of(ints), lengths, hash_ids(raw, lengths, self._cards), _values(labels).astype(np.float32)
 
     def describe(self) -> dict:
         return {**super().describe(), "start": self.start}

@@ -309,6 +309,9 @@ def test_batch_to_len_and_collate() -> None:
     if torch.cuda.is_available():
         pinned = batch.pin_memory()
         assert pinned.dense.is_pinned() and pinned.sparse.values().is_pinned() and pinned.labels.is_pinned()
+        on_gpu = pinned.to("cuda")  # non-blocking from pinned memory; the values arrive all the same
+        assert torch.equal(on_gpu.dense.cpu(), batch.dense) and torch.equal(on_gpu.sparse.values().cpu(),
+                                                                             batch.sparse.values())
 
 
 def test_datamodule_synthetic_shards_by_trainer_rank() -> None:

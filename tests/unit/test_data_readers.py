@@ -211,3 +211,34 @@ def test_click_loader_starts_an_epoch_only_when_a_batch_is_taken() -> None:
     assert (loader.state_dict()["epoch"], loader.state_dict()["position"]) == (0, 32)  # epoch 0 read whole
     again = SyntheticClicks(32, 16, seed=2, cardinalities=[50] * 26)
     assert all(torch.equal(a, b.dense) for a, b in zip(first, again))
+
+
+def test_loader_state_is_the_same_on_every_rank_and_resumes_at_another_world_size(tmp_path) -> None:
+    write_lines(tmp_path / "d", 230, seed=8)
+
+    def ds(rank: int, world: int, batch: int) -> CriteoTSV:
+        return CriteoTSV(str(tmp_path / "d"), batch, cardinalities=CARDS, rank=rank, world_size=world, shuffle=True,
+                         shuffle_block=16, seed=5)
+
+    old = [ClickLoader(ds(r, 2, 10)) for r in range(2)]
+    taken = []
+    for loader in old:
+        it = iter(loader)
+        for _ in range(4):  # 4 global batches of 2 x 10 rows
+            next(it)
+        taken += [int(r) for ids in ds(old.index(loader), 2, 10).remaining_row_ids()[:4] for r in ids]
+    states = [loader.state_dict() for loader in old]
+    assert states[0] == states[1] and (states[0]["position"], states[0]["batches"]) == (80, 4)
+    rest = []
+    for r in range(3):
+        new = ClickLoader(ds(r, 3, 7))
+        # 4 batches taken + 8 left at 3 ranks > the 11 batches of an epoch at 3 ranks: Lightning's counter would
+        # end the epoch early, and the loader says so
+        with pytest.warns(UserWarning, match="ends this epoch after 7 of them"):
+            new.load_state_dict(states[0])
+        rows = sum(len(b) for b in new)  # reads from the loaded position on
+        new.stream.set_position(0, 80)
+        ids = [int(x) for batch in new.stream.remaining_row_ids() for x in batch]
+        assert rows == len(ids)
+        rest += ids
+    assert Counter(taken + rest) == Counter(range(230))  # no row skipped, none read twice
