@@ -14,7 +14,7 @@ from torch import nn
 from lightning_rec import _compat, kernels
 from lightning_rec.configs import BaseEmbeddingConfig
 from lightning_rec.modules import _FeatureLayout, _Table, _TableContainer
-from lightning_rec.optim import as_spec
+from lightning_rec.fused_kinds import as_spec
 from lightning_rec.sharding import comm, dists, state
 from lightning_rec.sharding.dists import Received
 from lightning_rec.sharding.fused import build_kernels, check_fused, union_lookup

@@ -25,14 +25,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_rec.configs import BaseEmbeddingConfig
+from lightning_rec.fused_kinds import FUSED_KINDS
 from lightning_rec.sharding.layout import ShardMeta
 from lightning_rec.sharding.planner.topology import Topology
 from lightning_rec.sharding.types import KINDS, ParameterSharding
 
 #: optimizer kind -> (fp32 state values per weight value, fp32 state values per row)
+#: optimizer kind -> (state values per weight value, state values per row): the fused kinds from their table,
+#: plus the torch optimizers' momentum
 OPTIMIZER_STATE: dict[str, tuple[int, int]] = {
-    "sgd": (0, 0), "momentum": (1, 0), "adagrad": (1, 0), "rowwise_adagrad": (0, 1), "adam": (2, 0),
-    "lamb": (2, 0), "partial_rowwise_adam": (1, 1), "partial_rowwise_lamb": (1, 1),
+    **{k: (v.state_per_value, v.state_per_row) for k, v in FUSED_KINDS.items()}, "momentum": (1, 0),
 }
 GRADIENTS = ("dense", "sparse", "fused")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
-from lightning_rec.optim import as_spec
+from lightning_rec.fused_kinds import as_spec
 from lightning_rec.sharding.plan import ShardingPlan, data_parallel, resolve_table, table_wise
 from lightning_rec.sharding.planner.cost import GRADIENTS, MEMORY_PARTS, OPTIMIZER_STATE, CostModel, Load, TableStats
 from lightning_rec.sharding.planner.inputs import PlacedCollection, plan_entries, table_stats
