@@ -6,7 +6,8 @@ it. ``DLRM_DCN`` and ``DLRM_Projection`` swap the interaction; ``DLRMTrain`` add
 that trains these parts is ``lightning_rec.models.DLRM`` (``models/lightning_dlrm.py``).
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: fx-traced copies of these modules are TorchScript-ed by
+# TorchRec users, and TorchScript needs the annotations as real objects.
 
 import math
 from typing import Any

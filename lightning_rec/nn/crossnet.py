@@ -3,7 +3,8 @@
 Every layer maps ``[B, N] -> [B, N]``; ``x0`` is the input and ``xl`` the previous layer's output.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: fx-traced copies of these modules are TorchScript-ed by
+# TorchRec users, and TorchScript needs the annotations as real objects.
 
 from collections.abc import Callable
 

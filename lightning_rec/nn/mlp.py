@@ -1,6 +1,7 @@
 """Perceptron, MLP and SwishLayerNorm with TorchRec's arguments and state_dict keys (``_mlp.0._linear.weight``)."""
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: fx-traced copies of these modules are TorchScript-ed by
+# TorchRec users, and TorchScript needs the annotations as real objects.
 
 from collections.abc import Callable, Sequence
 
