@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import torch as _torch
 
-from lightning_rec._compat import check_versions as _check_versions, fbgemm_distribution as _fbgemm_distribution
+from lightning_rec._compat import check_versions as _check_versions
+from lightning_rec._compat import fbgemm_distribution as _fbgemm_distribution
 
 _check_versions(_torch.__version__, _fbgemm_distribution())
 
 from lightning_rec.configs import (  # noqa: E402
+    DataType,
     EmbeddingBagConfig,
     EmbeddingConfig,
     PoolingType,
     ShardingType,
 )
-from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection  # noqa: E402
 from lightning_rec.module import RecModule  # noqa: E402
+from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection  # noqa: E402
 from lightning_rec.optim import CombinedOptimizer, FusedOptimizer, FusedOptimizerSpec  # noqa: E402
 from lightning_rec.sharding import (  # noqa: E402
     ParameterSharding,
@@ -52,33 +54,34 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CombinedOptimizer",
+    "DataType",
+    "EmbeddingBagCollection",
+    "EmbeddingBagConfig",
+    "EmbeddingCollection",
+    "EmbeddingConfig",
     "FusedOptimizer",
     "FusedOptimizerSpec",
-    "fused_optimizer",
+    "JaggedTensor",
+    "KeyedJaggedTensor",
+    "KeyedTensor",
     "ParameterSharding",
     "Planner",
     "PlannerError",
-    "TableConstraint",
-    "Topology",
+    "PoolingType",
     "RecModule",
     "RecShardedStrategy",
     "ShardingPlan",
+    "ShardingType",
+    "TableConstraint",
+    "Topology",
     "column_wise",
     "construct_module_sharding_plan",
     "data_parallel",
     "full_state_dict",
+    "fused_optimizer",
     "grid_shard",
     "row_wise",
     "shard_modules",
     "table_row_wise",
     "table_wise",
-    "EmbeddingBagCollection",
-    "EmbeddingBagConfig",
-    "EmbeddingCollection",
-    "EmbeddingConfig",
-    "JaggedTensor",
-    "KeyedJaggedTensor",
-    "KeyedTensor",
-    "PoolingType",
-    "ShardingType",
 ]

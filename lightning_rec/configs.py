@@ -107,7 +107,8 @@ class BaseEmbeddingConfig:
                 raise ValueError(f"table {self.name!r}: data_type must be a DataType, got {self.data_type!r}")
             if self.data_type not in _DATA_TYPE_TO_DTYPE:
                 raise ValueError(
-                    f"table {self.name!r}: DataType.{self.data_type.name} tables are not supported; use FP32, FP16 or BF16"
+                    f"table {self.name!r}: DataType.{self.data_type.name} tables are not supported; "
+                    "use FP32, FP16 or BF16"
                 )
             dt = _DATA_TYPE_TO_DTYPE[self.data_type]
             if self.dtype is not None and self.dtype != dt:

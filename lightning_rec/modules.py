@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
-
 import torch.nn.functional as F
+from torch import nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing as is_fx_tracing
 
 from lightning_rec import kernels
@@ -143,7 +142,7 @@ def _expand_variable_batch(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         )
     inv_keys, inv_t = inv
     row = {k: i for i, k in enumerate(inv_keys)}
-    missing = [k for k in kjt.keys() if k not in row]
+    missing = [k for k in kjt if k not in row]
     if missing:
         raise ValueError(f"inverse_indices has no row for features {missing} (it has {list(inv_keys)})")
     lopk = kjt.lengths_offset_per_key()

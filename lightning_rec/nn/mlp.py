@@ -18,7 +18,7 @@ class SwishLayerNorm(nn.Module):
         super().__init__()
         self.norm = nn.Sequential(nn.LayerNorm(input_dims, device=device), nn.Sigmoid())
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (TorchRec's argument name)
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         return input * self.norm(input)
 
 
@@ -40,7 +40,7 @@ class Perceptron(nn.Module):
         self._linear = nn.Linear(in_size, out_size, bias=bias, device=device, dtype=dtype)
         self._activation_fn = activation
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self._activation_fn(self._linear(input))
 
 
@@ -78,5 +78,5 @@ class MLP(nn.Module):
             for i in range(len(layer_sizes))
         ])
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self._mlp(input)

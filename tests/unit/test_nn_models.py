@@ -141,7 +141,7 @@ def test_dlrm_family_shapes_and_reference() -> None:
     class Batch:
         dense_features, sparse_features, labels = dense, _kjt(), torch.tensor([0, 1])
 
-    loss, (_, logits, labels) = DLRMTrain(model)(Batch())
+    loss, (_, _logits, labels) = DLRMTrain(model)(Batch())
     torch.testing.assert_close(loss, nn.functional.binary_cross_entropy_with_logits(out.squeeze(1), labels.float()))
 
 
