@@ -66,7 +66,8 @@ def _check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type, allow_share
         for f in t.feature_names:
             if f in owner and not allow_shared:
                 raise ValueError(
-                    f"feature {f!r} is listed by tables {owner[f]!r} and {t.name!r}; a feature may look up one table"
+                    f"feature {f!r} is listed by tables {owner[f]!r} and {t.name!r}; a feature may look up one table "
+                    "(a feature read by several tables works in the unsharded collections only, not yet sharded)"
                 )
             owner[f] = t.name
 
@@ -74,7 +75,10 @@ def _check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type, allow_share
 class _FeatureLayout:
     """Static facts about a collection's features, in config order (shared with the sharded modules)."""
 
-    def __init__(self, tables: Sequence[BaseEmbeddingConfig], strict: bool = True) -> None:
+    def __init__(self, tables: Sequence[BaseEmbeddingConfig], strict: bool = True, allow_shared: bool = False) -> None:
+        # allow_shared: one feature read by several tables; only the unsharded collections support it so far
+        if not allow_shared:
+            _check_tables(tables, BaseEmbeddingConfig)
         self.tables = list(tables)
         # strict: the input KJT must hold exactly these features; otherwise extra keys are ignored (TorchRec)
         self.strict = strict
@@ -221,7 +225,7 @@ class EmbeddingBagCollection(_CollectionBase):
     ) -> None:
         super().__init__()
         _check_tables(tables, EmbeddingBagConfig, allow_shared=True)
-        self._layout = _FeatureLayout(tables, strict=strict_features)
+        self._layout = _FeatureLayout(tables, strict=strict_features, allow_shared=True)
         self._is_weighted = is_weighted
         self.kernel = kernels.validate_kernel(kernel)
         self.sparse_grad = sparse_grad
@@ -321,7 +325,7 @@ class EmbeddingCollection(_CollectionBase):
     ) -> None:
         super().__init__()
         _check_tables(tables, EmbeddingConfig, allow_shared=True)
-        self._layout = _FeatureLayout(tables, strict=strict_features)
+        self._layout = _FeatureLayout(tables, strict=strict_features, allow_shared=True)
         self._need_indices = need_indices
         self.sparse_grad = sparse_grad
         self.embeddings = _make_tables(tables, device)
