@@ -248,6 +248,14 @@ class EmbeddingBagCollection(_CollectionBase):
         layout = self._layout
         if is_fx_tracing():
             return self._fx_forward(features)
+        if isinstance(features, KeyedJaggedTensor) and features.values().device.type == "meta":
+            # shapes only, as TorchRec: a forward on the meta device sizes a model without data
+            missing = [f for f in layout.feature_names if f not in features.keys()]
+            if missing:
+                raise ValueError(f"KeyedJaggedTensor keys do not match the collection's features: missing {missing}")
+            dtype = kernels.promoted_dtype([w.dtype for w in self._weights()])
+            return KeyedTensor(layout.embedding_names, layout.dims,
+                               torch.empty(features.stride(), sum(layout.dims), dtype=dtype, device="meta"))
         kjt = layout.select(features)
         psw = None
         if self._is_weighted:

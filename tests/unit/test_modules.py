@@ -807,3 +807,12 @@ def test_device_and_reset_parameters() -> None:
     before = [p.detach().clone() for p in ebc.parameters()]
     ebc.reset_parameters()
     assert all(not torch.equal(a, b) for a, b in zip(before, ebc.parameters()))
+
+
+def test_forward_on_meta_device_gives_shapes() -> None:
+    ebc = EmbeddingBagCollection(_small_configs(), device="meta")
+    kjt = _small_kjt(weights=False)
+    meta = KeyedJaggedTensor(kjt.keys(), kjt.values().to("meta"), lengths=kjt.lengths().to("meta"))
+    out = ebc(meta)
+    assert out.values().device.type == "meta" and out.values().shape == (3, 11)
+    assert out.keys() == ["f0", "f1", "f2"]
