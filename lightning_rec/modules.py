@@ -146,7 +146,7 @@ def _expand_variable_batch(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         )
     inv_keys, inv_t = inv
     row = {k: i for i, k in enumerate(inv_keys)}
-    missing = [k for k in kjt if k not in row]
+    missing = [k for k in kjt.keys() if k not in row]  # noqa: SIM118 (a KJT, not a dict)
     if missing:
         raise ValueError(f"inverse_indices has no row for features {missing} (it has {list(inv_keys)})")
     lopk = kjt.lengths_offset_per_key()

@@ -49,7 +49,7 @@ def _weight_kjt(features: KeyedJaggedTensor, keys: list[str], weights: list[torc
     per_key = [
         _position_weights_of(k, jts[k], table[k]) if k in table
         else torch.ones(jts[k].values().size(0), device=features.device)
-        for k in features
+        for k in features.keys()  # noqa: SIM118 (a KJT, not a dict)
     ]
     return KeyedJaggedTensor(
         features.keys(), features.values(), weights=torch.cat(per_key) if per_key else None,

@@ -226,7 +226,7 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
             raise ValueError("KeyedJaggedTensor.concat: either every KeyedJaggedTensor has weights or none has")
         strides = {k.stride() for k in kjt_list if k.keys()}
         variable = any(k.variable_stride_per_key() for k in kjt_list) or len(strides) > 1
-        keys = [key for k in kjt_list for key in k]
+        keys = [key for k in kjt_list for key in k.keys()]  # noqa: SIM118 (KJTs, not dicts)
         return KeyedJaggedTensor(
             keys,
             torch.cat([k.values() for k in kjt_list]),
