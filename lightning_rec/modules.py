@@ -142,7 +142,7 @@ def _expand_variable_batch(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
     if inv is None:
         raise ValueError(
             "this KeyedJaggedTensor has a batch size per feature (stride_per_key_per_rank) but no "
-            "inverse_indices: the unsharded collections need them to give every feature the full batch"
+            "inverse_indices: the collections need them to give every feature the full batch"
         )
     inv_keys, inv_t = inv
     row = {k: i for i, k in enumerate(inv_keys)}
