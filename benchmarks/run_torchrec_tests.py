@@ -135,6 +135,10 @@ def main() -> None:
     md = ["# TorchRec's unit tests run against lightning_rec", "",
           "`python benchmarks/run_torchrec_tests.py --torchrec <torchrec source>`: TorchRec's own test files, "
           "unchanged, with `torchrec` imported as lightning_rec (tests/torchrec_alias.py). CUDA-only tests skip.", ""]
+    rev = subprocess.run(["git", f"--git-dir={args.torchrec}", "rev-parse", "HEAD"], capture_output=True, text=True)
+    if rev.returncode:  # a checkout rather than a bare repository
+        rev = subprocess.run(["git", "-C", str(args.torchrec), "rev-parse", "HEAD"], capture_output=True, text=True)
+    md += [f"TorchRec source: commit {rev.stdout.strip() or 'unknown'}.", ""]
     for suite in suites:
         with tempfile.TemporaryDirectory() as tmp:
             table, failures = _summarise(_run(args.torchrec, SUITES[suite], Path(tmp)))
