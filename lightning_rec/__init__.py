@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import torch as _torch
 
-from lightning_rec._compat import check_versions as _check_versions, fbgemm_distribution as _fbgemm_distribution
+from lightning_rec._compat import check_versions as _check_versions
+from lightning_rec._compat import fbgemm_distribution as _fbgemm_distribution
 
 _check_versions(_torch.__version__, _fbgemm_distribution())
 
 from lightning_rec.checkpoint import CheckpointError, DiskFullError, UnsafeCheckpointError  # noqa: E402
 from lightning_rec.configs import (  # noqa: E402
+    DataType,
     EmbeddingBagConfig,
     EmbeddingConfig,
     PoolingType,
@@ -24,8 +26,8 @@ from lightning_rec.mc import (  # noqa: E402
     ManagedCollisionEmbeddingCollection,
     MCHManagedCollisionModule,
 )
-from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection  # noqa: E402
 from lightning_rec.module import RecModule  # noqa: E402
+from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection  # noqa: E402
 from lightning_rec.optim import CombinedOptimizer, FusedOptimizer, FusedOptimizerSpec  # noqa: E402
 from lightning_rec.sharding import (  # noqa: E402
     ParameterSharding,
@@ -62,33 +64,21 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
-    "DiskFullError",
-    "UnsafeCheckpointError",
-    "CombinedOptimizer",
-    "FusedOptimizer",
-    "FusedOptimizerSpec",
-    "fused_optimizer",
-    "ParameterSharding",
-    "Planner",
-    "PlannerError",
-    "TableConstraint",
-    "Topology",
-    "RecModule",
-    "RecShardedStrategy",
-    "ShardingPlan",
     "column_wise",
+    "CombinedOptimizer",
     "construct_module_sharding_plan",
     "data_parallel",
-    "full_state_dict",
-    "grid_shard",
-    "row_wise",
-    "shard_modules",
-    "table_row_wise",
-    "table_wise",
+    "DataType",
+    "DiskFullError",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
     "EmbeddingCollection",
     "EmbeddingConfig",
+    "full_state_dict",
+    "fused_optimizer",
+    "FusedOptimizer",
+    "FusedOptimizerSpec",
+    "grid_shard",
     "JaggedTensor",
     "KeyedJaggedTensor",
     "KeyedTensor",
@@ -99,6 +89,19 @@ __all__ = [
     "ManagedCollisionEmbeddingBagCollection",
     "ManagedCollisionEmbeddingCollection",
     "MCHManagedCollisionModule",
+    "ParameterSharding",
+    "Planner",
+    "PlannerError",
     "PoolingType",
+    "RecModule",
+    "RecShardedStrategy",
+    "row_wise",
+    "shard_modules",
+    "ShardingPlan",
     "ShardingType",
+    "table_row_wise",
+    "table_wise",
+    "TableConstraint",
+    "Topology",
+    "UnsafeCheckpointError",
 ]

@@ -67,7 +67,7 @@ def _to_pooling(p: PoolingType | str) -> PoolingType:
 class BaseEmbeddingConfig:
     """Fields common to pooled and sequence tables.
 
-    Fields in TorchRec's order. ``init_fn`` (called in place on the full ``[num_embeddings, embedding_dim]``
+    Fields in TorchRec's order, except ``feature_names`` before ``data_type``. ``init_fn`` (called in place on the full ``[num_embeddings, embedding_dim]``
     weight, or on each shard when a model built on the meta device is sharded) wins over the uniform
     bounds; the default bounds are TorchRec's ``+-sqrt(1 / num_embeddings)``. ``feature_names`` defaults
     to ``[name]``. The weight type is ``data_type`` (TorchRec) or ``dtype`` (a torch dtype); give either.
@@ -76,8 +76,10 @@ class BaseEmbeddingConfig:
     num_embeddings: int
     embedding_dim: int
     name: str = ""
-    data_type: DataType | None = None
+    # TorchRec puts data_type before feature_names; lightning_rec code passes feature_names 4th positionally,
+    # so that order stays (TorchRec code names data_type= by keyword)
     feature_names: list[str] = field(default_factory=list)
+    data_type: DataType | None = None
     weight_init_max: float | None = None
     weight_init_min: float | None = None
     num_embeddings_post_pruning: int | None = None
@@ -107,7 +109,8 @@ class BaseEmbeddingConfig:
                 raise ValueError(f"table {self.name!r}: data_type must be a DataType, got {self.data_type!r}")
             if self.data_type not in _DATA_TYPE_TO_DTYPE:
                 raise ValueError(
-                    f"table {self.name!r}: DataType.{self.data_type.name} tables are not supported; use FP32, FP16 or BF16"
+                    f"table {self.name!r}: DataType.{self.data_type.name} tables are not supported; "
+                    "use FP32, FP16 or BF16"
                 )
             dt = _DATA_TYPE_TO_DTYPE[self.data_type]
             if self.dtype is not None and self.dtype != dt:

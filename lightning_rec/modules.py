@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
-
 import torch.nn.functional as F
+from torch import nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing as is_fx_tracing
 
 from lightning_rec import kernels
@@ -47,7 +46,8 @@ def _check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type, allow_share
         for f in t.feature_names:
             if f in owner and not allow_shared:
                 raise ValueError(
-                    f"feature {f!r} is listed by tables {owner[f]!r} and {t.name!r}; a feature may look up one table"
+                    f"feature {f!r} is listed by tables {owner[f]!r} and {t.name!r}; a feature may look up one table "
+                    "(a feature read by several tables works in the unsharded collections only, not yet sharded)"
                 )
             owner[f] = t.name
 
@@ -55,7 +55,10 @@ def _check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type, allow_share
 class _FeatureLayout:
     """Static facts about a collection's features, in config order (shared with the sharded modules)."""
 
-    def __init__(self, tables: Sequence[BaseEmbeddingConfig], strict: bool = True) -> None:
+    def __init__(self, tables: Sequence[BaseEmbeddingConfig], strict: bool = True, allow_shared: bool = False) -> None:
+        # allow_shared: one feature read by several tables; only the unsharded collections support it so far
+        if not allow_shared:
+            _check_tables(tables, BaseEmbeddingConfig)
         self.tables = list(tables)
         # strict: the input KJT must hold exactly these features; otherwise extra keys are ignored (TorchRec)
         self.strict = strict
@@ -119,11 +122,11 @@ def _expand_variable_batch(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
     if inv is None:
         raise ValueError(
             "this KeyedJaggedTensor has a batch size per feature (stride_per_key_per_rank) but no "
-            "inverse_indices: the unsharded collections need them to give every feature the full batch"
+            "inverse_indices: the collections need them to give every feature the full batch"
         )
     inv_keys, inv_t = inv
     row = {k: i for i, k in enumerate(inv_keys)}
-    missing = [k for k in kjt.keys() if k not in row]
+    missing = [k for k in kjt.keys() if k not in row]  # noqa: SIM118 (a KJT, not a dict)
     if missing:
         raise ValueError(f"inverse_indices has no row for features {missing} (it has {list(inv_keys)})")
     lopk = kjt.lengths_offset_per_key()
@@ -202,7 +205,7 @@ class EmbeddingBagCollection(_CollectionBase):
     ) -> None:
         super().__init__()
         _check_tables(tables, EmbeddingBagConfig, allow_shared=True)
-        self._layout = _FeatureLayout(tables, strict=strict_features)
+        self._layout = _FeatureLayout(tables, strict=strict_features, allow_shared=True)
         self._is_weighted = is_weighted
         self.kernel = kernels.validate_kernel(kernel)
         self.sparse_grad = sparse_grad
@@ -225,6 +228,14 @@ class EmbeddingBagCollection(_CollectionBase):
         layout = self._layout
         if is_fx_tracing():
             return self._fx_forward(features)
+        if isinstance(features, KeyedJaggedTensor) and features.values().device.type == "meta":
+            # shapes only, as TorchRec: a forward on the meta device sizes a model without data
+            missing = [f for f in layout.feature_names if f not in features.keys()]
+            if missing:
+                raise ValueError(f"KeyedJaggedTensor keys do not match the collection's features: missing {missing}")
+            dtype = kernels.promoted_dtype([w.dtype for w in self._weights()])
+            return KeyedTensor(layout.embedding_names, layout.dims,
+                               torch.empty(features.stride(), sum(layout.dims), dtype=dtype, device="meta"))
         kjt = layout.select(features)
         psw = None
         if self._is_weighted:
@@ -302,7 +313,7 @@ class EmbeddingCollection(_CollectionBase):
     ) -> None:
         super().__init__()
         _check_tables(tables, EmbeddingConfig, allow_shared=True)
-        self._layout = _FeatureLayout(tables, strict=strict_features)
+        self._layout = _FeatureLayout(tables, strict=strict_features, allow_shared=True)
         self._need_indices = need_indices
         self.sparse_grad = sparse_grad
         self.embeddings = _make_tables(tables, device)

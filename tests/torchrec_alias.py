@@ -71,10 +71,9 @@ def _regroup(keyed_tensors: list, groups: list) -> list:
 
 _EXTRA: dict[str, dict[str, Any]] = {
     # TorchRec's several implementations of KeyedTensor.regroup (fbgemm ops, fused permutes), one here
-    "torchrec.sparse.jagged_tensor": {
-        name: _regroup for name in ("regroup_kts", "_regroup_keyed_tensors", "permute_multi_embedding",
-                                    "_fbgemm_permute_pooled_embs")
-    },
+    "torchrec.sparse.jagged_tensor": dict.fromkeys(
+        ("regroup_kts", "_regroup_keyed_tensors", "permute_multi_embedding", "_fbgemm_permute_pooled_embs"), _regroup
+    ),
     "torchrec.fx": {"symbolic_trace": torch.fx.symbolic_trace, "Tracer": torch.fx.Tracer},
     "torchrec.test_utils": {"skip_if_asan_class": _skip_if_asan_class, "skip_if_asan": _skip_if_asan},
 }
@@ -86,7 +85,7 @@ def _make_module(name: str) -> types.ModuleType:
     sources = _SOURCES[name]
     extra = _EXTRA.get(name, {})
 
-    def __getattr__(attr: str) -> Any:  # noqa: N807 (PEP 562 module hook)
+    def __getattr__(attr: str) -> Any:
         if attr.startswith("__"):
             raise AttributeError(attr)
         if attr in extra:
@@ -107,7 +106,7 @@ def _make_module(name: str) -> types.ModuleType:
 def _parameterized_shim() -> types.ModuleType:
     """The part of the ``parameterized`` package TorchRec's tests use, when it is not installed."""
 
-    class parameterized:  # noqa: N801 (the package's name)
+    class parameterized:
         @staticmethod
         def expand(cases: list) -> Callable:
             frame = inspect.currentframe()

@@ -7,9 +7,9 @@
 
 from lightning_rec.models.dlrm import (
     DLRM_DCN,
+    DenseArch,
     DLRM_Projection,
     DLRMTrain,
-    DenseArch,
     InteractionArch,
     InteractionDCNArch,
     InteractionProjectionArch,

@@ -6,7 +6,8 @@ it. ``DLRM_DCN`` and ``DLRM_Projection`` swap the interaction; ``DLRMTrain`` add
 that trains these parts is ``lightning_rec.models.DLRM`` (``models/lightning_dlrm.py``).
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: fx-traced copies of these modules are TorchScript-ed by
+# TorchRec users, and TorchScript needs the annotations as real objects.
 
 import math
 from typing import Any
@@ -121,7 +122,9 @@ class OverArch(nn.Module):
     def __init__(self, in_features: int, layer_sizes: list[int], device: torch.device | None = None) -> None:
         super().__init__()
         if len(layer_sizes) <= 1:
-            raise ValueError(f"OverArch needs at least two layer sizes (ReLU layers, then the output), got {layer_sizes}")
+            raise ValueError(
+                f"OverArch needs at least two layer sizes (ReLU layers, then the output), got {layer_sizes}"
+            )
         self.model = nn.Sequential(
             MLP(in_features, layer_sizes[:-1], bias=True, activation="relu", device=device),
             nn.Linear(layer_sizes[-2], layer_sizes[-1], bias=True, device=device),
@@ -180,7 +183,7 @@ class DLRM(nn.Module):
         return self.over_arch(self.inter_arch(dense_features=embedded_dense, sparse_features=embedded_sparse))
 
 
-class DLRM_Projection(DLRM):  # noqa: N801 (TorchRec's name)
+class DLRM_Projection(DLRM):
     """DLRM whose interaction is ``InteractionProjectionArch`` (two MLP branches)."""
 
     def __init__(
@@ -210,7 +213,7 @@ class DLRM_Projection(DLRM):  # noqa: N801 (TorchRec's name)
         self.over_arch = OverArch(d + projected, over_arch_layer_sizes, device=dense_device)
 
 
-class DLRM_DCN(DLRM):  # noqa: N801 (TorchRec's name)
+class DLRM_DCN(DLRM):
     """DLRM whose interaction is a low-rank cross network (DCN-V2)."""
 
     def __init__(

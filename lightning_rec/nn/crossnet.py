@@ -3,7 +3,8 @@
 Every layer maps ``[B, N] -> [B, N]``; ``x0`` is the input and ``xl`` the previous layer's output.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: fx-traced copies of these modules are TorchScript-ed by
+# TorchRec users, and TorchScript needs the annotations as real objects.
 
 from collections.abc import Callable
 
@@ -28,7 +29,7 @@ class CrossNet(nn.Module):
         self.kernels = nn.ParameterList([_xavier(in_features, in_features) for _ in range(num_layers)])
         self.bias = nn.ParameterList([_zeros(in_features, 1) for _ in range(num_layers)])
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         x0 = input.unsqueeze(2)  # [B, N, 1]
         xl = x0
         for layer in range(self._num_layers):
@@ -49,7 +50,7 @@ class LowRankCrossNet(nn.Module):
         self.V_kernels = nn.ParameterList([_xavier(low_rank, in_features) for _ in range(num_layers)])
         self.bias = nn.ParameterList([_zeros(in_features) for _ in range(num_layers)])
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         x0 = xl = input
         for layer in range(self._num_layers):
             low = nn.functional.linear(xl, self.V_kernels[layer])
@@ -66,7 +67,7 @@ class VectorCrossNet(nn.Module):
         self.kernels = nn.ParameterList([_xavier(in_features, 1) for _ in range(num_layers)])
         self.bias = nn.ParameterList([_zeros(in_features, 1) for _ in range(num_layers)])
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         x0 = input.unsqueeze(2)
         xl = x0
         for layer in range(self._num_layers):
@@ -106,7 +107,7 @@ class LowRankMixtureCrossNet(nn.Module):
         self._activation = activation
         self.C_kernels = nn.ParameterList([_xavier(num_experts, low_rank, low_rank) for _ in range(num_layers)])
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         x0 = input.unsqueeze(2)  # [B, N, 1]
         xl = x0
         for layer in range(self._num_layers):

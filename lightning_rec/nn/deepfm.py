@@ -1,11 +1,13 @@
 """DeepFM's two interaction parts (Guo et al., 2017) with TorchRec's names: a deep module and an FM term."""
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: fx-traced copies of these modules are TorchScript-ed by
+# TorchRec users, and TorchScript needs the annotations as real objects.
 
 import torch
 from torch import nn
 
 
+@torch.fx.wrap  # one fx node: a traced list cannot be iterated
 def _flatten(embeddings: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([e.flatten(1) for e in embeddings], dim=1)
 

@@ -1,6 +1,7 @@
 """Perceptron, MLP and SwishLayerNorm with TorchRec's arguments and state_dict keys (``_mlp.0._linear.weight``)."""
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: fx-traced copies of these modules are TorchScript-ed by
+# TorchRec users, and TorchScript needs the annotations as real objects.
 
 from collections.abc import Callable, Sequence
 
@@ -17,7 +18,7 @@ class SwishLayerNorm(nn.Module):
         super().__init__()
         self.norm = nn.Sequential(nn.LayerNorm(input_dims, device=device), nn.Sigmoid())
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (TorchRec's argument name)
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         return input * self.norm(input)
 
 
@@ -39,7 +40,7 @@ class Perceptron(nn.Module):
         self._linear = nn.Linear(in_size, out_size, bias=bias, device=device, dtype=dtype)
         self._activation_fn = activation
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self._activation_fn(self._linear(input))
 
 
@@ -77,5 +78,5 @@ class MLP(nn.Module):
             for i in range(len(layer_sizes))
         ])
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self._mlp(input)

@@ -8,6 +8,7 @@ object is built eagerly; methods after that trust the invariants.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -121,7 +122,7 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
         if length_per_key is not None:
             self._length_per_key = [int(x) for x in length_per_key]
         elif offset_per_key is not None:
-            self._length_per_key = [int(b - a) for a, b in zip(offset_per_key[:-1], offset_per_key[1:])]
+            self._length_per_key = [int(b - a) for a, b in itertools.pairwise(offset_per_key)]
         if check and self._length_per_key is not None and (
             len(self._length_per_key) != len(keys) or sum(self._length_per_key) != values.size(0)
         ):
@@ -225,7 +226,7 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
             raise ValueError("KeyedJaggedTensor.concat: either every KeyedJaggedTensor has weights or none has")
         strides = {k.stride() for k in kjt_list if k.keys()}
         variable = any(k.variable_stride_per_key() for k in kjt_list) or len(strides) > 1
-        keys = [key for k in kjt_list for key in k.keys()]
+        keys = [key for k in kjt_list for key in k.keys()]  # noqa: SIM118 (KJTs, not dicts)
         return KeyedJaggedTensor(
             keys,
             torch.cat([k.values() for k in kjt_list]),
@@ -394,12 +395,14 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
             weights=None if self._weights is None else self._weights[gather],
             lengths=lengths,
             stride=self._stride,
-            stride_per_key_per_rank=[self._stride_per_key_per_rank[i] for i in indices] if self._variable_stride else None,
+            stride_per_key_per_rank=(
+                [self._stride_per_key_per_rank[i] for i in indices] if self._variable_stride else None
+            ),
             length_per_key=new_lpk,
             inverse_indices=self._inverse_indices,
         )
 
-    def _apply(self, fn) -> KeyedJaggedTensor:  # noqa: ANN001 (a tensor -> tensor function)
+    def _apply(self, fn) -> KeyedJaggedTensor:
         return KeyedJaggedTensor(
             self._keys,
             fn(self._values),

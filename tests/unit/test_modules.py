@@ -26,6 +26,7 @@ from lightning_rec import (
     KeyedTensor,
     PoolingType,
 )
+from lightning_rec.modules import _FeatureLayout
 
 # fbgemm's dense CPU backward is correct but warns that it has no autograd kernel (see FBGEMM_CPU.md).
 pytestmark = pytest.mark.filterwarnings("ignore:.*an autograd kernel was not registered")
@@ -751,6 +752,9 @@ def test_one_feature_read_by_two_tables() -> None:
     w1, w2 = ebc.embedding_bags["t1"].weight, ebc.embedding_bags["t2"].weight
     assert torch.allclose(out["f@t1"], torch.stack([w1[1] + w1[3], w1[0]]))
     assert torch.allclose(out["f@t2"], torch.stack([(w2[1] + w2[3]) / 2, w2[0]]))
+    # the sharded modules build their layout without allow_shared: refused with the clear error
+    with pytest.raises(ValueError, match="feature 'f' is listed by tables 't1' and 't2'.*not yet sharded"):
+        _FeatureLayout([t1, t2])
     ec = EmbeddingCollection([EmbeddingConfig(num_embeddings=4, embedding_dim=2, name=n, feature_names=["f"])
                               for n in ("a", "b")], need_indices=True)
     res = ec(kjt)
@@ -803,3 +807,12 @@ def test_device_and_reset_parameters() -> None:
     before = [p.detach().clone() for p in ebc.parameters()]
     ebc.reset_parameters()
     assert all(not torch.equal(a, b) for a, b in zip(before, ebc.parameters()))
+
+
+def test_forward_on_meta_device_gives_shapes() -> None:
+    ebc = EmbeddingBagCollection(_small_configs(), device="meta")
+    kjt = _small_kjt(weights=False)
+    meta = KeyedJaggedTensor(kjt.keys(), kjt.values().to("meta"), lengths=kjt.lengths().to("meta"))
+    out = ebc(meta)
+    assert out.values().device.type == "meta" and out.values().shape == (3, 11)
+    assert out.keys() == ["f0", "f1", "f2"]

@@ -311,3 +311,49 @@ def test_keyed_tensor_validation() -> None:
         KeyedTensor(["a", "b"], [2, 3], torch.zeros(1, 4))
     kt0 = KeyedTensor(["a", "b"], [1, 2], torch.arange(6.0).view(3, 2), key_dim=0)  # blocks along rows
     assert torch.equal(kt0["b"], torch.arange(2.0, 6.0).view(2, 2))
+
+
+def test_concat_keeps_keys_values_and_strides() -> None:
+    a = KeyedJaggedTensor.from_lengths_sync(["x"], _t([1, 2, 3]), _t([2, 1]), weights=torch.ones(3))
+    b = KeyedJaggedTensor.from_lengths_sync(["y", "z"], _t([4, 5]), _t([0, 1, 1, 0]), weights=torch.zeros(2))
+    c = KeyedJaggedTensor.concat([a, b])
+    assert c.keys() == ["x", "y", "z"] and c.values().tolist() == [1, 2, 3, 4, 5]
+    assert c.lengths().tolist() == [2, 1, 0, 1, 1, 0] and c.weights().tolist() == [1, 1, 1, 0, 0]
+    assert c.stride() == 2 and not c.variable_stride_per_key()
+    # different batch sizes give a variable-stride KJT
+    d = KeyedJaggedTensor.concat([a, KeyedJaggedTensor.from_lengths_sync(["w"], _t([7]), _t([1, 0, 0]),
+                                                                         weights=torch.ones(1))])
+    assert d.variable_stride_per_key() and d.stride_per_key() == [2, 3] and d["w"].lengths().tolist() == [1, 0, 0]
+    e = KeyedJaggedTensor.empty_like(c)
+    assert e.keys() == c.keys() and e.stride() == 2 and e.values().numel() == 0
+
+
+def test_jagged_tensor_dense_conversions() -> None:
+    jt = JaggedTensor.from_dense([torch.tensor([1.0, 2.0]), torch.tensor([]), torch.tensor([3.0])],
+                                 weights=[torch.tensor([0.5, 0.25]), torch.tensor([]), torch.tensor([2.0])])
+    assert jt.lengths().dtype == torch.int32 and jt.lengths().tolist() == [2, 0, 1]
+    assert torch.equal(jt.to_padded_dense(), torch.tensor([[1.0, 2.0], [0.0, 0.0], [3.0, 0.0]]))
+    assert torch.equal(jt.to_padded_dense(1, padding_value=-1.0), torch.tensor([[1.0], [-1.0], [3.0]]))
+    assert torch.equal(jt.to_padded_dense_weights(), torch.tensor([[0.5, 0.25], [0.0, 0.0], [2.0, 0.0]]))
+    assert [w.tolist() for w in jt.to_dense_weights()] == [[0.5, 0.25], [], [2.0]]
+    back = JaggedTensor.from_dense_lengths(jt.to_padded_dense(), jt.lengths(), jt.to_padded_dense_weights())
+    assert torch.equal(back.values(), jt.values()) and torch.equal(back.weights(), jt.weights())
+    assert str(jt) == ('JaggedTensor({\n    "values": [[1.0, 2.0], [], [3.0]],\n'
+                       '    "weights": [[0.5, 0.25], [], [2.0]]\n})\n')
+    empty = JaggedTensor.empty(is_weighted=True, values_dtype=torch.long)
+    assert empty.values().dtype == torch.long and empty.lengths().dtype == torch.int32 and empty.to_dense() == []
+
+
+def test_to_dict_index_per_key_and_keyed_tensor_helpers() -> None:
+    kjt = KeyedJaggedTensor(["a", "b"], _t([1, 2, 3]), lengths=_t([1, 0, 2, 0]).int(), length_per_key=[1, 2])
+    assert kjt.lengths().dtype == torch.int32 and kjt.offsets().dtype == torch.int32  # the caller's dtype
+    assert kjt.index_per_key() == {"a": 0, "b": 1} and kjt.stride_per_key() == [2, 2]
+    d = kjt.to_dict(compute_offsets=False)
+    assert d["b"].values().tolist() == [2, 3] and d["b"].lengths().tolist() == [2, 0]
+    with pytest.raises(ValueError, match=r"length_per_key \[1, 1\] does not split 3 values"):
+        KeyedJaggedTensor(["a", "b"], _t([1, 2, 3]), lengths=_t([1, 0, 2, 0]), length_per_key=[1, 1])
+    kt = KeyedTensor.from_tensor_list(["p", "q"], [torch.ones(2, 1), torch.zeros(2, 2)])
+    assert kt.length_per_key() == [1, 2] and kt.values().shape == (2, 3)
+    groups = KeyedTensor.regroup_as_dict([kt], [["q"], ["p", "q"]], ["g1", "g2"])
+    assert list(groups) == ["g1", "g2"] and groups["g2"].shape == (2, 3)
+    assert str(kt) == 'KeyedTensor({\n    "p": [[1.0], [1.0]],\n    "q": [[0.0, 0.0], [0.0, 0.0]]\n})\n'
