@@ -11,8 +11,13 @@ from torch.fx._symbolic_trace import is_fx_symbolic_tracing as is_fx_tracing
 
 from lightning_rec import kernels
 from lightning_rec.configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig, PoolingType
-from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-from lightning_rec.sparse._utils import checks_enabled, segment_gather_index
+from lightning_rec.sparse import (
+    JaggedTensor,
+    KeyedJaggedTensor,
+    KeyedTensor,
+    checks_enabled,
+    segment_gather_index,
+)
 
 
 class _Table(nn.Module):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor
-from lightning_rec.sparse._utils import checks_enabled
+from lightning_rec.sparse import checks_enabled
 
 
 def _positions(lengths: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:

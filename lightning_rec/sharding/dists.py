@@ -16,15 +16,15 @@ import torch.distributed as dist
 from lightning_rec.sharding import comm
 from lightning_rec.sharding.layout import offsets_of
 from lightning_rec.sharding.routing import RoutingTable
-from lightning_rec.sparse import KeyedJaggedTensor, _offsets_from_lengths, _segment_gather_index
+from lightning_rec.sparse import KeyedJaggedTensor, offsets_from_lengths, segment_gather_index
 
 
 def regroup(x: torch.Tensor, seg_sizes: list[int], n_outer: int, n_inner: int) -> torch.Tensor:
     """Reorder contiguous segments laid out ``[outer][inner]`` into ``[inner][outer]`` order."""
     sizes = torch.tensor(seg_sizes, dtype=torch.long, device=x.device)
-    starts = _offsets_from_lengths(sizes)[:-1]
+    starts = offsets_from_lengths(sizes)[:-1]
     perm = torch.arange(n_outer * n_inner, device=x.device).view(n_outer, n_inner).t().reshape(-1)
-    return x[_segment_gather_index(starts[perm], sizes[perm])]
+    return x[segment_gather_index(starts[perm], sizes[perm])]
 
 
 @dataclass(frozen=True)
@@ -121,8 +121,8 @@ def input_dist(
         recv_w = comm.all_to_all(cat(send_weights, weights.dtype), recv_counts, value_counts, group)
     # received layout is [source][route][bag]; the lookup wants [route][source][bag]
     seg_bags = [bs for bs in batches for _ in range(n_mine)]
-    bounds = _offsets_from_lengths(torch.tensor(seg_bags, dtype=torch.long, device=device))
-    recv_offsets = _offsets_from_lengths(recv_l)
+    bounds = offsets_from_lengths(torch.tensor(seg_bags, dtype=torch.long, device=device))
+    recv_offsets = offsets_from_lengths(recv_l)
     seg_vals = (recv_offsets[bounds[1:]] - recv_offsets[bounds[:-1]]).tolist()
     return Received(
         lengths=regroup(recv_l, seg_bags, n_ranks, n_mine),

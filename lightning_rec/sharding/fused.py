@@ -14,7 +14,7 @@ from lightning_rec.configs import BaseEmbeddingConfig
 from lightning_rec.sharding import comm, dists
 from lightning_rec.sharding.layout import ShardMeta
 from lightning_rec.sharding.routing import RoutingTable
-from lightning_rec.sparse import _offsets_from_lengths
+from lightning_rec.sparse import offsets_from_lengths
 
 
 def check_fused(attr: str, tables: list[BaseEmbeddingConfig], shards: dict[str, list[ShardMeta] | None]) -> None:
@@ -101,7 +101,7 @@ def union_lookup(
     ``scale`` (the ``embedding_grad`` rule) scales the update once, in the kernel.
     """
     if group is None or not torch.is_grad_enabled():
-        return kernel(values, _offsets_from_lengths(lengths), weights, grad_scale=scale)
+        return kernel(values, offsets_from_lengths(lengths), weights, grad_scale=scale)
     n = len(ids_per_feature)
     info = comm.all_gather_ints([batch, *ids_per_feature], group, device=device)
     batches = [row[0] for row in info]
@@ -113,5 +113,5 @@ def union_lookup(
     values = dists.regroup(comm.gather_union(values, totals, group), seg, len(batches), n)
     if weights is not None:
         weights = dists.regroup(comm.gather_union(weights, totals, group), seg, len(batches), n)
-    union = kernel(values, _offsets_from_lengths(lengths), weights, grad_scale=scale)
+    union = kernel(values, offsets_from_lengths(lengths), weights, grad_scale=scale)
     return comm.own_rows_of_union(union, batches, group)

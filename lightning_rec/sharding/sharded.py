@@ -40,7 +40,7 @@ from lightning_rec.sharding.dists import Received
 from lightning_rec.sharding.plan import ShardingPlan, default_local_size, resolve_module_plan
 from lightning_rec.sharding.planner import automatic_plan
 from lightning_rec.sharding.state import full_state_dict
-from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor, _offsets_from_lengths
+from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor, offsets_from_lengths
 
 __all__ = [
     "ShardedCollection",
@@ -101,7 +101,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         if not routing.my_routes:
             return torch.zeros(b_global, 0, dtype=dtype, device=self._device)
         return kernels.torch_pooled(
-            self._shard_weights(recv), list(routing.my_route_table), recv.values, _offsets_from_lengths(recv.lengths),
+            self._shard_weights(recv), list(routing.my_route_table), recv.values, offsets_from_lengths(recv.lengths),
             b_global, recv.weights, self.sparse_grad,
         ).to(dtype)
 

@@ -6,8 +6,7 @@ data-dependent checks under ``torch.compile``, so models holding them trace and 
 
 import torch.utils._pytree as _pytree
 
-from lightning_rec.sparse._utils import SparseInputError, offsets_from_lengths
-from lightning_rec.sparse._utils import segment_gather_index as _segment_gather_index
+from lightning_rec.sparse._utils import SparseInputError, checks_enabled, offsets_from_lengths, segment_gather_index
 from lightning_rec.sparse.jagged_tensor import JaggedTensor, jt_is_equal
 from lightning_rec.sparse.keyed_jagged_tensor import (
     ComputeJTDictToKJT,
@@ -24,10 +23,11 @@ __all__ = [
     "KeyedJaggedTensor",
     "KeyedTensor",
     "SparseInputError",
-    "_segment_gather_index",
+    "checks_enabled",
     "jt_is_equal",
     "kjt_is_equal",
     "offsets_from_lengths",
+    "segment_gather_index",
 ]
 
 
