@@ -39,7 +39,12 @@ class _Table(nn.Module):
 _TableContainer = kernels.TableContainer
 
 
-def _check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type, allow_shared: bool = False) -> None:
+def check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type = BaseEmbeddingConfig,
+                 allow_shared: bool = False) -> None:
+    """Refuse repeated table names and, unless ``allow_shared``, a feature read by several tables.
+
+    The sharded collections and the planner make the same check with the same messages.
+    """
     names = set()
     owner: dict[str, str] = {}
     for t in tables:
@@ -63,7 +68,7 @@ class _FeatureLayout:
     def __init__(self, tables: Sequence[BaseEmbeddingConfig], strict: bool = True, allow_shared: bool = False) -> None:
         # allow_shared: one feature read by several tables; only the unsharded collections support it so far
         if not allow_shared:
-            _check_tables(tables, BaseEmbeddingConfig)
+            check_tables(tables, BaseEmbeddingConfig)
         self.tables = list(tables)
         # strict: the input KJT must hold exactly these features; otherwise extra keys are ignored (TorchRec)
         self.strict = strict
@@ -209,7 +214,7 @@ class EmbeddingBagCollection(_CollectionBase):
         strict_features: bool = False,
     ) -> None:
         super().__init__()
-        _check_tables(tables, EmbeddingBagConfig, allow_shared=True)
+        check_tables(tables, EmbeddingBagConfig, allow_shared=True)
         self._layout = _FeatureLayout(tables, strict=strict_features, allow_shared=True)
         self._is_weighted = is_weighted
         self.kernel = kernels.validate_kernel(kernel)
@@ -317,7 +322,7 @@ class EmbeddingCollection(_CollectionBase):
         strict_features: bool = False,
     ) -> None:
         super().__init__()
-        _check_tables(tables, EmbeddingConfig, allow_shared=True)
+        check_tables(tables, EmbeddingConfig, allow_shared=True)
         self._layout = _FeatureLayout(tables, strict=strict_features, allow_shared=True)
         self._need_indices = need_indices
         self.sparse_grad = sparse_grad

@@ -23,13 +23,14 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from lightning_rec.checkpoint.errors import CheckpointError, UnsafeCheckpointError
-from lightning_rec.configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType, ShardingType
+from lightning_rec.configs import DataType, EmbeddingBagConfig, EmbeddingConfig, PoolingType, ShardingType
 
 # Types the meta file may hold beyond torch's weights_only set (tensors, dtypes, plain containers): paths and
 # namespaces, which hyper-parameters commonly are, and lightning_rec's table configs (a model's hyper-parameters
 # may list its tables). Lightning writes hyper-parameters as a plain dict.
 META_GLOBALS: list[Any] = [argparse.Namespace, pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath,
-                           pathlib.PureWindowsPath, EmbeddingBagConfig, EmbeddingConfig, PoolingType, ShardingType]
+                           pathlib.PureWindowsPath, DataType, EmbeddingBagConfig, EmbeddingConfig, PoolingType,
+                           ShardingType]
 
 # DCP's metadata: its own dataclasses and enums, and the torch values inside them. The private names are the
 # ones DCP's own pickles refer to (``_StorageInfo``, ``_MEM_FORMAT_ENCODING``, ``_get_layout``); a torch that

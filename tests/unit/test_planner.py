@@ -25,6 +25,7 @@ from lightning_rec.sharding import (
 from lightning_rec.sharding.mesh import MeshInfo, resolve_local_size
 from lightning_rec.sharding.plan import resolve_module_plan, resolve_table
 from lightning_rec.sharding.planner import OPTIMIZER_STATE, CostModel, automatic_plan, parse_bytes
+from lightning_rec.modules import check_tables
 
 DT = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -255,12 +256,12 @@ def test_parse_bytes_and_topology_errors() -> None:
         Planner(optimizer="rmsprop")
 
 
-def test_tables_the_module_refuses_are_refused_with_its_message() -> None:
+def test_tables_the_sharded_module_refuses_are_refused_with_its_message() -> None:
     shared = [EmbeddingBagConfig(10, 8, "a", ["f", "g"]), EmbeddingBagConfig(10, 8, "b", ["h", "f"])]
     twice = [EmbeddingBagConfig(10, 8, "a", ["f"]), EmbeddingBagConfig(10, 8, "a", ["g"])]
     for tables in (shared, twice):
         with pytest.raises(ValueError) as module_error:
-            EmbeddingBagCollection(tables, device="meta")
+            check_tables(tables)  # what the sharded collections check (the unsharded ones allow shared features)
         with pytest.raises(ValueError) as planner_error:
             Planner(Topology(2)).plan(tables)
         assert str(planner_error.value) == str(module_error.value)

@@ -9,7 +9,7 @@ from typing import Protocol, runtime_checkable
 from torch import nn
 
 from lightning_rec.configs import BaseEmbeddingConfig, PoolingType
-from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
+from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection, check_tables
 from lightning_rec.sharding.planner.cost import OPTIMIZER_STATE, TableStats
 from lightning_rec.sharding.planner.topology import Topology
 
@@ -28,22 +28,6 @@ class PlacedCollection(Protocol):
 
 
 _INT64_MAX = 2**63 - 1
-
-
-def _check_collection(tables: Sequence[BaseEmbeddingConfig]) -> None:
-    """The checks a collection makes of its tables (``modules.EmbeddingBagCollection``), with its messages."""
-    names: set[str] = set()
-    owner: dict[str, str] = {}
-    for t in tables:
-        if t.name in names:
-            raise ValueError(f"table name {t.name!r} is used twice; table names must be unique")
-        names.add(t.name)
-        for f in t.feature_names:
-            if f in owner:
-                raise ValueError(
-                    f"feature {f!r} is listed by tables {owner[f]!r} and {t.name!r}; a feature may look up one table"
-                )
-            owner[f] = t.name
 
 
 def _collections(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -74,7 +58,7 @@ def plan_entries(model_or_tables: nn.Module | Sequence[BaseEmbeddingConfig],
     for t in tables:
         if not isinstance(t, BaseEmbeddingConfig):
             raise TypeError(f"expected embedding table configs or a model, got {type(t).__name__}")
-    _check_collection(tables)
+    check_tables(tables)
     return [("", t, gradients or "dense", None) for t in tables]
 
 
