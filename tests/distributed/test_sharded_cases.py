@@ -28,38 +28,46 @@ def _zero(w: torch.Tensor) -> None:
 
 
 # -- (a) row-wise gradients are not divided by the world size -------------------------------------------
-def _rowwise_grad_job(rank: int, ws: int, mode: str) -> list[float]:
+# the CUDA variants share one GPU between 2 ranks over gloo (NCCL refuses two ranks on one GPU)
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+_DEVICES = ["cpu", pytest.param("cuda", marks=_CUDA)]
+
+
+def _rowwise_grad_job(rank: int, ws: int, mode: str, device: str = "cpu") -> list[float]:
     t = EmbeddingBagConfig(name="t", num_embeddings=8, embedding_dim=4, feature_names=["f"], init_fn=_zero)
-    ebc = shard_modules(EmbeddingBagCollection([t]), ShardingPlan({"": {"t": row_wise()}}), embedding_grad=mode)
+    ebc = shard_modules(EmbeddingBagCollection([t]), ShardingPlan({"": {"t": row_wise()}}), embedding_grad=mode,
+                        device=device)
     opt = torch.optim.SGD(ebc.parameters(), lr=1.0)
     ids = torch.tensor([0, 1]) if rank == 0 else torch.tensor([2, 3])
-    kjt = KeyedJaggedTensor(["f"], ids, lengths=torch.tensor([1, 1]))  # two bags of one id each
+    kjt = KeyedJaggedTensor(["f"], ids, lengths=torch.tensor([1, 1])).to(device)  # two bags of one id each
     loss = ebc(kjt).values().sum(1).mean()  # mean over the local batch of the pooled sum
     loss.backward()
     opt.step()
     return full_state_dict(ebc)["embedding_bags.t.weight"][:, 0].tolist()
 
 
+@pytest.mark.parametrize("device", _DEVICES)
 @pytest.mark.parametrize("mode, step", [("sum", 0.5), ("mean", 0.25)])
-def test_a_rowwise_rows_move_by_local_mean_gradient(mode: str, step: float) -> None:
-    for rows in run_distributed(_rowwise_grad_job, 2, mode):
+def test_a_rowwise_rows_move_by_local_mean_gradient(mode: str, step: float, device: str) -> None:
+    for rows in run_distributed(_rowwise_grad_job, 2, mode, device):
         assert rows == pytest.approx([-step] * 4 + [0.0] * 4)
 
 
 # -- (b) row-wise MEAN divides by the full bag length, once -------------------------------------------
-def _rowwise_mean_job(rank: int, ws: int) -> tuple[list[float], list[float]]:
+def _rowwise_mean_job(rank: int, ws: int, device: str) -> tuple[list[float], list[float]]:
     t = EmbeddingBagConfig(name="t", num_embeddings=8, embedding_dim=4, feature_names=["f"], pooling="mean")
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection([t])
     full = ebc.embedding_bags["t"].weight.detach().clone()
-    sharded = shard_modules(ebc, ShardingPlan({"": {"t": row_wise()}}))
+    sharded = shard_modules(ebc, ShardingPlan({"": {"t": row_wise()}}), device=device)
     # one bag: ids 1 and 2 on rank 0's block (rows 0-3), 5 on rank 1's block (rows 4-7)
-    kjt = KeyedJaggedTensor(["f"], torch.tensor([1, 2, 5]), lengths=torch.tensor([3]))
+    kjt = KeyedJaggedTensor(["f"], torch.tensor([1, 2, 5]), lengths=torch.tensor([3])).to(device)
     return sharded(kjt).values()[0].tolist(), full[[1, 2, 5]].mean(0).tolist()
 
 
-def test_b_rowwise_mean_spanning_shards_is_true_mean() -> None:
-    for got, want in run_distributed(_rowwise_mean_job, 2):
+@pytest.mark.parametrize("device", _DEVICES)
+def test_b_rowwise_mean_spanning_shards_is_true_mean(device: str) -> None:
+    for got, want in run_distributed(_rowwise_mean_job, 2, device):
         assert got == pytest.approx(want, abs=1e-6)
 
 
@@ -116,7 +124,8 @@ def test_c_data_parallel_parameters_are_leaves_and_train_in_bf16() -> None:
 
 # -- (d) an explicit per-table placement puts weights exactly where asked ----------------------------
 def _placement_job(rank: int, ws: int) -> list[str]:
-    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=4, embedding_dim=4, feature_names=[f"f{i}"]) for i in range(5)]
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=4, embedding_dim=4, feature_names=[f"f{i}"])
+              for i in range(5)]
     plan = {f"t{i}": table_wise(rank=0 if i < 3 else 1) for i in range(5)}
     sharded = shard_modules(EmbeddingBagCollection(tables), ShardingPlan({"": plan}))
     return [n for n, _ in sharded.named_parameters()]
@@ -145,13 +154,13 @@ def _plan(ws: int) -> ShardingPlan:
                               "tw": table_wise(ws - 1), "grid": grid_shard([0]), "twrw": table_row_wise(0)}})
 
 
-def _state_job(rank: int, ws: int, path: str) -> dict:
+def _state_job(rank: int, ws: int, path: str, device: str = "cpu") -> dict:
     import torch.distributed.checkpoint as dcp
 
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(_tables())
     unsharded_keys = list(ebc.state_dict())
-    sharded = shard_modules(ebc, _plan(ws))
+    sharded = shard_modules(ebc, _plan(ws), device=device)
     sd = sharded.state_dict()
     shapes = {k: list(v.size()) for k, v in sd.items()}
     shared = []
@@ -164,16 +173,16 @@ def _state_job(rank: int, ws: int, path: str) -> dict:
     new = {k: torch.arange(math.prod(v.size()), dtype=torch.float32).view(list(v.size())) for k, v in sd.items()}
     sharded.load_state_dict(new)
     back = full_state_dict(sharded)
-    roundtrip = all(torch.equal(back[k], new[k]) for k in new)
+    roundtrip = all(torch.equal(back[k].cpu(), new[k]) for k in new)
     dcp.save(sharded.state_dict(), checkpoint_id=path)
     return dict(keys=list(sd), unsharded_keys=unsharded_keys, shapes=shapes, shared=shared, roundtrip=roundtrip)
 
 
-@pytest.mark.parametrize("ws", [2, 3])
-def test_state_dict_keys_shapes_storage_and_dcp(ws: int, tmp_path) -> None:
+@pytest.mark.parametrize("ws, device", [(2, "cpu"), (3, "cpu"), pytest.param(2, "cuda", marks=_CUDA)])
+def test_state_dict_keys_shapes_storage_and_dcp(ws: int, device: str, tmp_path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    results = run_distributed(_state_job, ws, str(tmp_path / "ckpt"))
+    results = run_distributed(_state_job, ws, str(tmp_path / "ckpt"), device)
     for res in results:
         assert sorted(res["keys"]) == sorted(res["unsharded_keys"])
         for t in _tables():

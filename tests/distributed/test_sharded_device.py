@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_rec import EmbeddingBagCollection, EmbeddingCollection
-from lightning_rec.sharding import ShardingPlan, full_state_dict, shard_modules
+from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, KeyedJaggedTensor
+from lightning_rec.sharding import ShardingPlan, full_state_dict, row_wise, shard_modules
 from lightning_rec.testing import run_distributed
 from tests.distributed.cases import ALL_TYPES, batch, loss_coefficients, random_case
 
@@ -47,7 +47,8 @@ def _default_device_job(rank: int, ws: int, seeds: list[int], sequence: bool) ->
                                     embedding_grad=case["embedding_grad"], local_size=case["local_size"])
             out = _values(sharded(kjt), sequence)
             assert out.device.type == "cpu"
-            coeff = loss_coefficients(case, rank, 0, tuple(out.shape)).to("cpu")
+            with torch.device("cpu"):  # the test's own tensor
+                coeff = loss_coefficients(case, rank, 0, tuple(out.shape))
             (out * coeff).sum().backward()
             state = full_state_dict(sharded)
         want = _values(ref(kjt), sequence).detach()
@@ -137,3 +138,22 @@ def test_cuda_sharded_training_equals_cpu_single_process(ws: int, backend: str, 
     results = run_distributed(_cuda_job, ws, seeds, sequence, backend, init_process_group=backend == "gloo",
                               timeout_s=300)
     assert max(results) <= 1e-5
+
+
+def _wrong_device_job(rank: int, ws: int) -> str:
+    t = EmbeddingBagConfig(name="t", num_embeddings=4, embedding_dim=4, feature_names=["f"])
+    sharded = shard_modules(EmbeddingBagCollection([t]), ShardingPlan({"": {"t": row_wise()}}), device="cpu")
+    kjt = KeyedJaggedTensor(["f"], torch.tensor([1]), lengths=torch.tensor([1]))
+    try:
+        sharded(kjt.to("cuda") if rank == 1 else kjt)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.gpu
+@_CUDA
+def test_a_batch_on_another_device_is_refused_on_every_rank() -> None:
+    msgs = run_distributed(_wrong_device_job, 2, timeout_s=60)
+    assert "is on cuda:0 but this sharded collection is on cpu" in msgs[1]
+    assert "ranks [1] rejected their input" in msgs[0]

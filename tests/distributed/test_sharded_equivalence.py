@@ -9,9 +9,11 @@ loss convention of rule 2: ``"sum"`` -> reference loss = sum over ranks of each 
 from __future__ import annotations
 
 import copy
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingCollection, PoolingType
 from lightning_rec.sharding import ShardingPlan, data_parallel, full_state_dict, fused_optimizer, shard_modules
@@ -25,15 +27,15 @@ ATOL = 1e-5
 
 
 def _pooled_loss(out: torch.Tensor, case: dict, rank: int, step: int) -> torch.Tensor:
-    c = loss_coefficients(case, rank, step, tuple(out.shape))
+    c = loss_coefficients(case, rank, step, tuple(out.shape)).to(out.device)
     return (out * c).sum() / max(out.shape[0], 1)
 
 
 def _sequence_loss(out: dict, case: dict, rank: int, step: int) -> torch.Tensor:
-    total = torch.zeros(())
+    total = torch.zeros((), device=next(iter(out.values())).values().device if out else "cpu")
     for i, name in enumerate(sorted(out)):
         v = out[name].values()
-        c = loss_coefficients(case, rank, step * 100 + i, tuple(v.shape))
+        c = loss_coefficients(case, rank, step * 100 + i, tuple(v.shape)).to(v.device)
         total = total + (v * c).sum()
     return total / max(case["batch_sizes"][rank], 1)
 
@@ -65,7 +67,9 @@ def _reference_optimizer(params, fused: str | None) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR)
 
 
-def _check_case(rank: int, ws: int, case: dict, sequence: bool, mesh=None, fused: str | None = None) -> dict:
+def _check_case(
+    rank: int, ws: int, case: dict, sequence: bool, mesh=None, fused: str | None = None, device: str = "cpu"
+) -> dict:
     torch.manual_seed(case["seed"])
     if sequence:
         model = EmbeddingCollection(case["tables"], sparse_grad=case["sparse_grad"])
@@ -77,7 +81,7 @@ def _check_case(rank: int, ws: int, case: dict, sequence: bool, mesh=None, fused
     if fused is not None:
         groups["embedding_optimizer"] = {"kind": fused, "lr": LR}
     sharded = shard_modules(model, ShardingPlan({"": case["plan"]}), embedding_grad=case["embedding_grad"],
-                            local_size=case["local_size"], **groups)
+                            local_size=case["local_size"], device=device, **groups)
     if fused is not None:
         opt = fused_optimizer(sharded)  # None on a rank holding no shard
         assert all(not p.requires_grad for p in sharded.parameters())
@@ -91,20 +95,20 @@ def _check_case(rank: int, ws: int, case: dict, sequence: bool, mesh=None, fused
     worst = 0.0
     for step in range(STEPS):
         kjt = batch(case, rank, step)
-        out = sharded(kjt)
+        out = sharded(kjt.to(device))
         expected = ref(kjt)
         if sequence:
             assert list(out) == list(expected), (list(out), list(expected))
             for k in out:
-                torch.testing.assert_close(out[k].values(), expected[k].values(), atol=ATOL, rtol=0,
+                torch.testing.assert_close(out[k].values().cpu(), expected[k].values(), atol=ATOL, rtol=0,
                                            msg=lambda m: f"case {case['seed']} feature {k!r} step {step}: {m}")
-                assert torch.equal(out[k].lengths(), expected[k].lengths())
+                assert torch.equal(out[k].lengths().cpu(), expected[k].lengths())
             loss = _sequence_loss(out, case, rank, step)
         else:
             assert out.keys() == expected.keys()
-            torch.testing.assert_close(out.values(), expected.values().detach(), atol=ATOL, rtol=0,
+            torch.testing.assert_close(out.values().cpu(), expected.values().detach(), atol=ATOL, rtol=0,
                                        msg=lambda m: f"case {case['seed']} step {step} forward: {m}")
-            diff = (out.values() - expected.values()).detach()
+            diff = (out.values().cpu() - expected.values()).detach()
             worst = max(worst, float(diff.abs().max()) if diff.numel() else 0.0)
             loss = _pooled_loss(out.values(), case, rank, step)
         if opt is not None:
@@ -114,36 +118,55 @@ def _check_case(rank: int, ws: int, case: dict, sequence: bool, mesh=None, fused
             opt.step()
         # the reference sees every rank's batch on one process
         ref_opt.zero_grad()
-        ref_loss = sum(rank_weight * loss_fn(ref(batch(case, r, step)) if sequence else ref(batch(case, r, step)).values(),
-                                             case, r, step) for r in range(ws))
+        ref_outs = [ref(batch(case, r, step)) for r in range(ws)]
+        ref_loss = sum(rank_weight * loss_fn(o if sequence else o.values(), case, r, step)
+                       for r, o in enumerate(ref_outs))
         ref_loss.backward()
         ref_opt.step()
     got = full_state_dict(sharded)
     want = ref.state_dict()
     assert list(got) == list(want) or set(got) == set(want), (list(got), list(want))
     for key in want:
-        torch.testing.assert_close(got[key], want[key], atol=ATOL, rtol=0,
-                                   msg=lambda m: f"case {case['seed']} plan {case['plan']} {key} after {STEPS} steps: {m}")
+        torch.testing.assert_close(got[key].cpu(), want[key], atol=ATOL, rtol=0,
+                                   msg=lambda m: f"case {case['seed']} plan {case['plan']} {key} after {STEPS} steps: "
+                                                 f"{m}")
     # this rank's copy of every table it holds, and the fused optimizer's state: replicas must hold equal bits
-    local = {n: p.detach().clone() for n, p in sharded.named_parameters()}
+    local = {n: p.detach().cpu().clone() for n, p in sharded.named_parameters()}
     state = opt.state_dict()["tables"] if fused is not None and opt is not None else {}
-    return {"worst": worst, "local": local, "state": {t: {k: v.clone() for k, v in st.items()} for t, st in state.items()}}
+    state = {t: {k: v.clone() for k, v in st.items()} for t, st in state.items()}
+    return {"worst": worst, "local": local, "state": state}
 
 
-def _equivalence_job(rank: int, ws: int, seeds: list[int], sequence: bool) -> list[float]:
-    return [_check_case(rank, ws, random_case(seed, ws, sequence=sequence), sequence) for seed in seeds]
+def _equivalence_job(rank: int, ws: int, seeds: list[int], sequence: bool, device: str = "cpu") -> list[float]:
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        if not dist.is_initialized():  # one rank on the GPU: NCCL; more ranks share it over gloo
+            dist.init_process_group("nccl", rank=rank, world_size=ws, timeout=timedelta(seconds=120),
+                                    device_id=torch.device("cuda", 0))
+    return [_check_case(rank, ws, random_case(seed, ws, sequence=sequence), sequence, device=device) for seed in seeds]
 
 
-@pytest.mark.parametrize("ws", [1, 2, 3, 4])
-def test_pooled_sharded_training_equals_single_process(ws: int) -> None:
+# CUDA: world size 1 over NCCL; 2 ranks on the one GPU over gloo with CUDA tensors (NCCL refuses that)
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+_DEVICES = [("cpu", 1), ("cpu", 2), ("cpu", 3), ("cpu", 4),
+            pytest.param("cuda", 1, marks=_CUDA), pytest.param("cuda", 2, marks=_CUDA)]
+
+
+def _run(ws: int, seeds: list[int], sequence: bool, device: str) -> None:
+    nccl = device == "cuda" and ws == 1
+    run_distributed(_equivalence_job, ws, seeds, sequence, device, init_process_group=not nccl, timeout_s=300)
+
+
+@pytest.mark.parametrize("device, ws", _DEVICES)
+def test_pooled_sharded_training_equals_single_process(device: str, ws: int) -> None:
     seeds = list(range(100 * ws, 100 * ws + (6 if ws < 4 else 5)))
-    run_distributed(_equivalence_job, ws, seeds, False)
+    _run(ws, seeds, False, device)
 
 
-@pytest.mark.parametrize("ws", [2, 3])
-def test_sequence_sharded_training_equals_single_process(ws: int) -> None:
+@pytest.mark.parametrize("device, ws", [("cpu", 2), ("cpu", 3), *_DEVICES[-2:]])
+def test_sequence_sharded_training_equals_single_process(device: str, ws: int) -> None:
     seeds = list(range(500 + 100 * ws, 500 + 100 * ws + 4))
-    run_distributed(_equivalence_job, ws, seeds, True)
+    _run(ws, seeds, True, device)
 
 
 def _equivalence_2d_job(rank: int, ws: int, seeds: list[int], model_parallel_size: int, sequence: bool) -> list[float]:
