@@ -28,11 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, ShardingPlan  # noqa: E402
-from lightning_rec import checkpoint as ckpt  # noqa: E402
-from lightning_rec.export import export_state_dict  # noqa: E402
-from lightning_rec.sharding import shard_modules, table_wise  # noqa: E402
-from lightning_rec.testing import run_distributed  # noqa: E402
+from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, ShardingPlan
+from lightning_rec import checkpoint as ckpt
+from lightning_rec.export import export_state_dict
+from lightning_rec.sharding import shard_modules, table_wise
+from lightning_rec.testing import run_distributed
 
 
 def _rss_mb() -> float:

@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor  # noqa: E402
+from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
 # fbgemm's dense CPU backward is correct but warns on every call that it has no autograd kernel.
 warnings.filterwarnings("ignore", message=r".*an autograd kernel was not registered.*")
@@ -209,8 +209,9 @@ def time_rounds(args: argparse.Namespace, methods: dict[str, Step]) -> dict[str,
 def report(
     args: argparse.Namespace, kjt: KeyedJaggedTensor, times: dict[str, list[float]], max_err: float, load: tuple[float, float]
 ) -> str:
-    import fbgemm_gpu  # noqa: F401
     from importlib import metadata
+
+    import fbgemm_gpu  # noqa: F401
 
     try:
         fb = metadata.version("fbgemm-gpu-cpu")

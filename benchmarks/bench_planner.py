@@ -27,10 +27,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_sharding import load, machine, make_batches, make_tables  # noqa: E402
+from bench_sharding import load, machine, make_batches, make_tables
 
-from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig  # noqa: E402
-from lightning_rec.sharding import (  # noqa: E402
+from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig
+from lightning_rec.sharding import (
     Planner,
     ShardingPlan,
     Topology,
@@ -39,7 +39,7 @@ from lightning_rec.sharding import (  # noqa: E402
     shard_modules,
     table_wise,
 )
-from lightning_rec.testing import run_distributed  # noqa: E402
+from lightning_rec.testing import run_distributed
 
 
 def planner_runtime(mp: int) -> tuple[float, str]:

@@ -49,20 +49,20 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, kernels  # noqa: E402
-from lightning_rec.sharding import (  # noqa: E402
+from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, kernels
+from lightning_rec.sharding import (
     ShardingPlan,
     column_wise,
     comm,
     data_parallel,
+    fused_optimizer,
     grid_shard,
     row_wise,
-    fused_optimizer,
     shard_modules,
     table_row_wise,
     table_wise,
 )
-from lightning_rec.testing import run_distributed  # noqa: E402
+from lightning_rec.testing import run_distributed
 
 TYPES = ("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise", "grid_shard")
 PARTS = ("input_dist", "lookup_fwd", "out_dist_fwd", "out_dist_bwd", "dp_grad_sync", "bwd_rest", "optimizer")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch as _torch
+from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
 from lightning_rec._compat import check_versions as _check_versions
 from lightning_rec._compat import fbgemm_distribution as _fbgemm_distribution
@@ -53,9 +54,7 @@ from lightning_rec.strategy import RecShardedStrategy  # noqa: E402
 
 def _register() -> None:
     # Lightning only scans its own modules for strategies; a plugin registers at import, once.
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    RecShardedStrategy.register_strategies(StrategyRegistry)
+    RecShardedStrategy.register_strategies(_StrategyRegistry)
 
 
 _register()
@@ -64,44 +63,44 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
-    "column_wise",
     "CombinedOptimizer",
-    "construct_module_sharding_plan",
-    "data_parallel",
     "DataType",
     "DiskFullError",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
     "EmbeddingCollection",
     "EmbeddingConfig",
-    "full_state_dict",
-    "fused_optimizer",
     "FusedOptimizer",
     "FusedOptimizerSpec",
-    "grid_shard",
     "JaggedTensor",
     "KeyedJaggedTensor",
     "KeyedTensor",
     "LFU_EvictionPolicy",
     "LRU_EvictionPolicy",
+    "MCHManagedCollisionModule",
     "ManagedCollisionCallback",
     "ManagedCollisionCollection",
     "ManagedCollisionEmbeddingBagCollection",
     "ManagedCollisionEmbeddingCollection",
-    "MCHManagedCollisionModule",
     "ParameterSharding",
     "Planner",
     "PlannerError",
     "PoolingType",
     "RecModule",
     "RecShardedStrategy",
-    "row_wise",
-    "shard_modules",
     "ShardingPlan",
     "ShardingType",
-    "table_row_wise",
-    "table_wise",
     "TableConstraint",
     "Topology",
     "UnsafeCheckpointError",
+    "column_wise",
+    "construct_module_sharding_plan",
+    "data_parallel",
+    "full_state_dict",
+    "fused_optimizer",
+    "grid_shard",
+    "row_wise",
+    "shard_modules",
+    "table_row_wise",
+    "table_wise",
 ]

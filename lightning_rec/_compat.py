@@ -7,6 +7,7 @@ from importlib import metadata
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
@@ -156,3 +157,8 @@ def synced_grad_scaler(scaler: object, group: object) -> object:
         growth_factor=scaler._growth_factor, growth_interval=scaler._growth_interval, enabled=scaler._enabled,
         process_group=group,
     )
+
+
+def optimizers_to_device(optimizers: Any, device: torch.device) -> None:
+    """Move optimizer state to ``device`` (Lightning's private helper, the one DDPStrategy uses)."""
+    _optimizers_to_device(optimizers, device)

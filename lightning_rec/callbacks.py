@@ -6,6 +6,8 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_rec.optim import CombinedOptimizer, FusedOptimizer
+from lightning_rec.sharding.planner import Planner, Topology
+from lightning_rec.sharding.sharded import ShardedCollection
 
 # torch optimizer class -> planner optimizer kind (its state size per row); a fused optimizer's kind is its
 # spec's kind (lightning_rec.fused_kinds.FUSED_KINDS)
@@ -43,9 +45,6 @@ class ShardingSummary(L.Callback):
         self.last_report = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from lightning_rec.sharding.planner import Planner, Topology
-        from lightning_rec.sharding.sharded import ShardedCollection
-
         if not any(isinstance(m, ShardedCollection) for m in pl_module.modules()):
             rank_zero_info("ShardingSummary: the model has no sharded embedding collections")
             return
@@ -53,7 +52,10 @@ class ShardingSummary(L.Callback):
         mesh = getattr(strategy, "mesh_info", None)
         device = "cuda" if strategy.root_device.type == "cuda" else "cpu"
         # without the strategy's mesh (another strategy), the whole world is one model-parallel group on one host
-        topo = Topology.from_mesh(mesh, device=device) if mesh is not None else Topology(trainer.world_size, device=device)
+        if mesh is not None:
+            topo = Topology.from_mesh(mesh, device=device)
+        else:
+            topo = Topology(trainer.world_size, device=device)
         kw = {} if self.batch_size is None else {"batch_size": self.batch_size}
         planner = Planner(topo, optimizer=_optimizer_kind(trainer), pooling_factors=self.pooling_factors, **kw)
         self.last_report = planner.estimate(pl_module)

@@ -67,7 +67,8 @@ def _to_pooling(p: PoolingType | str) -> PoolingType:
 class BaseEmbeddingConfig:
     """Fields common to pooled and sequence tables.
 
-    Fields in TorchRec's order, except ``feature_names`` before ``data_type``. ``init_fn`` (called in place on the full ``[num_embeddings, embedding_dim]``
+    Fields in TorchRec's order, except ``feature_names`` before ``data_type``. ``init_fn`` (called in place on the
+    full ``[num_embeddings, embedding_dim]``
     weight, or on each shard when a model built on the meta device is sharded) wins over the uniform
     bounds; the default bounds are TorchRec's ``+-sqrt(1 / num_embeddings)``. ``feature_names`` defaults
     to ``[name]``. The weight type is ``data_type`` (TorchRec) or ``dtype`` (a torch dtype); give either.
@@ -152,7 +153,8 @@ class EmbeddingBagConfig(BaseEmbeddingConfig):
         self.pooling = _to_pooling(self.pooling)
         if self.pooling == PoolingType.NONE:
             raise ValueError(
-                f"table {self.name!r}: EmbeddingBagConfig pools with SUM or MEAN; use EmbeddingConfig for unpooled lookups"
+                f"table {self.name!r}: EmbeddingBagConfig pools with SUM or MEAN; "
+                "use EmbeddingConfig for unpooled lookups"
             )
 
 

@@ -16,7 +16,9 @@ EPS = 1e-7  # probabilities are clamped to [EPS, 1 - EPS] before taking logs
 
 def _check(probs: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, name: str) -> None:
     if probs.shape != target.shape:
-        raise ValueError(f"{name}: probs {tuple(probs.shape)} and target {tuple(target.shape)} must have the same shape")
+        raise ValueError(
+            f"{name}: probs {tuple(probs.shape)} and target {tuple(target.shape)} must have the same shape"
+        )
     if not probs.is_floating_point():
         raise ValueError(f"{name}: probs must be floating point probabilities, got {probs.dtype}")
     if probs.numel() and not bool(((probs >= 0) & (probs <= 1)).all()):

@@ -7,7 +7,7 @@ from torch import nn
 
 from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.sharding.plan import ShardingPlan
-from lightning_rec.sharding.sharded import ShardedEmbeddingBagCollection, ShardedEmbeddingCollection
+from lightning_rec.sharding.sharded import ShardedEmbeddingBagCollection, ShardedEmbeddingCollection, fused_optimizer
 
 _COLLECTIONS = (EmbeddingBagCollection, EmbeddingCollection, ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)
 
@@ -34,8 +34,6 @@ class RecModule(L.LightningModule):
         Combine it with the dense optimizer in ``configure_optimizers`` so LR schedulers drive both:
         ``CombinedOptimizer([torch.optim.Adam(self.head.parameters()), self.fused_optimizer()])``.
         """
-        from lightning_rec.sharding.sharded import fused_optimizer
-
         return fused_optimizer(self)
 
     @property

@@ -20,23 +20,23 @@ from lightning_rec.sparse import (
 )
 
 
-class _Table(nn.Module):
+class Table(nn.Module):
     """Holds one table's ``weight`` so that state_dict keys read ``<collection>.<table>.weight``."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[override]
+    def _load_from_state_dict(  # type: ignore[override]
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         # Unexpected keys are checked by the container: with tables "a" and "a.b", the key "a.b.weight"
         # starts with this table's prefix "a." but belongs to the other table.
         n = len(unexpected_keys)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
         del unexpected_keys[n:]
-
-
-# table names are user data (".", spaces): the container shared with the fused kernels keeps them as given
-_TableContainer = kernels.TableContainer
 
 
 def check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type = BaseEmbeddingConfig,
@@ -62,7 +62,7 @@ def check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type = BaseEmbeddi
             owner[f] = t.name
 
 
-class _FeatureLayout:
+class FeatureLayout:
     """Static facts about a collection's features, in config order (shared with the sharded modules)."""
 
     def __init__(self, tables: Sequence[BaseEmbeddingConfig], strict: bool = True, allow_shared: bool = False) -> None:
@@ -148,21 +148,21 @@ def _expand_variable_batch(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
                              lengths=lengths, stride=inv_t.size(1))
 
 
-def _make_tables(tables: Sequence[BaseEmbeddingConfig], device: torch.device | str | None) -> _TableContainer:
-    container = _TableContainer()
+def _make_tables(tables: Sequence[BaseEmbeddingConfig], device: torch.device | str | None) -> kernels.TableContainer:
+    container = kernels.TableContainer()
     for t in tables:
         w = torch.empty(t.num_embeddings, t.embedding_dim, dtype=t.dtype, device=device)
         t.init_weight(w)
-        container.add(t.name, _Table(w))
+        container.add(t.name, Table(w))
     return container
 
 
 class _CollectionBase(nn.Module):
     """What both collections share: TorchRec's ``device`` attribute and ``reset_parameters``."""
 
-    _layout: _FeatureLayout
+    _layout: FeatureLayout
 
-    def _table_modules(self) -> _TableContainer:
+    def _table_modules(self) -> kernels.TableContainer:
         raise NotImplementedError
 
     @property
@@ -215,14 +215,14 @@ class EmbeddingBagCollection(_CollectionBase):
     ) -> None:
         super().__init__()
         check_tables(tables, EmbeddingBagConfig, allow_shared=True)
-        self._layout = _FeatureLayout(tables, strict=strict_features, allow_shared=True)
+        self._layout = FeatureLayout(tables, strict=strict_features, allow_shared=True)
         self._is_weighted = is_weighted
         self.kernel = kernels.validate_kernel(kernel)
         self.sparse_grad = sparse_grad
         self.embedding_bags = _make_tables(tables, device)
         self._fbgemm: kernels.FbgemmPooledKernel | None = None
 
-    def _table_modules(self) -> _TableContainer:
+    def _table_modules(self) -> kernels.TableContainer:
         return self.embedding_bags
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
@@ -240,7 +240,7 @@ class EmbeddingBagCollection(_CollectionBase):
             return self._fx_forward(features)
         if isinstance(features, KeyedJaggedTensor) and features.values().device.type == "meta":
             # shapes only, as TorchRec: a forward on the meta device sizes a model without data
-            missing = [f for f in layout.feature_names if f not in features.keys()]
+            missing = [f for f in layout.feature_names if f not in features.keys()]  # noqa: SIM118 (a KJT, not a dict)
             if missing:
                 raise ValueError(f"KeyedJaggedTensor keys do not match the collection's features: missing {missing}")
             dtype = kernels.promoted_dtype([w.dtype for w in self._weights()])
@@ -251,7 +251,9 @@ class EmbeddingBagCollection(_CollectionBase):
         if self._is_weighted:
             psw = kjt.weights_or_none()
             if psw is None:
-                raise ValueError("this EmbeddingBagCollection is weighted (is_weighted=True) but the input has no weights")
+                raise ValueError(
+                    "this EmbeddingBagCollection is weighted (is_weighted=True) but the input has no weights"
+                )
             if not psw.is_floating_point():
                 psw = psw.float()
         tables = self._weights()
@@ -323,12 +325,12 @@ class EmbeddingCollection(_CollectionBase):
     ) -> None:
         super().__init__()
         check_tables(tables, EmbeddingConfig, allow_shared=True)
-        self._layout = _FeatureLayout(tables, strict=strict_features, allow_shared=True)
+        self._layout = FeatureLayout(tables, strict=strict_features, allow_shared=True)
         self._need_indices = need_indices
         self.sparse_grad = sparse_grad
         self.embeddings = _make_tables(tables, device)
 
-    def _table_modules(self) -> _TableContainer:
+    def _table_modules(self) -> kernels.TableContainer:
         return self.embeddings
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
@@ -352,7 +354,9 @@ class EmbeddingCollection(_CollectionBase):
             }
         kjt = layout.select(features)
         tables = [self.embeddings[t.name].weight for t in layout.tables]
-        embs = kernels.torch_sequence(tables, layout.feature_table, kjt.values(), kjt.length_per_key(), self.sparse_grad)
+        embs = kernels.torch_sequence(
+            tables, layout.feature_table, kjt.values(), kjt.length_per_key(), self.sparse_grad
+        )
         b = kjt.stride()
         opk = kjt.offset_per_key()
         return {

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -10,18 +12,25 @@ import torch
 from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_rec import _compat
+from lightning_rec import checkpoint as ckpt
 from lightning_rec._compat import precision_target_dtype
+from lightning_rec.checkpoint.safe import refusing_unsafe
 from lightning_rec.data.loader import AgreedLoader, ClickLoader
+from lightning_rec.fused_kinds import as_spec
 from lightning_rec.mc.modules import MCHManagedCollisionModule
+from lightning_rec.optim import CombinedOptimizer
 from lightning_rec.sharding.comm import grad_scale
 from lightning_rec.sharding.mesh import MeshInfo, check_layout, init_2d_mesh
 from lightning_rec.sharding.plan import ShardingPlan
-from lightning_rec.sharding.sharded import ShardedCollection, shard_modules
+from lightning_rec.sharding.planner import automatic_plan
+from lightning_rec.sharding.sharded import ShardedCollection, fused_optimizer, shard_modules
 
 
 def _sharded_param_names(module: nn.Module) -> list[str]:
@@ -89,8 +98,6 @@ class RecShardedStrategy(DDPStrategy):
         self._model_parallel_size = model_parallel_size
         self._data_parallel_size = data_parallel_size
         self.embedding_grad = embedding_grad
-        from lightning_rec.optim import as_spec
-
         self.embedding_optimizer = as_spec(embedding_optimizer)
         self.mesh_info: MeshInfo | None = None
         self.trusted_checkpoints = trusted_checkpoints
@@ -134,11 +141,6 @@ class RecShardedStrategy(DDPStrategy):
         local = mi.local_size
         if plan is None:
             # the planner sees the layout, the device and the batch size (found as Lightning's batch-size finder does)
-            from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
-            from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
-            from lightning_rec.sharding.planner import automatic_plan
-
             kw: dict[str, Any] = {"device": "cuda" if self.root_device.type == "cuda" else "cpu"}
             try:
                 if lightning_hasattr(module, "batch_size"):
@@ -147,7 +149,9 @@ class RecShardedStrategy(DDPStrategy):
                 pass
             if self.root_device.type == "cuda":
                 kw["device_memory"] = torch.cuda.get_device_properties(self.root_device).total_memory
-            planner = automatic_plan(module, mi.model_parallel_size, local, self.world_size, self.embedding_optimizer, **kw)
+            planner = automatic_plan(
+                module, mi.model_parallel_size, local, self.world_size, self.embedding_optimizer, **kw
+            )
             plan = planner.plan(module)
             if plan.plan:
                 rank_zero_info(f"lightning_rec: no sharding plan given; the planner chose:\n{planner.explain()}")
@@ -178,9 +182,7 @@ class RecShardedStrategy(DDPStrategy):
             self._sync_dense_states()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            from lightning.fabric.utilities.optimizer import _optimizers_to_device
-
-            _optimizers_to_device(self.optimizers, self.root_device)
+            _compat.optimizers_to_device(self.optimizers, self.root_device)
             self._sync_grad_scaler()
 
     def _sync_grad_scaler(self) -> None:
@@ -264,9 +266,6 @@ class RecShardedStrategy(DDPStrategy):
         self._check_equal_batch_counts("prediction", list(self.lightning_module.trainer.num_predict_batches))
 
     def _add_fused_optimizer(self) -> None:
-        from lightning_rec.optim import CombinedOptimizer
-        from lightning_rec.sharding.sharded import fused_optimizer
-
         fused = fused_optimizer(self.lightning_module)
         if fused is None:
             return
@@ -318,9 +317,7 @@ class RecShardedStrategy(DDPStrategy):
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Optimizer state keyed by parameter name, sharded like the tables. Collective."""
-        from lightning_rec import checkpoint
-
-        return checkpoint.optimizer_state(self.lightning_module, optimizer)
+        return ckpt.optimizer_state(self.lightning_module, optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -328,8 +325,6 @@ class RecShardedStrategy(DDPStrategy):
 
         The directory appears only when complete, so a save killed part-way leaves the previous one intact.
         """
-        from lightning_rec import checkpoint as ckpt
-
         if storage_options is not None:
             raise TypeError("RecShardedStrategy.save_checkpoint writes torch.distributed.checkpoint directories and "
                             "takes no storage_options")
@@ -356,9 +351,6 @@ class RecShardedStrategy(DDPStrategy):
         A single-file checkpoint (e.g. from a one-process run) loads its weights; its optimizer state, keyed
         by position in another model's parameter list, cannot be remapped and is refused.
         """
-        from lightning_rec import checkpoint as ckpt
-        from lightning_rec.checkpoint.safe import refusing_unsafe
-
         module = self.lightning_module
         assert module is not None
         path = checkpoint_path
@@ -396,9 +388,6 @@ class RecShardedStrategy(DDPStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        import shutil
-        from pathlib import Path
-
         if self.is_global_zero:
             p = Path(filepath)
             if p.is_dir():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -34,7 +35,7 @@ def _worker(
         # that die with this process
         result = pickle.dumps(fn(rank, world_size, *args))
         queue.put((rank, True, result))
-    except BaseException:  # noqa: BLE001 - everything must reach the parent
+    except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
@@ -66,15 +67,17 @@ def run_distributed(
     queue = ctx.SimpleQueue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, timeout_s, init_process_group, ranks_per_node or world_size), daemon=daemon)
+        ctx.Process(
+            target=_worker,
+            args=(fn, r, world_size, port, args, queue, timeout_s, init_process_group, ranks_per_node or world_size),
+            daemon=daemon,
+        )
         for r in range(world_size)
     ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    import time
-
     deadline = time.monotonic() + timeout_s + 30
     while len(results) + len(errors) < world_size:
         if not queue.empty():

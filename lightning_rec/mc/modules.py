@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_rec.configs import BaseEmbeddingConfig
+from lightning_rec.kernels import TableContainer
 from lightning_rec.mc import _remap
-from lightning_rec.modules import _TableContainer
 from lightning_rec.sparse import KeyedJaggedTensor
 
 DEFAULT_NUM_BUCKETS = 768
@@ -298,7 +298,7 @@ class ManagedCollisionCollection(nn.Module):
         return remapped
 
 
-class _ModuleMap(_TableContainer):
+class _ModuleMap(TableContainer):
     """Children keyed by table name (any string; ``ModuleDict`` would refuse dots)."""
 
     def __init__(self, modules: Mapping[str, nn.Module]) -> None:

@@ -15,9 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_rec.configs import EmbeddingBagConfig
+from lightning_rec.metrics import rec_metrics
 from lightning_rec.models.dlrm import DenseArch, InteractionArch, OverArch, SparseArch
 from lightning_rec.module import RecModule
 from lightning_rec.modules import EmbeddingBagCollection
+from lightning_rec.optim import CombinedOptimizer
 from lightning_rec.sharding.plan import ShardingPlan
 from lightning_rec.sparse import KeyedJaggedTensor
 
@@ -135,7 +137,6 @@ class DLRM(RecModule):
         self.over_arch = OverArch(d + num_features * (num_features + 1) // 2, over_sizes)
         self._plan = plan
         self.num_dense = num_dense
-        from lightning_rec.metrics import rec_metrics
 
         self.val_metrics = rec_metrics("val_")
         self.test_metrics = rec_metrics("test_")
@@ -191,7 +192,6 @@ class DLRM(RecModule):
         return torch.sigmoid(self(dense, sparse))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        from lightning_rec.optim import CombinedOptimizer
 
         tables = {id(p) for m in self.embedding_modules().values() for p in m.parameters()}
         # fused tables do not require grad: their kernel updates them inside backward

@@ -20,6 +20,7 @@ from torch.utils.data import IterableDataset
 from lightning_rec.configs import EmbeddingConfig
 from lightning_rec.module import RecModule
 from lightning_rec.modules import EmbeddingCollection
+from lightning_rec.optim import CombinedOptimizer
 from lightning_rec.sharding.plan import ShardingPlan
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor
 
@@ -142,7 +143,6 @@ class TwoTowerRetrieval(RecModule):
         return self(batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        from lightning_rec.optim import CombinedOptimizer
 
         tables = {id(p) for p in self.embeddings.parameters()}
         emb = [p for p in self.parameters() if id(p) in tables and p.requires_grad]

@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor
-from lightning_rec.sparse import checks_enabled
+from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, checks_enabled
 
 
 def _positions(lengths: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:

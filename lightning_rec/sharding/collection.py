@@ -13,8 +13,8 @@ from torch import nn
 
 from lightning_rec import _compat, kernels
 from lightning_rec.configs import BaseEmbeddingConfig
-from lightning_rec.modules import _FeatureLayout, _Table, _TableContainer
 from lightning_rec.fused_kinds import as_spec
+from lightning_rec.modules import FeatureLayout, Table
 from lightning_rec.sharding import comm, dists, state
 from lightning_rec.sharding.dists import Received
 from lightning_rec.sharding.fused import build_kernels, check_fused, union_lookup
@@ -72,7 +72,7 @@ class ShardedCollection(nn.Module):
         tables: list[BaseEmbeddingConfig] = list(
             module.embedding_bag_configs() if self._attr == "embedding_bags" else module.embedding_configs()
         )
-        self._layout = _FeatureLayout(tables)
+        self._layout = FeatureLayout(tables)
         self._shards = shards
         self._group = shard_group
         self._replica_group = replica_group
@@ -95,7 +95,7 @@ class ShardedCollection(nn.Module):
 
         me = self._group_rank
         source = getattr(module, self._attr)
-        container = _TableContainer()
+        container = kernels.TableContainer()
         if fused is not None:  # before any shard is allocated
             check_fused(self._attr, tables, shards)
         self._local_shards: list[tuple[int, ShardMeta]] = []  # (table index, shard) held here, table order
@@ -109,7 +109,7 @@ class ShardedCollection(nn.Module):
                     w = full.to(dev)  # the same storage when already there
                 # replicas must start equal, as DDP makes dense replicas equal
                 _broadcast_from_first(w, self._dp_group)
-                container.add(t.name, _Table(w))
+                container.add(t.name, Table(w))
                 continue
             mine = [s for s in shards[t.name] if s.rank == me]
             if not mine:
@@ -123,7 +123,7 @@ class ShardedCollection(nn.Module):
                 piece = piece.to(dev).clone().contiguous()
             if replica_group is not None:
                 _broadcast_from_first(piece, replica_group)
-            container.add(t.name, _Table(piece))
+            container.add(t.name, Table(piece))
             self._local_shards.append((i, s))
         self._fused: kernels.FusedPooledKernel | None = None  # this rank's shards
         self._dp_fused: kernels.FusedPooledKernel | None = None  # the data-parallel tables

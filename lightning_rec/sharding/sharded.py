@@ -31,8 +31,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_rec import _compat, kernels
+from lightning_rec.fused_kinds import as_spec
 from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
-from lightning_rec.optim import FusedOptimizer, as_spec
+from lightning_rec.optim import FusedOptimizer
 from lightning_rec.sharding import comm, dists
 from lightning_rec.sharding.agreement import check_agreement, describe_table
 from lightning_rec.sharding.collection import ShardedCollection, target_device

@@ -198,7 +198,7 @@ def _mismatch_job(rank: int, ws: int, path: str) -> dict:
         try:
             _trainer(ws, 2).fit(model, ckpt_path=path)
             errors[what] = "no error"
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             errors[what] = f"{type(e).__name__}: {e}"
     return errors
 

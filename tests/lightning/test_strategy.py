@@ -293,7 +293,7 @@ def _metrics_job(rank: int, ws: int) -> dict:
     model.seen = torchmetrics.SumMetric()
 
     def validation_step(batch, batch_idx=0):
-        kjt, y = batch
+        _kjt, y = batch
         model.seen.update(torch.ones_like(y))
         model.log("seen", model.seen, on_epoch=True)
 

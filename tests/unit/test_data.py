@@ -29,7 +29,7 @@ from lightning_rec.data import (
 def rows_of(batch: Batch) -> list[tuple]:
     """One hashable tuple per row: dense values, each feature's ids, label."""
     b = len(batch)
-    per_feature = [jt.to_dense() for jt in (batch.sparse[k] for k in batch.sparse.keys())]
+    per_feature = [jt.to_dense() for jt in (batch.sparse[k] for k in batch.sparse.keys())]  # noqa: SIM118 (a KJT)
     return [(tuple(batch.dense[i].tolist()), tuple(tuple(f[i].tolist()) for f in per_feature), float(batch.labels[i]))
             for i in range(b)]
 

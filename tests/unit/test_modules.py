@@ -26,7 +26,7 @@ from lightning_rec import (
     KeyedTensor,
     PoolingType,
 )
-from lightning_rec.modules import _FeatureLayout
+from lightning_rec.modules import FeatureLayout
 
 # fbgemm's dense CPU backward is correct but warns that it has no autograd kernel (see FBGEMM_CPU.md).
 pytestmark = pytest.mark.filterwarnings("ignore:.*an autograd kernel was not registered")
@@ -754,7 +754,7 @@ def test_one_feature_read_by_two_tables() -> None:
     assert torch.allclose(out["f@t2"], torch.stack([(w2[1] + w2[3]) / 2, w2[0]]))
     # the sharded modules build their layout without allow_shared: refused with the clear error
     with pytest.raises(ValueError, match="feature 'f' is listed by tables 't1' and 't2'.*not yet sharded"):
-        _FeatureLayout([t1, t2])
+        FeatureLayout([t1, t2])
     ec = EmbeddingCollection([EmbeddingConfig(num_embeddings=4, embedding_dim=2, name=n, feature_names=["f"])
                               for n in ("a", "b")], need_indices=True)
     res = ec(kjt)
