@@ -1,4 +1,4 @@
-"""Differentiable collectives and the one embedding-gradient scale (DESIGN.md rule 2).
+"""Differentiable collectives and the one embedding-gradient scale (docs/ARCHITECTURE.md C2).
 
 Every forward collective defines its backward next to it. Embedding gradients are scaled in exactly one
 place, :func:`embedding_grad`, used alike by data-parallel replicas and by shards of sharded tables.

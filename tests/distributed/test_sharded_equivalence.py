@@ -1,4 +1,4 @@
-"""The guard of DESIGN.md: for random tables, plans and batches, sharded training == one process.
+"""The guard of docs/ARCHITECTURE.md (plans never change the math): for random tables, plans and batches, sharded training == one process.
 
 Each job runs many random cases on real gloo processes. The reference is the unsharded collection
 (torch kernel, itself checked against F.embedding_bag in tests/unit) trained on one process with the

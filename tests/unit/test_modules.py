@@ -28,7 +28,7 @@ from lightning_rec import (
 )
 from lightning_rec.modules import FeatureLayout
 
-# fbgemm's dense CPU backward is correct but warns that it has no autograd kernel (see FBGEMM_CPU.md).
+# fbgemm's dense CPU backward is correct but warns that it has no autograd kernel (docs/ARCHITECTURE.md, fbgemm pitfalls).
 pytestmark = pytest.mark.filterwarnings("ignore:.*an autograd kernel was not registered")
 
 MAX_EXAMPLES = int(os.environ.get("LIGHTNING_REC_HYPOTHESIS_EXAMPLES", "25"))
