@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from lightning_rec.sharding.plan import ShardingPlan
 from lightning_rec.sharding.planner.cost import MEMORY_PARTS, TIME_PARTS
-from lightning_rec.sharding.planner.topology import Topology, gib
+from lightning_rec.sharding.planner.topology import Topology, human_bytes
 from lightning_rec.sharding.types import KINDS, ParameterSharding
 
 
@@ -101,33 +102,52 @@ class PlanReport:
 
     def __str__(self) -> str:
         topo, M = self.topology, self.time.shape[1]
-        budget = "unlimited" if topo.device_memory is None else gib(topo.device_memory)
+        budget = "unlimited" if topo.device_memory is None else human_bytes(topo.device_memory)
         lines = [
             f"Sharding plan: world {topo.world_size} = {topo.replicas} replica(s) x {M} model-parallel ranks, "
-            f"{topo.local_size} ranks per host; device memory {budget} per rank"
-            + ("" if topo.host_memory is None else f", host memory {gib(topo.host_memory)} per host"),
-            "settings: " + ", ".join(f"{k}={v}" for k, v in self.settings.items()),
+            f"{topo.local_size} ranks per host",
+            f"memory: {budget} per rank (device)"
+            + ("" if topo.host_memory is None else f", {human_bytes(topo.host_memory)} per host"),
+            *textwrap.wrap("settings: " + ", ".join(f"{k}={v}" for k, v in self.settings.items()), 100,
+                           subsequent_indent=" " * 10),
             f"estimated step time {self.step_time_ms:.3f} ms (slowest rank {self.slowest_rank}; "
-            f"mean {self.rank_time_ms.mean():.3f} ms); peak memory {gib(self.memory.sum(0).max())} per rank",
+            f"mean {self.rank_time_ms.mean():.3f} ms)",
+            f"peak memory {human_bytes(self.memory.sum(0).max())} per rank",
             "",
-            f"{'table':<28} {'placement':<34} {'mem/rank':>10} {'ms':>8}  runner-up: why not",
         ]
-        for c in self.tables:
-            name = f"{c.module}/{c.table}" if c.module else c.table
-            where = (placement_label(c.sharding) + (" [host mem]" if c.offloaded else "")
-                     + (" [fixed]" if c.fixed else ""))
-            why = f"{c.runner_up}: {c.rejected_because}" if c.runner_up else c.rejected_because
-            lines.append(f"{name:<28} {where:<34} {gib(c.memory_per_rank):>10} {c.time_ms:>8.3f}  {why}")
-        lines += ["", "per rank (ms: " + ", ".join(TIME_PARTS) + " | GiB: " + ", ".join(MEMORY_PARTS) + "):"]
+        lines += _table_lines(self.tables)
+        lines += ["", "per rank, ms: " + ", ".join(TIME_PARTS), "          memory: " + ", ".join(MEMORY_PARTS)]
         t = self.rank_time_ms
         shown = range(M) if M <= 16 else sorted(np.argsort(-t, kind="stable")[:8].tolist())
         for r in shown:
             ms = " ".join(f"{1e3 * x:.3f}" for x in self.time[:, r])
-            gb = " ".join(f"{x / 2**30:.3g}" for x in self.memory[:, r])
-            lines.append(f"  rank {r:>5}: {t[r]:9.3f} ms = {ms} | {gib(self.memory[:, r].sum())} = {gb}")
+            mem = " ".join(human_bytes(x) for x in self.memory[:, r])
+            lines.append(f"  rank {r:>5}: {t[r]:9.3f} ms = {ms}")
+            lines.append(f"{'':13}{human_bytes(self.memory[:, r].sum()):>9} = {mem}")
         if M > 16:
             lines.append(f"  ... the {len(shown)} slowest of {M} ranks; time min/median/max "
                          f"{t.min():.3f}/{np.median(t):.3f}/{t.max():.3f} ms")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
+
+def _table_lines(tables: list, width: int = 100) -> list[str]:
+    """One row per table, the runner-up on the line below; a row too wide for ``width`` puts the name alone."""
+    rows = []
+    for c in tables:
+        name = f"{c.module}/{c.table}" if c.module else c.table
+        where = placement_label(c.sharding) + (" [host mem]" if c.offloaded else "") + (" [fixed]" if c.fixed else "")
+        why = f"{c.runner_up}: {c.rejected_because}" if c.runner_up else c.rejected_because
+        rows.append((name, where, human_bytes(c.memory_per_rank), f"{c.time_ms:.3f}", why))
+    name_w = min(max([5] + [len(r[0]) for r in rows]), 44)
+    where_w = min(max([9] + [len(r[1]) for r in rows]), 34)
+    lines = [f"{'table':<{name_w}}  {'placement':<{where_w}}  {'mem/rank':>10}  {'ms':>8}"]
+    for name, where, mem, ms, why in rows:
+        row = f"{name:<{name_w}}  {where:<{where_w}}  {mem:>10}  {ms:>8}"
+        if len(row) > width:
+            lines.append(name)
+            row = f"{'':4}{where}  {mem}  {ms} ms"
+        lines.append(row)
+        if why:
+            lines += textwrap.wrap(f"runner-up {why}", width, initial_indent=" " * 4, subsequent_indent=" " * 6)
+    return lines

@@ -20,7 +20,7 @@ from lightning_rec.sharding.plan import ShardingPlan, data_parallel, resolve_tab
 from lightning_rec.sharding.planner.cost import GRADIENTS, MEMORY_PARTS, OPTIMIZER_STATE, CostModel, Load, TableStats
 from lightning_rec.sharding.planner.inputs import PlacedCollection, plan_entries, table_stats
 from lightning_rec.sharding.planner.report import PlanReport, TableChoice, placement_label
-from lightning_rec.sharding.planner.topology import PlannerError, TableConstraint, Topology, gib
+from lightning_rec.sharding.planner.topology import PlannerError, TableConstraint, Topology, human_bytes
 from lightning_rec.sharding.types import KINDS, ParameterSharding, placement_of
 
 
@@ -326,10 +326,10 @@ class Planner:
             c.fits = bool((over <= 0).all() and (host_over <= 0).all())
             if not c.fits:
                 r = int(np.argmax(over)) if over.max() > 0 else None
-                c.short = (f"does not fit: rank {r} would need {gib(used[r] + c.mem[r])} of "
-                           f"{gib(budget)} ({gib(over[r])} short)" if r is not None else
+                c.short = (f"does not fit: rank {r} would need {human_bytes(used[r] + c.mem[r])} of "
+                           f"{human_bytes(budget)} ({human_bytes(over[r])} short)" if r is not None else
                            f"does not fit: host {int(np.argmax(host_over))} short of host memory by "
-                           f"{gib(host_over.max())}")
+                           f"{human_bytes(host_over.max())}")
         return cands
 
     def _plan(self, stats: list[TableStats]) -> PlanReport:
@@ -447,10 +447,13 @@ class Planner:
         need = sum(n for n, _ in needs) + float(fixed.mem.sum())
         if need > capacity:
             big = sorted(needs, key=lambda x: -x[0])[:5]
-            names = ", ".join(f"{stats[u[0]].label!r}{'+' if len(u) > 1 else ''} {gib(n)}" for n, u in big)
+            names = ", ".join(f"{stats[u[0]].label!r}{'+' if len(u) > 1 else ''} {human_bytes(n)}" for n, u in big)
             raise PlannerError(
-                f"the tables need at least {gib(need)} (weights, optimizer state, gradients and lookup buffers) but "
-                f"the {M} model-parallel ranks have {gib(capacity)}: {gib(need - capacity)} missing. Largest: {names}. "
+                f"the tables need at least {human_bytes(need)} "
+                "(weights, optimizer state, gradients and lookup buffers) "
+                f"but the {M} model-parallel ranks have {human_bytes(capacity)}: {human_bytes(need - capacity)} "
+                "missing. "
+                f"Largest: {names}. "
                 "Add ranks or memory, lower the batch size, use a smaller optimizer state (rowwise_adagrad) or "
                 "fused/sparse gradients"
             )
@@ -479,8 +482,8 @@ class Planner:
         return (
             f"no placement of table{'s' if len(unit) > 1 else ''} {names} fits in device memory after {placed} other "
             f"tables were placed: its least demanding placement, {placement_label(best.sharding)}, {best.short}; "
-            f"about {gib(max(missing, 0))} missing on the fullest rank. Add ranks or memory, allow more sharding types "
-            "for it, or lower the batch size"
+            f"about {human_bytes(max(missing, 0))} missing on the fullest rank. Add ranks or memory, allow more "
+            "sharding types for it, or lower the batch size"
         )
 
 

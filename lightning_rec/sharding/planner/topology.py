@@ -32,9 +32,13 @@ def parse_bytes(value: int | float | str | None, what: str = "memory") -> int | 
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def gib(n: float) -> str:
-    """Bytes in GiB for messages and reports."""
-    return f"{n / 2**30:.3g} GiB"
+def human_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1 (``2.94 MiB``), for people to read."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 
