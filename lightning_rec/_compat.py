@@ -11,6 +11,11 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from torch.fx._symbolic_trace import ProxyableClassMeta, is_fx_symbolic_tracing
+
+# Lightning 2.6 checks `isinstance(treespec, LeafSpec)`, which torch 2.13 deprecates, on every batch; not the
+# user's business (Lightning's fix: TreeSpec.is_leaf()).
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
 
 # Sharded tables are described as ShardedTensors (see make_sharded_tensor); torch warns on every use.
 warnings.filterwarnings("ignore", message=r".*Please use DTensor instead and we are deprecating ShardedTensor.*")
@@ -162,3 +167,16 @@ def synced_grad_scaler(scaler: object, group: object) -> object:
 def optimizers_to_device(optimizers: Any, device: torch.device) -> None:
     """Move optimizer state to ``device`` (Lightning's private helper, the one DDPStrategy uses)."""
     _optimizers_to_device(optimizers, device)
+
+
+class FxProxyableMeta(ProxyableClassMeta):
+    """torch.fx's metaclass for types built from traced tensors, asking only about ``fx.symbolic_trace``.
+
+    torch's own ``__call__`` asks ``is_fx_tracing()``, which logs a deprecation warning on first use in every
+    process; outside symbolic tracing we construct directly.
+    """
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if not is_fx_symbolic_tracing():
+            return type.__call__(cls, *args, **kwargs)
+        return super().__call__(*args, **kwargs)

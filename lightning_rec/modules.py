@@ -7,9 +7,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.fx._symbolic_trace import is_fx_symbolic_tracing as is_fx_tracing
 
-from lightning_rec import kernels
+from lightning_rec import _compat, kernels
 from lightning_rec.configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from lightning_rec.sparse import (
     JaggedTensor,
@@ -236,7 +235,7 @@ class EmbeddingBagCollection(_CollectionBase):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         layout = self._layout
-        if is_fx_tracing():
+        if _compat.is_fx_symbolic_tracing():
             return self._fx_forward(features)
         if isinstance(features, KeyedJaggedTensor) and features.values().device.type == "meta":
             # shapes only, as TorchRec: a forward on the meta device sizes a model without data
@@ -344,7 +343,7 @@ class EmbeddingCollection(_CollectionBase):
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         layout = self._layout
-        if is_fx_tracing():
+        if _compat.is_fx_symbolic_tracing():
             jts = features.to_dict()
             tables = self._traced_tables()
             return {

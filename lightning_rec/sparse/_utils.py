@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
-from torch.fx._symbolic_trace import ProxyableClassMeta
+
+from lightning_rec._compat import FxProxyableMeta
 
 
-class SparseMeta(ProxyableClassMeta):
+class SparseMeta(FxProxyableMeta):
     """Metaclass of the sparse types: under ``torch.fx`` tracing, building one from traced tensors records a
     node instead of running the constructor (whose checks would need concrete values)."""
 
