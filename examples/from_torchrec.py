@@ -1,7 +1,8 @@
 """TorchRec's golden training example (examples/golden_training/train_dlrm.py), ported by changing imports.
 
-Only the import block differs from TorchRec's script (and torchrec's quantized-comms registry, which is
-None on CPU there too, is dropped). Run it on 2 CPU processes with either
+Only the import block differs from TorchRec's script, plus: torchrec's quantized-comms registry (None on
+CPU there too) is dropped, ``List[int]`` annotations read ``list[int]`` (this repository's lint), and the
+training loop records the losses and can seed the data (for the test in tests/distributed). Run it on 2 CPU processes with either
 
     torchrun --nproc_per_node 2 examples/from_torchrec.py
     python examples/from_torchrec.py --spawn 2          # starts the processes itself (gloo)
@@ -11,7 +12,6 @@ Add ``--iterations N --num-embeddings R --embedding-dim D`` for a smaller or lar
 
 import argparse
 import os
-from typing import List, Optional
 
 import torch
 import torch.multiprocessing as mp
@@ -20,8 +20,11 @@ from torch.utils.data import IterableDataset
 
 # -- the imports: TorchRec's names, from lightning_rec ----------------------------------------------------
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig  # torchrec.modules.*
-from lightning_rec.data import DEFAULT_CAT_NAMES, DEFAULT_INT_NAMES  # torchrec.datasets.criteo
-from lightning_rec.data import RandomRecDataset  # torchrec.datasets.random
+from lightning_rec.data import (  # torchrec.datasets.criteo
+    DEFAULT_CAT_NAMES,
+    DEFAULT_INT_NAMES,
+    RandomRecDataset,  # torchrec.datasets.random
+)
 from lightning_rec.distributed import (  # torchrec.distributed / torchrec.optim
     DistributedModelParallel,
     EmbeddingBagCollectionSharder,
@@ -37,7 +40,7 @@ from lightning_rec.models.dlrm import DLRM, DLRMTrain  # torchrec.models.dlrm
 def _get_random_dataset(
     num_embeddings: int,
     batch_size: int = 32,
-    seed: Optional[int] = None,
+    seed: int | None = None,
 ) -> IterableDataset:
     return RandomRecDataset(
         keys=DEFAULT_CAT_NAMES,
@@ -52,12 +55,12 @@ def _get_random_dataset(
 def train(
     num_embeddings: int = 1024**2,
     embedding_dim: int = 128,
-    dense_arch_layer_sizes: Optional[List[int]] = None,
-    over_arch_layer_sizes: Optional[List[int]] = None,
+    dense_arch_layer_sizes: list[int] | None = None,
+    over_arch_layer_sizes: list[int] | None = None,
     learning_rate: float = 0.1,
     num_iterations: int = 1000,
-    seed: Optional[int] = None,
-) -> List[float]:
+    seed: int | None = None,
+) -> list[float]:
     """Construct and train a DLRM on random data, SPMD on every rank; returns this rank's losses."""
     if dense_arch_layer_sizes is None:
         dense_arch_layer_sizes = [64, embedding_dim]

@@ -68,8 +68,8 @@ class ModuleSharder:
 
     def shardable_parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
         """``{table name: weight}`` of ``module``."""
-        tables = getattr(module, "embedding_bags", None) or getattr(module, "embeddings", {})
-        return {name: m.weight for name, m in tables.items()}
+        tables = getattr(module, "embedding_bags", None) or getattr(module, "embeddings", None)
+        return {} if tables is None else {name: m.weight for name, m in tables.named_children()}
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         return ["data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise", "grid_shard",

@@ -226,11 +226,13 @@ def construct_module_sharding_plan(
         local_size = default_local_size(world_size)
     tables = embedding_tables(module)
     by_name = {t.name: t for t in tables}
+    container = getattr(module, "embedding_bags", None) or getattr(module, "embeddings", None)
+    modules = dict(container.named_children()) if container is not None else {}
     plan = {}
     for name, ps in per_param_sharding.items():
-        if callable(ps) and not isinstance(ps, ParameterSharding):
-            param = getattr(module, "embedding_bags", getattr(module, "embeddings", {})).get(name)
-            ps = ps(getattr(param, "weight", None), local_size, world_size, device_type or "cpu", sharder)
+        if callable(ps) and not isinstance(ps, ParameterSharding):  # TorchRec's generator form
+            weight = getattr(modules.get(name), "weight", None)
+            ps = ps(weight, local_size, world_size, device_type or "cpu", sharder)
         plan[name] = ps
     resolve_module_plan(tables, plan, world_size, local_size)
     return {n: with_resolved_ranks(by_name[n], ps, world_size, local_size) for n, ps in plan.items()}

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig
+from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from lightning_rec.data import Batch, RandomRecDataset
 from lightning_rec.distributed import (
     DistributedModelParallel,
@@ -72,8 +72,6 @@ def _concat(a: Batch, b: Batch) -> Batch:
     da, db = a.sparse.to_dict(), b.sparse.to_dict()
     values = torch.cat([torch.cat([da[k].values(), db[k].values()]) for k in keys])
     lengths = torch.cat([torch.cat([da[k].lengths(), db[k].lengths()]) for k in keys])
-    from lightning_rec import KeyedJaggedTensor
-
     return Batch(torch.cat([a.dense, b.dense]), KeyedJaggedTensor(keys, values, lengths=lengths),
                  torch.cat([a.labels, b.labels]))
 
