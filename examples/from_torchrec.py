@@ -2,7 +2,8 @@
 
 Only the import block differs from TorchRec's script, plus: torchrec's quantized-comms registry (None on
 CPU there too) is dropped, ``List[int]`` annotations read ``list[int]`` (this repository's lint), and the
-training loop records the losses and can seed the data (for the test in tests/distributed). Run it on 2 CPU processes with either
+training loop records the losses and can seed the data (for the test in tests/distributed).
+Run it on 2 CPU processes with either
 
     torchrun --nproc_per_node 2 examples/from_torchrec.py
     python examples/from_torchrec.py --spawn 2          # starts the processes itself (gloo)
