@@ -264,3 +264,22 @@ def test_pipeline_on_an_unsharded_model() -> None:
 def test_dmp_needs_a_process_group() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
         DistributedModelParallel(_ebc((4, 4)))
+
+
+def test_torch_and_fbgemm_spellings_of_the_optimizer() -> None:
+    # TorchRec's golden example calls torch's own _apply_optimizer_in_backward: DMP reads what it marks
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    from lightning_rec.distributed.optimizers import in_backward_spec
+
+    ebc = _ebc((6, 4), (5, 4))
+    assert in_backward_spec(ebc) is None
+    _apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.3})
+    assert in_backward_spec(ebc) == FusedOptimizerSpec("rowwise_adagrad", 0.3, eps=1e-10)
+    assert spec_from_fused_params({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.2}) == \
+        FusedOptimizerSpec("rowwise_adagrad", 0.2)
+    mixed = _ebc((6, 4), (5, 4))
+    apply_optimizer_in_backward(torch.optim.SGD, [next(mixed.parameters())], {"lr": 0.1})
+    with pytest.raises(ValueError, match="the same in-backward optimizer"):
+        in_backward_spec(mixed)
