@@ -18,6 +18,7 @@ from lightning_rec.distributed import (
     EmbeddingBagCollectionSharder,
     KeyedOptimizerWrapper,
     RowWiseAdagrad,
+    ShardingEnv,
     TrainPipelineSparseDist,
     apply_optimizer_in_backward,
     in_backward_optimizer_filter,
@@ -117,7 +118,9 @@ def _dmp_vs_reference(rank: int, world: int, plan_kind: str, via: str) -> None:
         "mixed": ShardingPlan({"model.sparse_arch.embedding_bag_collection": {
             "t_a": row_wise(), "t_b": table_wise(rank=1), "t_c": column_wise(size_per_rank=[4, 4])}}),
     }
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plans[plan_kind], sharders=[sharder])
+    env = ShardingEnv.from_process_group(dist.group.WORLD) if plan_kind == "mixed" else None
+    dmp = DistributedModelParallel(model, env=env, device=torch.device("cpu"), plan=plans[plan_kind],
+                                   sharders=[sharder])
     assert set(dmp.state_dict()) == set(initial), "DMP state_dict keys differ from the unsharded model's"
     ebc_plan = dmp.plan.get_plan_for_module("model.sparse_arch.embedding_bag_collection")
     assert all(ps.ranks for ps in ebc_plan.values()), ebc_plan
@@ -139,6 +142,16 @@ def _dmp_vs_reference(rank: int, world: int, plan_kind: str, via: str) -> None:
     assert set(got) == set(want)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    # state_dict round trip: zero every weight, load the saved state back, get the trained weights again
+    saved = copy.deepcopy(full_state_dict(dmp.module))
+    with torch.no_grad():
+        for v in dmp.module.state_dict(keep_vars=True).values():
+            for piece in [s.tensor for s in v.local_shards()] if hasattr(v, "local_shards") else [v]:
+                piece.zero_()
+    assert all(not v.any() for v in full_state_dict(dmp.module).values())
+    dmp.load_state_dict(saved)
+    for k, v in full_state_dict(dmp.module).items():
+        torch.testing.assert_close(v, saved[k], msg=lambda m, k=k: f"after load_state_dict, {k}: {m}")
     assert not torch.equal(want["model.sparse_arch.embedding_bag_collection.embedding_bags.t_a.weight"],
                            initial["model.sparse_arch.embedding_bag_collection.embedding_bags.t_a.weight"])
     dist.barrier()
