@@ -198,9 +198,10 @@ class DistributedModelParallel(nn.Module):
 
     def _init_parameters(self, module: nn.Module) -> None:
         # dense parameters built on the meta device get real storage here and their own initialisation
+        inside = {id(x) for _, c in sharded_collections(module) for x in c.modules()}
         with torch.no_grad():
             for m in module.modules():
-                if isinstance(m, ShardedCollection):
+                if id(m) in inside:  # shards are initialised by shard_modules
                     continue
                 fresh = False
                 for name, p in list(m._parameters.items()):

@@ -160,3 +160,25 @@ def _dmp_vs_reference(rank: int, world: int, plan_kind: str, via: str) -> None:
 @pytest.mark.parametrize("plan_kind, via", [("auto", "in_backward"), ("mixed", "fused_params")])
 def test_dmp_equals_single_process_reference(plan_kind: str, via: str) -> None:
     run_distributed(_dmp_vs_reference, 2, plan_kind, via)
+
+
+def _meta_model(rank: int, world: int) -> None:
+    torch.manual_seed(rank)  # different seeds: DDP must make the dense replicas equal
+    meta = torch.device("meta")
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(n, d, name, f) for name, n, d, f in TABLES], device=meta)
+    model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=5, dense_arch_layer_sizes=[6, 8],
+                           over_arch_layer_sizes=[4, 1], dense_device=meta))
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"))
+    assert not [n for n, p in dmp.named_parameters() if p.device.type == "meta"]
+    dense = {k: v for k, v in dmp.state_dict().items() if "embedding_bag_collection" not in k}
+    assert all(v.abs().sum() > 0 for v in dense.values()), "meta dense parameters were not initialised"
+    gathered = [None] * world
+    dist.all_gather_object(gathered, dense)
+    for k in dense:
+        torch.testing.assert_close(gathered[0][k], gathered[1][k])
+    loss, _ = dmp(_batches(rank)[0])
+    assert torch.isfinite(loss)
+
+
+def test_dmp_materialises_a_meta_model() -> None:
+    run_distributed(_meta_model, 2)
