@@ -18,8 +18,13 @@ class PoolingType(enum.Enum):
     NONE = "NONE"
 
 
-class ShardingType(enum.Enum):
-    """How a table is split across the ranks of the model-parallel group."""
+class ShardingType(str, enum.Enum):
+    """How a table is split across the ranks of the model-parallel group.
+
+    A member compares (and hashes) equal to its TorchRec string, so ``ps.sharding_type == "table_wise"``
+    holds as it does in TorchRec. ``TABLE_COLUMN_WISE`` is TorchRec's column-wise placement kept within one
+    host: column shards on the given ranks, which must all belong to one host.
+    """
 
     DATA_PARALLEL = "data_parallel"
     TABLE_WISE = "table_wise"
@@ -27,6 +32,7 @@ class ShardingType(enum.Enum):
     COLUMN_WISE = "column_wise"
     TABLE_ROW_WISE = "table_row_wise"
     GRID_SHARD = "grid_shard"
+    TABLE_COLUMN_WISE = "table_column_wise"
 
 
 class DataType(enum.Enum):

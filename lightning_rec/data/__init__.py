@@ -15,6 +15,7 @@ from lightning_rec.data.criteo import CriteoNpy, CriteoTSV
 from lightning_rec.data.datamodule import ClickDataModule
 from lightning_rec.data.loader import AgreedLoader, ClickLoader
 from lightning_rec.data.parquet import CriteoParquet
+from lightning_rec.data.random_rec import DEFAULT_CAT_NAMES, DEFAULT_INT_NAMES, RandomRecDataset
 from lightning_rec.data.synthetic import (
     CRITEO_CARDINALITIES,
     DEFAULT_MULTI_HOT,
@@ -27,6 +28,8 @@ from lightning_rec.data.synthetic import (
 
 __all__ = [
     "CRITEO_CARDINALITIES",
+    "DEFAULT_CAT_NAMES",
+    "DEFAULT_INT_NAMES",
     "DEFAULT_MULTI_HOT",
     "FEATURE_NAMES",
     "NUM_DENSE",
@@ -38,6 +41,7 @@ __all__ = [
     "CriteoNpy",
     "CriteoParquet",
     "CriteoTSV",
+    "RandomRecDataset",
     "SyntheticClicks",
     "batch_from_arrays",
     "binary_auc",

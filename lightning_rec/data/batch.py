@@ -11,19 +11,55 @@ import torch
 from lightning_rec.sparse import KeyedJaggedTensor
 
 
-@dataclass
+@dataclass(init=False)
 class Batch:
     """One batch of click rows.
 
     Attributes:
-        dense: float32 ``[B, num_dense]``.
-        sparse: KeyedJaggedTensor with one key per categorical feature (key-major, lengths ``[F * B]``).
-        labels: float32 ``[B]`` holding 0.0 / 1.0.
+        dense: float32 ``[B, num_dense]`` (also readable as ``dense_features``, TorchRec's name).
+        sparse: KeyedJaggedTensor with one key per categorical feature (key-major, lengths ``[F * B]``; also
+            ``sparse_features``).
+        labels: ``[B]`` holding 0 / 1 (float32 from this package's loaders; TorchRec's random data uses ints).
+
+    Built as ``Batch(dense, sparse, labels)`` or with TorchRec's names
+    ``Batch(dense_features=, sparse_features=, labels=)``.
     """
 
     dense: torch.Tensor
     sparse: KeyedJaggedTensor
     labels: torch.Tensor
+
+    def __init__(
+        self,
+        dense: torch.Tensor | None = None,
+        sparse: KeyedJaggedTensor | None = None,
+        labels: torch.Tensor | None = None,
+        *,
+        dense_features: torch.Tensor | None = None,
+        sparse_features: KeyedJaggedTensor | None = None,
+    ) -> None:
+        for ours, theirs, a, b in (("dense", "dense_features", dense, dense_features),
+                                   ("sparse", "sparse_features", sparse, sparse_features)):
+            if a is not None and b is not None:
+                raise TypeError(f"Batch: give {ours}= or {theirs}=, not both")
+            if a is None and b is None:
+                raise TypeError(f"Batch: missing {ours}= (or TorchRec's {theirs}=)")
+        if labels is None:
+            raise TypeError("Batch: missing labels=")
+        self.dense = dense if dense is not None else dense_features
+        self.sparse = sparse if sparse is not None else sparse_features
+        self.labels = labels
+        self.__post_init__()
+
+    @property
+    def dense_features(self) -> torch.Tensor:
+        """TorchRec's name of :attr:`dense`."""
+        return self.dense
+
+    @property
+    def sparse_features(self) -> KeyedJaggedTensor:
+        """TorchRec's name of :attr:`sparse`."""
+        return self.sparse
 
     def __post_init__(self) -> None:
         b = self.labels.size(0)

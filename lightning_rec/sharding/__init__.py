@@ -10,6 +10,7 @@ from lightning_rec.sharding.plan import (
     data_parallel,
     grid_shard,
     row_wise,
+    table_column_wise,
     table_row_wise,
     table_wise,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "row_wise",
     "shard_modules",
     "sharded_collections",
+    "table_column_wise",
     "table_row_wise",
     "table_wise",
 ]

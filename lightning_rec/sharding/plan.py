@@ -7,55 +7,111 @@ What each sharding type accepts and how it tiles a table lives in ``types.py``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
 from lightning_rec.sharding.layout import ShardMeta
 from lightning_rec.sharding.mesh import default_local_size
-from lightning_rec.sharding.types import KINDS, PLACEMENT_FIELDS, ParameterSharding
+from lightning_rec.sharding.types import KINDS, PLACEMENT_FIELDS, ParameterSharding, resolved_ranks
 
 
-# -- helpers (TorchRec names) -------------------------------------------------------------------------
-def data_parallel() -> ParameterSharding:
+# -- helpers (TorchRec names and argument orders) ------------------------------------------------------
+def _check_device(device: str | None, what: str = "device") -> None:
+    # a shard lives where its collection does; the helpers take TorchRec's device names and check them
+    if device is None:
+        return
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{what} {device!r} is not a torch device type such as 'cpu' or 'cuda'") from None
+
+
+def data_parallel(compute_kernel: str | None = None) -> ParameterSharding:
     """Full replica on every rank; gradients of the touched rows are summed across ranks."""
-    return ParameterSharding(ShardingType.DATA_PARALLEL)
+    return ParameterSharding(ShardingType.DATA_PARALLEL, compute_kernel=compute_kernel)
 
 
-def table_wise(rank: int) -> ParameterSharding:
-    """The whole table on one rank of the model-parallel group."""
-    return ParameterSharding(ShardingType.TABLE_WISE, ranks=[rank])
+def table_wise(rank: int, device: str | None = None, compute_kernel: str | None = None) -> ParameterSharding:
+    """The whole table on one rank of the model-parallel group (``device``: checked, the shard lives where the
+    collection does)."""
+    _check_device(device)
+    return ParameterSharding(ShardingType.TABLE_WISE, ranks=[rank], compute_kernel=compute_kernel)
 
 
-def row_wise(sizes_placement: list[int] | tuple[list[int], str] | None = None) -> ParameterSharding:
-    """Rows split over every rank of the group, in even blocks unless ``sizes_placement`` gives rows per rank."""
+def row_wise(
+    sizes_placement: list[int] | tuple[list[int], str | list[str]] | None = None,
+    compute_kernel: str | None = None,
+    num_buckets: int | None = None,
+) -> ParameterSharding:
+    """Rows split over every rank of the group, in even blocks unless ``sizes_placement`` gives rows per rank
+    (TorchRec's ``(sizes, device)`` tuple is accepted), or in ``num_buckets`` equal buckets (TorchRec's
+    bucketized row-wise)."""
     if isinstance(sizes_placement, tuple):
-        sizes_placement = sizes_placement[0]
+        sizes_placement, devices = sizes_placement
+        for d in [devices] if isinstance(devices, str) else devices:
+            _check_device(d, "sizes_placement device")
+    if sizes_placement is not None and num_buckets is not None:
+        raise ValueError("row_wise: give sizes_placement or num_buckets, not both")
     sizes = None if sizes_placement is None else list(sizes_placement)
-    return ParameterSharding(ShardingType.ROW_WISE, row_sizes=sizes)
+    return ParameterSharding(ShardingType.ROW_WISE, row_sizes=sizes, compute_kernel=compute_kernel,
+                             num_buckets=num_buckets)
 
 
-def column_wise(ranks: list[int], size_per_rank: list[int] | None = None) -> ParameterSharding:
-    """Columns split into ``len(ranks)`` shards (even widths unless ``size_per_rank``), shard i on ``ranks[i]``."""
+def column_wise(
+    ranks: list[int] | None = None,
+    size_per_rank: list[int] | None = None,
+    compute_kernel: str | None = None,
+    device_types: list[str] | None = None,
+) -> ParameterSharding:
+    """Columns split into shards (even widths unless ``size_per_rank``), shard i on ``ranks[i]``.
+
+    Without ``ranks``, ``size_per_rank`` puts shard i on rank i (as TorchRec does). ``device_types`` (one per
+    shard) are checked; every shard lives where the collection does, so they must all be one type.
+    """
+    if ranks is None:
+        if size_per_rank is None:
+            raise ValueError("column_wise needs ranks, or size_per_rank (shard i then goes to rank i)")
+        ranks = list(range(len(size_per_rank)))
+    if device_types is not None:
+        if len(device_types) != len(ranks):
+            raise ValueError(f"column_wise: {len(device_types)} device_types for {len(ranks)} column shards")
+        for d in device_types:
+            _check_device(d, "device type")
+        if len(set(device_types)) > 1:
+            raise ValueError(f"column_wise: device_types {list(device_types)} mix devices; the shards of a "
+                             "collection all live on its device")
     return ParameterSharding(
-        ShardingType.COLUMN_WISE, ranks=list(ranks), col_sizes=None if size_per_rank is None else list(size_per_rank)
+        ShardingType.COLUMN_WISE, ranks=list(ranks), col_sizes=None if size_per_rank is None else list(size_per_rank),
+        compute_kernel=compute_kernel,
     )
 
 
-def table_row_wise(host_index: int) -> ParameterSharding:
+def table_row_wise(host_index: int, compute_kernel: str | None = None) -> ParameterSharding:
     """Rows split over the ranks of one host (``local_size`` consecutive ranks)."""
-    return ParameterSharding(ShardingType.TABLE_ROW_WISE, host_indexes=[host_index])
+    return ParameterSharding(ShardingType.TABLE_ROW_WISE, host_indexes=[host_index], compute_kernel=compute_kernel)
 
 
-def grid_shard(host_indexes: list[int], size_per_shard: list[int] | None = None) -> ParameterSharding:
+def table_column_wise(ranks: list[int], size_per_rank: list[int] | None = None,
+                      compute_kernel: str | None = None) -> ParameterSharding:
+    """TorchRec's table-column-wise: column shards as :func:`column_wise`, on ranks of one host."""
+    return ParameterSharding(ShardingType.TABLE_COLUMN_WISE, ranks=list(ranks),
+                             col_sizes=None if size_per_rank is None else list(size_per_rank),
+                             compute_kernel=compute_kernel)
+
+
+def grid_shard(host_indexes: list[int], size_per_shard: list[int] | None = None,
+               compute_kernel: str | None = None) -> ParameterSharding:
     """Columns split into ``len(host_indexes)`` shards, each row-split over the ranks of its host."""
     return ParameterSharding(
         ShardingType.GRID_SHARD,
         host_indexes=list(host_indexes),
         col_sizes=None if size_per_shard is None else list(size_per_shard),
+        compute_kernel=compute_kernel,
     )
 
 
@@ -130,20 +186,53 @@ def embedding_tables(module: nn.Module) -> list[BaseEmbeddingConfig]:
     raise TypeError(f"{type(module).__name__} is not an EmbeddingBagCollection or EmbeddingCollection")
 
 
+def with_resolved_ranks(
+    table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int, local_size: int
+) -> ParameterSharding:
+    """A copy of ``ps`` (checked) with ``ranks`` filled in, in TorchRec's order (see ``types.resolved_ranks``)."""
+    if not isinstance(ps, ParameterSharding):
+        raise TypeError(f"table {table.name!r}: expected a ParameterSharding, got {type(ps).__name__}")
+    kind = KINDS[ps.sharding_type]  # type: ignore[index]
+    return replace(ps, ranks=resolved_ranks(kind.tiling(table, ps, group_size, local_size), group_size))
+
+
 def construct_module_sharding_plan(
     module: nn.Module,
-    per_param_sharding: Mapping[str, ParameterSharding],
+    per_param_sharding: Mapping[str, ParameterSharding | Callable[..., ParameterSharding]],
+    sharder: object | None = None,
     local_size: int | None = None,
     world_size: int | None = None,
+    device_type: str | None = None,
 ) -> dict[str, ParameterSharding]:
-    """Check ``{table: placement}`` against ``module``'s tables and return it as a module plan.
+    """Check ``{table: placement}`` against ``module``'s tables; return the module plan with ranks filled in.
 
-    ``world_size`` is the model-parallel group size (default: the initialised world, else 1) and
-    ``local_size`` the ranks per host (default: LOCAL_WORLD_SIZE, else the whole group).
+    TorchRec's argument order. ``world_size`` is the model-parallel group size (default: the initialised
+    world, else 1) and ``local_size`` the ranks per host (default: LOCAL_WORLD_SIZE, else the whole group).
+    A placement may also be TorchRec-style generator ``(param, local_size, world_size, device_type, sharder)
+    -> ParameterSharding``. ``sharder`` (optional) must be a sharder of ``module``'s type; ``device_type`` is
+    checked.
     """
+    if isinstance(sharder, int) and not isinstance(sharder, bool):
+        raise TypeError("construct_module_sharding_plan(module, per_param_sharding, sharder, local_size, "
+                        "world_size, device_type): the third argument is the sharder (TorchRec's order); pass "
+                        "local_size= by keyword")
+    module_type = getattr(sharder, "module_type", None)
+    if sharder is not None and (module_type is None or not isinstance(module, module_type)):
+        raise ValueError(f"sharder {type(sharder).__name__} does not shard a {type(module).__name__}")
+    _check_device(device_type, "device_type")
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if local_size is None:
         local_size = default_local_size(world_size)
-    resolve_module_plan(embedding_tables(module), per_param_sharding, world_size, local_size)
-    return dict(per_param_sharding)
+    tables = embedding_tables(module)
+    by_name = {t.name: t for t in tables}
+    container = getattr(module, "embedding_bags", None) or getattr(module, "embeddings", None)
+    modules = dict(container.named_children()) if container is not None else {}
+    plan = {}
+    for name, ps in per_param_sharding.items():
+        if callable(ps) and not isinstance(ps, ParameterSharding):  # TorchRec's generator form
+            weight = getattr(modules.get(name), "weight", None)
+            ps = ps(weight, local_size, world_size, device_type or "cpu", sharder)
+        plan[name] = ps
+    resolve_module_plan(tables, plan, world_size, local_size)
+    return {n: with_resolved_ranks(by_name[n], ps, world_size, local_size) for n, ps in plan.items()}

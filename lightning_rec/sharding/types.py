@@ -24,18 +24,28 @@ from lightning_rec.sharding.layout import ShardMeta, Tiling, even_blocks
 PLACEMENT_FIELDS = ("ranks", "row_sizes", "col_sizes", "host_indexes")
 
 
+#: TorchRec's compute kernel names (accepted in plans; the lookup kernel here is chosen by "auto" / "torch" /
+#: "fbgemm", and TorchRec's names pick "auto")
+COMPUTE_KERNELS = ("auto", "torch", "fbgemm", "dense", "fused", "fused_uvm", "fused_uvm_caching", "quant",
+                   "quant_uvm", "quant_uvm_caching", "key_value", "customized_kernel")
+
+
 @dataclass
 class ParameterSharding:
     """How one table is placed.
 
     Args:
-        sharding_type: a ``ShardingType`` (or its string value).
-        ranks: TABLE_WISE: ``[rank]``; COLUMN_WISE: one rank per column shard. Filled in for other types
-            when the plan is resolved.
+        sharding_type: a ``ShardingType`` (or its string value; a member compares equal to its string).
+        ranks: TABLE_WISE: ``[rank]``; COLUMN_WISE / TABLE_COLUMN_WISE: one rank per column shard. For the
+            other types the ranks follow from the placement; a resolved plan fills them in (TorchRec's order:
+            column shards, then row blocks), and a plan that gives them must give exactly those.
         row_sizes: ROW_WISE only: rows per rank of the group (uneven placement); default even blocks.
         col_sizes: COLUMN_WISE / GRID_SHARD: width of each column shard; default even widths.
         host_indexes: TABLE_ROW_WISE: ``[host]``; GRID_SHARD: one host per column shard.
-        compute_kernel: lookup kernel for the local shards (``"auto"``, ``"torch"`` or ``"fbgemm"``).
+        compute_kernel: lookup kernel for the local shards (``"auto"``, ``"torch"`` or ``"fbgemm"``; TorchRec's
+            kernel names are accepted too).
+        num_buckets: ROW_WISE only: TorchRec's bucketized row-wise: ``num_buckets`` equal buckets (they must
+            divide ``num_embeddings``) spread over the ranks, the first ranks taking one more.
     """
 
     sharding_type: ShardingType | str
@@ -44,6 +54,7 @@ class ParameterSharding:
     col_sizes: list[int] | None = None
     host_indexes: list[int] | None = None
     compute_kernel: str = "auto"
+    num_buckets: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.sharding_type, ShardingType):
@@ -53,6 +64,16 @@ class ParameterSharding:
                 raise ValueError(
                     f"unknown sharding type {self.sharding_type!r}; choose one of {[s.value for s in ShardingType]}"
                 ) from None
+        if self.compute_kernel is None:
+            self.compute_kernel = "auto"
+        if str(self.compute_kernel).lower() not in COMPUTE_KERNELS:
+            raise ValueError(f"unknown compute_kernel {self.compute_kernel!r}; choose one of {list(COMPUTE_KERNELS)}")
+        self.compute_kernel = str(self.compute_kernel).lower()
+        nb = self.num_buckets
+        if nb is not None and (isinstance(nb, bool) or not isinstance(nb, numbers.Integral) or nb <= 0):
+            raise ValueError(f"num_buckets must be a positive integer, got {nb!r}")
+        if nb is not None and self.sharding_type != ShardingType.ROW_WISE:
+            raise ValueError(f"num_buckets applies to row_wise only, not {self.sharding_type.value}")
 
 
 def _as_ints(table: str, field_name: str, values: object) -> list[int] | None:
@@ -102,6 +123,21 @@ def _col_sizes(table: BaseEmbeddingConfig, ps: ParameterSharding, n: int) -> lis
     return [dim // n] * n
 
 
+def _bucket_rows(table: BaseEmbeddingConfig, num_buckets: int, group_size: int) -> list[int]:
+    """TorchRec's bucketized row-wise sizes: equal buckets, the first ``num_buckets % group_size`` ranks one more."""
+    if table.num_embeddings % num_buckets:
+        raise ValueError(f"table {table.name!r}: num_buckets={num_buckets} does not divide "
+                         f"num_embeddings={table.num_embeddings}")
+    size, per_rank, extra = table.num_embeddings // num_buckets, num_buckets // group_size, num_buckets % group_size
+    return [size * (per_rank + (r < extra)) for r in range(group_size)]
+
+
+def resolved_ranks(tiling: Tiling | None, group_size: int) -> list[int]:
+    """The ranks of a placement in TorchRec's order: every rank for a replica, else its shards' ranks (column
+    shards in order, row blocks within each)."""
+    return list(range(group_size)) if tiling is None else [int(r) for r in tiling.rank]
+
+
 class CandidateSpace(Protocol):
     """What a kind needs from the planner to propose placements for one table (or group kept together)."""
 
@@ -132,6 +168,8 @@ class ShardingKind:
     def normalized(self, name: str, ps: ParameterSharding) -> ParameterSharding:
         """``ps`` with its fields checked against this type and converted to plain ints."""
         for field_name in PLACEMENT_FIELDS:
+            if field_name == "ranks" and "ranks" not in self.fields:
+                continue  # ranks that follow from the placement: checked against it in tiling()
             if getattr(ps, field_name) is not None and field_name not in self.fields:
                 raise ValueError(
                     f"table {name!r}: {field_name} does not apply to {self.sharding_type.value} "
@@ -139,7 +177,7 @@ class ShardingKind:
                 )
         return ParameterSharding(
             self.sharding_type, **{f: _as_ints(name, f, getattr(ps, f)) for f in PLACEMENT_FIELDS},
-            compute_kernel=ps.compute_kernel,
+            compute_kernel=ps.compute_kernel, num_buckets=ps.num_buckets,
         )
 
     def tiling(self, table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int,
@@ -149,7 +187,20 @@ class ShardingKind:
         if self.needs_hosts and group_size % local_size:
             raise ValueError(f"table {table.name!r}: local_size={local_size} does not divide the group size "
                              f"{group_size}, so hosts are undefined")
-        return self._tile(table, ps, group_size, local_size)
+        given = ps.ranks if "ranks" not in self.fields else None
+        if given is not None:
+            ps = ParameterSharding(ps.sharding_type, None, ps.row_sizes, ps.col_sizes, ps.host_indexes,
+                                   ps.compute_kernel, ps.num_buckets)
+        tiling = self._tile(table, ps, group_size, local_size)
+        if given is not None:
+            derived = resolved_ranks(tiling, group_size)
+            if given != derived:
+                raise ValueError(
+                    f"table {table.name!r}: ranks does not apply to {self.sharding_type.value} (it takes "
+                    f"{list(self.fields) or 'no options'}) unless it equals the ranks the placement resolves to, "
+                    f"{derived}; got {given}"
+                )
+        return tiling
 
     def layout(self, table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int,
                local_size: int) -> Tiling | None:
@@ -210,7 +261,9 @@ class RowWise(ShardingKind):
     def _tile(self, table, ps, group_size, local_size):
         rows = table.num_embeddings
         sizes = ps.row_sizes
-        if sizes is None:
+        if sizes is None and ps.num_buckets is not None:
+            sizes = _bucket_rows(table, ps.num_buckets, group_size)
+        elif sizes is None:
             sizes = even_blocks(rows, group_size)
         elif len(sizes) != group_size or any(s < 0 for s in sizes) or sum(sizes) != rows:
             raise ValueError(
@@ -249,6 +302,23 @@ class ColumnWise(ShardingKind):
             probe = ParameterSharding(self.sharding_type, ranks=list(range(k)))
             out.append(ParameterSharding(self.sharding_type, ranks=space.best_ranks(k, probe)))
         return out
+
+
+class TableColumnWise(ColumnWise):
+    """TorchRec's table-column-wise: column shards as ``column_wise``, on ranks that all belong to one host."""
+
+    sharding_type = ShardingType.TABLE_COLUMN_WISE
+
+    def _tile(self, table, ps, group_size, local_size):
+        tiling = super()._tile(table, ps, group_size, local_size)
+        hosts = sorted({r // local_size for r in ps.ranks or []})
+        if len(hosts) > 1:
+            raise ValueError(f"table {table.name!r}: table_column_wise ranks {ps.ranks} span hosts {hosts} "
+                             f"(local_size={local_size}); keep them on one host, or use column_wise")
+        return tiling
+
+    def candidates(self, space):
+        return []  # the same placements as column_wise candidates on one host
 
 
 class TableRowWise(ShardingKind):
@@ -310,7 +380,8 @@ class GridShard(ShardingKind):
 
 #: every sharding type's kind, in ``ShardingType`` order (the planner's candidate order)
 KINDS: dict[ShardingType, ShardingKind] = {
-    k.sharding_type: k for k in (DataParallel(), TableWise(), RowWise(), ColumnWise(), TableRowWise(), GridShard())
+    k.sharding_type: k
+    for k in (DataParallel(), TableWise(), RowWise(), ColumnWise(), TableRowWise(), GridShard(), TableColumnWise())
 }
 
 

@@ -6,6 +6,8 @@ plan from the tables, the group size and the local size alone.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -198,7 +200,8 @@ def test_construct_defaults_to_single_process() -> None:
     tables = _tables((10, 8), (7, 4))
     ebc = EmbeddingBagCollection(tables)
     plan = {"t0": table_wise(0), "t1": row_wise()}
-    assert construct_module_sharding_plan(ebc, plan) == plan
+    out = construct_module_sharding_plan(ebc, plan)
+    assert out == {"t0": table_wise(0), "t1": ParameterSharding("row_wise", ranks=[0])}  # ranks filled in
     with pytest.raises(ValueError, match=r"table 't0': rank 1 is outside .*0\.\.0"):
         construct_module_sharding_plan(ebc, {"t0": table_wise(1), "t1": row_wise()})
 
@@ -345,7 +348,11 @@ def test_construct_module_sharding_plan_accepts_valid_plans(case) -> None:
     world, local, tables, plan = case
     ebc = EmbeddingBagCollection(tables)
     out = construct_module_sharding_plan(ebc, plan, local_size=local, world_size=world)
-    assert out == plan and out is not plan
+    assert out is not plan and out.keys() == plan.keys()
+    for name, ps in plan.items():  # the same placement with its ranks filled in, and it resolves the same
+        assert out[name].ranks is not None and replace(out[name], ranks=ps.ranks) == ps
+        table = next(t for t in tables if t.name == name)
+        assert resolve_table(table, out[name], world, local) == resolve_table(table, ps, world, local)
 
 
 @pytest.mark.parametrize("rows", range(1, 30))
@@ -381,7 +388,7 @@ def test_every_sharding_type_has_exactly_one_kind() -> None:
 def test_a_kind_refuses_every_field_it_does_not_list(st: ShardingType) -> None:
     t = _tables((12, 8))[0]
     for f in PLACEMENT_FIELDS:
-        if f in KINDS[st].fields:
+        if f in KINDS[st].fields or f == "ranks":  # ranks: accepted when they are the resolved ones (test_porting_plan)
             continue
         with pytest.raises(ValueError, match=rf"table 't0': {f} does not apply to {st.value}"):
             KINDS[st].tiling(t, ParameterSharding(st, **{f: [0]}), 4, 2)

@@ -1,0 +1,270 @@
+"""``DistributedModelParallel`` for a training loop without Lightning (TorchRec's names and argument order).
+
+A thin wrapper: :func:`lightning_rec.sharding.shard_modules` shards every embedding collection by the plan
+(or an automatic plan), DDP keeps the dense rest in sync, and the state_dict keeps the unsharded model's keys.
+Embedding gradients follow TorchRec's rule by default (``embedding_grad="mean"``: divided by the number of
+ranks), so a DMP job on N ranks with batch B per rank trains like one process on batch N * B.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_rec.distributed.optimizers import in_backward_spec, spec_from_fused_params
+from lightning_rec.fused_kinds import FusedOptimizerSpec
+from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
+from lightning_rec.optim import FusedOptimizer
+from lightning_rec.sharding import ParameterSharding, ShardingPlan, fused_optimizer, shard_modules
+from lightning_rec.sharding.mesh import default_local_size
+from lightning_rec.sharding.plan import with_resolved_ranks
+from lightning_rec.sharding.sharded import ShardedCollection, sharded_collections
+from lightning_rec.sharding.types import placement_of
+
+
+@dataclass
+class ShardingEnv:
+    """The process group a model is sharded over (TorchRec's ``ShardingEnv``)."""
+
+    world_size: int
+    rank: int
+    pg: dist.ProcessGroup | None = None
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        return self.pg
+
+    @classmethod
+    def from_process_group(cls, pg: dist.ProcessGroup) -> ShardingEnv:
+        return cls(dist.get_world_size(pg), dist.get_rank(pg), pg)
+
+    @classmethod
+    def from_local(cls, world_size: int, rank: int) -> ShardingEnv:
+        return cls(world_size, rank, None)
+
+
+class ModuleSharder:
+    """Which module type a sharder shards, and the options its tables get (``fused_params``)."""
+
+    module_type: type[nn.Module] = nn.Module
+
+    def __init__(self, fused_params: Mapping[str, Any] | None = None, qcomm_codecs_registry: Any = None,
+                 **kwargs: Any) -> None:
+        if qcomm_codecs_registry is not None:
+            raise ValueError("quantized comms (qcomm_codecs_registry) are not supported; pass None "
+                             "(embeddings travel in their own dtype)")
+        unknown = sorted(k for k, v in kwargs.items() if v not in (None, False))
+        if unknown:
+            raise ValueError(f"{type(self).__name__}: options {unknown} are not supported")
+        self.fused_params = dict(fused_params or {})
+        # checked now, so a bad optimizer fails at construction
+        self.embedding_optimizer: FusedOptimizerSpec | None = spec_from_fused_params(self.fused_params)
+
+    def shardable_parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        """``{table name: weight}`` of ``module``."""
+        tables = getattr(module, "embedding_bags", None) or getattr(module, "embeddings", None)
+        return {} if tables is None else {name: m.weight for name, m in tables.named_children()}
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        return ["data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise", "grid_shard",
+                "table_column_wise"]
+
+
+class EmbeddingBagCollectionSharder(ModuleSharder):
+    """Shards ``EmbeddingBagCollection``; ``fused_params={"optimizer": ..., "learning_rate": ...}`` makes its
+    tables update in backward with the fused kernel (as an in-backward optimizer on the tables does)."""
+
+    module_type = EmbeddingBagCollection
+
+
+class EmbeddingCollectionSharder(ModuleSharder):
+    """Shards ``EmbeddingCollection`` (its tables are ordinary parameters: no fused optimizer)."""
+
+    module_type = EmbeddingCollection
+
+
+def get_default_sharders() -> list[ModuleSharder]:
+    return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
+
+
+def _embedding_optimizer(module: nn.Module, sharders: list[ModuleSharder]) -> FusedOptimizerSpec | None:
+    """The one fused spec for the model's collections, from the sharders' fused_params or in-backward optimizers."""
+    by_type = {s.module_type: s for s in sharders}
+    found: dict[str, FusedOptimizerSpec | None] = {}
+    for path, m in module.named_modules():
+        if type(m) not in (EmbeddingBagCollection, EmbeddingCollection):
+            continue
+        sharder = by_type.get(type(m))
+        if sharder is None:
+            raise ValueError(f"no sharder for {type(m).__name__} at {path or '<root>'!r}; sharders given: "
+                             f"{[type(s).__name__ for s in sharders]}")
+        from_params, from_sharder = in_backward_spec(m), sharder.embedding_optimizer
+        if from_params is not None and from_sharder is not None and from_params != from_sharder:
+            raise ValueError(f"{path or '<root>'!r}: the sharder's fused_params optimizer {from_sharder} differs "
+                             f"from the tables' in-backward optimizer {from_params}; give one")
+        found[path] = from_params or from_sharder
+    specs = set(found.values())
+    if len(specs) > 1:
+        raise ValueError(f"collections need one fused optimizer (or none) for all; got {found}")
+    return specs.pop() if specs else None
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+class DistributedModelParallel(nn.Module):
+    """Shards a model's embedding collections over the process group and wraps the dense rest in DDP.
+
+    Args (TorchRec's order):
+        module: the model (its collections may be on the meta device; dense parts on ``device``).
+        env: a :class:`ShardingEnv` (default: the initialised world).
+        device: where shards and dense parameters live (default cpu).
+        plan: a ``ShardingPlan`` (or ``{module path: {table: ParameterSharding}}``); default: automatic.
+        sharders: default :func:`get_default_sharders`; an ``EmbeddingBagCollectionSharder(fused_params=)``
+            or an in-backward optimizer on the tables (``apply_optimizer_in_backward``) selects the fused kernel.
+        init_data_parallel: wrap the dense part in DDP now (else call :meth:`init_data_parallel`).
+        init_parameters: materialise dense parameters left on the meta device (``reset_parameters``).
+        data_parallel_wrapper: not supported (must be None).
+        embedding_grad: ``"mean"`` (TorchRec's, default) or ``"sum"`` (see ``shard_modules``).
+
+    ``state_dict()`` has the unsharded model's keys (sharded tables as ShardedTensors). ``fused_optimizer`` is
+    the :class:`~lightning_rec.optim.FusedOptimizer` of the fused tables (None without): step it once per step
+    after backward (``TrainPipelineSparseDist`` does), the update itself happens in backward.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        env: ShardingEnv | None = None,
+        device: torch.device | None = None,
+        plan: ShardingPlan | Mapping[str, Mapping[str, ParameterSharding]] | None = None,
+        sharders: list[ModuleSharder] | None = None,
+        init_data_parallel: bool = True,
+        init_parameters: bool = True,
+        data_parallel_wrapper: Any = None,
+        *,
+        embedding_grad: str = "mean",
+    ) -> None:
+        super().__init__()
+        if data_parallel_wrapper is not None:
+            raise ValueError("data_parallel_wrapper is not supported: the dense part is wrapped in DDP")
+        if env is None:
+            if not dist.is_available() or not dist.is_initialized():
+                raise RuntimeError("DistributedModelParallel needs torch.distributed: call "
+                                   "torch.distributed.init_process_group first (world_size=1 is fine)")
+            env = ShardingEnv.from_process_group(dist.group.WORLD)
+        if env.process_group is None:
+            raise ValueError("DistributedModelParallel needs a ShardingEnv with a process group")
+        self._env = env
+        self.device = torch.device("cpu" if device is None else device)
+        self.init_parameters = init_parameters
+        self.sharders = get_default_sharders() if sharders is None else list(sharders)
+        if plan is not None and not isinstance(plan, ShardingPlan):
+            plan = ShardingPlan({k: dict(v) for k, v in plan.items()})
+        spec = _embedding_optimizer(module, self.sharders)
+        sharded = shard_modules(module, plan, process_group=env.process_group, device=self.device,
+                                embedding_grad=embedding_grad, embedding_optimizer=spec)
+        self._plan = self._resolved_plan(sharded, plan)
+        self._dmp_wrapped_module: nn.Module = sharded
+        self._fused = fused_optimizer(sharded)
+        if self._fused is not None:
+            for group in self._fused.param_groups:  # in_backward_optimizer_filter leaves fused tables out
+                for p in group["params"]:
+                    p._in_backward_optimizers = [self._fused]  # type: ignore[attr-defined]
+        self._ddp_wrapped = False
+        if init_parameters:
+            self._init_parameters(sharded)
+        if init_data_parallel:
+            self.init_data_parallel()
+
+    def _resolved_plan(self, model: nn.Module, plan: ShardingPlan | None) -> ShardingPlan:
+        out = {}
+        for path, m in sharded_collections(model):
+            gsize = dist.get_world_size(m.shard_group)
+            local = default_local_size(gsize)
+            given = plan.get_plan_for_module(path) if plan is not None else None
+            out[path] = {t.name: with_resolved_ranks(t, given[t.name] if given else placement_of(m.shards[t.name],
+                                                                                                   gsize, local),
+                                                     gsize, local)
+                         for t in m.tables}
+        return ShardingPlan(out)
+
+    def _init_parameters(self, module: nn.Module) -> None:
+        # dense parameters built on the meta device get real storage here and their own initialisation
+        inside = {id(x) for _, c in sharded_collections(module) for x in c.modules()}
+        with torch.no_grad():
+            for m in module.modules():
+                if id(m) in inside:  # shards are initialised by shard_modules
+                    continue
+                fresh = False
+                for name, p in list(m._parameters.items()):
+                    if p is not None and p.device.type == "meta":
+                        m._parameters[name] = nn.Parameter(torch.empty_like(p, device=self.device),
+                                                           requires_grad=p.requires_grad)
+                        fresh = True
+                for name, b in list(m._buffers.items()):
+                    if b is not None and b.device.type == "meta":
+                        m._buffers[name] = torch.zeros_like(b, device=self.device)
+                if fresh and hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+
+    def init_data_parallel(self) -> None:
+        """Wrap the dense (non-sharded) parameters in DDP. Safe to call again."""
+        if self._ddp_wrapped:
+            return
+        if self.init_parameters:
+            self._init_parameters(self._dmp_wrapped_module)
+        model = self._dmp_wrapped_module
+        sharded = [f"{path}.{n}" if path else n for path, m in sharded_collections(model)
+                   for n, _ in [*m.named_parameters(), *m.named_buffers()]]
+        dense = [p for n, p in model.named_parameters() if n not in set(sharded) and p.requires_grad]
+        if dense and not isinstance(model, ShardedCollection):
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sharded)
+            for p in dense:
+                if p.device != self.device:
+                    p.data = p.data.to(self.device)
+            self._dmp_wrapped_module = DistributedDataParallel(
+                model, device_ids=None if self.device.type == "cpu" else [self.device],
+                process_group=self._env.process_group, gradient_as_bucket_view=True,
+            )
+        self._ddp_wrapped = True
+
+    @property
+    def module(self) -> nn.Module:
+        """The sharded model, without the DDP wrapper."""
+        return _unwrap(self._dmp_wrapped_module)
+
+    @property
+    def plan(self) -> ShardingPlan:
+        """The plan the model is sharded by, every placement with its ranks filled in."""
+        return self._plan
+
+    @property
+    def fused_optimizer(self) -> FusedOptimizer | None:
+        return self._fused
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._dmp_wrapped_module(*args, **kwargs)
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        if args:
+            raise TypeError("DistributedModelParallel.state_dict takes keyword arguments only")
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)

@@ -1,0 +1,184 @@
+"""TorchRec's training API on 2 gloo processes: the ported golden example trains, and DMP + fused row-wise
+Adagrad + DDP equals plain single-process training on the global batch, step for step."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from lightning_rec.data import Batch, RandomRecDataset
+from lightning_rec.distributed import (
+    DistributedModelParallel,
+    EmbeddingBagCollectionSharder,
+    KeyedOptimizerWrapper,
+    RowWiseAdagrad,
+    ShardingEnv,
+    TrainPipelineSparseDist,
+    apply_optimizer_in_backward,
+    in_backward_optimizer_filter,
+)
+from lightning_rec.models.dlrm import DLRM, DLRMTrain
+from lightning_rec.sharding import ShardingPlan, column_wise, row_wise, table_wise
+from lightning_rec.sharding.state import full_state_dict
+from lightning_rec.testing import run_distributed
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "from_torchrec.py"
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("from_torchrec", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run_example(rank: int, world: int) -> list[float]:
+    return _example().train(num_embeddings=200, embedding_dim=8, num_iterations=40, learning_rate=0.1, seed=3)
+
+
+def test_ported_golden_example_trains_on_two_processes() -> None:
+    losses = run_distributed(_run_example, 2)
+    for rank, curve in enumerate(losses):
+        first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
+        assert last < 0.7 * first, f"rank {rank}: loss {first:.4f} -> {last:.4f} did not go down"
+
+
+# -- DMP == one process on the global batch ----------------------------------------------------------------
+TABLES = [("t_a", 40, 8, ["a"]), ("t_b", 30, 8, ["b"]), ("t_c", 25, 8, ["c"])]
+LR = 0.05
+STEPS = 3
+
+
+def _model() -> DLRMTrain:
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(n, d, name, f) for name, n, d, f in TABLES])
+    return DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=5, dense_arch_layer_sizes=[6, 8],
+                          over_arch_layer_sizes=[4, 1]))
+
+
+def _batches(rank: int) -> list[Batch]:
+    keys = [f for *_, fs in TABLES for f in fs]
+    ds = RandomRecDataset(keys, batch_size=3 + rank, hash_sizes=[n for _, n, _, _ in TABLES], ids_per_feature=3,
+                          min_ids_per_feature=0, num_dense=5, manual_seed=100 + rank, num_batches=STEPS)
+    return list(ds)
+
+
+def _concat(a: Batch, b: Batch) -> Batch:
+    keys = a.sparse.keys()
+    da, db = a.sparse.to_dict(), b.sparse.to_dict()
+    values = torch.cat([torch.cat([da[k].values(), db[k].values()]) for k in keys])
+    lengths = torch.cat([torch.cat([da[k].lengths(), db[k].lengths()]) for k in keys])
+    return Batch(torch.cat([a.dense, b.dense]), KeyedJaggedTensor(keys, values, lengths=lengths),
+                 torch.cat([a.labels, b.labels]))
+
+
+def _reference(state: dict, batches: list[list[Batch]], table_optimizer: type) -> dict:
+    """Plain torch, one process: ``table_optimizer`` on the tables, Adagrad on the rest, the global batch per step."""
+    model = _model()
+    model.load_state_dict(state)
+    tables = list(model.model.sparse_arch.parameters())
+    dense = [p for p in model.parameters() if all(p is not t for t in tables)]
+    opts = [table_optimizer(tables, lr=LR, eps=1e-10), torch.optim.Adagrad(dense, lr=LR)]
+    for step in range(STEPS):
+        glob = batches[0][step]
+        for r in range(1, len(batches)):
+            glob = _concat(glob, batches[r][step])
+        for o in opts:
+            o.zero_grad()
+        # each rank's loss is the mean over its own batch; DDP and embedding_grad="mean" average the ranks
+        per_rank = [len(batches[r][step]) for r in range(len(batches))]
+        logits = model.model(glob.dense, glob.sparse).squeeze(-1)
+        parts = torch.split(torch.nn.functional.binary_cross_entropy_with_logits(
+            logits, glob.labels.float(), reduction="none"), per_rank)
+        (sum(p.mean() for p in parts) / len(parts)).backward()
+        for o in opts:
+            o.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _dmp_vs_reference(rank: int, world: int, plan_kind: str, via: str) -> None:
+    torch.manual_seed(0)
+    model = _model()
+    initial = copy.deepcopy(model.state_dict())
+    if via == "in_backward":
+        apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": LR})
+        sharder = EmbeddingBagCollectionSharder()
+    else:
+        # element-wise Adagrad: a column shard keeps the same per-value state as the whole table (row-wise
+        # Adagrad keeps one statistic per row of each column shard, as TorchRec's does: README "Porting")
+        sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": "EXACT_ADAGRAD",
+                                                              "learning_rate": LR, "eps": 1e-10})
+    plans = {
+        "auto": None,
+        "mixed": ShardingPlan({"model.sparse_arch.embedding_bag_collection": {
+            "t_a": row_wise(), "t_b": table_wise(rank=1), "t_c": column_wise(size_per_rank=[4, 4])}}),
+    }
+    env = ShardingEnv.from_process_group(dist.group.WORLD) if plan_kind == "mixed" else None
+    dmp = DistributedModelParallel(model, env=env, device=torch.device("cpu"), plan=plans[plan_kind],
+                                   sharders=[sharder])
+    assert set(dmp.state_dict()) == set(initial), "DMP state_dict keys differ from the unsharded model's"
+    ebc_plan = dmp.plan.get_plan_for_module("model.sparse_arch.embedding_bag_collection")
+    assert all(ps.ranks for ps in ebc_plan.values()), ebc_plan
+    if plan_kind == "mixed":
+        assert ebc_plan["t_a"].sharding_type == "row_wise" and ebc_plan["t_a"].ranks == [0, 1]
+        assert ebc_plan["t_c"].ranks == [0, 1]
+    dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    assert not any("embedding_bag_collection" in k for k in dense), sorted(dense)
+    opt = KeyedOptimizerWrapper(dense, lambda ps: torch.optim.Adagrad(ps, lr=LR))
+    pipeline = TrainPipelineSparseDist(dmp, opt, torch.device("cpu"))
+    batches = [_batches(r) for r in range(world)]
+    it = iter(batches[rank])
+    for _ in range(STEPS):
+        pipeline.progress(it)
+    with pytest.raises(StopIteration):
+        pipeline.progress(it)
+    got = full_state_dict(dmp.module)
+    want = _reference(initial, batches, RowWiseAdagrad if via == "in_backward" else torch.optim.Adagrad)
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    # state_dict round trip: zero every weight, load the saved state back, get the trained weights again
+    saved = copy.deepcopy(full_state_dict(dmp.module))
+    with torch.no_grad():
+        for v in dmp.module.state_dict(keep_vars=True).values():
+            for piece in [s.tensor for s in v.local_shards()] if hasattr(v, "local_shards") else [v]:
+                piece.zero_()
+    assert all(not v.any() for v in full_state_dict(dmp.module).values())
+    dmp.load_state_dict(saved)
+    for k, v in full_state_dict(dmp.module).items():
+        torch.testing.assert_close(v, saved[k], msg=lambda m, k=k: f"after load_state_dict, {k}: {m}")
+    assert not torch.equal(want["model.sparse_arch.embedding_bag_collection.embedding_bags.t_a.weight"],
+                           initial["model.sparse_arch.embedding_bag_collection.embedding_bags.t_a.weight"])
+    dist.barrier()
+
+
+@pytest.mark.parametrize("plan_kind, via", [("auto", "in_backward"), ("mixed", "fused_params")])
+def test_dmp_equals_single_process_reference(plan_kind: str, via: str) -> None:
+    run_distributed(_dmp_vs_reference, 2, plan_kind, via)
+
+
+def _meta_model(rank: int, world: int) -> None:
+    torch.manual_seed(rank)  # different seeds: DDP must make the dense replicas equal
+    meta = torch.device("meta")
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(n, d, name, f) for name, n, d, f in TABLES], device=meta)
+    model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=5, dense_arch_layer_sizes=[6, 8],
+                           over_arch_layer_sizes=[4, 1], dense_device=meta))
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"))
+    assert not [n for n, p in dmp.named_parameters() if p.device.type == "meta"]
+    dense = {k: v for k, v in dmp.state_dict().items() if "embedding_bag_collection" not in k}
+    assert all(v.abs().sum() > 0 for v in dense.values()), "meta dense parameters were not initialised"
+    gathered = [None] * world
+    dist.all_gather_object(gathered, dense)
+    for k in dense:
+        torch.testing.assert_close(gathered[0][k], gathered[1][k])
+    loss, _ = dmp(_batches(rank)[0])
+    assert torch.isfinite(loss)
+
+
+def test_dmp_materialises_a_meta_model() -> None:
+    run_distributed(_meta_model, 2)
