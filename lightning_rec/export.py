@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_rec import _compat
-from lightning_rec import checkpoint
+from lightning_rec import _compat, checkpoint
 from lightning_rec.checkpoint import atomic
 from lightning_rec.checkpoint.errors import DiskFullError
 from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
@@ -370,7 +369,7 @@ def export_program(
     path: str | os.PathLike,
     *,
     keys: Sequence[str] | None = None,
-    num_dense: int | None | str = "auto",
+    num_dense: int | str | None = "auto",
     weighted: bool = False,
     checkpoint_dir: str | os.PathLike | None = None,
     trusted: bool = False,
