@@ -20,6 +20,7 @@ import copy
 import errno
 import json
 import os
+import re
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +34,7 @@ from torch import nn
 from lightning_rec import _compat, checkpoint
 from lightning_rec.checkpoint import atomic
 from lightning_rec.checkpoint.errors import DiskFullError
+from lightning_rec.kernels import TableContainer
 from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.sharding import ShardedEmbeddingBagCollection, full_state_dict, sharded_collections
 from lightning_rec.sparse import KeyedJaggedTensor, KeyedTensor
@@ -212,6 +214,25 @@ class ExportStateDict(L.Callback):
 SIGNATURE_FILE = "lightning_rec_signature.json"
 
 
+class _ExportTables(TableContainer):
+    """The tables of an inference copy under names without ``.``: torch.export resolves parameters by
+    splitting their names at dots, which a table named ``"geo.city"`` breaks. Looked up by the table names."""
+
+    def __init__(self, tables: TableContainer) -> None:
+        super().__init__()
+        self._names: dict[str, str] = {}
+        for i, name in enumerate(tables):
+            safe = f"t{i}_" + re.sub(r"\W", "_", name)
+            self._names[name] = safe
+            self._modules[safe] = tables[name]
+
+    def __getitem__(self, name: str) -> nn.Module:
+        return self._modules[self._names[name]]  # type: ignore[return-value]
+
+    def __iter__(self):
+        return iter(self._names)
+
+
 def _unsharded_twin(m: nn.Module, full: dict[str, torch.Tensor], prefix: str) -> nn.Module:
     """The unsharded collection of sharded ``m`` on CPU, holding the gathered full tables (torch kernel)."""
     if isinstance(m, ShardedEmbeddingBagCollection):
@@ -250,11 +271,20 @@ def inference_model(model: nn.Module) -> nn.Module | None:
     else:
         out = copy.deepcopy(model, memo)
     for m in out.modules():
+        if isinstance(m, EmbeddingBagCollection):
+            m.kernel = "torch"  # aten ops only: the program loads where fbgemm is not installed
         if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection)):
             m.sparse_grad = False  # inference: no gradient, and a plain embedding_bag in the graph
-            if isinstance(m, EmbeddingBagCollection):
-                m.kernel = "torch"  # aten ops only: the program loads where fbgemm is not installed
     return out.to("cpu").eval()
+
+
+def _rename_tables(model: nn.Module) -> None:
+    """Tables under dot-free names (see ``_ExportTables``); state_dict keys change, so only just before tracing."""
+    for m in model.modules():
+        if isinstance(m, EmbeddingBagCollection):
+            m.embedding_bags = _ExportTables(m.embedding_bags)
+        elif isinstance(m, EmbeddingCollection):
+            m.embeddings = _ExportTables(m.embeddings)
 
 
 def _collection_features(model: nn.Module) -> dict[str, int]:
@@ -320,13 +350,15 @@ class TensorInputs(nn.Module):
             out = self.model(kjt)
         else:
             out = self.model(torch.cat([dense, dense.new_zeros(1, dense.size(1))]), kjt)
-        return _drop_last_sample(_tensor_outputs(out))
+        # size-oblivious: the strides of the [B, ...] results must not make the trace branch on a batch of one
+        with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+            return _first_samples(_tensor_outputs(out), b)
 
 
-def _drop_last_sample(out: Any) -> Any:
+def _first_samples(out: Any, b: Any) -> Any:
     if torch.is_tensor(out):
-        return out[:-1]
-    return type(out)(_drop_last_sample(o) for o in out)
+        return out[:b]
+    return type(out)(_first_samples(o, b) for o in out)
 
 
 def _example(keys: list[str], rows: dict[str, int], num_dense: int | None, weighted: bool,
@@ -351,6 +383,7 @@ def _trace(model: nn.Module, keys: Sequence[str] | None, num_dense: int | None, 
     if not keys or unknown:
         raise ValueError(f"export_program: keys {unknown or keys} are not features of the model's embedding "
                          f"collections (features: {list(rows)})")
+    _rename_tables(model)
     wrapper = TensorInputs(model, keys, num_dense, weighted)
     example = _example(keys, rows, num_dense, weighted, batch_size)
     batch, ids = torch.export.Dim("batch", min=1), torch.export.Dim("ids", min=0)
