@@ -306,7 +306,7 @@ def _collection_features(model: nn.Module) -> dict[str, int]:
 def _tensor_outputs(out: Any) -> Any:
     if isinstance(out, KeyedTensor):
         return out.values()  # [B, sum of dims], keys in the KeyedTensor's order
-    if torch.is_tensor(out):
+    if torch.is_tensor(out) or isinstance(out, torch.fx.Proxy):  # a Proxy under torch.fx.symbolic_trace
         return out
     if isinstance(out, (tuple, list)):
         return type(out)(_tensor_outputs(o) for o in out)
@@ -356,7 +356,7 @@ class TensorInputs(nn.Module):
 
 
 def _first_samples(out: Any, b: Any) -> Any:
-    if torch.is_tensor(out):
+    if torch.is_tensor(out) or isinstance(out, torch.fx.Proxy):
         return out[:b]
     return type(out)(_first_samples(o, b) for o in out)
 

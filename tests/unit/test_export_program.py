@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.fx
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, checkpoint
-from lightning_rec.export import SIGNATURE_FILE, export_program, inference_model
+from lightning_rec.export import SIGNATURE_FILE, TensorInputs, export_program, inference_model
 from lightning_rec.models import DLRM
+from lightning_rec.models.dlrm import DLRM as TorchRecDLRM
 
 CARDS = {"user id": 23, "item": 31, "geo.city": 7}  # any string is a feature name
 DENSE = 3
@@ -127,3 +129,16 @@ def test_bad_requests_raise_and_leave_no_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="num_dense"):
         export_program(model.sparse_arch, tmp_path / "b.pt2")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fx_symbolic_trace_of_the_tensor_signature_matches_eager() -> None:
+    # TorchRec's DLRM (the Lightning DLRM's parts) behind the plain-tensor signature that export_program serves
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="ta", num_embeddings=10, embedding_dim=4, feature_names=["a"]),
+                                  EmbeddingBagConfig(name="tb", num_embeddings=20, embedding_dim=4, feature_names=["b"],
+                                                     pooling="mean")])
+    wrapper = TensorInputs(TorchRecDLRM(ebc, DENSE, [8, 4], [8, 1]), ["a", "b"], num_dense=DENSE)
+    gm = torch.fx.symbolic_trace(wrapper)
+    assert "embedding_bag" in gm.code
+    for seed, (b, n) in enumerate(SHAPES):
+        x = _batch(["a", "b"], [10, 20], b, n, seed)
+        torch.testing.assert_close(gm(*x), wrapper(*x))
