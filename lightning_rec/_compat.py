@@ -7,6 +7,7 @@ from importlib import metadata
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as _fx_shape_config
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
@@ -162,3 +163,9 @@ def synced_grad_scaler(scaler: object, group: object) -> object:
 def optimizers_to_device(optimizers: Any, device: torch.device) -> None:
     """Move optimizer state to ``device`` (Lightning's private helper, the one DDPStrategy uses)."""
     _optimizers_to_device(optimizers, device)
+
+
+def size_oblivious() -> Any:
+    """Context: symbolic shapes reason as if no dynamic size were 0 or 1 (torch's private shape config), so
+    a traced program has no special case for a batch of one (used by ``lightning_rec.export``)."""
+    return _fx_shape_config.patch(backed_size_oblivious=True)

@@ -351,7 +351,7 @@ class TensorInputs(nn.Module):
         else:
             out = self.model(torch.cat([dense, dense.new_zeros(1, dense.size(1))]), kjt)
         # size-oblivious: the strides of the [B, ...] results must not make the trace branch on a batch of one
-        with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        with _compat.size_oblivious():
             return _first_samples(_tensor_outputs(out), b)
 
 
