@@ -287,20 +287,22 @@ def _rename_tables(model: nn.Module) -> None:
             m.embeddings = _ExportTables(m.embeddings)
 
 
-def _collection_features(model: nn.Module) -> dict[str, int]:
-    """``{feature: rows it may index}`` over the model's (unsharded) collections, in module then config order."""
+def _collection_features(model: nn.Module) -> tuple[dict[str, int], dict[str, list[str]]]:
+    """``{feature: rows it may index}`` and ``{collection path: its features in config order}``."""
     rows: dict[str, int] = {}
-    for m in model.modules():
+    features: dict[str, list[str]] = {}
+    for path, m in model.named_modules():
         if isinstance(m, EmbeddingBagCollection):
             configs = m.embedding_bag_configs()
         elif isinstance(m, EmbeddingCollection):
             configs = m.embedding_configs()
         else:
             continue
+        features[path] = [f for t in configs for f in t.feature_names]
         for t in configs:
             for f in t.feature_names:
                 rows[f] = min(rows.get(f, t.num_embeddings), t.num_embeddings)
-    return rows
+    return rows, features
 
 
 def _tensor_outputs(out: Any) -> Any:
@@ -377,12 +379,19 @@ def _example(keys: list[str], rows: dict[str, int], num_dense: int | None, weigh
 
 def _trace(model: nn.Module, keys: Sequence[str] | None, num_dense: int | None, weighted: bool,
            batch_size: int) -> tuple[torch.export.ExportedProgram, dict[str, Any]]:
-    rows = _collection_features(model)
+    rows, features = _collection_features(model)
     keys = list(rows) if keys is None else list(keys)
     unknown = [k for k in keys if k not in rows]
     if not keys or unknown:
         raise ValueError(f"export_program: keys {unknown or keys} are not features of the model's embedding "
                          f"collections (features: {list(rows)})")
+    # a collection given other keys reorders the KJT (KeyedJaggedTensor.permute), which needs the ids per key
+    # as Python ints: torch.export has them only as symbols, so today every collection must read exactly `keys`
+    other = {path or "<model>": f for path, f in features.items() if f != keys}
+    if other:
+        raise ValueError(f"export_program: the program's keys are {keys}, but collections {other} read other "
+                         "features or another order; give keys= in the collection's config order (a model whose "
+                         "collections read different features cannot be exported yet)")
     _rename_tables(model)
     wrapper = TensorInputs(model, keys, num_dense, weighted)
     example = _example(keys, rows, num_dense, weighted, batch_size)
@@ -418,8 +427,9 @@ def export_program(
     Args:
         model: the trained model, sharded (collective: every rank calls this; rank 0 writes) or not.
         path: the file to write (``.pt2``); it appears only when complete.
-        keys: the features, in the order ``lengths`` lists them (default: every feature of the model's
-            embedding collections, in module then config order).
+        keys: the features, in the order ``lengths`` lists them (default: the features of the model's
+            embedding collections, in config order). Every collection must read exactly these, in this order:
+            reordering a KJT inside the program is not traceable yet, so other keys raise a ValueError.
         num_dense: dense features (the model is called as ``model(dense, kjt)``); ``"auto"`` reads the
             model's ``num_dense`` attribute; None: no dense input, the model is called as ``model(kjt)``.
         weighted: a fourth input, ``weights [N]``, becomes the KJT's per-id weights.

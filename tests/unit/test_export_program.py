@@ -88,3 +88,9 @@ def test_fx_symbolic_trace_of_the_tensor_signature_matches_eager() -> None:
     for seed, (b, n) in enumerate(SHAPES):
         x = _batch(["a", "b"], [10, 20], b, n, seed)
         torch.testing.assert_close(gm(*x), wrapper(*x))
+
+
+def test_keys_in_another_order_than_the_collection_reads_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="config order"):
+        export_program(_dlrm(), tmp_path / "a.pt2", keys=list(reversed(CARDS)))
+    assert not list(tmp_path.iterdir())
