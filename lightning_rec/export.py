@@ -240,8 +240,12 @@ def _unsharded_twin(m: nn.Module, full: dict[str, torch.Tensor], prefix: str) ->
     else:
         twin = EmbeddingCollection(m.tables, device="meta")
     attr = m.table_attr
-    state = {f"{attr}.{t.name}.weight": full[f"{prefix}{attr}.{t.name}.weight"].detach().to("cpu").clone()
-             for t in m.tables}
+    # gathered tables are fresh tensors, taken as they are; replicated ones are the live weights: copied
+    live = {p.untyped_storage().data_ptr() for p in m.parameters()}
+    state = {}
+    for t in m.tables:
+        w = full.pop(f"{prefix}{attr}.{t.name}.weight").detach().to("cpu")
+        state[f"{attr}.{t.name}.weight"] = w.clone() if w.untyped_storage().data_ptr() in live else w
     twin.load_state_dict(state, assign=True)
     return twin
 
