@@ -381,14 +381,29 @@ def _example(keys: list[str], rows: dict[str, int], num_dense: int | None, weigh
     return tuple(out)
 
 
-def _trace(model: nn.Module, keys: Sequence[str] | None, num_dense: int | None, weighted: bool,
-           batch_size: int) -> tuple[torch.export.ExportedProgram, dict[str, Any]]:
+def _keys(model: nn.Module, keys: Sequence[str] | None) -> tuple[list[str], dict[str, int], dict[str, list[str]]]:
     rows, features = _collection_features(model)
     keys = list(rows) if keys is None else list(keys)
     unknown = [k for k in keys if k not in rows]
     if not keys or unknown:
         raise ValueError(f"export_program: keys {unknown or keys} are not features of the model's embedding "
                          f"collections (features: {list(rows)})")
+    return keys, rows, features
+
+
+def _num_dense(model: nn.Module, num_dense: int | str | None) -> int | None:
+    if num_dense != "auto":
+        return num_dense  # type: ignore[return-value]
+    dense = getattr(model, "num_dense", None)
+    if dense is None:
+        raise ValueError("export_program: the model has no `num_dense` attribute; pass num_dense= (the "
+                         "number of dense features) or num_dense=None for a model called as model(kjt)")
+    return dense
+
+
+def _trace(model: nn.Module, keys: Sequence[str] | None, num_dense: int | None, weighted: bool,
+           batch_size: int) -> tuple[torch.export.ExportedProgram, dict[str, Any]]:
+    keys, rows, features = _keys(model, keys)
     # a collection given other keys reorders the KJT (KeyedJaggedTensor.permute), which needs the ids per key
     # as Python ints: torch.export has them only as symbols, so today every collection must read exactly `keys`
     other = {path or "<model>": f for path, f in features.items() if f != keys}
@@ -456,11 +471,7 @@ def export_program(
         try:
             if checkpoint_dir is not None:
                 checkpoint.load(checkpoint_dir, twin, trusted=trusted)
-            dense = getattr(twin, "num_dense", None) if num_dense == "auto" else num_dense
-            if num_dense == "auto" and dense is None:
-                raise ValueError("export_program: the model has no `num_dense` attribute; pass num_dense= (the "
-                                 "number of dense features) or num_dense=None for a model called as model(kjt)")
-            program, signature = _trace(twin, keys, dense, weighted, example_batch_size)
+            program, signature = _trace(twin, keys, _num_dense(twin, num_dense), weighted, example_batch_size)
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:  # a file object: the partial name need not end in .pt2
                 torch.export.save(program, f, extra_files={SIGNATURE_FILE: json.dumps(signature)})
@@ -470,3 +481,18 @@ def export_program(
             error = e
     atomic.agree(error, f"exporting a program to {path}")
     return path
+
+
+def fx_trace(model: nn.Module, *, keys: Sequence[str] | None = None, num_dense: int | str | None = "auto",
+             weighted: bool = False) -> torch.fx.GraphModule | None:
+    """``torch.fx.symbolic_trace`` of ``model``'s unsharded inference copy behind the plain-tensor signature
+    (:class:`TensorInputs`), for fx inference transforms. Arguments as :func:`export_program`; collective for a
+    sharded model (rank 0 gets the GraphModule, the other ranks None). The model's forward must be fx-traceable
+    (no Python control flow on tensor values); table names are made dot-free as in the exported program.
+    """
+    twin = inference_model(model)
+    if twin is None:
+        return None
+    keys, _, _ = _keys(twin, keys)
+    _rename_tables(twin)
+    return torch.fx.symbolic_trace(TensorInputs(twin, keys, _num_dense(twin, num_dense), weighted))

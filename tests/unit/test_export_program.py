@@ -11,7 +11,7 @@ import torch
 import torch.fx
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, checkpoint
-from lightning_rec.export import TensorInputs, export_program, inference_model
+from lightning_rec.export import export_program, fx_trace, inference_model
 from lightning_rec.models import DLRM
 from lightning_rec.models.dlrm import DLRM as TorchRecDLRM
 
@@ -77,17 +77,18 @@ def test_bad_requests_raise_and_leave_no_file(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_fx_symbolic_trace_of_the_tensor_signature_matches_eager() -> None:
-    # TorchRec's DLRM (the Lightning DLRM's parts) behind the plain-tensor signature that export_program serves
-    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="ta", num_embeddings=10, embedding_dim=4, feature_names=["a"]),
+def test_fx_trace_of_the_tensor_signature_matches_eager() -> None:
+    # TorchRec's DLRM (the Lightning DLRM's parts), with a dotted table name, behind the plain-tensor signature
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t.a", num_embeddings=10, embedding_dim=4, feature_names=["a"]),
                                   EmbeddingBagConfig(name="tb", num_embeddings=20, embedding_dim=4, feature_names=["b"],
                                                      pooling="mean")])
-    wrapper = TensorInputs(TorchRecDLRM(ebc, DENSE, [8, 4], [8, 1]), ["a", "b"], num_dense=DENSE)
-    gm = torch.fx.symbolic_trace(wrapper)
-    assert "embedding_bag" in gm.code
-    for seed, (b, n) in enumerate(SHAPES):
+    model = TorchRecDLRM(ebc, DENSE, [8, 4], [8, 1])
+    gm = fx_trace(model, num_dense=DENSE)
+    assert isinstance(gm, torch.fx.GraphModule) and "embedding_bag" in gm.code
+    for seed, (b, n) in enumerate([(1, 2), (2, 0), (17, 6)]):
         x = _batch(["a", "b"], [10, 20], b, n, seed)
-        torch.testing.assert_close(gm(*x), wrapper(*x))
+        ref = model(x[0], KeyedJaggedTensor(["a", "b"], x[1], lengths=x[2])).squeeze(1)
+        torch.testing.assert_close(gm(*x).squeeze(1), ref)
 
 
 def test_keys_in_another_order_than_the_collection_reads_are_refused(tmp_path: Path) -> None:
