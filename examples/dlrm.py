@@ -10,6 +10,7 @@ memory at start, validation AUC / NE each epoch and a checkpoint at the end. The
     python examples/dlrm.py --trainer.devices 4 --model.embedding_dim 32 --data.size 0.1
     python examples/dlrm.py --config my.yaml                       # layered over dlrm.yaml
     python examples/dlrm.py --trainer.max_epochs 2 --ckpt_path runs/dlrm/checkpoints/dlrm-final.ckpt  # resume
+    python examples/dlrm.py --export_program runs/dlrm/dlrm.pt2       # + a torch.export program to serve
     python examples/dlrm.py --data.source criteo_tsv --data.path /data/criteo/day_0 --trainer.max_epochs 1
 
 The model's ``num_dense``, ``feature_names`` and ``num_embeddings_per_feature`` are taken from the data
@@ -26,6 +27,7 @@ import torch
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_rec  # noqa: F401  registers strategy="rec_sharded"
+from lightning_rec.callbacks import ExportProgram
 from lightning_rec.data import ClickDataModule, SyntheticClicks
 from lightning_rec.models import DLRM
 
@@ -41,6 +43,10 @@ class DLRMCLI(LightningCLI):
             parser.link_arguments(f"data.{source}", f"model.{target}", apply_on="instantiate")
         parser.add_argument("--ckpt_path", type=str | None, default=None,
                             help="resume from a checkpoint directory (any world size, layout or plan)")
+        parser.add_argument("--export_program", type=str | None, default=None,
+                            help="at the end of training, write a torch.export program of the unsharded model to "
+                                 "this .pt2 file; serve it with torch.export.load(path).module()(dense, values, "
+                                 "lengths)")
         parser.add_argument("--trust_checkpoint", type=bool, default=False,
                             help="load --ckpt_path with full unpickling, which runs code the files name; only for "
                                  "checkpoints you wrote whose hyper-parameters hold arbitrary objects")
@@ -71,6 +77,8 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     trust = bool(cli.config.get("trust_checkpoint"))
     if trust and hasattr(cli.trainer.strategy, "trusted_checkpoints"):
         cli.trainer.strategy.trusted_checkpoints = True
+    if cli.config.get("export_program"):
+        cli.trainer.callbacks.append(ExportProgram(cli.config["export_program"]))
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"),
                     weights_only=not trust)
     metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}

@@ -7,6 +7,7 @@ from importlib import metadata
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as _fx_shape_config
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
@@ -180,3 +181,9 @@ class FxProxyableMeta(ProxyableClassMeta):
         if not is_fx_symbolic_tracing():
             return type.__call__(cls, *args, **kwargs)
         return super().__call__(*args, **kwargs)
+
+
+def size_oblivious() -> Any:
+    """Context: symbolic shapes reason as if no dynamic size were 0 or 1 (torch's private shape config), so
+    a traced program has no special case for a batch of one (used by ``lightning_rec.export``)."""
+    return _fx_shape_config.patch(backed_size_oblivious=True)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import Any
+
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_rec.export import export_program
 from lightning_rec.optim import CombinedOptimizer, FusedOptimizer
 from lightning_rec.sharding.planner import Planner, Topology
 from lightning_rec.sharding.sharded import ShardedCollection
@@ -62,9 +67,25 @@ class ShardingSummary(L.Callback):
         rank_zero_info(f"Sharding summary (memory of every rank; times are cost-model estimates):\n{self.last_report}")
 
 
+class ExportProgram(L.Callback):
+    """Write a ``torch.export`` program of the unsharded model when training ends (every rank takes part).
+
+    Serve it with torch alone: ``torch.export.load(path).module()(dense, values, lengths)`` for any batch
+    size and bag lengths (see :func:`lightning_rec.export.export_program`, whose keyword arguments
+    ``export_kwargs`` are passed on: ``keys``, ``num_dense``, ``weighted``). ``last_path`` keeps the path.
+    """
+
+    def __init__(self, path: str | os.PathLike, **export_kwargs: Any) -> None:
+        self.path = path
+        self.export_kwargs = export_kwargs
+        self.last_path: Path | None = None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.last_path = export_program(pl_module, self.path, **self.export_kwargs)
+        rank_zero_info(f"ExportProgram: wrote {self.last_path} (torch.export.load it to serve)")
 
 
-# the export callback lives with the streaming writer it drives
+# the state_dict export callback lives with the streaming writer it drives
 from lightning_rec.export import ExportStateDict  # noqa: E402
 
-__all__ = ["ExportStateDict", "ShardingSummary"]
+__all__ = ["ExportProgram", "ExportStateDict", "ShardingSummary"]
