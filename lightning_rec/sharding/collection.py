@@ -97,7 +97,7 @@ class ShardedCollection(nn.Module):
         source = getattr(module, self._attr)
         container = kernels.TableContainer()
         if fused is not None:  # before any shard is allocated
-            check_fused(self._attr, tables, shards)
+            check_fused(self._attr, tables, shards, fused)
         self._local_shards: list[tuple[int, ShardMeta]] = []  # (table index, shard) held here, table order
         for i, t in enumerate(tables):
             full = source[t.name].weight.detach()

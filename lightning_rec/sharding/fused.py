@@ -11,13 +11,16 @@ import torch.distributed as dist
 
 from lightning_rec import kernels
 from lightning_rec.configs import BaseEmbeddingConfig
+from lightning_rec.fused_kinds import FusedOptimizerSpec
 from lightning_rec.sharding import comm, dists
 from lightning_rec.sharding.layout import ShardMeta
 from lightning_rec.sharding.routing import RoutingTable
 from lightning_rec.sparse import offsets_from_lengths
 
 
-def check_fused(attr: str, tables: list[BaseEmbeddingConfig], shards: dict[str, list[ShardMeta] | None]) -> None:
+def check_fused(
+    attr: str, tables: list[BaseEmbeddingConfig], shards: dict[str, list[ShardMeta] | None], spec: FusedOptimizerSpec
+) -> None:
     """Refuse what fbgemm's fused kernel cannot hold, on every rank alike, before anything is allocated."""
     if attr != "embedding_bags":
         raise ValueError("embedding_optimizer (fused) supports pooled EmbeddingBagCollections only")
@@ -30,6 +33,14 @@ def check_fused(attr: str, tables: list[BaseEmbeddingConfig], shards: dict[str, 
             )
         pieces = shards[t.name]
         widths = [t.embedding_dim] if pieces is None else [s.cols for s in pieces if s.rows > 0]
+        if spec.info.state_per_row and any(w != t.embedding_dim for w in widths):
+            # a row-wise statistic (e.g. the mean squared gradient of the row) computed over a column shard is
+            # not the full row's: the plan would change the math
+            raise ValueError(
+                f"table {t.name!r}: the fused {spec.kind!r} optimizer keeps one statistic per row, which a column "
+                f"split would compute per column shard (shard widths {widths}); shard this table table_wise, "
+                "row_wise, table_row_wise or data_parallel, or use an element-wise optimizer (sgd, adagrad)"
+            )
         bad = [w for w in widths if w % 4]
         if bad:
             what = "its embedding_dim" if pieces is None else "a column shard of it"

@@ -8,7 +8,16 @@ import pytest
 import torch
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
-from lightning_rec.sharding import ShardingPlan, data_parallel, full_state_dict, row_wise, shard_modules, table_wise
+from lightning_rec.sharding import (
+    ShardingPlan,
+    column_wise,
+    data_parallel,
+    full_state_dict,
+    grid_shard,
+    row_wise,
+    shard_modules,
+    table_wise,
+)
 from lightning_rec.testing import run_distributed
 
 
@@ -105,3 +114,27 @@ def test_per_sample_weights_of_different_dtypes_on_different_ranks(kind: str) ->
     for res in run_distributed(_weights_job, 2, kind, timeout_s=90):
         assert res["dtype"] == "torch.float32"
         assert res["forward"] <= 1e-5 and res["state"] <= 1e-5, res
+
+
+# -- a per-row optimizer statistic over a column shard would change the math ---------------------------------------
+def _rowwise_column_split_job(rank: int, ws: int, kind: str, plan_name: str) -> str:
+    tables = [EmbeddingBagConfig(num_embeddings=12, embedding_dim=8, name="wide t", feature_names=["f"])]
+    plans = {"column_wise": column_wise([0, 1]), "grid_shard": grid_shard([0, 1]), "row_wise": row_wise()}
+    model = torch.nn.Sequential()
+    model.add_module("ebc", EmbeddingBagCollection(tables))
+    try:
+        # one rank per host: grid_shard's two column blocks sit on hosts 0 and 1
+        shard_modules(model, ShardingPlan({"ebc": {"wide t": plans[plan_name]}}), local_size=1,
+                      embedding_optimizer={"kind": kind, "lr": 0.1})
+    except ValueError as e:
+        return str(e)
+    return "sharded"
+
+
+@pytest.mark.parametrize("plan_name", ["column_wise", "grid_shard"])
+def test_fused_rowwise_state_refuses_column_splits_on_every_rank(plan_name: str) -> None:
+    for msg in run_distributed(_rowwise_column_split_job, 2, "rowwise_adagrad", plan_name):
+        assert "table 'wide t'" in msg and "one statistic per row" in msg and "row_wise" in msg, msg
+    # element-wise state is exact over column shards, and row shards keep whole rows
+    assert run_distributed(_rowwise_column_split_job, 2, "adagrad", plan_name) == ["sharded", "sharded"]
+    assert run_distributed(_rowwise_column_split_job, 2, "rowwise_adagrad", "row_wise") == ["sharded", "sharded"]

@@ -295,6 +295,8 @@ class Planner:
         budget = np.inf if topo.device_memory is None else topo.device_memory
         dims = [stats[i].dim for i in unit]
         widths = [k for k in _divisors(math.gcd(*dims)) if k > 1 and min(dims) // k >= self.min_column_width]
+        if OPTIMIZER_STATE[self.optimizer][1]:
+            widths = []  # per-row optimizer state over a column shard is not the full row's: never split columns
         space = _Space(self, stats, unit, widths, tot, budget - used)
         out = [ps for st in allowed for ps in KINDS[st].candidates(space)]
         cands = [_Candidate(ps) for ps in out]
