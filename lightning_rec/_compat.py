@@ -12,6 +12,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.fx._symbolic_trace import ProxyableClassMeta, is_fx_symbolic_tracing
 
 # Lightning 2.6 checks `isinstance(treespec, LeafSpec)`, which torch 2.13 deprecates, on every batch; not the
@@ -187,3 +188,16 @@ def size_oblivious() -> Any:
     """Context: symbolic shapes reason as if no dynamic size were 0 or 1 (torch's private shape config), so
     a traced program has no special case for a batch of one (used by ``lightning_rec.export``)."""
     return _fx_shape_config.patch(backed_size_oblivious=True)
+
+
+def sharded_tensor_group(value: ShardedTensor) -> Any:
+    """The process group a ShardedTensor spans (torch keeps it private)."""
+    return value._process_group
+
+
+#: torch.serialization's private layout decoder, which DCP's metadata pickles name
+serialization_get_layout = torch.serialization._get_layout
+
+
+#: DCP's private record of where a stored piece lives, which its metadata pickles name
+DcpStorageInfo = _StorageInfo

@@ -65,7 +65,7 @@ def _gather_to_zero(value: Any) -> torch.Tensor | None:
 
     Under 2D every replica group holds the whole table; the one that contains rank 0 sends.
     """
-    group = value._process_group
+    group = _compat.sharded_tensor_group(value)
     if 0 not in dist.get_process_group_ranks(group):
         return None
     rank = atomic.rank()

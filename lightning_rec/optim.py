@@ -178,7 +178,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for i, (group, k) in enumerate(zip(self.param_groups, self._kernels)):
             entry = {key: v for key, v in group.items() if key != "params"}
             entry["kind"] = k.spec.kind
-            entry["tables"] = self._names(i)
+            entry["tables"] = self.table_names(i)
             step = k.optimizer_iter
             if step is not None:
                 entry["iter"] = step
@@ -186,7 +186,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             tables.update({self._prefixes[i] + n: st for n, st in k.optimizer_states().items()})
         return {"param_groups": groups, "tables": tables}
 
-    def _names(self, i: int) -> list[str]:
+    def table_names(self, i: int) -> list[str]:
         """Kernel ``i``'s table names as this optimizer's state keys them."""
         return [self._prefixes[i] + n for n in self._kernels[i].table_names]
 
@@ -198,7 +198,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 f"not a FusedOptimizer state_dict (expected keys 'param_groups' and 'tables', got {keys})"
             )
         saved_tables = state_dict["tables"]
-        mine = {name: k for i, k in enumerate(self._kernels) for name in self._names(i)}
+        mine = {name: k for i, k in enumerate(self._kernels) for name in self.table_names(i)}
         missing = [n for n in mine if n not in saved_tables]
         unexpected = [n for n in saved_tables if n not in mine]
         if missing or unexpected:
@@ -220,14 +220,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                     f"{k.spec.kind!r}"
                 )
         def local(i: int) -> dict[str, Any]:
-            return {n: saved_tables[q] for n, q in zip(self._kernels[i].table_names, self._names(i))}
+            return {n: saved_tables[q] for n, q in zip(self._kernels[i].table_names, self.table_names(i))}
 
         for i in range(len(self._kernels)):
             self._kernels[i]._check_optimizer_states(local(i))
         # everything checked: apply
         for i, (group, k) in enumerate(zip(self.param_groups, self._kernels)):
             k.load_optimizer_states(local(i))
-            saved = group_of[self._names(i)[0]]
+            saved = group_of[self.table_names(i)[0]]
             for key, v in saved.items():
                 if key not in ("params", "tables", "kind", "iter"):
                     group[key] = v

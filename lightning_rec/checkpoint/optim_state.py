@@ -318,9 +318,9 @@ def _load_fused(leaf, names, loaded: dict[str, dict[str, Any]], saved: dict[str,
     tables: dict[str, dict[str, torch.Tensor]] = {}
     groups = []
     for i, k in enumerate(leaf.kernels):
-        for p, table in zip(k.tables(), leaf._names(i)):
+        for p, table in zip(k.tables(), leaf.table_names(i)):
             tables[table] = dict(loaded.get(names[id(p)], {}))
-        groups.append({**hp, "tables": leaf._names(i)})
+        groups.append({**hp, "tables": leaf.table_names(i)})
     leaf.load_state_dict({"param_groups": groups, "tables": tables})
 
 

@@ -20,8 +20,8 @@ from typing import Any, BinaryIO
 
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+from lightning_rec._compat import DcpStorageInfo, serialization_get_layout
 from lightning_rec.checkpoint.errors import CheckpointError, UnsafeCheckpointError
 from lightning_rec.configs import DataType, EmbeddingBagConfig, EmbeddingConfig, PoolingType, ShardingType
 
@@ -37,8 +37,8 @@ META_GLOBALS: list[Any] = [argparse.Namespace, pathlib.PosixPath, pathlib.PurePo
 # renames them fails these loads with UnsafeCheckpointError naming the global, never silently.
 _DCP_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch.serialization", "_get_layout"): serialization_get_layout,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): DcpStorageInfo,
     ("collections", "OrderedDict"): collections.OrderedDict,
     **{("pathlib", c.__name__): c for c in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath,
                                              pathlib.PureWindowsPath, pathlib.Path)},
