@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor  # noqa: E402
-from lightning_rec.kernels._capability import fbgemm_training  # noqa: E402
-from lightning_rec.sharding import (  # noqa: E402
+from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from lightning_rec.kernels._capability import fbgemm_training
+from lightning_rec.sharding import (
     ShardingPlan,
     column_wise,
     data_parallel,
