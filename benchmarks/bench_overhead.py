@@ -35,7 +35,6 @@ from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJagge
 from lightning_rec.kernels._capability import fbgemm_training
 from lightning_rec.sharding import (
     ShardingPlan,
-    column_wise,
     data_parallel,
     fused_optimizer,
     row_wise,
@@ -48,7 +47,7 @@ JOBS = {
     "dlrm": [100_000, 50_000, 20_000, 10_000, 5_000, 2_000, 1_000, 100_000, 30_000, 3_000, 8_000, 60_000, 4_000,
              100_000, 40_000, 1_500, 25_000, 7_000, 90_000, 2_500, 15_000, 70_000, 1_200, 12_000, 6_000, 80_000],
 }
-PLANS = {"table_wise": lambda: table_wise(0), "row_wise": row_wise, "column_wise": lambda: column_wise([0, 0]),
+PLANS = {"table_wise": lambda: table_wise(0), "row_wise": row_wise,
          "data_parallel": data_parallel}
 
 

@@ -56,9 +56,9 @@ def _bucketize(vals: torch.Tensor, lens: torch.Tensor, starts: tuple[int, ...], 
     st = torch.tensor(starts, dtype=torch.long, device=device)
     bucket = torch.searchsorted(st, vals, right=True) - 1
     order = torch.argsort(bucket, stable=True)
-    bag = torch.repeat_interleave(torch.arange(b, device=device), lens)
+    bag = torch.repeat_interleave(torch.arange(b, device=device), lens, output_size=vals.numel())
     counts = torch.bincount(bucket * b + bag, minlength=len(starts) * b).view(len(starts), b)
-    return counts, counts.sum(1).tolist(), vals[order] - st[bucket[order]], order
+    return counts, counts.sum(1), vals[order] - st[bucket[order]], order
 
 
 def input_dist(
@@ -149,6 +149,15 @@ def _bucketed_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, rout
             continue
         counts, seg, local_vals, order = _bucketize(vals, lens, starts, b, device)
         per_feature[f] = (counts, seg, local_vals, None if w is None else w[order], order)
+    # every feature's id count per row block, read back in one host sync
+    bucketed = [f for f, v in per_feature.items() if isinstance(v[1], torch.Tensor)]
+    if bucketed:
+        flat = torch.cat([per_feature[f][1] for f in bucketed]).tolist()
+        i = 0
+        for f in bucketed:
+            counts, seg, local_vals, w, order = per_feature[f]
+            per_feature[f] = (counts, flat[i : i + seg.numel()], local_vals, w, order)
+            i += seg.numel()
     send_lengths, send_values, send_weights, positions, value_counts, sent = [], [], [], [], [], []
     for lst in routing.routes_to:
         n = 0

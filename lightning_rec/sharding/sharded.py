@@ -83,7 +83,9 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
     def _dp_lookup(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         """``[batch, widths of the data-parallel features]``: every rank looks up its own replica."""
         b, dtype = kjt.stride(), self._out_dtype()
-        sub = kjt.permute(list(self._routing.dp_features))
+        dp_features = list(self._routing.dp_features)
+        # every feature data-parallel (the usual data_parallel plan): the input is already the sub-batch
+        sub = kjt if dp_features == list(range(len(kjt.keys()))) else kjt.permute(dp_features)
         psw = self._wire_weights(sub.weights_or_none()) if self._is_weighted else None
         if self._dp_fused is not None:
             group = self._dp_group if dist.get_world_size(self._dp_group) > 1 else None
