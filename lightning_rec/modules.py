@@ -130,7 +130,7 @@ class FeatureLayout:
             if not all(self.is_mean):
                 lens = torch.where(torch.tensor(self.is_mean, device=lens.device).view(n, 1), lens, 1.0)
             div = lens.t().unsqueeze(2).to(pooled.dtype)
-            return (pooled.view(batch_size, n, self.dims[0]) / div).view(batch_size, -1)
+            return (pooled.view(batch_size, n, self.dims[0]) / div).view(batch_size, n * self.dims[0])
         div = kernels.mean_divisor(lengths, self.dims, self.is_mean, batch_size)
         return pooled / div.to(pooled.dtype)
 
