@@ -120,8 +120,18 @@ class FeatureLayout:
         return features
 
     def apply_mean(self, pooled: torch.Tensor, lengths: torch.Tensor, batch_size: int) -> torch.Tensor:
+        if not any(self.is_mean):
+            return pooled
+        n = len(self.dims)
+        if n and len(set(self.dims)) == 1 and pooled.shape == (batch_size, sum(self.dims)):
+            # one width: divide [batch, feature, dim] by [batch, feature, 1] without a [batch, width] divisor
+            lens = lengths.view(n, batch_size).to(torch.float32).clamp_min(1.0)
+            if not all(self.is_mean):
+                lens = torch.where(torch.tensor(self.is_mean, device=lens.device).view(n, 1), lens, 1.0)
+            div = lens.t().unsqueeze(2).to(pooled.dtype)
+            return (pooled.view(batch_size, n, self.dims[0]) / div).view(batch_size, n * self.dims[0])
         div = kernels.mean_divisor(lengths, self.dims, self.is_mean, batch_size)
-        return pooled if div is None else pooled / div.to(pooled.dtype)
+        return pooled / div.to(pooled.dtype)
 
 
 def _expand_variable_batch(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:

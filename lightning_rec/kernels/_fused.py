@@ -105,8 +105,9 @@ class FusedPooledKernel(torch.nn.Module):
             weights_precision=precision,
             output_dtype=precision,
             device=dev,
-            # ids are checked before the kernel; FATAL turns anything that slips through into an error on CPU
-            bounds_check_mode=tbe_ops.BoundsCheckMode.FATAL if on_cpu else tbe_ops.BoundsCheckMode.WARNING,
+            # every id is checked once before the kernel (ours refuses -1 too, fbgemm's does not: F14), by
+            # forward or by a caller that says so; a second pass inside fbgemm would only cost time
+            bounds_check_mode=tbe_ops.BoundsCheckMode.NONE,
             table_names=list(names),
             **extra,
         )
@@ -276,12 +277,15 @@ class FusedPooledKernel(torch.nn.Module):
         offsets: torch.Tensor,
         per_sample_weights: torch.Tensor | None = None,
         grad_scale: float = 1.0,
+        ids_checked: bool = False,
     ) -> torch.Tensor:
         """SUM-pooled ``[B, sum of feature dims]`` (columns in feature order) from feature-major inputs.
 
         ``offsets`` has ``len(feature_table) * B + 1`` entries (bags of feature 0, then feature 1, ...).
         ``grad_scale`` multiplies the gradient that reaches the tables' update (e.g. ``1 / world_size``);
-        the gradient of ``per_sample_weights`` is not scaled.
+        the gradient of ``per_sample_weights`` is not scaled. ``ids_checked=True``: the caller built
+        ``offsets`` itself and already checked every id against its table's rows (the sharded collections
+        do, once per step); the kernel then skips its own pass over the ids.
         """
         if values.dim() != 1 or offsets.dim() != 1:
             raise ValueError(
@@ -299,7 +303,8 @@ class FusedPooledKernel(torch.nn.Module):
         self._check_aliases()
         values = values.to(device=self.device, dtype=torch.long)
         offsets = offsets.to(device=self.device, dtype=torch.long)
-        self._check_inputs(values, offsets, batch)
+        if not ids_checked:
+            self._check_inputs(values, offsets, batch)
         psw = per_sample_weights
         if psw is not None:
             if psw.dim() != 1 or psw.numel() != values.numel():

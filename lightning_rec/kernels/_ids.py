@@ -22,16 +22,25 @@ def check_ids(
 
     ``lengths[f]`` ids of feature ``f`` follow each other in ``values``; ``rows[f]`` is its table's size.
     """
-    n = values.numel()
-    if n == 0:
+    if values.numel() == 0:
         return
-    upper = torch.repeat_interleave(rows, lengths, output_size=n)
-    bad = (values < 0) | (values >= upper)
+    # one pass over the ids when they all fit the smallest table (one host sync), else one min/max per feature:
+    # both far cheaper than comparing every id with its own table's size
+    lo, hi = values.aminmax()
+    if bool((lo >= 0) & (hi < rows.min())):
+        return
+    lens = lengths.tolist()
+    pieces = values.split(lens)
+    keep = [f for f, k in enumerate(lens) if k]
+    extremes = [pieces[f].aminmax() for f in keep]
+    mins = torch.stack([m.min for m in extremes])
+    maxs = torch.stack([m.max for m in extremes])
+    bad = (mins < 0) | (maxs >= rows[keep])
     if not bool(bad.any()):
         return
-    pos = int(torch.nonzero(bad)[0])
-    f = int(torch.searchsorted(lengths.cumsum(0), torch.tensor(pos, device=lengths.device), right=True))
-    value, r = int(values[pos]), int(rows[f])
+    f = keep[int(torch.nonzero(bad)[0])]
+    r, piece = int(rows[f]), pieces[f]
+    value = int(piece[int(torch.nonzero((piece < 0) | (piece >= r))[0])])
     hint = " (-1 is usually padding: filter it out before the lookup)" if value == -1 else ""
     raise ValueError(
         f"feature {feature_names[f]!r} (table {table_of_feature[f]!r}) has id {value}, "

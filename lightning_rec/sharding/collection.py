@@ -20,7 +20,7 @@ from lightning_rec.sharding.dists import Received
 from lightning_rec.sharding.fused import build_kernels, check_fused, union_lookup
 from lightning_rec.sharding.layout import ShardMeta
 from lightning_rec.sharding.routing import RoutingTable, build_routing
-from lightning_rec.sparse import KeyedJaggedTensor
+from lightning_rec.sparse import KeyedJaggedTensor, checks_enabled
 
 
 def _broadcast_from_first(w: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -285,7 +285,10 @@ class ShardedCollection(nn.Module):
         return [k for k in (self._fused, self._dp_fused) if k is not None]
 
     def _fused_lookup(self, kernel, lengths, values, weights, ids_per_feature, batch, group) -> torch.Tensor:
-        return union_lookup(kernel, lengths, values, weights, ids_per_feature, batch, group, self._scale, self._device)
+        # select() checked every id of this step against its table (and each rank its own), unless checks
+        # are off (compiling): then the kernel checks them itself
+        return union_lookup(kernel, lengths, values, weights, ids_per_feature, batch, group, self._scale, self._device,
+                            ids_checked=checks_enabled())
 
     def _dp_weights(self, kjt: KeyedJaggedTensor) -> list[torch.Tensor]:
         """The data-parallel tables as the lookup sees them (their backward sums the touched rows over ranks)."""

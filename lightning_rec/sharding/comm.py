@@ -63,6 +63,8 @@ def all_to_all(
         rank 0: x=[a0 a1 a2], in_splits=[1, 2]   ->  out=[a0 b0],     out_splits=[1, 1]
         rank 1: x=[b0 b1],    in_splits=[1, 1]   ->  out=[a1 a2 b1],  out_splits=[2, 1]
     """
+    if dist.get_world_size(group) == 1:  # to and from itself: the input is the output, its gradient too
+        return x
     if differentiable or x.requires_grad:
         anchor = torch.zeros(0, requires_grad=True, device=x.device)
         return _AllToAll.apply(x, anchor, list(out_splits), list(in_splits), group)

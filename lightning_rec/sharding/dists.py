@@ -21,6 +21,8 @@ from lightning_rec.sparse import KeyedJaggedTensor, offsets_from_lengths, segmen
 
 def regroup(x: torch.Tensor, seg_sizes: list[int], n_outer: int, n_inner: int) -> torch.Tensor:
     """Reorder contiguous segments laid out ``[outer][inner]`` into ``[inner][outer]`` order."""
+    if n_outer == 1 or n_inner == 1:  # the transpose of a single row or column: already in order
+        return x
     sizes = torch.tensor(seg_sizes, dtype=torch.long, device=x.device)
     starts = offsets_from_lengths(sizes)[:-1]
     perm = torch.arange(n_outer * n_inner, device=x.device).view(n_outer, n_inner).t().reshape(-1)
@@ -34,14 +36,14 @@ class Received:
     ``lengths`` / ``values`` / ``weights`` are route-major (this rank's routes, each holding the bags of
     every source rank in group order), ready for the lookup. ``ids_from[s][k]``: ids rank ``s`` sent for
     this rank's route ``k``. ``positions[i]`` / ``sent[i]``: for route ``i`` of ``routing.all_routes``, where
-    in the feature's local ids the ids this rank sent came from, and how many.
+    in the feature's local ids the ids this rank sent came from (None: all of them, in order), and how many.
     """
 
     lengths: torch.Tensor
     values: torch.Tensor
     weights: torch.Tensor | None
     ids_from: list[list[int]]
-    positions: list[torch.Tensor]
+    positions: list[torch.Tensor | None]
     sent: list[int]
 
     def ids_per_route(self) -> list[int]:
@@ -54,9 +56,9 @@ def _bucketize(vals: torch.Tensor, lens: torch.Tensor, starts: tuple[int, ...], 
     st = torch.tensor(starts, dtype=torch.long, device=device)
     bucket = torch.searchsorted(st, vals, right=True) - 1
     order = torch.argsort(bucket, stable=True)
-    bag = torch.repeat_interleave(torch.arange(b, device=device), lens)
+    bag = torch.repeat_interleave(torch.arange(b, device=device), lens, output_size=vals.numel())
     counts = torch.bincount(bucket * b + bag, minlength=len(starts) * b).view(len(starts), b)
-    return counts, counts.sum(1).tolist(), vals[order] - st[bucket[order]], order
+    return counts, counts.sum(1), vals[order] - st[bucket[order]], order
 
 
 def input_dist(
@@ -73,22 +75,90 @@ def input_dist(
     all-to-all of id counts, then of lengths, ids and weights.
     """
     b = kjt.stride()
+    if routing.single_block:
+        send_l, send_v, send_w, sent, value_counts = _route_payload(kjt, weights, routing)
+        positions: list[torch.Tensor | None] = [None] * len(sent)
+    else:
+        send_l, send_v, send_w, sent, value_counts, positions = _bucketed_payload(kjt, weights, routing, device)
+    n_ranks, n_mine = routing.group_size, len(routing.my_routes)
+    if n_ranks == 1:  # this rank is the whole shard group: nothing to exchange
+        return Received(lengths=send_l, values=send_v, weights=send_w, ids_from=[sent], positions=positions,
+                        sent=sent)
+    # lengths first: their sizes follow from the batch sizes, and every id count follows from them
+    len_in = [len(lst) * b for lst in routing.routes_to]
+    len_out = [n_mine * bs for bs in batches]
+    recv_l = comm.all_to_all(send_l, len_out, len_in, group)
+    seg_bags = [bs for bs in batches for _ in range(n_mine)]
+    bounds = offsets_from_lengths(torch.tensor(seg_bags, dtype=torch.long, device=device))
+    recv_offsets = offsets_from_lengths(recv_l)
+    seg_vals = (recv_offsets[bounds[1:]] - recv_offsets[bounds[:-1]]).tolist()
+    recv_counts = [sum(seg_vals[s * n_mine : (s + 1) * n_mine]) for s in range(n_ranks)]
+    recv_v = comm.all_to_all(send_v, recv_counts, value_counts, group)
+    recv_w = None if send_w is None else comm.all_to_all(send_w, recv_counts, value_counts, group)
+    # received layout is [source][route][bag]; the lookup wants [route][source][bag]
+    return Received(
+        lengths=regroup(recv_l, seg_bags, n_ranks, n_mine),
+        values=regroup(recv_v, seg_vals, n_ranks, n_mine),
+        weights=None if recv_w is None else regroup(recv_w, seg_vals, n_ranks, n_mine),
+        ids_from=[seg_vals[s * n_mine : (s + 1) * n_mine] for s in range(n_ranks)],
+        positions=positions,
+        sent=sent,
+    )
+
+
+def _route_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable):
+    """Every route's lengths, ids and weights when no table needs bucketing: the KJT's features in route order.
+
+    Ids stay as they are (every routed table is one row block from row 0), so this is one gather, or
+    nothing when the routes already read the features in order.
+    """
+    order = list(routing.route_features)
+    lpk = kjt.length_per_key()
+    sent = [lpk[f] for f in order]
+    value_counts, i = [], 0
+    for lst in routing.routes_to:
+        value_counts.append(sum(sent[i : i + len(lst)]))
+        i += len(lst)
+    if order == list(range(len(kjt.keys()))):
+        return kjt.lengths(), kjt.values(), weights, sent, value_counts
+    opk = kjt.offset_per_key()
+    dev = kjt.values().device
+    gather = segment_gather_index(torch.tensor([opk[f] for f in order], dtype=torch.long, device=dev),
+                                  torch.tensor(sent, dtype=torch.long, device=dev), total=sum(sent))
+    b = kjt.stride()
+    lengths = kjt.lengths().view(len(kjt.keys()), b)[torch.tensor(order, dtype=torch.long, device=dev)].reshape(-1)
+    return lengths, kjt.values()[gather], None if weights is None else weights[gather], sent, value_counts
+
+
+def _bucketed_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable,
+                      device: torch.device):
+    """Every route's lengths, ids (local to the route's row block) and weights, bucketed by row block."""
+    b = kjt.stride()
     values, lengths, opk = kjt.values(), kjt.lengths(), kjt.offset_per_key()
     per_feature: dict[int, tuple] = {}
     for r in routing.all_routes:
         if r.feature in per_feature:
             continue
         f, ti = r.feature, r.table
-        vals = values[opk[f] : opk[f + 1]].long()
+        vals = values[opk[f] : opk[f + 1]]
         lens = lengths[f * b : (f + 1) * b]
         w = None if weights is None else weights[opk[f] : opk[f + 1]]
         starts = routing.row_starts[ti]
         if len(starts) == 1:
-            per_feature[f] = (lens.view(1, b), [vals.numel()], vals - starts[0], w, None)
+            per_feature[f] = (lens.view(1, b), [vals.numel()], vals - starts[0] if starts[0] else vals, w, None)
             continue
         counts, seg, local_vals, order = _bucketize(vals, lens, starts, b, device)
         per_feature[f] = (counts, seg, local_vals, None if w is None else w[order], order)
-    send_lengths, send_values, send_weights, positions, value_counts = [], [], [], [], []
+    # every feature's id count per row block, read back in one host sync
+    bucketed = [f for f, v in per_feature.items() if isinstance(v[1], torch.Tensor)]
+    if bucketed:
+        flat = torch.cat([per_feature[f][1] for f in bucketed]).tolist()
+        i = 0
+        for f in bucketed:
+            counts, seg, local_vals, w, order = per_feature[f]
+            per_feature[f] = (counts, flat[i : i + seg.numel()], local_vals, w, order)
+            i += seg.numel()
+    send_lengths, send_values, send_weights, positions, value_counts, sent = [], [], [], [], [], []
     for lst in routing.routes_to:
         n = 0
         for r in lst:
@@ -100,56 +170,35 @@ def input_dist(
             send_values.append(vals[lo:hi])
             if w is not None:
                 send_weights.append(w[lo:hi])
-            positions.append(torch.arange(lo, hi, device=device) if order is None else order[lo:hi])
+            positions.append(None if order is None else order[lo:hi])
+            sent.append(hi - lo)
             n += hi - lo
         value_counts.append(n)
 
     def cat(xs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return torch.cat(xs) if xs else torch.zeros(0, dtype=dtype, device=device)
 
-    n_ranks, n_mine = routing.group_size, len(routing.my_routes)
-    ones = [1] * n_ranks
-    # sizes before payload: id counts per (source, destination), then lengths, ids, weights
-    counts = torch.tensor(value_counts, dtype=torch.long, device=device)
-    recv_counts = comm.all_to_all(counts, ones, ones, group).tolist()
-    len_in = [len(lst) * b for lst in routing.routes_to]
-    len_out = [n_mine * bs for bs in batches]
-    recv_l = comm.all_to_all(cat(send_lengths, torch.long), len_out, len_in, group)
-    recv_v = comm.all_to_all(cat(send_values, torch.long), recv_counts, value_counts, group)
-    recv_w = None
-    if weights is not None:
-        recv_w = comm.all_to_all(cat(send_weights, weights.dtype), recv_counts, value_counts, group)
-    # received layout is [source][route][bag]; the lookup wants [route][source][bag]
-    seg_bags = [bs for bs in batches for _ in range(n_mine)]
-    bounds = offsets_from_lengths(torch.tensor(seg_bags, dtype=torch.long, device=device))
-    recv_offsets = offsets_from_lengths(recv_l)
-    seg_vals = (recv_offsets[bounds[1:]] - recv_offsets[bounds[:-1]]).tolist()
-    return Received(
-        lengths=regroup(recv_l, seg_bags, n_ranks, n_mine),
-        values=regroup(recv_v, seg_vals, n_ranks, n_mine),
-        weights=None if recv_w is None else regroup(recv_w, seg_vals, n_ranks, n_mine),
-        ids_from=[seg_vals[s * n_mine : (s + 1) * n_mine] for s in range(n_ranks)],
-        positions=positions,
-        sent=[v.numel() for v in send_values],
-    )
+    send_w = None if weights is None else cat(send_weights, weights.dtype)
+    return cat(send_lengths, torch.long), cat(send_values, torch.long), send_w, sent, value_counts, positions
 
 
 def pooled_output_dist(
     pooled: torch.Tensor, routing: RoutingTable, batches: list[int], b: int, group: dist.ProcessGroup
-) -> torch.Tensor:
-    """Send each source rank its samples' pooled rows; return ``[b, sum of cols_from]``, rank-major columns.
+) -> list[torch.Tensor]:
+    """Send each source rank its samples' pooled rows; return one ``[b, cols_from[r]]`` block per rank ``r``.
 
     ``pooled`` is ``[sum(batches), this rank's route columns]`` (the lookup's output). Backward is the
     reverse all-to-all, run on every rank (see ``comm.all_to_all``).
     """
     cols_from = routing.cols_from
+    if routing.group_size == 1:
+        return [pooled]
     width = cols_from[routing.group_rank]
     flat = comm.all_to_all(
         pooled.reshape(-1), [b * w for w in cols_from], [bs * width for bs in batches], group,
         differentiable=torch.is_grad_enabled(),
     )
-    blocks = torch.split(flat, [b * w for w in cols_from])
-    return torch.cat([blk.view(b, w) for blk, w in zip(blocks, cols_from)], dim=1)
+    return [blk.view(b, w) for blk, w in zip(torch.split(flat, [b * w for w in cols_from]), cols_from)]
 
 
 def sequence_output_dist(
@@ -181,8 +230,10 @@ def sequence_output_dist(
     back = comm.all_to_all(flat, recv_sizes, send, group, differentiable=torch.is_grad_enabled())
     chunks = torch.split(back, [n * r.shard.cols for n, r in zip(recv.sent, all_routes)])
     pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in dims]
-    for r, chunk, pos in zip(all_routes, chunks, recv.positions):
+    for r, chunk, pos, n in zip(all_routes, chunks, recv.positions, recv.sent):
         d = dims[r.feature]
+        if pos is None:
+            pos = torch.arange(n, device=device)
         cols_r = torch.arange(r.shard.cols, device=device)
         idx = (pos.unsqueeze(1) * d + r.shard.col_offset + cols_r).reshape(-1)
         pieces[r.feature].append((idx, chunk))

@@ -99,6 +99,7 @@ def union_lookup(
     group: dist.ProcessGroup | None,
     scale: float,
     device: torch.device,
+    ids_checked: bool = False,
 ) -> torch.Tensor:
     """SUM-pooled ``[batch, width]`` from feature-major inputs; exact when ``group`` holds copies of the tables.
 
@@ -109,10 +110,11 @@ def union_lookup(
     (bitwise: same inputs, same kernel) and holds the same optimizer state. Cost: ``|group|`` x the
     lookup and its backward, plus an all-gather of lengths, ids (and weights) in forward and of the
     pooled gradient in backward. Without autograd (evaluation) only the local batch is looked up.
-    ``scale`` (the ``embedding_grad`` rule) scales the update once, in the kernel.
+    ``scale`` (the ``embedding_grad`` rule) scales the update once, in the kernel. ``ids_checked``: every
+    rank checked its ids against the tables (``FusedPooledKernel.forward``).
     """
     if group is None or not torch.is_grad_enabled():
-        return kernel(values, offsets_from_lengths(lengths), weights, grad_scale=scale)
+        return kernel(values, offsets_from_lengths(lengths), weights, grad_scale=scale, ids_checked=ids_checked)
     n = len(ids_per_feature)
     info = comm.all_gather_ints([batch, *ids_per_feature], group, device=device)
     batches = [row[0] for row in info]
@@ -124,5 +126,5 @@ def union_lookup(
     values = dists.regroup(comm.gather_union(values, totals, group), seg, len(batches), n)
     if weights is not None:
         weights = dists.regroup(comm.gather_union(weights, totals, group), seg, len(batches), n)
-    union = kernel(values, offsets_from_lengths(lengths), weights, grad_scale=scale)
+    union = kernel(values, offsets_from_lengths(lengths), weights, grad_scale=scale, ids_checked=ids_checked)
     return comm.own_rows_of_union(union, batches, group)

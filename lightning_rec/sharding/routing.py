@@ -45,6 +45,11 @@ class RoutingTable:
     dp_features: tuple[int, ...]  # features of data-parallel tables, config order
     feat_off: tuple[int, ...]  # first output column of each feature, plus the total width
     colmap: torch.Tensor
+    # static maps of the hot path, computed here once rather than per step:
+    route_features: tuple[int, ...] = ()  # the feature of every route of ``all_routes``, in that order
+    single_block: bool = False  # every routed table is one row block from row 0: ids need no bucketing
+    colmap_kind: str = "sum"  # "identity" (output = the block), "permutation" (each column once) or "sum"
+    colmap_parts: tuple[torch.Tensor, ...] = ()  # colmap split by part: data-parallel block, then each rank's
 
     @property
     def group_size(self) -> int:
@@ -65,7 +70,8 @@ class RoutingTable:
         return [r for lst in self.routes_to for r in lst]
 
     def to(self, device: torch.device | str) -> RoutingTable:
-        return dataclasses.replace(self, colmap=self.colmap.to(device))
+        return dataclasses.replace(self, colmap=self.colmap.to(device),
+                                   colmap_parts=tuple(c.to(device) for c in self.colmap_parts))
 
 
 def build_routing(
@@ -111,7 +117,19 @@ def build_routing(
         for r in lst:
             first = feat_off[r.feature] + r.shard.col_offset
             cols.append(list(range(first, first + r.shard.cols)))
-    colmap = torch.tensor([c for block in cols for c in block], dtype=torch.long, device=device)
+    flat_cols = [c for block in cols for c in block]
+    colmap = torch.tensor(flat_cols, dtype=torch.long, device=device)
+    width = feat_off[-1]
+    if flat_cols == list(range(width)):
+        colmap_kind = "identity"
+    elif sorted(flat_cols) == list(range(width)):
+        colmap_kind = "permutation"
+    else:
+        colmap_kind = "sum"  # row blocks of one table add up
+    part_widths = [feat_off[f + 1] - feat_off[f] for f in dp_features]
+    sizes = [sum(part_widths)] + [sum(r.shard.cols for r in lst) for lst in routes_to]
+    routed_tables = {r.table for lst in routes_to for r in lst}
+    single_block = all(row_starts[t] == (0,) for t in routed_tables)
     return RoutingTable(
         group_rank=group_rank,
         routes_to=tuple(tuple(lst) for lst in routes_to),
@@ -123,4 +141,8 @@ def build_routing(
         dp_features=dp_features,
         feat_off=feat_off,
         colmap=colmap,
+        route_features=tuple(r.feature for lst in routes_to for r in lst),
+        single_block=single_block,
+        colmap_kind=colmap_kind,
+        colmap_parts=tuple(torch.split(colmap, sizes)),
     )

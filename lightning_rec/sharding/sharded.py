@@ -83,7 +83,9 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
     def _dp_lookup(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         """``[batch, widths of the data-parallel features]``: every rank looks up its own replica."""
         b, dtype = kjt.stride(), self._out_dtype()
-        sub = kjt.permute(list(self._routing.dp_features))
+        dp_features = list(self._routing.dp_features)
+        # every feature data-parallel (the usual data_parallel plan): the input is already the sub-batch
+        sub = kjt if dp_features == list(range(len(kjt.keys()))) else kjt.permute(dp_features)
         psw = self._wire_weights(sub.weights_or_none()) if self._is_weighted else None
         if self._dp_fused is not None:
             group = self._dp_group if dist.get_world_size(self._dp_group) > 1 else None
@@ -106,8 +108,8 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             b_global, recv.weights, self.sparse_grad,
         ).to(dtype)
 
-    def output_dist(self, pooled: torch.Tensor, batches: list[int], b: int) -> torch.Tensor:
-        """Stage 3: each sample's pooled partial rows back to its rank: ``[b, columns of every route]``."""
+    def output_dist(self, pooled: torch.Tensor, batches: list[int], b: int) -> list[torch.Tensor]:
+        """Stage 3: each sample's pooled partial rows back to its rank: one ``[b, columns]`` block per shard rank."""
         return dists.pooled_output_dist(pooled, self._routing, batches, b, self._group)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -115,20 +117,46 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         kjt, batches = self._checked_input(features)
         b = kjt.stride()
         dtype = self._out_dtype()
-        parts = []
+        parts: list[torch.Tensor] = []
+        maps: list[torch.Tensor] = []
         if routing.dp_tables:
             parts.append(self._dp_lookup(kjt))
+            maps.append(routing.colmap_parts[0])
         if routing.has_model_parallel:
             recv = self.input_dist(kjt, batches)
             pooled = self.lookup(recv, batches)
-            parts.append(self.output_dist(pooled, batches, b))
-        data = torch.cat(parts, dim=1) if parts else torch.zeros(b, 0, dtype=dtype, device=self._device)
-        # row blocks add up, column blocks sit side by side: one index_add into the output's columns
-        out = torch.zeros(b, routing.feat_off[-1], dtype=dtype, device=self._device).index_add(1, routing.colmap, data)
+            blocks = self.output_dist(pooled, batches, b)
+            parts.extend(blocks)
+            maps.extend(routing.colmap_parts[1:])
+        out = _place_columns(parts, maps, routing.colmap_kind, b, routing.feat_off[-1], dtype, self._device)
         out = layout.apply_mean(out, kjt.lengths(), b)
-        if self._output_dtype is not None:
+        if self._output_dtype is not None and out.dtype != self._output_dtype:
             out = out.to(self._output_dtype)
         return KeyedTensor(layout.feature_names, layout.dims, out)
+
+
+def _place_columns(parts: list[torch.Tensor], maps: list[torch.Tensor], kind: str, b: int, width: int,
+                   dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The ``[b, width]`` output from blocks whose columns land at ``maps[i]`` (routing's ``colmap``).
+
+    Already in order: the block itself. Each column once: copied into one preallocated output. Row
+    blocks of a table: added up into place.
+    """
+    parts = [p for p, cols in zip(parts, maps) if cols.numel()]
+    maps = [cols for cols in maps if cols.numel()]
+    if not parts:
+        return torch.zeros(b, width, dtype=dtype, device=device)
+    if kind == "identity":
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    if kind == "sum":
+        out = torch.zeros(b, width, dtype=dtype, device=device)
+        for part, cols in zip(parts, maps):
+            out.index_add_(1, cols, part)
+        return out
+    out = torch.empty(b, width, dtype=dtype, device=device)
+    for part, cols in zip(parts, maps):
+        out.index_copy_(1, cols, part)
+    return out
 
 
 class ShardedEmbeddingCollection(ShardedCollection):
