@@ -295,3 +295,14 @@ def test_topology_from_mesh_reads_the_ranks_per_host() -> None:
     assert (topo.world_size, topo.model_parallel_size, topo.local_size, topo.device_memory) == (16, 8, 4, 10**9)
     assert MeshInfo(None, None, None, 8, 1, 3).local_size == 8  # type: ignore[arg-type]  # 3 does not divide 8
     assert resolve_local_size(8, 2) == 2 and resolve_local_size(8, 16) == 8
+
+
+def test_report_fits_100_columns_with_long_names_in_human_units() -> None:
+    tables = [EmbeddingBagConfig(50_000, 64, "a_very_long_table_name_" + "x" * 40 + str(i), [f"feature {i}"])
+              for i in range(6)]
+    planner = Planner(Topology(4, 2))
+    planner.plan(tables)
+    text = str(planner.explain())
+    assert max(len(line) for line in text.splitlines()) <= 100, text
+    assert re.search(r"\d+(\.\d+)? MiB", text) and "e-0" not in text
+    assert all(t.name in text for t in tables)

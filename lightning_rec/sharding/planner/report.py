@@ -139,8 +139,8 @@ def _table_lines(tables: list, width: int = 100) -> list[str]:
         where = placement_label(c.sharding) + (" [host mem]" if c.offloaded else "") + (" [fixed]" if c.fixed else "")
         why = f"{c.runner_up}: {c.rejected_because}" if c.runner_up else c.rejected_because
         rows.append((name, where, human_bytes(c.memory_per_rank), f"{c.time_ms:.3f}", why))
-    name_w = min(max([5] + [len(r[0]) for r in rows]), 44)
-    where_w = min(max([9] + [len(r[1]) for r in rows]), 40)
+    name_w = min(max([5] + [len(r[0]) for r in rows]), 40)
+    where_w = min(max([9] + [len(r[1]) for r in rows]), 34)
     lines = [f"{'table':<{name_w}}  {'placement':<{where_w}}  {'mem/rank':>10}  {'ms':>8}"]
     for name, where, mem, ms, why in rows:
         row = f"{name:<{name_w}}  {where:<{where_w}}  {mem:>10}  {ms:>8}"
