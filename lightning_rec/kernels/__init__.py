@@ -7,6 +7,7 @@ Every kernel here pools with SUM. MEAN is applied by the caller, once, on the sa
   whether the installed fbgemm build has the ops for the device (asked once; torch fallback or one error)
 - :mod:`._torch`: the torch path (the reference)
 - :mod:`._dense_tbe`: fbgemm's dense table-batched lookup over plain parameters
+- :mod:`._grouped`: one pooled lookup over tables served by different kernels (a sharded rank's shards)
 - :mod:`._fused`, :mod:`._guards`: fbgemm's split table-batched lookup with the optimizer in backward
 - :mod:`._tables`: containers registering tables under their own names
 - :mod:`._ids`: id and offset checks shared by all paths
@@ -19,10 +20,12 @@ from lightning_rec.kernels._capability import (
     check_fused_available,
     has_fbgemm_op,
     resolve_kernel,
+    resolve_table_kernel,
     validate_kernel,
 )
 from lightning_rec.kernels._dense_tbe import FbgemmPooledKernel
 from lightning_rec.kernels._fused import FusedPooledKernel
+from lightning_rec.kernels._grouped import LOOKUP_KERNELS, GroupedPooledLookup
 from lightning_rec.kernels._ids import check_ids, check_offsets, validate_ids
 from lightning_rec.kernels._tables import FusedTables, TableContainer
 from lightning_rec.kernels._torch import mean_divisor, promoted_dtype, torch_pooled, torch_sequence
@@ -31,9 +34,11 @@ __all__ = [
     "DENSE_LOOKUP_OP",
     "FUSED_OPS",
     "KERNELS",
+    "LOOKUP_KERNELS",
     "FbgemmPooledKernel",
     "FusedPooledKernel",
     "FusedTables",
+    "GroupedPooledLookup",
     "TableContainer",
     "check_fused_available",
     "check_ids",
@@ -42,6 +47,7 @@ __all__ = [
     "mean_divisor",
     "promoted_dtype",
     "resolve_kernel",
+    "resolve_table_kernel",
     "torch_pooled",
     "torch_sequence",
     "validate_ids",

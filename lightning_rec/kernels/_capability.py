@@ -138,3 +138,26 @@ def check_fused_available(spec: FusedOptimizerSpec, device: torch.device | str |
             f"fused optimizer {spec.kind!r} cannot run on {dev}: {missing} (or use plain parameters with a "
             "torch optimizer, which needs no fbgemm kernel)"
         )
+
+
+def resolve_table_kernel(
+    requested: str, table: str, dtype: torch.dtype, device: torch.device, sparse_grad: bool, pooled: bool = True
+) -> str:
+    """:func:`resolve_kernel` for one table (or shard) that is not allocated yet; errors name ``table``.
+
+    ``pooled=False`` (sequence lookups): fbgemm's dense kernel silently SUM-pools ``PoolingMode.NONE``
+    (docs/ARCHITECTURE.md F10), so ``"fbgemm"`` raises and ``"auto"`` is the torch kernel.
+    """
+    validate_kernel(requested)
+    if not pooled:
+        if requested == "fbgemm":
+            raise ValueError(
+                f"table {table!r}: compute_kernel='fbgemm' cannot be used: sequence (unpooled) lookups have no "
+                "fbgemm kernel (fbgemm's dense kernel would sum-pool them); use compute_kernel='auto' or 'torch'"
+            )
+        return "torch"
+    try:
+        return resolve_kernel(requested, [torch.empty(0, dtype=dtype, device=device)], sparse_grad)
+    except ValueError as e:
+        raise ValueError(f"table {table!r}: compute_kernel='fbgemm' cannot be used: "
+                         f"{str(e).split(': ', 1)[-1].replace('Use kernel=', 'Use compute_kernel=')}") from None

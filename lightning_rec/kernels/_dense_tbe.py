@@ -108,8 +108,14 @@ class FbgemmPooledKernel:
         values: torch.Tensor,
         offsets: torch.Tensor,
         per_sample_weights: torch.Tensor | None,
+        storage: Sequence[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        flat = self._packed(tables)
+        """SUM-pooled ``[batch, sum of feature widths]``; gradients reach ``tables``.
+
+        ``storage``: the leaf parameters whose storage the flat buffer replaces, when ``tables`` are views
+        of them made for autograd (a sharded collection's gradient hooks); default ``tables`` themselves.
+        """
+        flat = self._packed(tables if storage is None else storage)
         meta = self._metadata(tables)
         weights = _FlatAlias.apply(flat, *tables) if torch.is_grad_enabled() else flat
         out = torch.ops.fbgemm.dense_embedding_codegen_lookup_function(

@@ -7,6 +7,8 @@ lookup and output dist of pooled and sequence embeddings.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -31,6 +33,12 @@ def _broadcast_from_first(w: torch.Tensor, group: dist.ProcessGroup) -> None:
         dist.broadcast(wire, src=dist.get_process_group_ranks(group)[0], group=group)
         if wire is not w:
             w.copy_(wire)
+
+
+def _requested_kernel(plan_kernel: str | None, module_kernel: str) -> str:
+    """The kernel a table asks for: the plan's ``"torch"`` / ``"fbgemm"``; otherwise (``"auto"``, ``None`` or a
+    TorchRec kernel name) the collection's own ``kernel`` setting, itself ``"auto"`` by default."""
+    return plan_kernel if plan_kernel in ("torch", "fbgemm") else module_kernel
 
 
 def target_device(module: nn.Module, device: torch.device | str | None) -> torch.device:
@@ -64,6 +72,7 @@ class ShardedCollection(nn.Module):
         sparse_grad: bool | None = None,
         embedding_optimizer=None,
         peer_devices: dict[int, torch.device] | None = None,
+        compute_kernels: Mapping[str, str | None] | None = None,
     ) -> None:
         super().__init__()
         fused = as_spec(embedding_optimizer)
@@ -95,6 +104,15 @@ class ShardedCollection(nn.Module):
 
         me = self._group_rank
         source = getattr(module, self._attr)
+        # every table's lookup kernel, resolved before anything is allocated or exchanged: a table fbgemm
+        # cannot serve raises here, on every rank alike
+        self._module_kernel = kernels.validate_kernel(getattr(module, "kernel", "auto"))
+        self._requested_kernels = [_requested_kernel((compute_kernels or {}).get(t.name), self._module_kernel)
+                                   for t in tables]
+        self._fused_spec = fused
+        self._table_kernels = self._resolve_kernels(
+            [source[t.name].weight.dtype for t in tables], dev
+        )
         container = kernels.TableContainer()
         if fused is not None:  # before any shard is allocated
             check_fused(self._attr, tables, shards, fused)
@@ -145,6 +163,7 @@ class ShardedCollection(nn.Module):
             object.__setattr__(self, "_dp_fused", dp_kernel)
             # registered once, under the same keys as plain tables: <attr>.<table>.weight
             setattr(self, self._attr, kernels.FusedTables(self.fused_kernels(), [t.name for t in tables]))
+        self._build_lookups()
         self._register_state_dict_hook(state.sharded_state_dict_hook)
         self._register_load_state_dict_pre_hook(self._load_hook)
 
@@ -206,6 +225,36 @@ class ShardedCollection(nn.Module):
         """This rank's routing table (frozen; rebuilt only by sharding again)."""
         return self._routing
 
+    @property
+    def lookup_kernels(self) -> dict[str, str]:
+        """``{table: kernel}``: ``"torch"``, ``"fbgemm"`` (the plan's ``compute_kernel``, resolved) or ``"fused"``."""
+        return {t.name: k for t, k in zip(self._layout.tables, self._table_kernels)}
+
+    def _resolve_kernels(self, dtypes: list[torch.dtype], device: torch.device) -> list[str]:
+        if self._fused_spec is not None:  # fused optimizers keep their fused kernel whatever the plan says
+            return ["fused"] * len(dtypes)
+        pooled = self._attr == "embedding_bags"
+        return [kernels.resolve_table_kernel(req, t.name, d, device, self.sparse_grad, pooled)
+                for t, req, d in zip(self._layout.tables, self._requested_kernels, dtypes)]
+
+    def _build_lookups(self) -> None:
+        """The pooled lookups of this rank's shards and of the data-parallel tables, grouped by kernel."""
+        self._shard_lookup: kernels.GroupedPooledLookup | None = None
+        self._dp_table_lookup: kernels.GroupedPooledLookup | None = None
+        if self._attr != "embedding_bags" or self._fused_spec is not None:
+            return
+        routing, kinds, dtypes = self._routing, self._table_kernels, self._table_dtypes
+        local = [ti for ti, _ in self._local_shards]
+        self._shard_lookup = kernels.GroupedPooledLookup(
+            [kinds[ti] for ti in local], [dtypes[ti] for ti in local], routing.my_route_table,
+            [r.shard.cols for r in routing.my_routes],
+        )
+        dp = routing.dp_tables
+        self._dp_table_lookup = kernels.GroupedPooledLookup(
+            [kinds[ti] for ti in dp], [dtypes[ti] for ti in dp], self._dp_feature_tables(),
+            [self._layout.dims[f] for f in routing.dp_features],
+        )
+
     def _load_hook(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         state.load_hook(self, state_dict, prefix)
 
@@ -214,11 +263,18 @@ class ShardedCollection(nn.Module):
             # a precision plugin converting the model moves tables but keeps the dtype their config fixed
             convert = fn
             fn = lambda t: t.to(convert(torch.empty(0, dtype=t.dtype, device=t.device)).device)  # noqa: E731
+        # the lookup kernels for the converted tables, resolved before converting: a table whose plan asks
+        # for fbgemm and whose new dtype fbgemm cannot serve raises and leaves the module as it was
+        new_dtypes = [fn(torch.empty(0, dtype=d, device=self._device)).dtype for d in self._table_dtypes]
+        new_device = _compat.indexed_device(fn(torch.empty(0, device=self._device)).device)
+        table_kernels = self._resolve_kernels(new_dtypes, new_device)
         out = super()._apply(fn, recurse)
+        self._table_kernels = table_kernels
         # Ranks without a local piece of a table still need its dtype for the wire; follow conversions.
         self._table_dtypes = [fn(torch.empty(0, dtype=d, device=self._device)).dtype for d in self._table_dtypes]
         self._device = _compat.indexed_device(fn(torch.empty(0, device=self._device)).device)
         self._routing = self._routing.to(self._device)
+        self._build_lookups()
         return out
 
     def keep_table_dtypes(self, output_dtype: torch.dtype | None) -> None:
@@ -276,6 +332,12 @@ class ShardedCollection(nn.Module):
 
     def _uses_weights(self) -> bool:
         return False
+
+    def _shard_params(self) -> list[torch.Tensor]:
+        return [self._table_param(ti) for ti, _ in self._local_shards]
+
+    def _dp_params(self) -> list[torch.Tensor]:
+        return [self._table_param(ti) for ti in self._routing.dp_tables]
 
     def _table_param(self, ti: int) -> torch.Tensor:
         return getattr(self, self._attr)._modules[self._layout.tables[ti].name].weight

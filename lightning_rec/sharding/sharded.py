@@ -91,9 +91,8 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             group = self._dp_group if dist.get_world_size(self._dp_group) > 1 else None
             return self._fused_lookup(self._dp_fused, sub.lengths(), sub.values(), psw, sub.length_per_key(), b,
                                       group).to(dtype)
-        tables = self._dp_weights(kjt)
-        return kernels.torch_pooled(tables, self._dp_feature_tables(), sub.values(), sub.offsets(), b, psw,
-                                    self.sparse_grad).to(dtype)
+        return self._dp_table_lookup(self._dp_weights(kjt), sub.values(), sub.offsets(), b, psw, self.sparse_grad,
+                                     storage=self._dp_params()).to(dtype)
 
     def lookup(self, recv: Received, batches: list[int]) -> torch.Tensor:
         """Stage 2: SUM-pool every received bag over this rank's shards: ``[sum(batches), route columns]``."""
@@ -103,9 +102,9 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
                                       b_global, self._replica_group).to(dtype)
         if not routing.my_routes:
             return torch.zeros(b_global, 0, dtype=dtype, device=self._device)
-        return kernels.torch_pooled(
-            self._shard_weights(recv), list(routing.my_route_table), recv.values, offsets_from_lengths(recv.lengths),
-            b_global, recv.weights, self.sparse_grad,
+        return self._shard_lookup(
+            self._shard_weights(recv), recv.values, offsets_from_lengths(recv.lengths), b_global, recv.weights,
+            self.sparse_grad, storage=self._shard_params(),
         ).to(dtype)
 
     def output_dist(self, pooled: torch.Tensor, batches: list[int], b: int) -> list[torch.Tensor]:
@@ -266,9 +265,9 @@ def shard_modules(
     agree_group = group if replicas == 1 else dist.group.WORLD  # every rank that exchanges with this one
     local = local_size if local_size is not None else default_local_size(gsize)
     targets = [(p, m) for p, m in model.named_modules() if type(m) in _SHARDED]
-    resolved, error = [], None
+    resolved, error, kernels_of = [], None, {}
     try:
-        resolved = _resolve(model, plan, targets, gsize, local, gsize * replicas, embedding_optimizer)
+        resolved = _resolve(model, plan, targets, gsize, local, gsize * replicas, embedding_optimizer, kernels_of)
     except (ValueError, TypeError, KeyError) as e:
         error = e
     described = {(path, t.name): f"{type(m).__name__} " + describe_table(t, shards[t.name])
@@ -281,7 +280,7 @@ def shard_modules(
     for path, m, shards in resolved:
         sharded = _SHARDED[type(m)](m, shards, group, embedding_grad=embedding_grad, device=device,
                                     replica_group=replica_group, embedding_optimizer=embedding_optimizer,
-                                    peer_devices=peers)
+                                    peer_devices=peers, compute_kernels=kernels_of[path])
         if path == "":
             return sharded
         parent_path, _, name = path.rpartition(".")
@@ -289,8 +288,11 @@ def shard_modules(
     return model
 
 
-def _resolve(model, plan, targets, gsize: int, local: int, world: int, embedding_optimizer) -> list[tuple]:
-    """``(path, module, {table: shards or None})`` for every collection to shard; raises on a bad plan."""
+def _resolve(model, plan, targets, gsize: int, local: int, world: int, embedding_optimizer,
+             kernels_of: dict[str, dict[str, str | None]]) -> list[tuple]:
+    """``(path, module, {table: shards or None})`` for every collection to shard; raises on a bad plan.
+
+    Fills ``kernels_of[path]`` with each table's planned ``compute_kernel``."""
     if plan is not None:
         # collections sharded by an earlier call (e.g. fit, then validate) keep their placement
         paths = {p for p, m in model.named_modules() if type(m) in _SHARDED or isinstance(m, ShardedCollection)}
@@ -307,6 +309,7 @@ def _resolve(model, plan, targets, gsize: int, local: int, world: int, embedding
                 auto = automatic_plan(model, gsize, local, world, embedding_optimizer).plan(model)
             module_plan = auto.get_plan_for_module(path)
         resolved.append((path, m, resolve_module_plan(tables, module_plan, gsize, local, path)))
+        kernels_of[path] = {n: getattr(ps, "compute_kernel", None) for n, ps in module_plan.items()}
     return resolved
 
 
