@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -44,7 +44,9 @@ class FusedPooledKernel(torch.nn.Module):
             kernels are wrong or crash otherwise: docs/ARCHITECTURE.md F2), and every table needs a feature.
         optimizer: a :class:`~lightning_rec.optim.FusedOptimizerSpec` (or a dict of its fields).
         device: ``cpu`` (default) or a CUDA device. The kernel cannot be moved or converted afterwards.
-        weights: optional initial ``[rows, dim]`` weight per table (copied in). Default: uniform in
+        weights: optional initial ``[rows, dim]`` weight per table (copied in), or a function filling the
+            kernel's ``[rows, dim]`` storage in place (e.g. a table's init, on a model built on the meta
+            device). Default: uniform in
             ``+-sqrt(1 / rows)``, TorchRec's default (fbgemm itself starts at zero).
 
     Tables: :meth:`tables` returns one leaf ``nn.Parameter`` per table, a view of the kernel's storage
@@ -66,7 +68,7 @@ class FusedPooledKernel(torch.nn.Module):
         feature_table: Sequence[int],
         optimizer,
         device: torch.device | str | None = None,
-        weights: Sequence[torch.Tensor] | None = None,
+        weights: Sequence[torch.Tensor | Callable[[torch.Tensor], object]] | None = None,
     ) -> None:
         super().__init__()
         spec = as_spec(optimizer)
@@ -139,6 +141,9 @@ class FusedPooledKernel(torch.nn.Module):
                 if len(weights) != len(names):
                     raise ValueError(f"got {len(weights)} initial weights for {len(names)} tables {names}")
                 for v, w, name in zip(views, weights, names):
+                    if callable(w):  # fills the kernel's storage in place: no copy of the table on the way
+                        w(v)
+                        continue
                     if tuple(w.shape) != tuple(v.shape):
                         raise ValueError(
                             f"table {name!r}: initial weight has shape {tuple(w.shape)}, expected {tuple(v.shape)}"

@@ -7,6 +7,8 @@ lookup and output dist of pooled and sequence embeddings.
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -33,6 +35,83 @@ def _broadcast_from_first(w: torch.Tensor, group: dist.ProcessGroup) -> None:
         dist.broadcast(wire, src=dist.get_process_group_ranks(group)[0], group=group)
         if wire is not w:
             w.copy_(wire)
+
+
+#: a full table larger than this, materialized on a rank that keeps only a shard of it, gets a warning
+LARGE_TABLE_BYTES = 256 * 2**20
+_warned_large: set[tuple[str, tuple[int, ...]]] = set()
+
+
+def _takes_offsets(fn) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    return "row_offset" in params and "col_offset" in params
+
+
+def init_shard(table: BaseEmbeddingConfig, weight: torch.Tensor, shard: ShardMeta | None = None) -> None:
+    """Initialise ``weight``, the local piece ``shard`` of ``table`` (None: the full table), in place.
+
+    An ``init_fn`` with keyword parameters ``row_offset`` and ``col_offset`` (default 0) gets the piece's
+    position in the full table, so a position-based deterministic init gives a model built on the meta
+    device exactly the shards a fully built model would be cut into. Any other ``init_fn`` (and the
+    uniform default) is called on the piece as it is.
+    """
+    fn = table.init_fn
+    if fn is None or not _takes_offsets(fn):
+        table.init_weight(weight)
+        return
+    rows, cols = (0, 0) if shard is None else (shard.row_offset, shard.col_offset)
+    with torch.no_grad():
+        fn(weight, row_offset=rows, col_offset=cols)
+
+
+def _materialize(table: BaseEmbeddingConfig, full: torch.Tensor, shard: ShardMeta | None,
+                 device: torch.device) -> torch.Tensor:
+    """This rank's piece of ``table`` on ``device``: from ``init_fn`` when the module is on the meta device,
+    else cut from ``full`` with one copy (none when the piece is the whole table already on ``device``)."""
+    shape = tuple(full.shape) if shard is None else (shard.rows, shard.cols)
+    if full.is_meta:
+        w = torch.empty(shape, dtype=full.dtype, device=device)
+        init_shard(table, w, shard)
+        return w
+    if shape == tuple(full.shape):
+        return full.to(device)  # the same storage when already there
+    piece = full[shard.row_offset : shard.row_offset + shard.rows, shard.col_offset : shard.col_offset + shard.cols]
+    return torch.empty(shape, dtype=full.dtype, device=device).copy_(piece)
+
+
+def _filler(table: BaseEmbeddingConfig, full: torch.Tensor, shard: ShardMeta | None):
+    """What the fused kernel copies its initial weights from: a view of ``full`` or, from the meta device,
+    the table's init applied to the kernel's own storage."""
+    if full.is_meta:
+        return lambda w: init_shard(table, w, shard)
+    if shard is None:
+        return full
+    return full[shard.row_offset : shard.row_offset + shard.rows, shard.col_offset : shard.col_offset + shard.cols]
+
+
+def _warn_large_tables(tables: list[BaseEmbeddingConfig], weights: list[torch.Tensor],
+                       shards: Mapping[str, list[ShardMeta] | None], me: int) -> None:
+    """Warn (once per table) when a large full table sits on this rank only to be cut into a smaller piece."""
+    for t, w in zip(tables, weights):
+        pieces = shards[t.name]
+        if pieces is None or w.is_meta:
+            continue
+        size = w.numel() * w.element_size()
+        kept = sum(s.rows * s.cols for s in pieces if s.rank == me)
+        key = (t.name, tuple(w.shape))
+        if size <= LARGE_TABLE_BYTES or kept >= w.numel() or key in _warned_large:
+            continue
+        _warned_large.add(key)
+        warnings.warn(
+            f"table {t.name!r}: its full {w.shape[0]} x {w.shape[1]} {w.dtype} table ({size / 2**20:,.0f} MiB) was "
+            f"materialized on this rank, which keeps {kept / w.numel():.0%} of it; build the collection on the "
+            "meta device (device='meta') and shard_modules allocates only the local shard, initialised from the "
+            "table config's init_fn",
+            UserWarning, stacklevel=4,
+        )
 
 
 def _requested_kernel(plan_kernel: str | None, module_kernel: str) -> str:
@@ -116,38 +195,38 @@ class ShardedCollection(nn.Module):
         container = kernels.TableContainer()
         if fused is not None:  # before any shard is allocated
             check_fused(self._attr, tables, shards, fused)
+        _warn_large_tables(tables, [source[t.name].weight for t in tables], shards, me)
         self._local_shards: list[tuple[int, ShardMeta]] = []  # (table index, shard) held here, table order
+        # fused: what each kernel table starts from (copied straight into the kernel's storage), and the
+        # replicas to make equal once it exists; no shard-sized copy is made on the way
+        sources: dict[str, tuple[tuple[int, int], torch.dtype, object]] = {}
+        pending: list[tuple[str, dist.ProcessGroup]] = []
         for i, t in enumerate(tables):
             full = source[t.name].weight.detach()
             if shards[t.name] is None:
-                if full.is_meta:
-                    w = torch.empty(full.shape, dtype=full.dtype, device=dev)
-                    t.init_weight(w)
-                else:
-                    w = full.to(dev)  # the same storage when already there
-                # replicas must start equal, as DDP makes dense replicas equal
-                _broadcast_from_first(w, self._dp_group)
-                container.add(t.name, Table(w))
-                continue
-            mine = [s for s in shards[t.name] if s.rank == me]
-            if not mine:
-                continue
-            (s,) = mine
-            if full.is_meta:
-                piece = torch.empty(s.rows, s.cols, dtype=full.dtype, device=dev)
-                t.init_weight(piece)
+                s, group = None, self._dp_group  # replicas must start equal, as DDP makes dense replicas equal
             else:
-                piece = full[s.row_offset : s.row_offset + s.rows, s.col_offset : s.col_offset + s.cols]
-                piece = piece.to(dev).clone().contiguous()
-            if replica_group is not None:
-                _broadcast_from_first(piece, replica_group)
-            container.add(t.name, Table(piece))
-            self._local_shards.append((i, s))
+                mine = [s for s in shards[t.name] if s.rank == me]
+                if not mine:
+                    continue
+                (s,) = mine
+                group = replica_group
+            if fused is not None:
+                if s is not None and s.rows == 0:
+                    continue  # a zero-row shard receives no ids; the fused kernel holds only shards with rows
+                shape = tuple(full.shape) if s is None else (s.rows, s.cols)
+                sources[t.name] = (shape, full.dtype, _filler(t, full, s))
+                if group is not None:
+                    pending.append((t.name, group))
+            else:
+                w = _materialize(t, full, s, dev)
+                if group is not None:
+                    _broadcast_from_first(w, group)
+                container.add(t.name, Table(w))
+            if s is not None:
+                self._local_shards.append((i, s))
         self._fused: kernels.FusedPooledKernel | None = None  # this rank's shards
         self._dp_fused: kernels.FusedPooledKernel | None = None  # the data-parallel tables
-        if fused is not None:
-            # a zero-row shard receives no ids; the fused kernel holds only shards with rows
-            self._local_shards = [(ti, s) for ti, s in self._local_shards if s.rows > 0]
         setattr(self, self._attr, container)
 
         self._routing: RoutingTable = build_routing(
@@ -156,13 +235,16 @@ class ShardedCollection(nn.Module):
         )
         if fused is not None:
             shard_kernel, dp_kernel = build_kernels(
-                {n: container[n].weight for n in container}, fused, [t.name for t in tables],
-                self._layout.feature_table, self._routing, [ti for ti, _ in self._local_shards],
+                sources, fused, [t.name for t in tables], self._layout.feature_table, self._routing,
+                [ti for ti, _ in self._local_shards], dev,
             )
             object.__setattr__(self, "_fused", shard_kernel)
             object.__setattr__(self, "_dp_fused", dp_kernel)
             # registered once, under the same keys as plain tables: <attr>.<table>.weight
-            setattr(self, self._attr, kernels.FusedTables(self.fused_kernels(), [t.name for t in tables]))
+            held = kernels.FusedTables(self.fused_kernels(), [t.name for t in tables])
+            setattr(self, self._attr, held)
+            for name, group in pending:  # in table order on every rank, as the plain path broadcasts
+                _broadcast_from_first(held[name].weight, group)
         self._build_lookups()
         self._register_state_dict_hook(state.sharded_state_dict_hook)
         self._register_load_state_dict_pre_hook(self._load_hook)

@@ -60,23 +60,26 @@ def check_fused(
 
 
 def build_kernels(
-    weights: dict[str, torch.Tensor],
+    sources: dict[str, tuple[tuple[int, int], torch.dtype, object]],
     spec,
     table_names: list[str],
     feature_table: Sequence[int],
     routing: RoutingTable,
     local_tables: list[int],
+    device: torch.device,
 ) -> tuple[kernels.FusedPooledKernel | None, kernels.FusedPooledKernel | None]:
     """One fused kernel for this rank's shards and one for the data-parallel tables (None where there is none).
 
-    ``weights``: each table's local piece (or replica) by name, copied into the kernels as initial weights.
+    ``sources``: each table's local piece (or replica) by name, as ``(shape, dtype, initial weights)``; the
+    initial weights (a tensor, possibly a view of the full table, or a function filling a tensor in place)
+    go straight into the kernel's storage, so building a kernel adds no second copy of the piece.
     """
 
     def build(names: list[str], ft: list[int]) -> kernels.FusedPooledKernel:
-        ws = [weights[n] for n in names]
+        entries = [sources[n] for n in names]
         return kernels.FusedPooledKernel(
-            [(n, w.shape[0], w.shape[1], w.dtype) for n, w in zip(names, ws)], ft, spec,
-            device=ws[0].device, weights=[w.detach() for w in ws],
+            [(n, shape[0], shape[1], dtype) for n, (shape, dtype, _) in zip(names, entries)], ft, spec,
+            device=device, weights=[w for _, _, w in entries],
         )
 
     shard_kernel = dp_kernel = None
