@@ -31,10 +31,10 @@ import torch
 
 sys.path.insert(0, os.environ.get("BENCH_LIB", str(Path(__file__).resolve().parent.parent)))
 
-from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, ShardingPlan  # noqa: E402
-from lightning_rec.sharding import fused_optimizer, row_wise, shard_modules  # noqa: E402
-from lightning_rec.sparse import KeyedJaggedTensor  # noqa: E402
-from lightning_rec.testing import run_distributed  # noqa: E402
+from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, ShardingPlan
+from lightning_rec.sharding import fused_optimizer, row_wise, shard_modules
+from lightning_rec.sparse import KeyedJaggedTensor
+from lightning_rec.testing import run_distributed
 
 
 def _rss_mib() -> float:

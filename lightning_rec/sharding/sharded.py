@@ -249,6 +249,13 @@ def shard_modules(
     the tables are) holds this rank's shards and every tensor the pipeline makes; the module follows a
     later ``.to(device)``. Returns ``model`` (or the sharded collection when ``model`` itself is one).
 
+    Memory: build large collections on the meta device; each rank then allocates only its shard, filled by
+    the table config's ``init_fn`` (given ``row_offset`` / ``col_offset`` when it takes them). A large table
+    built in full on a rank that keeps only part of it is cut with one copy and warns.
+
+    Lookup kernels: each table's ``ParameterSharding.compute_kernel`` (``"fbgemm"``, ``"torch"``; otherwise
+    the collection's ``kernel`` setting) picks the kernel of its shards; see ``ShardedCollection.lookup_kernels``.
+
     ``embedding_optimizer`` (a ``FusedOptimizerSpec`` or a dict such as ``{"kind": "rowwise_adagrad",
     "lr": 0.05}``) makes every sharded table update inside backward with fbgemm's kernel; step it with
     ``fused_optimizer(model)``. Without it, tables are ordinary parameters for any torch optimizer.
