@@ -101,8 +101,10 @@ class GroupedPooledLookup:
         made for autograd) that fbgemm packs into its flat buffer (default: ``tables``)."""
         b = batch_size
         storage = list(tables) if storage is None else list(storage)
-        if not self.uses_fbgemm or b == 0:
-            # an empty batch keeps the [0, D] output in the autograd graph through F.embedding_bag
+        if not self.uses_fbgemm or b == 0 or torch.compiler.is_compiling():
+            # an empty batch keeps the [0, D] output in the autograd graph through F.embedding_bag; under
+            # torch.compile ids go unchecked (checks would break the graph) and fbgemm's op is opaque, while
+            # F.embedding_bag traces and checks its ids itself
             return torch_pooled(tables, self.feature_table, values, offsets, b, per_sample_weights, sparse_grad)
         if len(self._groups) == 1:
             return self._run(self._groups[0], tables, storage, values, offsets, b, per_sample_weights, sparse_grad)
