@@ -110,7 +110,7 @@ def _warn_large_tables(tables: list[BaseEmbeddingConfig], weights: list[torch.Te
             f"materialized on this rank, which keeps {kept / w.numel():.0%} of it; build the collection on the "
             "meta device (device='meta') and shard_modules allocates only the local shard, initialised from the "
             "table config's init_fn",
-            UserWarning, stacklevel=4,
+            UserWarning, stacklevel=5,
         )
 
 
