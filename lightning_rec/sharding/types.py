@@ -42,8 +42,9 @@ class ParameterSharding:
         row_sizes: ROW_WISE only: rows per rank of the group (uneven placement); default even blocks.
         col_sizes: COLUMN_WISE / GRID_SHARD: width of each column shard; default even widths.
         host_indexes: TABLE_ROW_WISE: ``[host]``; GRID_SHARD: one host per column shard.
-        compute_kernel: lookup kernel for the local shards (``"auto"``, ``"torch"`` or ``"fbgemm"``; TorchRec's
-            kernel names are accepted too).
+        compute_kernel: lookup kernel for the local shards: ``"torch"`` or ``"fbgemm"`` as written; ``"auto"``
+            (the default) and TorchRec's kernel names follow the collection's own ``kernel`` setting. A fused
+            embedding optimizer always uses its fused kernel.
         num_buckets: ROW_WISE only: TorchRec's bucketized row-wise: ``num_buckets`` equal buckets (they must
             divide ``num_embeddings``) spread over the ranks, the first ranks taking one more.
     """
