@@ -7,6 +7,8 @@ lookup and output dist of pooled and sequence embeddings.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -21,6 +23,25 @@ from lightning_rec.sharding.fused import build_kernels, check_fused, union_looku
 from lightning_rec.sharding.layout import ShardMeta
 from lightning_rec.sharding.routing import RoutingTable, build_routing
 from lightning_rec.sparse import KeyedJaggedTensor, checks_enabled
+
+
+_MAX_PREFETCHED = 4  # batches whose input dist may wait for their forward (a pipeline keeps one or two)
+
+
+class _Begun(NamedTuple):
+    """A forward's checked input and its input dist in flight (None: no model-parallel table)."""
+
+    kjt: KeyedJaggedTensor
+    pending: dists.PendingInputDist | None
+
+    def wait(self) -> Received | None:
+        return None if self.pending is None else self.pending.wait()
+
+
+def _versions(kjt: KeyedJaggedTensor) -> tuple[int, ...]:
+    """In-place modification counters of the KJT's tensors: a prefetched input dist is valid while they hold."""
+    return tuple(_compat.tensor_version(t) for t in (kjt.values(), kjt.lengths(), kjt.weights_or_none())
+                 if t is not None)
 
 
 def _broadcast_from_first(w: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -89,6 +110,7 @@ class ShardedCollection(nn.Module):
         self._table_dtypes = [t.dtype for t in tables]
         self._keep_table_dtypes = False
         self._output_dtype: torch.dtype | None = None
+        self._prefetched: list[tuple[KeyedJaggedTensor, tuple[int, ...], _Begun]] = []  # see prefetch_input_dist
         dev = self._device = target_device(module, device)
         peers = peer_devices or {}
         self._peer_devices = [peers.get(g, dev) for g in self._global_ranks]
@@ -244,10 +266,8 @@ class ShardedCollection(nn.Module):
         return weights.to(torch.promote_types(self._out_dtype(), torch.float32))
 
     # -- forward helpers ----------------------------------------------------------------------------
-    def _checked_input(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor | None, list[int]]:
-        """Validate locally, then agree across ranks, so one rank's bad input never leaves others waiting."""
-        err: Exception | None = None
-        kjt = None
+    def _checked_input(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor | None, Exception | None]:
+        """This rank's input in config order, or the error that rejects it (raised once every rank knows)."""
         try:
             kjt = self._layout.select(features)
             if kjt.device != self._device:
@@ -255,21 +275,76 @@ class ShardedCollection(nn.Module):
                                  f"{self._device}; move the batch (or the module) with .to()")
             self._check_weights(kjt)
         except (ValueError, TypeError) as e:
-            err = e
-        batch = kjt.stride() if kjt is not None else 0
-        if dist.get_world_size(self._dp_group) == 1:
-            if err is not None:
-                raise err
-            return kjt, [batch]
-        # agree over every rank this module exchanges with in forward or backward
-        status = comm.all_gather_ints([batch, int(err is not None)], self._dp_group, device=self._device)
-        by_rank = dict(zip(dist.get_process_group_ranks(self._dp_group), status))
-        bad = sorted(r for r, (_, e) in by_rank.items() if e)
+            return None, e
+        return kjt, None
+
+    def _agree(self, err: Exception | None) -> None:
+        """Raise on every rank this module exchanges with if any rejected its input (one all-gather).
+
+        Only where the input dist's header cannot carry the verdict: no model-parallel table, or 2D replicas
+        (data-parallel tables then reach beyond the shard group).
+        """
+        if dist.get_world_size(self._dp_group) > 1:
+            status = comm.all_gather_ints([int(err is not None)], self._dp_group, device=self._device)
+            bad = [g for g, (e,) in zip(dist.get_process_group_ranks(self._dp_group), status) if e]
+            if err is None and bad:
+                raise ValueError(f"ranks {bad} rejected their input (see the error raised there); stopping this rank too")
         if err is not None:
             raise err
-        if bad:
-            raise ValueError(f"ranks {bad} rejected their input (see the error raised there); stopping this rank too")
-        return kjt, [by_rank[g][0] for g in self._global_ranks]
+
+    def _start(self, features: KeyedJaggedTensor, async_op: bool) -> _Begun:
+        """Check the input and start its input dist (the checks' verdict travels in the dist's header)."""
+        kjt, err = self._checked_input(features)
+        if not self._routing.has_model_parallel or self._replica_group is not None:
+            self._agree(err)
+            if not self._routing.has_model_parallel:
+                return _Begun(kjt, None)
+        weights = self._wire_weights(kjt.weights_or_none()) if kjt is not None and self._uses_weights() else None
+        try:
+            pending = dists.start_input_dist(
+                kjt, weights, self._routing, self._group, self._device, rejected=err is not None,
+                with_positions=self._attr == "embeddings", async_op=async_op, ranks=self._global_ranks,
+            )
+        except dists.InputRejected:
+            if err is not None:
+                raise err from None
+            raise
+        return _Begun(kjt, pending)
+
+    def _begin(self, features: KeyedJaggedTensor) -> _Begun:
+        """Stage 1 of a forward: the prefetched input dist of ``features`` if a pipeline started it, else a new one."""
+        for i, (prefetched, versions, begun) in enumerate(self._prefetched):
+            if prefetched is features:
+                del self._prefetched[i]
+                if _versions(features) != versions:
+                    raise ValueError(
+                        "a KeyedJaggedTensor was modified in place after the train pipeline had started its input "
+                        "dist (ids, lengths or weights changed): build a new KeyedJaggedTensor instead, or train "
+                        "without input pipelining"
+                    )
+                return begun
+        return self._start(features, async_op=False)
+
+    def prefetch_input_dist(self, features: KeyedJaggedTensor) -> None:
+        """Start the input dist of a coming batch now (collective); the forward given ``features`` waits for it.
+
+        For train pipelines: the ids of batch i+1 travel while batch i computes. Every rank must prefetch the
+        same batches in the same order. ``features`` must reach this module's forward as the same object,
+        unmodified (a modified one raises); a batch never passed to the forward is dropped by
+        :meth:`clear_prefetched`, or once more than a few batches wait.
+        """
+        begun = self._start(features, async_op=True)
+        self._prefetched.append((features, _versions(features), begun))
+        if len(self._prefetched) > _MAX_PREFETCHED:
+            self._prefetched.pop(0)[2].wait()
+
+    def clear_prefetched(self) -> int:
+        """Drop every prefetched input dist (waiting for its transfers); returns how many there were."""
+        n = len(self._prefetched)
+        for _, _, begun in self._prefetched:
+            begun.wait()
+        self._prefetched.clear()
+        return n
 
     def _check_weights(self, kjt: KeyedJaggedTensor) -> None:
         pass
@@ -303,10 +378,14 @@ class ShardedCollection(nn.Module):
         return [pos[self._layout.feature_table[f]] for f in self._routing.dp_features]
 
     # -- the three stages ---------------------------------------------------------------------------
-    def input_dist(self, kjt: KeyedJaggedTensor, batches: list[int]) -> Received:
-        """Stage 1: every route's ids to the shard's owner (``batches``: every shard rank's batch size)."""
+    def input_dist(self, kjt: KeyedJaggedTensor) -> Received:
+        """Stage 1: every route's ids to the shard's owner (``kjt`` in config order, as the forward checked it).
+
+        Every shard rank's batch size travels with the ids (``Received.batches``).
+        """
         weights = self._wire_weights(kjt.weights_or_none()) if self._uses_weights() else None
-        return dists.input_dist(kjt, weights, self._routing, batches, self._group, self._device)
+        return dists.input_dist(kjt, weights, self._routing, self._group, self._device,
+                                with_positions=self._attr == "embeddings")
 
     def _shard_weights(self, recv: Received) -> list[torch.Tensor]:
         """This rank's shards as the lookup sees them; under 2D replicas their backward sums over the replicas."""
