@@ -338,6 +338,15 @@ class ShardedCollection(nn.Module):
         if len(self._prefetched) > _MAX_PREFETCHED:
             self._prefetched.pop(0)[2].wait()
 
+    def discard_prefetched(self, features: KeyedJaggedTensor) -> bool:
+        """Drop the prefetched input dist of ``features`` if its forward never took it; returns whether it was there."""
+        for i, (prefetched, _, begun) in enumerate(self._prefetched):
+            if prefetched is features:
+                del self._prefetched[i]
+                begun.wait()
+                return True
+        return False
+
     def clear_prefetched(self) -> int:
         """Drop every prefetched input dist (waiting for its transfers); returns how many there were."""
         n = len(self._prefetched)
