@@ -184,3 +184,72 @@ class TrainPipelineSparseDist:
         if self._prefetcher is not None:
             self._prefetcher.finish(started)
         return output
+
+
+class PipelinedLoader:
+    """A training data loader run one batch ahead: when batch i is handed out, batch i+1 is already on the device
+    with its input dist started (``prefetcher``), so its ids travel while batch i trains.
+
+    ``move(batch)`` puts a batch on the device. Everything else (length, sampler, ``state_dict`` ...) is the
+    wrapped loader's; its ``state_dict`` is the one taken right after the batch last handed out was read, so a
+    checkpoint resumes at the next batch although one more was read ahead.
+    """
+
+    _OWN = frozenset({"loader", "_prefetcher", "_move", "_state"})
+
+    def __init__(self, loader: Iterable[Any], prefetcher: InputPrefetcher, move: Any) -> None:
+        self.loader, self._prefetcher, self._move = loader, prefetcher, move
+        self._state: Any = None
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]  # TypeError for unsized loaders, as Lightning expects
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._batches()
+
+    def _pull(self, it: Iterator[Any]) -> tuple[Any, list, Any] | None:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return None
+        state = self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
+        batch = self._move(batch)
+        return batch, self._prefetcher.start(batch), state
+
+    def _batches(self) -> Iterator[Any]:
+        self._prefetcher.clear()  # a batch read ahead by a previous epoch that stopped early (limits)
+        self._state = None
+        it = iter(self.loader)
+        ahead = self._pull(it)
+        previous: list = []
+        while ahead is not None:
+            batch, started, state = ahead
+            ahead = self._pull(it)  # the next batch's ids leave now, while this one trains
+            self._state = state
+            yield batch
+            # asked for the batch after this one: the one before it has trained for sure (Lightning may read
+            # one batch ahead of its training step itself, so not necessarily this one)
+            self._prefetcher.finish(previous)
+            previous = started
+
+    def _state_dict(self) -> Any:
+        return self._state if self._state is not None else self.loader.state_dict()
+
+    def _load_state_dict(self, state: Any) -> None:
+        self._state = None
+        self.loader.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in PipelinedLoader._OWN:
+            raise AttributeError(name)
+        if name == "state_dict" and hasattr(self.loader, "state_dict"):
+            return self._state_dict
+        if name == "load_state_dict" and hasattr(self.loader, "load_state_dict"):
+            return self._load_state_dict
+        return getattr(self.loader, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in PipelinedLoader._OWN:
+            object.__setattr__(self, name, value)
+        else:  # e.g. Lightning's worker_init_fn: the wrapped loader's
+            setattr(self.loader, name, value)
