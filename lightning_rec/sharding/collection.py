@@ -24,7 +24,6 @@ from lightning_rec.sharding.layout import ShardMeta
 from lightning_rec.sharding.routing import RoutingTable, build_routing
 from lightning_rec.sparse import KeyedJaggedTensor, checks_enabled
 
-
 _MAX_PREFETCHED = 4  # batches whose input dist may wait for their forward (a pipeline keeps one or two)
 
 
@@ -288,7 +287,9 @@ class ShardedCollection(nn.Module):
             status = comm.all_gather_ints([int(err is not None)], self._dp_group, device=self._device)
             bad = [g for g, (e,) in zip(dist.get_process_group_ranks(self._dp_group), status) if e]
             if err is None and bad:
-                raise ValueError(f"ranks {bad} rejected their input (see the error raised there); stopping this rank too")
+                raise ValueError(
+                    f"ranks {bad} rejected their input (see the error raised there); stopping this rank too"
+                )
         if err is not None:
             raise err
 

@@ -100,6 +100,8 @@ def _bucketed_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, rout
     b, n_keys = kjt.stride(), len(kjt.keys())
     values, lengths = kjt.values(), kjt.lengths()
     dev, n = values.device, values.numel()
+    if routing.bucket_route_rel is not None:
+        return _sorted_payload(kjt, weights, routing, with_positions)
     bag = torch.repeat_interleave(torch.arange(n_keys * b, device=dev), lengths, output_size=n)
     feature = torch.div(bag, b, rounding_mode="floor") if b else bag
     bucket = torch.searchsorted(routing.bucket_bounds, feature * KEY_SPAN + values, right=True) - 1
@@ -107,7 +109,7 @@ def _bucketed_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, rout
     n_buckets = routing.bucket_bounds.numel()
     counts = torch.bincount(bucket * b + (bag - feature * b), minlength=n_buckets * b).view(n_buckets, b)
     size = counts.sum(1)
-    order = torch.argsort(bucket, stable=True)
+    order = torch.argsort(bucket.to(torch.int32), stable=True)  # int32 sorts several times faster than int64
     route_size = size[routing.route_bucket]
     sent = route_size.tolist()  # the one host sync of the send side: the all-to-all needs split sizes
     bucket_first = torch.cumsum(size, 0) - size
@@ -120,6 +122,38 @@ def _bucketed_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, rout
         positions = list(torch.split(gather - base, sent))
     return _Outgoing(counts[routing.route_bucket].reshape(-1), local[gather],
                      None if weights is None else weights[gather], sent, positions)
+
+
+def _sorted_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable,
+                    with_positions: bool) -> _Outgoing:
+    """:func:`_bucketed_payload` when every row block is read by one route: one stable sort by (route, bag).
+
+    Every id gets the slot ``route * b + bag within the feature`` (ids of unrouted features sort last); a
+    stable sort by slot is the payload's order, and the slots' histogram the routes' bag lengths.
+    """
+    b, n_keys = kjt.stride(), len(kjt.keys())
+    values, lengths = kjt.values(), kjt.lengths()
+    dev, n = values.device, values.numel()
+    n_routes = routing.route_row_start.numel()
+    lpk = torch.tensor(kjt.length_per_key(), dtype=torch.long, device=dev)
+    feature_key = torch.repeat_interleave(torch.arange(n_keys, device=dev) * KEY_SPAN, lpk, output_size=n)
+    place = torch.searchsorted(routing.bucket_bounds, feature_key + values, right=True)  # bucket + 1
+    bag = torch.repeat_interleave(torch.arange(n_keys * b, device=dev), lengths, output_size=n)
+    slot = (routing.bucket_route_rel * b).index_select(0, place) + bag
+    counts = torch.bincount(slot, minlength=(n_routes + 1) * b)[: n_routes * b]
+    route_size = counts.view(n_routes, b).sum(1)
+    sent = route_size.tolist()  # the one host sync of the send side: the all-to-all needs split sizes
+    total = sum(sent)
+    order = torch.argsort(slot.to(torch.int32), stable=True)[:total]  # int32 sorts several times faster
+    first_row = torch.repeat_interleave(routing.route_row_start, route_size, output_size=total)
+    positions: list[torch.Tensor | None] = []
+    if with_positions:
+        feature_first = kjt.offsets()[torch.arange(n_keys, device=dev) * b]
+        route_first = feature_first[torch.tensor(routing.route_features, dtype=torch.long, device=dev)]
+        positions = list(torch.split(order - torch.repeat_interleave(route_first, route_size, output_size=total),
+                                     sent))
+    return _Outgoing(counts, values.index_select(0, order) - first_row,
+                     None if weights is None else weights.index_select(0, order), sent, positions)
 
 
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -64,6 +64,11 @@ class RoutingTable:
     bucket_bounds: torch.Tensor = field(default_factory=_empty_long)  # first key of every bucket, ascending
     bucket_start: torch.Tensor = field(default_factory=_empty_long)  # first row of every bucket's block
     route_bucket: torch.Tensor = field(default_factory=_empty_long)  # the bucket of every route of all_routes
+    route_row_start: torch.Tensor = field(default_factory=_empty_long)  # first row of every route's block
+    # when no bucket is read by two routes (no column shards of a row block): indexed by searchsorted's
+    # right-side position (bucket + 1), the bucket's route minus its feature (unread buckets: number of routes
+    # minus the feature), so that ``value * batch + bag`` is the (route, bag) slot of an id
+    bucket_route_rel: torch.Tensor | None = None
     routes_in_order: bool = False  # the routes read every feature once, in order: the payload is the KJT itself
 
     @property
@@ -89,7 +94,10 @@ class RoutingTable:
                                    colmap_parts=tuple(c.to(device) for c in self.colmap_parts),
                                    bucket_bounds=self.bucket_bounds.to(device),
                                    bucket_start=self.bucket_start.to(device),
-                                   route_bucket=self.route_bucket.to(device))
+                                   route_bucket=self.route_bucket.to(device),
+                                   route_row_start=self.route_row_start.to(device),
+                                   bucket_route_rel=None if self.bucket_route_rel is None
+                                   else self.bucket_route_rel.to(device))
 
 
 def build_routing(
@@ -156,6 +164,12 @@ def build_routing(
             starts_of_buckets.append(start)
     all_routes = [r for lst in routes_to for r in lst]
     route_bucket = [first_bucket[r.feature] + block_of[(r.table, r.shard.row_offset)] for r in all_routes]
+    bucket_feature = [f for f in range(len(feature_table))
+                      for _ in range((first_bucket + [len(bounds)])[f + 1] - first_bucket[f])]
+    rel = [len(all_routes) - f for f in bucket_feature]
+    for i, bk in enumerate(route_bucket):
+        rel[bk] = i - bucket_feature[bk]
+    unique = len(set(route_bucket)) == len(route_bucket)
     if len(feature_table) >= (1 << 62) // KEY_SPAN or any(s.row_offset + s.rows > KEY_SPAN for shards in table_shards
                                                            for s in shards or []):
         raise ValueError(f"more than {(1 << 62) // KEY_SPAN} features or a table of more than {KEY_SPAN} rows")
@@ -177,5 +191,7 @@ def build_routing(
         bucket_bounds=torch.tensor(bounds, dtype=torch.long, device=device),
         bucket_start=torch.tensor(starts_of_buckets, dtype=torch.long, device=device),
         route_bucket=torch.tensor(route_bucket, dtype=torch.long, device=device),
+        route_row_start=torch.tensor([r.shard.row_offset for r in all_routes], dtype=torch.long, device=device),
+        bucket_route_rel=torch.tensor(rel[:1] + rel, dtype=torch.long, device=device) if unique and rel else None,
         routes_in_order=[r.feature for r in all_routes] == list(range(len(feature_table))),
     )

@@ -15,7 +15,8 @@ The pipeline only ever sees shards, so the types differ in their layout, not in 
   MEAN pooling then divides by the full bag length, once, on the sample's rank (rule 1).
 
 Forward comm: all-to-all of a header (batch size, input verdict, id counts), all-to-all of lengths, ids
-and weights in one buffer, all-to-all of pooled rows. Backward comm: the reverse all-to-all of the pooled gradient; ids get none.
+and weights in one buffer, all-to-all of pooled rows. Backward comm: the reverse all-to-all of the pooled
+gradient; ids get none.
 Gradient scale (rule 2): each shard receives the sum of every rank's gradient; ``embedding_grad="mean"``
 multiplies it by ``1 / data-parallel ranks`` in ``comm.embedding_grad``, the one place a scale is applied.
 
