@@ -9,6 +9,7 @@ import warnings
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_rec import (
@@ -20,6 +21,8 @@ from lightning_rec import (
     row_wise,
     table_wise,
 )
+from lightning_rec.data import ClickDataModule
+from lightning_rec.models import DLRM
 from lightning_rec.sharding import ShardedCollection
 from lightning_rec.testing import run_distributed
 from tests.lightning.models import ClickModule, Clicks, collate
@@ -104,3 +107,37 @@ def _job(rank: int, ws: int, plan_name: str, iterable: bool) -> None:
 @pytest.mark.parametrize(("plan_name", "iterable"), [("mixed", False), ("fused", True)])
 def test_pipelined_fit_equals_unpipelined_bitwise(plan_name: str, iterable: bool) -> None:
     run_distributed(_job, 2, plan_name, iterable, init_process_group=False, timeout_s=300)
+
+
+def _resume_job(rank: int, ws: int, ckpt_dir: str, resume: str | None, pipeline: bool) -> dict:
+    torch.manual_seed(0)
+    steps = 5
+    dm = ClickDataModule(source="synthetic", batch_size=8, train_rows=8 * ws * steps, val_rows=0, test_rows=0,
+                         size=1e-5, shuffle_block=7)
+    tables = list(dm.feature_names)
+    plan = ShardingPlan({"sparse_arch.embedding_bag_collection": {
+        **{t: data_parallel() for t in tables}, tables[0]: row_wise(), tables[1]: table_wise(rank=1)}})
+    model = DLRM(num_dense=dm.num_dense, feature_names=dm.feature_names, num_embeddings_per_feature=dm.cardinalities,
+                 embedding_dim=4, dense_arch_layer_sizes=[8, 4], over_arch_layer_sizes=[8, 1], plan=plan,
+                 dense_lr=0.05, embedding_lr=0.1)
+    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1, filename="{step}")]
+    trainer = L.Trainer(accelerator="cpu", devices=ws, strategy=RecShardedStrategy(pipeline=pipeline), max_epochs=2,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, use_distributed_sampler=False, callbacks=callbacks)
+    trainer.fit(model, dm, ckpt_path=resume)
+    return {"step": trainer.global_step, **{k: v.detach().clone() for k, v in model.named_parameters()}}
+
+
+@pytest.mark.slow
+def test_pipelined_mid_epoch_resume_reads_on_from_the_next_batch(tmp_path) -> None:
+    """The loader runs one batch ahead; its checkpointed position must still be the batch after the last trained."""
+    plain = run_distributed(_resume_job, 2, str(tmp_path / "p"), None, False, init_process_group=False, timeout_s=240)
+    full = run_distributed(_resume_job, 2, str(tmp_path / "a"), None, True, init_process_group=False, timeout_s=240)
+    mid = str(tmp_path / "a" / "step=3.ckpt")
+    resumed = run_distributed(_resume_job, 2, str(tmp_path / "b"), mid, True, init_process_group=False, timeout_s=240)
+    for rank in range(2):
+        assert resumed[rank]["step"] == full[rank]["step"] == plain[rank]["step"] == 10
+        for name, value in plain[rank].items():
+            if name != "step":
+                assert torch.equal(full[rank][name], value), (rank, name)
+                assert torch.equal(resumed[rank][name], value), (rank, name)
