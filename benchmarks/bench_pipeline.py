@@ -148,14 +148,16 @@ def summarize(res: list[dict], cfg: dict, world: int) -> dict | str:
     med = statistics.median(max(ts) for ts in zip(*(r["step_times"] for r in res)))
     busy = res[0]["busy"]
     others = None if busy is None else max(0.0, busy - sum(r["own_cpu"] for r in res)) / res[0]["elapsed"]
-    return {"sps": world * cfg["batch"] * cfg["steps"] / elapsed, "med": world * cfg["batch"] / med, "others": others}
+    cpu_ms = 1e3 * statistics.mean(r["own_cpu"] for r in res) / cfg["steps"]
+    return {"sps": world * cfg["batch"] * cfg["steps"] / elapsed, "med": world * cfg["batch"] / med, "others": others,
+            "cpu_ms": cpu_ms}
 
 
 def cell(s: dict | str) -> str:
     if isinstance(s, str):
         return f"fails: {s}"
     others = "?" if s["others"] is None else f"{s['others']:.2f}"
-    return f"{s['sps'] / 1e3:.1f}k (med {s['med'] / 1e3:.1f}k; others {others})"
+    return f"{s['sps'] / 1e3:.1f}k (med {s['med'] / 1e3:.1f}k; cpu {s['cpu_ms']:.1f} ms; others {others})"
 
 
 def main() -> int:
@@ -203,12 +205,19 @@ def main() -> int:
         f"`big`), {args.batch} samples per rank, {args.warmup} warm-up + {args.steps} timed steps. Load average "
         f"before / after: {load0} / {load()}; total {time.monotonic() - t0:.0f} s.",
         "",
+        "Cells: global samples/s (med = from the slowest rank's median step; cpu = CPU time per step of one "
+        "process, its gloo threads included, mean over ranks: the work, which the load of other processes "
+        "disturbs far less than the wall time; others = cores other processes used meanwhile). Ratios: samples/s, "
+        "and in brackets the inverse ratio of CPU ms per step.",
+        "",
         "| job | plan | variant | first | " + " | ".join(contenders) + " | after / before | pipelined / after |",
         "|---|---|---|---|" + "---|" * len(contenders) + "---|---|",
     ]
 
     def ratio(a, b) -> str:
-        return "-" if isinstance(a, str) or isinstance(b, str) else f"{a['sps'] / b['sps']:.2f}x"
+        if isinstance(a, str) or isinstance(b, str):
+            return "-"
+        return f"{a['sps'] / b['sps']:.2f}x ({b['cpu_ms'] / a['cpu_ms']:.2f}x)"
 
     for job, plan, variant, first, got in rows:
         cells = " | ".join(cell(got[c]) for c in contenders)

@@ -60,20 +60,46 @@ class InputRejected(ValueError):
 
 @dataclass
 class _Outgoing:
-    """This rank's payload, destination-major: every route's bag lengths, ids (local to its row block), weights."""
+    """This rank's payload, destination-major: every route's bag lengths, ids (local to its row block), weights.
 
-    lengths: torch.Tensor
-    values: torch.Tensor
+    Either flat (``lengths`` / ``values`` / ``weights``: all routes, concatenated) or, where every route's
+    part is a slice of the input already, ``pieces``: per route, views of its lengths, ids and weights (the
+    send buffer is then assembled from the input in one copy).
+    """
+
+    lengths: torch.Tensor | None
+    values: torch.Tensor | None
     weights: torch.Tensor | None
     sent: list[int]  # ids per route of ``routing.all_routes``
     positions: list[torch.Tensor | None]
+    pieces: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None] | None = None
+
+    def per_route(self, b: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
+        if self.pieces is not None:
+            return self.pieces
+        assert self.lengths is not None and self.values is not None
+        n = len(self.sent)
+        lengths = list(torch.split(self.lengths, [b] * n)) if n else []
+        ws = None if self.weights is None else list(torch.split(self.weights, self.sent))
+        return lengths, list(torch.split(self.values, self.sent)), ws
+
+    def flat(self, b: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if self.pieces is None:
+            assert self.lengths is not None and self.values is not None
+            return self.lengths.long(), self.values, self.weights
+        lengths, values, ws = self.pieces
+
+        def cat(xs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+            return torch.cat(xs) if xs else torch.zeros(0, dtype=dtype, device=device)
+
+        return cat(lengths, torch.long).long(), cat(values, torch.long), None if ws is None else cat(ws, torch.float32)
 
 
 def _route_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable) -> _Outgoing:
     """Every route's payload when no table needs bucketing: the KJT's features in route order.
 
-    Ids stay as they are (every routed table is one row block from row 0), so this is one gather, or
-    nothing when the routes read the features in order.
+    Ids stay as they are (every routed table is one row block from row 0): each route's part is a slice of
+    the input, copied once, into the send buffer.
     """
     lpk = kjt.length_per_key()
     sent = [lpk[f] for f in routing.route_features]
@@ -81,12 +107,13 @@ def _route_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing
     if routing.routes_in_order:
         return _Outgoing(kjt.lengths(), kjt.values(), weights, sent, positions)
     opk = kjt.offset_per_key()
-    dev = kjt.values().device
-    order = routing.route_bucket  # one bucket per feature here
-    gather = segment_gather_index(torch.tensor([opk[f] for f in routing.route_features], dtype=torch.long, device=dev),
-                                  torch.tensor(sent, dtype=torch.long, device=dev), total=sum(sent))
-    lengths = kjt.lengths().view(len(kjt.keys()), kjt.stride())[order].reshape(-1)
-    return _Outgoing(lengths, kjt.values()[gather], None if weights is None else weights[gather], sent, positions)
+    by_feature = kjt.lengths().view(len(kjt.keys()), kjt.stride())
+    values = kjt.values()
+    order = routing.route_features
+    return _Outgoing(None, None, None, sent, positions, pieces=(
+        [by_feature[f] for f in order], [values[opk[f] : opk[f + 1]] for f in order],
+        None if weights is None else [weights[opk[f] : opk[f + 1]] for f in order],
+    ))
 
 
 def _bucketed_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable,
@@ -224,10 +251,12 @@ def start_input_dist(
     if n_ranks == 1:  # this rank is the whole shard group: nothing to exchange
         if rejected:
             raise InputRejected("this rank rejected its input")
-        recv = Received(lengths=out.lengths.long(), values=out.values, weights=out.weights, ids_from=[out.sent],
+        lengths, values, ws = out.flat(b, device)
+        recv = Received(lengths=lengths, values=values, weights=ws, ids_from=[out.sent],
                         positions=out.positions, sent=out.sent, batches=(b,))
         return PendingInputDist(recv)
-    w_grad = out.weights is not None and out.weights.requires_grad and torch.is_grad_enabled()
+    weighted = out.weights is not None or (out.pieces is not None and out.pieces[2] is not None)
+    w_grad = weighted and weights is not None and weights.requires_grad and torch.is_grad_enabled()
     header, i = [], 0
     per_dest = [len(lst) for lst in routing.routes_to]
     for k in per_dest:
@@ -242,16 +271,19 @@ def start_input_dist(
     batches = tuple(got[s * h] for s in range(n_ranks))
     ids_from = [got[s * h + 3 : (s + 1) * h] for s in range(n_ranks)]
     w_apart = any(got[s * h + 2] for s in range(n_ranks))  # every rank sends weights the same way
-    packed = out.weights is not None and not w_apart
+    packed = weighted and not w_apart
     words = 2 if packed else 1
     # one buffer: to each rank, its routes' lengths, then ids, then weight bits
-    pieces, i, send_splits = [], 0, []
-    lens = torch.split(out.lengths.long(), [k * b for k in per_dest])
+    route_lengths, route_values, route_weights = out.per_route(b)
+    pieces: list[torch.Tensor] = []
+    send_splits = []
     value_counts = [sum(out.sent[i0 : i0 + k]) for i0, k in zip(_starts(per_dest), per_dest)]
-    vals = torch.split(out.values, value_counts)
-    ws = torch.split(_as_int64(out.weights), value_counts) if packed else None
-    for r in range(n_ranks):
-        pieces += [lens[r], vals[r]] + ([ws[r]] if ws is not None else [])
+    for r, i0 in enumerate(_starts(per_dest)):
+        i1 = i0 + per_dest[r]
+        pieces += route_lengths[i0:i1] + route_values[i0:i1]
+        if packed:
+            assert route_weights is not None
+            pieces += [_as_int64(w) for w in route_weights[i0:i1]]
         send_splits.append(per_dest[r] * b + words * value_counts[r])
     recv_splits = [n_mine * batches[s] + words * sum(ids_from[s]) for s in range(n_ranks)]
     send = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
@@ -259,11 +291,13 @@ def start_input_dist(
     work = dist.all_to_all_single(buf, send, recv_splits, send_splits, group=group, async_op=async_op)
     separate = None
     if w_apart:
-        w = out.weights if out.weights is not None else torch.zeros(0, device=device)
+        w = out.flat(b, device)[2] if weighted else None
+        w = w if w is not None else torch.zeros(0, device=device)
         separate = comm.all_to_all(w, [sum(x) for x in ids_from], value_counts, group, differentiable=True)
     return PendingInputDist(
         work=work, buf=buf, batches=batches, ids_from=ids_from, sent=out.sent, positions=out.positions,
-        packed_dtype=out.weights.dtype if packed else None, separate_weights=separate, n_mine=n_mine,
+        packed_dtype=weights.dtype if packed and weights is not None else None, separate_weights=separate,
+        n_mine=n_mine,
     )
 
 

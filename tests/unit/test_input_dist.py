@@ -80,9 +80,13 @@ def test_payload_matches_a_loop_over_routes_and_bags(seed: int) -> None:
         else:
             out = dists._bucketed_payload(kjt, weights, rt, with_positions=True)
         assert out.sent == [len(w[1]) for w in want]
-        assert out.lengths.tolist() == [n for w in want for n in w[0]]
-        assert out.values.tolist() == [i for w in want for i in w[1]]
-        assert out.weights.tolist() == [x for w in want for x in w[2]]
+        lengths, values, ws = out.flat(kjt.stride(), torch.device("cpu"))
+        assert lengths.tolist() == [n for w in want for n in w[0]]
+        assert values.tolist() == [i for w in want for i in w[1]]
+        assert ws.tolist() == [x for w in want for x in w[2]]
+        by_route = out.per_route(kjt.stride())
+        assert [x.tolist() for x in by_route[1]] == [w[1] for w in want]
+        assert [x.tolist() for x in by_route[0]] == [w[0] for w in want]
         for pos, w in zip(out.positions, want):
             assert (list(range(len(w[3]))) if pos is None else pos.tolist()) == w[3]
 
