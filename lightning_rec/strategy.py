@@ -74,7 +74,7 @@ class RecShardedStrategy(DDPStrategy):
             without. The batch's KeyedJaggedTensor must reach the sharded collection as the loader produced it
             (a new or modified one is looked up unpipelined, with a warning). Batches reach the device before
             ``on_before_batch_transfer`` runs. Not with managed-collision modules (refused). Off by default:
-            on 2 CPU processes over gloo it measured no faster (``benchmarks/results/pipeline.md``).
+            no speed-up could be shown on the shared 2-core CPU machine (``benchmarks/results/pipeline.md``).
     """
 
     strategy_name = "rec_sharded"
