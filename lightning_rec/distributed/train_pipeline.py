@@ -84,20 +84,19 @@ class InputPrefetcher:
         ]
         self._warned = False
 
-    def start(self, batch: Any) -> list[tuple[str, ShardedCollection, KeyedJaggedTensor]]:
+    def start(self, batch: Any) -> list[tuple[str, ShardedCollection, object]]:
         """Start the input dist of ``batch`` (already on the model's device); returns what was started."""
         kjts = find_kjts(batch) if self._collections else []
         started = []
         for path, coll, features in self._collections:
             fits = [k for k in kjts if features <= set(k.keys())]
             if len(fits) == 1:
-                coll.prefetch_input_dist(fits[0])
-                started.append((path, coll, fits[0]))
+                started.append((path, coll, coll.prefetch_input_dist(fits[0])))
         return started
 
-    def finish(self, started: list[tuple[str, ShardedCollection, KeyedJaggedTensor]]) -> None:
+    def finish(self, started: list[tuple[str, ShardedCollection, object]]) -> None:
         """After the batch's step: drop what its forward did not take, and say so once."""
-        missed = [path for path, coll, kjt in started if coll.discard_prefetched(kjt)]
+        missed = [path for path, coll, token in started if coll.discard_prefetched(token)]
         if missed and not self._warned:
             self._warned = True
             warnings.warn(

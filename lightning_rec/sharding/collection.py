@@ -326,23 +326,26 @@ class ShardedCollection(nn.Module):
                 return begun
         return self._start(features, async_op=False)
 
-    def prefetch_input_dist(self, features: KeyedJaggedTensor) -> None:
+    def prefetch_input_dist(self, features: KeyedJaggedTensor) -> object:
         """Start the input dist of a coming batch now (collective); the forward given ``features`` waits for it.
 
         For train pipelines: the ids of batch i+1 travel while batch i computes. Every rank must prefetch the
         same batches in the same order. ``features`` must reach this module's forward as the same object,
         unmodified (a modified one raises); a batch never passed to the forward is dropped by
-        :meth:`clear_prefetched`, or once more than a few batches wait.
+        :meth:`clear_prefetched`, or once more than a few batches wait. Returns a token for
+        :meth:`discard_prefetched`.
         """
         begun = self._start(features, async_op=True)
         self._prefetched.append((features, _versions(features), begun))
         if len(self._prefetched) > _MAX_PREFETCHED:
             self._prefetched.pop(0)[2].wait()
+        return begun
 
-    def discard_prefetched(self, features: KeyedJaggedTensor) -> bool:
-        """Drop the prefetched input dist of ``features`` if its forward never took it; returns whether it was there."""
-        for i, (prefetched, _, begun) in enumerate(self._prefetched):
-            if prefetched is features:
+    def discard_prefetched(self, token: object) -> bool:
+        """Drop the prefetched input dist ``token`` (from :meth:`prefetch_input_dist`) if no forward took it;
+        returns whether it was still there."""
+        for i, (_, _, begun) in enumerate(self._prefetched):
+            if begun is token:
                 del self._prefetched[i]
                 begun.wait()
                 return True

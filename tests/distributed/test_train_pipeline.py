@@ -54,7 +54,7 @@ class _Model(nn.Module):
         return loss, logits.detach()
 
 
-def _batches(rank: int, weighted: bool) -> list[Batch]:
+def _batches(rank: int, weighted: bool, repeat: bool = False) -> list[Batch]:
     g = torch.Generator().manual_seed(100 + rank)
     out = []
     for size in (5 + rank, 5 + rank, 6, 2 + rank):  # ranks differ; the last batch is shorter
@@ -64,6 +64,8 @@ def _batches(rank: int, weighted: bool) -> list[Batch]:
         w = torch.rand(ids.numel(), generator=g) if weighted else None
         kjt = KeyedJaggedTensor([f"f_{t}" for t in TABLES], ids, weights=w, lengths=lengths)
         out.append(Batch(torch.randn(size, 3, generator=g), kjt, torch.randint(0, 2, (size,), generator=g).float()))
+    if repeat:  # a loader handing out the same batch object twice in a row
+        out[1] = out[0]
     return out
 
 
@@ -79,10 +81,10 @@ def _sharded(ws: int, weighted: bool, fused: bool, rebuild: bool = False) -> tup
     return model, opt
 
 
-def _plain_loop(ws: int, rank: int, weighted: bool, fused: bool) -> dict[str, torch.Tensor]:
+def _plain_loop(ws: int, rank: int, weighted: bool, fused: bool, repeat: bool) -> dict[str, torch.Tensor]:
     model, opt = _sharded(ws, weighted, fused)
     fopt = fused_optimizer(model)
-    for batch in _batches(rank, weighted):
+    for batch in _batches(rank, weighted, repeat):
         opt.zero_grad()
         loss, _ = model(batch)
         loss.backward()
@@ -92,7 +94,8 @@ def _plain_loop(ws: int, rank: int, weighted: bool, fused: bool) -> dict[str, to
     return {k: v.clone() for k, v in full_state_dict(model).items()}
 
 
-def _pipelined_loop(ws: int, rank: int, weighted: bool, fused: bool, rebuild: bool) -> tuple[dict, int, list[str]]:
+def _pipelined_loop(ws: int, rank: int, weighted: bool, fused: bool, rebuild: bool,
+                    repeat: bool) -> tuple[dict, int, list[str]]:
     model, opt = _sharded(ws, weighted, fused, rebuild)
     fopt = fused_optimizer(model)
 
@@ -118,7 +121,7 @@ def _pipelined_loop(ws: int, rank: int, weighted: bool, fused: bool, rebuild: bo
 
     coll.prefetch_input_dist = counting
     pipeline = TrainPipelineSparseDist(model, _Both(), torch.device("cpu"))
-    it = iter(_batches(rank, weighted))
+    it = iter(_batches(rank, weighted, repeat))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         n = 0
@@ -133,9 +136,9 @@ def _pipelined_loop(ws: int, rank: int, weighted: bool, fused: bool, rebuild: bo
     return {k: v.clone() for k, v in full_state_dict(model).items()}, len(started), messages
 
 
-def _job(rank: int, ws: int, weighted: bool, fused: bool, rebuild: bool) -> None:
-    want = _plain_loop(ws, rank, weighted, fused)
-    got, n_started, messages = _pipelined_loop(ws, rank, weighted, fused, rebuild)
+def _job(rank: int, ws: int, weighted: bool, fused: bool, rebuild: bool, repeat: bool) -> None:
+    want = _plain_loop(ws, rank, weighted, fused, repeat)
+    got, n_started, messages = _pipelined_loop(ws, rank, weighted, fused, rebuild, repeat)
     assert n_started == 4, n_started  # every batch's input dist started a step early
     if rebuild:
         assert len(messages) == 1 and "not called with the batch's own" in messages[0], messages
@@ -149,10 +152,11 @@ def _job(rank: int, ws: int, weighted: bool, fused: bool, rebuild: bool) -> None
     assert any(not torch.equal(v, want[k]) for k, v in full_state_dict(model).items())
 
 
-@pytest.mark.parametrize(("weighted", "fused", "rebuild"), [(False, True, False), (True, False, False),
-                                                            (False, False, True)])
-def test_pipelined_weights_equal_the_plain_loop_bitwise(weighted: bool, fused: bool, rebuild: bool) -> None:
-    run_distributed(_job, 2, weighted, fused, rebuild)
+@pytest.mark.parametrize(("weighted", "fused", "rebuild", "repeat"), [
+    (False, True, False, False), (True, False, False, False), (False, False, True, False), (True, True, False, True)])
+def test_pipelined_weights_equal_the_plain_loop_bitwise(weighted: bool, fused: bool, rebuild: bool,
+                                                        repeat: bool) -> None:
+    run_distributed(_job, 2, weighted, fused, rebuild, repeat)
 
 
 def _modified_job(rank: int, ws: int) -> str:
