@@ -14,8 +14,8 @@ process with the same per-rank batch. One group of processes per world size runs
 
 Time breakdown (ms per step, mean over ranks), measured in the worker with ``time.perf_counter`` by
 wrapping, on the sharded instance or in the library modules the pipeline looks them up from:
-  * input dist  -- ``_checked_input`` (id range check, batch-size all-gather) + ``input_dist`` (bucketing +
-    the id all-to-alls)
+  * input dist  -- ``_start`` of the sharded module: id range check, bucketing, the header all-to-all (batch
+    sizes, id counts) and the payload all-to-all (lengths, ids, weights)
   * lookup fwd  -- ``kernels.torch_pooled`` (the shard lookups, and the replica lookup for data_parallel)
   * out dist fwd/bwd -- ``comm._all_to_all`` calls outside the input dist: the pooled all-to-all in forward
     and its reverse in backward
@@ -176,7 +176,7 @@ def patch_library() -> None:
 
 def instrument(module) -> None:
     """Time the input dist of one sharded collection (instance attributes shadow the methods)."""
-    for name in ("_checked_input", "input_dist"):
+    for name in ("_start",):  # input checks, bucketing, the header and payload all-to-alls
         if not hasattr(module, name):
             continue
         orig = getattr(module, name)
@@ -430,8 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         (
             "How the breakdown is measured: `time.perf_counter` around wrapped calls in each worker: "
-            "input dist = `_checked_input` + `input_dist` of the sharded module (id range check, batch-size "
-            "all-gather, bucketing, id all-to-alls); lookup fwd = `kernels.torch_pooled`; out dist fwd / bwd = `comm._all_to_all` calls "
+            "input dist = `_start` of the sharded module (id range check, bucketing, the header and payload "
+            "all-to-alls); lookup fwd = `kernels.torch_pooled`; out dist fwd / bwd = `comm._all_to_all` calls "
             "outside the input dist, in forward and in backward (the pooled all-to-all and its reverse); "
             "dp grad sync = `comm._sum_touched_rows` (data-parallel gradient all-reduce of touched rows); "
             "bwd rest = `loss.backward()` minus out dist bwd and dp grad sync (mostly the sparse lookup backward); "

@@ -201,3 +201,8 @@ serialization_get_layout = torch.serialization._get_layout
 
 #: DCP's private record of where a stored piece lives, which its metadata pickles name
 DcpStorageInfo = _StorageInfo
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """How often ``t`` was modified in place (torch's private version counter)."""
+    return t._version

@@ -74,10 +74,11 @@ class BaseEmbeddingConfig:
     """Fields common to pooled and sequence tables.
 
     Fields in TorchRec's order, except ``feature_names`` before ``data_type``. ``init_fn`` (called in place on the
-    full ``[num_embeddings, embedding_dim]``
-    weight, or on each shard when a model built on the meta device is sharded; an ``init_fn`` with keyword
-    parameters ``row_offset`` and ``col_offset`` is told where that shard sits) wins over the uniform bounds; the default bounds are TorchRec's ``+-sqrt(1 / num_embeddings)``. ``feature_names`` defaults
-    to ``[name]``. The weight type is ``data_type`` (TorchRec) or ``dtype`` (a torch dtype); give either.
+    full ``[num_embeddings, embedding_dim]`` weight, or on each shard when a model built on the meta device is
+    sharded; an ``init_fn`` with keyword parameters ``row_offset`` and ``col_offset`` is told where that shard
+    sits) wins over the uniform bounds; the default bounds are TorchRec's ``+-sqrt(1 / num_embeddings)``.
+    ``feature_names`` defaults to ``[name]``. The weight type is ``data_type`` (TorchRec) or ``dtype`` (a torch
+    dtype); give either.
     """
 
     num_embeddings: int

@@ -9,6 +9,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -23,6 +24,7 @@ from lightning_rec import checkpoint as ckpt
 from lightning_rec._compat import precision_target_dtype
 from lightning_rec.checkpoint.safe import refusing_unsafe
 from lightning_rec.data.loader import AgreedLoader, ClickLoader
+from lightning_rec.distributed.train_pipeline import InputPrefetcher, PipelinedLoader
 from lightning_rec.fused_kinds import as_spec
 from lightning_rec.mc.modules import MCHManagedCollisionModule
 from lightning_rec.optim import CombinedOptimizer
@@ -67,6 +69,12 @@ class RecShardedStrategy(DDPStrategy):
         trusted_checkpoints: load checkpoints with full unpickling, which runs any code the files name. Only
             for checkpoints you wrote whose hyper-parameters or callback states hold arbitrary objects; by
             default loading refuses such files (``UnsafeCheckpointError``) and never runs code from them.
+        pipeline: input pipelining in training: each training batch is moved to the device and its input dist
+            (ids to the shard owners) started while the previous batch trains; the weights are bitwise those
+            without. The batch's KeyedJaggedTensor must reach the sharded collection as the loader produced it
+            (a new or modified one is looked up unpipelined, with a warning). Batches reach the device before
+            ``on_before_batch_transfer`` runs. Not with managed-collision modules (refused). Off by default:
+            no speed-up could be shown on the shared 2-core CPU machine (``benchmarks/results/pipeline.md``).
     """
 
     strategy_name = "rec_sharded"
@@ -81,6 +89,7 @@ class RecShardedStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(seconds=1800),
         trusted_checkpoints: bool = False,
+        pipeline: bool = False,
         **kwargs: Any,
     ) -> None:
         start_method = kwargs.pop("start_method", "popen")
@@ -101,6 +110,8 @@ class RecShardedStrategy(DDPStrategy):
         self.embedding_optimizer = as_spec(embedding_optimizer)
         self.mesh_info: MeshInfo | None = None
         self.trusted_checkpoints = trusted_checkpoints
+        self.pipeline = pipeline
+        self._prefetcher: InputPrefetcher | None = None
 
     @property
     @override
@@ -175,6 +186,8 @@ class RecShardedStrategy(DDPStrategy):
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_fused_trainer(trainer)
+            if self.pipeline:  # after sharding: it finds the sharded collections
+                self._prefetcher = InputPrefetcher(self.lightning_module, "RecShardedStrategy(pipeline=True)")
             self.configure_ddp()
             self.setup_optimizers(trainer)
             self._add_fused_optimizer()
@@ -240,13 +253,22 @@ class RecShardedStrategy(DDPStrategy):
         dataloader = super().process_dataloader(dataloader)
         agrees = isinstance(dataloader, (ClickLoader, AgreedLoader))
         if self.world_size > 1 and not agrees and sized_len(dataloader) is None:
-            return AgreedLoader(dataloader, what="rec_sharded dataloader")
+            dataloader = AgreedLoader(dataloader, what="rec_sharded dataloader")
+        if self._prefetcher is not None and self.lightning_module.trainer.training:
+            device = self.root_device
+            dataloader = PipelinedLoader(dataloader, self._prefetcher, lambda b: move_data_to_device(b, device))
         return dataloader
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
         self._check_equal_batch_counts("training", self.lightning_module.trainer.num_training_batches)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self._prefetcher is not None:
+            self._prefetcher.clear()  # a batch read ahead past the last step trained
 
     @override
     def on_validation_start(self) -> None:

@@ -1,27 +1,129 @@
-"""``TrainPipelineSparseDist``: TorchRec's training-loop helper, here one step after the other (not pipelined).
+"""Input pipelining: the input dist of batch i+1 travels while batch i trains (TorchRec's ``TrainPipelineSparseDist``).
 
-Correctness first: each ``progress`` call fetches a batch, moves it to the device, runs forward and backward
-and steps the optimizers, in that order; TorchRec overlaps the next batch's copy and input all-to-all with
-the current step. The results are the same; only the overlap (speed) is missing.
+A sharded collection's input dist moves ids only, so it can start one batch early without changing any
+result: the lookups, which read the weights, still run in the forward after the previous step's update.
+:class:`InputPrefetcher` finds the KeyedJaggedTensor of each sharded collection in a batch and starts its
+input dist (``ShardedCollection.prefetch_input_dist``); the collection's forward, given that same KJT,
+waits for it instead of starting its own. Used by :class:`TrainPipelineSparseDist` (loops without Lightning)
+and by ``RecShardedStrategy(pipeline=True)``. Results are bitwise those of the unpipelined loop.
+
+Managed-collision modules remap ids with state that every step changes (admissions, evictions), so the
+remap of batch i+1 cannot run before batch i: pipelining refuses models that hold them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_rec.distributed.model_parallel import DistributedModelParallel
+from lightning_rec.mc.embedding import ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection
+from lightning_rec.mc.modules import MCHManagedCollisionModule
+from lightning_rec.sharding.sharded import ShardedCollection, sharded_collections
+from lightning_rec.sparse import KeyedJaggedTensor
+
+_MC_TYPES = (MCHManagedCollisionModule, ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection)
+
+
+def refuse_managed_collision(model: nn.Module, what: str) -> None:
+    """Raise if ``model`` holds managed-collision modules, whose remapping cannot run a batch ahead."""
+    found = [path or "<root>" for path, m in model.named_modules() if isinstance(m, _MC_TYPES)]
+    if found:
+        raise ValueError(
+            f"{what}: the model holds managed-collision modules ({', '.join(found[:3])}), which remap each batch's "
+            "ids with state the previous batch changes (admissions, evictions); their input dist cannot start a "
+            "batch early. Train without input pipelining (RecShardedStrategy(pipeline=False), or "
+            "TrainPipelineSparseDist(..., pipelined=False))"
+        )
+
+
+def find_kjts(batch: Any, _depth: int = 0) -> list[KeyedJaggedTensor]:
+    """Every KeyedJaggedTensor in ``batch`` (the batch itself, or inside mappings, sequences, dataclasses and
+    plain objects' attributes, a few levels deep), each once, in a deterministic order."""
+    if isinstance(batch, KeyedJaggedTensor):
+        return [batch]
+    if _depth > 3 or isinstance(batch, (torch.Tensor, str, bytes, nn.Module)):
+        return []
+    if isinstance(batch, Mapping):
+        children: Iterable[Any] = batch.values()
+    elif isinstance(batch, (list, tuple)):
+        children = batch
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        children = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
+    elif hasattr(batch, "__dict__") and not isinstance(batch, type):
+        children = list(vars(batch).values())
+    else:
+        return []
+    out: list[KeyedJaggedTensor] = []
+    for child in children:
+        for kjt in find_kjts(child, _depth + 1):
+            if not any(kjt is k for k in out):
+                out.append(kjt)
+    return out
+
+
+class InputPrefetcher:
+    """Starts the input dists of a batch for every sharded collection of ``model`` (collective: every rank
+    calls :meth:`start` with its own batch of the same step, in the same order).
+
+    A collection's input is the one KeyedJaggedTensor of the batch that holds all its features; a collection
+    with none or several such KJTs is not prefetched (its forward runs its input dist as usual).
+    """
+
+    def __init__(self, model: nn.Module, what: str = "input pipelining") -> None:
+        refuse_managed_collision(model, what)
+        self._what = what
+        self._collections: list[tuple[str, ShardedCollection, frozenset[str]]] = [
+            (path or "<root>", c, frozenset(f for t in c.tables for f in t.feature_names))
+            for path, c in sharded_collections(model)
+        ]
+        self._warned = False
+
+    def start(self, batch: Any) -> list[tuple[str, ShardedCollection, object]]:
+        """Start the input dist of ``batch`` (already on the model's device); returns what was started."""
+        kjts = find_kjts(batch) if self._collections else []
+        started = []
+        for path, coll, features in self._collections:
+            fits = [k for k in kjts if features <= set(k.keys())]
+            if len(fits) == 1:
+                started.append((path, coll, coll.prefetch_input_dist(fits[0])))
+        return started
+
+    def finish(self, started: list[tuple[str, ShardedCollection, object]]) -> None:
+        """After the batch's step: drop what its forward did not take, and say so once."""
+        missed = [path for path, coll, token in started if coll.discard_prefetched(token)]
+        if missed and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"{self._what}: the sharded collections {missed} were not called with the batch's own "
+                "KeyedJaggedTensor (the object the data loader produced), so their input dist ran twice and nothing "
+                "overlapped; pass the batch's KJT to the collection as is to benefit from pipelining",
+                stacklevel=3,
+            )
+
+    def clear(self) -> None:
+        """Drop every prefetched input dist (local: no collective)."""
+        for _, coll, _ in self._collections:
+            coll.clear_prefetched()
 
 
 class TrainPipelineSparseDist:
     """Train ``model`` (whose forward returns ``(losses, output)``, as ``DLRMTrain``'s does) one batch per call.
 
+    Each :meth:`progress` call trains on one batch while the next batch's input dist (its ids on their way to
+    the shard owners) is already in flight, as TorchRec's pipeline does; the weights are bitwise those of the
+    plain loop (forward, backward, optimizer step per batch). Batches must have a ``.to(device)`` and carry
+    the KeyedJaggedTensor the model passes to its sharded collections as is.
+
     Args (TorchRec's order): ``model``, ``optimizer`` (the dense / non-fused one), ``device``. The fused
     optimizer of a :class:`DistributedModelParallel` is stepped too. ``execute_all_batches`` is accepted;
-    ``apply_jit=True`` (TorchScript) is not supported.
+    ``apply_jit=True`` (TorchScript) is not supported. ``pipelined=False`` runs one batch after the other
+    (models with managed-collision modules need it).
     """
 
     def __init__(
@@ -31,6 +133,7 @@ class TrainPipelineSparseDist:
         device: torch.device,
         execute_all_batches: bool = True,
         apply_jit: bool = False,
+        pipelined: bool = True,
         **kwargs: Any,
     ) -> None:
         if apply_jit:
@@ -44,12 +147,32 @@ class TrainPipelineSparseDist:
         fused = model.fused_optimizer if isinstance(model, DistributedModelParallel) else None
         inside = fused is not None and (fused is optimizer or fused in getattr(optimizer, "optimizers", ()))
         self._fused = None if inside else fused
+        self._prefetcher = InputPrefetcher(model, "TrainPipelineSparseDist") if pipelined else None
+        self._iter: Iterator[Any] | None = None
+        self._next: tuple[Any, list] | None = None
+
+    def _fetch(self) -> tuple[Any, list] | None:
+        assert self._iter is not None
+        try:
+            batch = next(self._iter)
+        except StopIteration:
+            return None
+        batch = batch.to(self._device)
+        return batch, (self._prefetcher.start(batch) if self._prefetcher is not None else [])
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         """Train on the next batch of ``dataloader_iter``; return the model's output. Raises StopIteration at
-        the end of the data."""
-        batch = next(dataloader_iter)
-        batch = batch.to(self._device)
+        the end of the data. A different iterator than the last call's starts over from it."""
+        if dataloader_iter is not self._iter:
+            if self._prefetcher is not None:
+                self._prefetcher.clear()
+            self._iter = dataloader_iter
+            self._next = self._fetch()
+        current = self._next
+        if current is None:
+            raise StopIteration
+        batch, started = current
+        self._next = self._fetch()  # the next batch's ids travel while this one trains
         self._model.train()
         self._optimizer.zero_grad()
         losses, output = self._model(batch)
@@ -57,4 +180,75 @@ class TrainPipelineSparseDist:
         self._optimizer.step()
         if self._fused is not None:
             self._fused.step()
+        if self._prefetcher is not None:
+            self._prefetcher.finish(started)
         return output
+
+
+class PipelinedLoader:
+    """A training data loader run one batch ahead: when batch i is handed out, batch i+1 is already on the device
+    with its input dist started (``prefetcher``), so its ids travel while batch i trains.
+
+    ``move(batch)`` puts a batch on the device. Everything else (length, sampler, ``state_dict`` ...) is the
+    wrapped loader's; its ``state_dict`` is the one taken right after the batch last handed out was read, so a
+    checkpoint resumes at the next batch although one more was read ahead.
+    """
+
+    _OWN = frozenset({"loader", "_prefetcher", "_move", "_state"})
+
+    def __init__(self, loader: Iterable[Any], prefetcher: InputPrefetcher, move: Any) -> None:
+        self.loader, self._prefetcher, self._move = loader, prefetcher, move
+        self._state: Any = None
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]  # TypeError for unsized loaders, as Lightning expects
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._batches()
+
+    def _pull(self, it: Iterator[Any]) -> tuple[Any, list, Any] | None:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return None
+        state = self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
+        batch = self._move(batch)
+        return batch, self._prefetcher.start(batch), state
+
+    def _batches(self) -> Iterator[Any]:
+        self._prefetcher.clear()  # a batch read ahead by a previous epoch that stopped early (limits)
+        self._state = None
+        it = iter(self.loader)
+        ahead = self._pull(it)
+        previous: list = []
+        while ahead is not None:
+            batch, started, state = ahead
+            ahead = self._pull(it)  # the next batch's ids leave now, while this one trains
+            self._state = state
+            yield batch
+            # asked for the batch after this one: the one before it has trained for sure (Lightning may read
+            # one batch ahead of its training step itself, so not necessarily this one)
+            self._prefetcher.finish(previous)
+            previous = started
+
+    def _state_dict(self) -> Any:
+        return self._state if self._state is not None else self.loader.state_dict()
+
+    def _load_state_dict(self, state: Any) -> None:
+        self._state = None
+        self.loader.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in PipelinedLoader._OWN:
+            raise AttributeError(name)
+        if name == "state_dict" and hasattr(self.loader, "state_dict"):
+            return self._state_dict
+        if name == "load_state_dict" and hasattr(self.loader, "load_state_dict"):
+            return self._load_state_dict
+        return getattr(self.loader, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in PipelinedLoader._OWN:
+            object.__setattr__(self, name, value)
+        else:  # e.g. Lightning's worker_init_fn: the wrapped loader's
+            setattr(self.loader, name, value)

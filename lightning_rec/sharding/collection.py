@@ -7,9 +7,8 @@ lookup and output dist of pooled and sequence embeddings.
 
 from __future__ import annotations
 
-import inspect
-import warnings
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -23,109 +22,34 @@ from lightning_rec.sharding import comm, dists, state
 from lightning_rec.sharding.dists import Received
 from lightning_rec.sharding.fused import build_kernels, check_fused, union_lookup
 from lightning_rec.sharding.layout import ShardMeta
+from lightning_rec.sharding.materialize import (
+    broadcast_from_first,
+    filler,
+    materialize,
+    requested_kernel,
+    target_device,
+    warn_large_tables,
+)
 from lightning_rec.sharding.routing import RoutingTable, build_routing
 from lightning_rec.sparse import KeyedJaggedTensor, checks_enabled
 
-
-def _broadcast_from_first(w: torch.Tensor, group: dist.ProcessGroup) -> None:
-    if dist.get_world_size(group) == 1:
-        return
-    with torch.no_grad():
-        wire = w.float() if w.dtype == torch.bfloat16 else w
-        dist.broadcast(wire, src=dist.get_process_group_ranks(group)[0], group=group)
-        if wire is not w:
-            w.copy_(wire)
+_MAX_PREFETCHED = 4  # batches whose input dist may wait for their forward (a pipeline keeps one or two)
 
 
-#: a full table larger than this, materialized on a rank that keeps only a shard of it, gets a warning
-LARGE_TABLE_BYTES = 256 * 2**20
-_warned_large: set[tuple[str, tuple[int, ...]]] = set()
+class _Begun(NamedTuple):
+    """A forward's checked input and its input dist in flight (None: no model-parallel table)."""
+
+    kjt: KeyedJaggedTensor
+    pending: dists.PendingInputDist | None
+
+    def wait(self) -> Received | None:
+        return None if self.pending is None else self.pending.wait()
 
 
-def _takes_offsets(fn) -> bool:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # builtins without a signature
-        return False
-    return "row_offset" in params and "col_offset" in params
-
-
-def init_shard(table: BaseEmbeddingConfig, weight: torch.Tensor, shard: ShardMeta | None = None) -> None:
-    """Initialise ``weight``, the local piece ``shard`` of ``table`` (None: the full table), in place.
-
-    An ``init_fn`` with keyword parameters ``row_offset`` and ``col_offset`` (default 0) gets the piece's
-    position in the full table, so a position-based deterministic init gives a model built on the meta
-    device exactly the shards a fully built model would be cut into. Any other ``init_fn`` (and the
-    uniform default) is called on the piece as it is.
-    """
-    fn = table.init_fn
-    if fn is None or not _takes_offsets(fn):
-        table.init_weight(weight)
-        return
-    rows, cols = (0, 0) if shard is None else (shard.row_offset, shard.col_offset)
-    with torch.no_grad():
-        fn(weight, row_offset=rows, col_offset=cols)
-
-
-def _materialize(table: BaseEmbeddingConfig, full: torch.Tensor, shard: ShardMeta | None,
-                 device: torch.device) -> torch.Tensor:
-    """This rank's piece of ``table`` on ``device``: from ``init_fn`` when the module is on the meta device,
-    else cut from ``full`` with one copy (none when the piece is the whole table already on ``device``)."""
-    shape = tuple(full.shape) if shard is None else (shard.rows, shard.cols)
-    if full.is_meta:
-        w = torch.empty(shape, dtype=full.dtype, device=device)
-        init_shard(table, w, shard)
-        return w
-    if shape == tuple(full.shape):
-        return full.to(device)  # the same storage when already there
-    piece = full[shard.row_offset : shard.row_offset + shard.rows, shard.col_offset : shard.col_offset + shard.cols]
-    return torch.empty(shape, dtype=full.dtype, device=device).copy_(piece)
-
-
-def _filler(table: BaseEmbeddingConfig, full: torch.Tensor, shard: ShardMeta | None):
-    """What the fused kernel copies its initial weights from: a view of ``full`` or, from the meta device,
-    the table's init applied to the kernel's own storage."""
-    if full.is_meta:
-        return lambda w: init_shard(table, w, shard)
-    if shard is None:
-        return full
-    return full[shard.row_offset : shard.row_offset + shard.rows, shard.col_offset : shard.col_offset + shard.cols]
-
-
-def _warn_large_tables(tables: list[BaseEmbeddingConfig], weights: list[torch.Tensor],
-                       shards: Mapping[str, list[ShardMeta] | None], me: int) -> None:
-    """Warn (once per table) when a large full table sits on this rank only to be cut into a smaller piece."""
-    for t, w in zip(tables, weights):
-        pieces = shards[t.name]
-        if pieces is None or w.is_meta:
-            continue
-        size = w.numel() * w.element_size()
-        kept = sum(s.rows * s.cols for s in pieces if s.rank == me)
-        key = (t.name, tuple(w.shape))
-        if size <= LARGE_TABLE_BYTES or kept >= w.numel() or key in _warned_large:
-            continue
-        _warned_large.add(key)
-        warnings.warn(
-            f"table {t.name!r}: its full {w.shape[0]} x {w.shape[1]} {w.dtype} table ({size / 2**20:,.0f} MiB) was "
-            f"materialized on this rank, which keeps {kept / w.numel():.0%} of it; build the collection on the "
-            "meta device (device='meta') and shard_modules allocates only the local shard, initialised from the "
-            "table config's init_fn",
-            UserWarning, stacklevel=5,
-        )
-
-
-def _requested_kernel(plan_kernel: str | None, module_kernel: str) -> str:
-    """The kernel a table asks for: the plan's ``"torch"`` / ``"fbgemm"``; otherwise (``"auto"``, ``None`` or a
-    TorchRec kernel name) the collection's own ``kernel`` setting, itself ``"auto"`` by default."""
-    return plan_kernel if plan_kernel in ("torch", "fbgemm") else module_kernel
-
-
-def target_device(module: nn.Module, device: torch.device | str | None) -> torch.device:
-    """Where this rank's shards go: ``device``, else where the module's tables are (the default device for meta)."""
-    if device is None:
-        found = [p.device for p in module.parameters()]
-        device = found[0] if found and found[0].type != "meta" else torch.get_default_device()
-    return _compat.indexed_device(device)
+def _versions(kjt: KeyedJaggedTensor) -> tuple[int, ...]:
+    """In-place modification counters of the KJT's tensors: a prefetched input dist is valid while they hold."""
+    return tuple(_compat.tensor_version(t) for t in (kjt.values(), kjt.lengths(), kjt.weights_or_none())
+                 if t is not None)
 
 
 class ShardedCollection(nn.Module):
@@ -177,6 +101,7 @@ class ShardedCollection(nn.Module):
         self._table_dtypes = [t.dtype for t in tables]
         self._keep_table_dtypes = False
         self._output_dtype: torch.dtype | None = None
+        self._prefetched: list[tuple[KeyedJaggedTensor, tuple[int, ...], _Begun]] = []  # see prefetch_input_dist
         dev = self._device = target_device(module, device)
         peers = peer_devices or {}
         self._peer_devices = [peers.get(g, dev) for g in self._global_ranks]
@@ -186,7 +111,7 @@ class ShardedCollection(nn.Module):
         # every table's lookup kernel, resolved before anything is allocated or exchanged: a table fbgemm
         # cannot serve raises here, on every rank alike
         self._module_kernel = kernels.validate_kernel(getattr(module, "kernel", "auto"))
-        self._requested_kernels = [_requested_kernel((compute_kernels or {}).get(t.name), self._module_kernel)
+        self._requested_kernels = [requested_kernel((compute_kernels or {}).get(t.name), self._module_kernel)
                                    for t in tables]
         self._fused_spec = fused
         self._table_kernels = self._resolve_kernels(
@@ -195,7 +120,7 @@ class ShardedCollection(nn.Module):
         container = kernels.TableContainer()
         if fused is not None:  # before any shard is allocated
             check_fused(self._attr, tables, shards, fused)
-        _warn_large_tables(tables, [source[t.name].weight for t in tables], shards, me)
+        warn_large_tables(tables, [source[t.name].weight for t in tables], shards, me)
         self._local_shards: list[tuple[int, ShardMeta]] = []  # (table index, shard) held here, table order
         # fused: what each kernel table starts from (copied straight into the kernel's storage), and the
         # replicas to make equal once it exists; no shard-sized copy is made on the way
@@ -215,13 +140,13 @@ class ShardedCollection(nn.Module):
                 if s is not None and s.rows == 0:
                     continue  # a zero-row shard receives no ids; the fused kernel holds only shards with rows
                 shape = tuple(full.shape) if s is None else (s.rows, s.cols)
-                sources[t.name] = (shape, full.dtype, _filler(t, full, s))
+                sources[t.name] = (shape, full.dtype, filler(t, full, s))
                 if group is not None:
                     pending.append((t.name, group))
             else:
-                w = _materialize(t, full, s, dev)
+                w = materialize(t, full, s, dev)
                 if group is not None:
-                    _broadcast_from_first(w, group)
+                    broadcast_from_first(w, group)
                 container.add(t.name, Table(w))
             if s is not None:
                 self._local_shards.append((i, s))
@@ -244,7 +169,7 @@ class ShardedCollection(nn.Module):
             held = kernels.FusedTables(self.fused_kernels(), [t.name for t in tables])
             setattr(self, self._attr, held)
             for name, group in pending:  # in table order on every rank, as the plain path broadcasts
-                _broadcast_from_first(held[name].weight, group)
+                broadcast_from_first(held[name].weight, group)
         self._build_lookups()
         self._register_state_dict_hook(state.sharded_state_dict_hook)
         self._register_load_state_dict_pre_hook(self._load_hook)
@@ -382,10 +307,8 @@ class ShardedCollection(nn.Module):
         return weights.to(torch.promote_types(self._out_dtype(), torch.float32))
 
     # -- forward helpers ----------------------------------------------------------------------------
-    def _checked_input(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor | None, list[int]]:
-        """Validate locally, then agree across ranks, so one rank's bad input never leaves others waiting."""
-        err: Exception | None = None
-        kjt = None
+    def _checked_input(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor | None, Exception | None]:
+        """This rank's input in config order, or the error that rejects it (raised once every rank knows)."""
         try:
             kjt = self._layout.select(features)
             if kjt.device != self._device:
@@ -393,21 +316,90 @@ class ShardedCollection(nn.Module):
                                  f"{self._device}; move the batch (or the module) with .to()")
             self._check_weights(kjt)
         except (ValueError, TypeError) as e:
-            err = e
-        batch = kjt.stride() if kjt is not None else 0
-        if dist.get_world_size(self._dp_group) == 1:
-            if err is not None:
-                raise err
-            return kjt, [batch]
-        # agree over every rank this module exchanges with in forward or backward
-        status = comm.all_gather_ints([batch, int(err is not None)], self._dp_group, device=self._device)
-        by_rank = dict(zip(dist.get_process_group_ranks(self._dp_group), status))
-        bad = sorted(r for r, (_, e) in by_rank.items() if e)
+            return None, e
+        return kjt, None
+
+    def _agree(self, err: Exception | None) -> None:
+        """Raise on every rank this module exchanges with if any rejected its input (one all-gather).
+
+        Only where the input dist's header cannot carry the verdict: no model-parallel table, or 2D replicas
+        (data-parallel tables then reach beyond the shard group).
+        """
+        if dist.get_world_size(self._dp_group) > 1:
+            status = comm.all_gather_ints([int(err is not None)], self._dp_group, device=self._device)
+            bad = [g for g, (e,) in zip(dist.get_process_group_ranks(self._dp_group), status) if e]
+            if err is None and bad:
+                raise ValueError(
+                    f"ranks {bad} rejected their input (see the error raised there); stopping this rank too"
+                )
         if err is not None:
             raise err
-        if bad:
-            raise ValueError(f"ranks {bad} rejected their input (see the error raised there); stopping this rank too")
-        return kjt, [by_rank[g][0] for g in self._global_ranks]
+
+    def _start(self, features: KeyedJaggedTensor, async_op: bool) -> _Begun:
+        """Check the input and start its input dist (the checks' verdict travels in the dist's header)."""
+        kjt, err = self._checked_input(features)
+        if not self._routing.has_model_parallel or self._replica_group is not None:
+            self._agree(err)
+            if not self._routing.has_model_parallel:
+                return _Begun(kjt, None)
+        weights = self._wire_weights(kjt.weights_or_none()) if kjt is not None and self._uses_weights() else None
+        try:
+            pending = dists.start_input_dist(
+                kjt, weights, self._routing, self._group, self._device, rejected=err is not None,
+                with_positions=self._attr == "embeddings", async_op=async_op, ranks=self._global_ranks,
+            )
+        except dists.InputRejected:
+            if err is not None:
+                raise err from None
+            raise
+        return _Begun(kjt, pending)
+
+    def _begin(self, features: KeyedJaggedTensor) -> _Begun:
+        """Stage 1 of a forward: the prefetched input dist of ``features`` if a pipeline started it, else a new one."""
+        for i, (prefetched, versions, begun) in enumerate(self._prefetched):
+            if prefetched is features:
+                del self._prefetched[i]
+                if _versions(features) != versions:
+                    raise ValueError(
+                        "a KeyedJaggedTensor was modified in place after the train pipeline had started its input "
+                        "dist (ids, lengths or weights changed): build a new KeyedJaggedTensor instead, or train "
+                        "without input pipelining"
+                    )
+                return begun
+        return self._start(features, async_op=False)
+
+    def prefetch_input_dist(self, features: KeyedJaggedTensor) -> object:
+        """Start the input dist of a coming batch now (collective); the forward given ``features`` waits for it.
+
+        For train pipelines: the ids of batch i+1 travel while batch i computes. Every rank must prefetch the
+        same batches in the same order. ``features`` must reach this module's forward as the same object,
+        unmodified (a modified one raises); a batch never passed to the forward is dropped by
+        :meth:`clear_prefetched`, or once more than a few batches wait. Returns a token for
+        :meth:`discard_prefetched`.
+        """
+        begun = self._start(features, async_op=True)
+        self._prefetched.append((features, _versions(features), begun))
+        if len(self._prefetched) > _MAX_PREFETCHED:
+            self._prefetched.pop(0)[2].wait()
+        return begun
+
+    def discard_prefetched(self, token: object) -> bool:
+        """Drop the prefetched input dist ``token`` (from :meth:`prefetch_input_dist`) if no forward took it;
+        returns whether it was still there."""
+        for i, (_, _, begun) in enumerate(self._prefetched):
+            if begun is token:
+                del self._prefetched[i]
+                begun.wait()
+                return True
+        return False
+
+    def clear_prefetched(self) -> int:
+        """Drop every prefetched input dist (waiting for its transfers); returns how many there were."""
+        n = len(self._prefetched)
+        for _, _, begun in self._prefetched:
+            begun.wait()
+        self._prefetched.clear()
+        return n
 
     def _check_weights(self, kjt: KeyedJaggedTensor) -> None:
         pass
@@ -447,10 +439,14 @@ class ShardedCollection(nn.Module):
         return [pos[self._layout.feature_table[f]] for f in self._routing.dp_features]
 
     # -- the three stages ---------------------------------------------------------------------------
-    def input_dist(self, kjt: KeyedJaggedTensor, batches: list[int]) -> Received:
-        """Stage 1: every route's ids to the shard's owner (``batches``: every shard rank's batch size)."""
+    def input_dist(self, kjt: KeyedJaggedTensor) -> Received:
+        """Stage 1: every route's ids to the shard's owner (``kjt`` in config order, as the forward checked it).
+
+        Every shard rank's batch size travels with the ids (``Received.batches``).
+        """
         weights = self._wire_weights(kjt.weights_or_none()) if self._uses_weights() else None
-        return dists.input_dist(kjt, weights, self._routing, batches, self._group, self._device)
+        return dists.input_dist(kjt, weights, self._routing, self._group, self._device,
+                                with_positions=self._attr == "embeddings")
 
     def _shard_weights(self, recv: Received) -> list[torch.Tensor]:
         """This rank's shards as the lookup sees them; under 2D replicas their backward sums over the replicas."""

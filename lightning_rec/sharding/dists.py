@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from lightning_rec.sharding import comm
 from lightning_rec.sharding.layout import offsets_of
-from lightning_rec.sharding.routing import RoutingTable
+from lightning_rec.sharding.routing import KEY_SPAN, RoutingTable
 from lightning_rec.sparse import KeyedJaggedTensor, offsets_from_lengths, segment_gather_index
 
 
@@ -36,7 +36,9 @@ class Received:
     ``lengths`` / ``values`` / ``weights`` are route-major (this rank's routes, each holding the bags of
     every source rank in group order), ready for the lookup. ``ids_from[s][k]``: ids rank ``s`` sent for
     this rank's route ``k``. ``positions[i]`` / ``sent[i]``: for route ``i`` of ``routing.all_routes``, where
-    in the feature's local ids the ids this rank sent came from (None: all of them, in order), and how many.
+    in the feature's local ids the ids this rank sent came from (None: all of them, in order; the list is
+    empty when the caller did not ask for positions), and how many. ``batches``: every shard rank's batch
+    size, in group order (they travelled with the ids).
     """
 
     lengths: torch.Tensor
@@ -45,141 +47,303 @@ class Received:
     ids_from: list[list[int]]
     positions: list[torch.Tensor | None]
     sent: list[int]
+    batches: tuple[int, ...] = ()
 
     def ids_per_route(self) -> list[int]:
         """Ids this rank looks up for each of its routes (over all source ranks)."""
         return [sum(col) for col in zip(*self.ids_from)] if self.ids_from and self.ids_from[0] else []
 
 
-def _bucketize(vals: torch.Tensor, lens: torch.Tensor, starts: tuple[int, ...], b: int, device: torch.device):
-    """Split one feature's ids by row block: per-block bag lengths, id counts, block-local ids, permutation."""
-    st = torch.tensor(starts, dtype=torch.long, device=device)
-    bucket = torch.searchsorted(st, vals, right=True) - 1
-    order = torch.argsort(bucket, stable=True)
-    bag = torch.repeat_interleave(torch.arange(b, device=device), lens, output_size=vals.numel())
-    counts = torch.bincount(bucket * b + bag, minlength=len(starts) * b).view(len(starts), b)
-    return counts, counts.sum(1), vals[order] - st[bucket[order]], order
+class InputRejected(ValueError):
+    """Some rank of the shard group rejected its input; raised on every rank, in the same collective step."""
+
+
+@dataclass
+class _Outgoing:
+    """This rank's payload, destination-major: every route's bag lengths, ids (local to its row block), weights.
+
+    Either flat (``lengths`` / ``values`` / ``weights``: all routes, concatenated) or, where every route's
+    part is a slice of the input already, ``pieces``: per route, views of its lengths, ids and weights (the
+    send buffer is then assembled from the input in one copy).
+    """
+
+    lengths: torch.Tensor | None
+    values: torch.Tensor | None
+    weights: torch.Tensor | None
+    sent: list[int]  # ids per route of ``routing.all_routes``
+    positions: list[torch.Tensor | None]
+    pieces: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None] | None = None
+
+    def per_route(self, b: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
+        if self.pieces is not None:
+            return self.pieces
+        assert self.lengths is not None and self.values is not None
+        n = len(self.sent)
+        lengths = list(torch.split(self.lengths, [b] * n)) if n else []
+        ws = None if self.weights is None else list(torch.split(self.weights, self.sent))
+        return lengths, list(torch.split(self.values, self.sent)), ws
+
+    def flat(self, b: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if self.pieces is None:
+            assert self.lengths is not None and self.values is not None
+            return self.lengths.long(), self.values, self.weights
+        lengths, values, ws = self.pieces
+
+        def cat(xs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+            return torch.cat(xs) if xs else torch.zeros(0, dtype=dtype, device=device)
+
+        return cat(lengths, torch.long).long(), cat(values, torch.long), None if ws is None else cat(ws, torch.float32)
+
+
+def _route_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable) -> _Outgoing:
+    """Every route's payload when no table needs bucketing: the KJT's features in route order.
+
+    Ids stay as they are (every routed table is one row block from row 0): each route's part is a slice of
+    the input, copied once, into the send buffer.
+    """
+    lpk = kjt.length_per_key()
+    sent = [lpk[f] for f in routing.route_features]
+    positions: list[torch.Tensor | None] = [None] * len(sent)
+    if routing.routes_in_order:
+        return _Outgoing(kjt.lengths(), kjt.values(), weights, sent, positions)
+    opk = kjt.offset_per_key()
+    by_feature = kjt.lengths().view(len(kjt.keys()), kjt.stride())
+    values = kjt.values()
+    order = routing.route_features
+    return _Outgoing(None, None, None, sent, positions, pieces=(
+        [by_feature[f] for f in order], [values[opk[f] : opk[f + 1]] for f in order],
+        None if weights is None else [weights[opk[f] : opk[f + 1]] for f in order],
+    ))
+
+
+def _bucketed_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable,
+                      with_positions: bool) -> _Outgoing:
+    """Every route's payload, ids bucketed by row block and made local to it: the same few ops for all features.
+
+    Each id's bucket (feature, row block) comes from one searchsorted in the key space of
+    ``routing.bucket_bounds``; a stable sort by bucket keeps every bucket's ids in bag order; a route reads
+    its bucket's segment (a bucket read by several routes, i.e. column shards of one row block, is copied).
+    """
+    b, n_keys = kjt.stride(), len(kjt.keys())
+    values, lengths = kjt.values(), kjt.lengths()
+    dev, n = values.device, values.numel()
+    if routing.bucket_route_rel is not None:
+        return _sorted_payload(kjt, weights, routing, with_positions)
+    bag = torch.repeat_interleave(torch.arange(n_keys * b, device=dev), lengths, output_size=n)
+    feature = torch.div(bag, b, rounding_mode="floor") if b else bag
+    bucket = torch.searchsorted(routing.bucket_bounds, feature * KEY_SPAN + values, right=True) - 1
+    local = values - routing.bucket_start[bucket]
+    n_buckets = routing.bucket_bounds.numel()
+    counts = torch.bincount(bucket * b + (bag - feature * b), minlength=n_buckets * b).view(n_buckets, b)
+    size = counts.sum(1)
+    order = torch.argsort(bucket.to(torch.int32), stable=True)  # int32 sorts several times faster than int64
+    route_size = size[routing.route_bucket]
+    sent = route_size.tolist()  # the one host sync of the send side: the all-to-all needs split sizes
+    bucket_first = torch.cumsum(size, 0) - size
+    gather = order[segment_gather_index(bucket_first[routing.route_bucket], route_size, total=sum(sent))]
+    positions: list[torch.Tensor | None] = []
+    if with_positions:
+        feature_first = kjt.offsets()[torch.arange(n_keys, device=dev) * b]
+        route_first = feature_first[torch.tensor(routing.route_features, dtype=torch.long, device=dev)]
+        base = torch.repeat_interleave(route_first, route_size, output_size=gather.numel())
+        positions = list(torch.split(gather - base, sent))
+    return _Outgoing(counts[routing.route_bucket].reshape(-1), local[gather],
+                     None if weights is None else weights[gather], sent, positions)
+
+
+def _sorted_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable,
+                    with_positions: bool) -> _Outgoing:
+    """:func:`_bucketed_payload` when every row block is read by one route: one stable sort by (route, bag).
+
+    Every id gets the slot ``route * b + bag within the feature`` (ids of unrouted features sort last); a
+    stable sort by slot is the payload's order, and the slots' histogram the routes' bag lengths.
+    """
+    b, n_keys = kjt.stride(), len(kjt.keys())
+    values, lengths = kjt.values(), kjt.lengths()
+    dev, n = values.device, values.numel()
+    n_routes = routing.route_row_start.numel()
+    lpk = torch.tensor(kjt.length_per_key(), dtype=torch.long, device=dev)
+    feature_key = torch.repeat_interleave(torch.arange(n_keys, device=dev) * KEY_SPAN, lpk, output_size=n)
+    place = torch.searchsorted(routing.bucket_bounds, feature_key + values, right=True)  # bucket + 1
+    bag = torch.repeat_interleave(torch.arange(n_keys * b, device=dev), lengths, output_size=n)
+    slot = (routing.bucket_route_rel * b).index_select(0, place) + bag
+    counts = torch.bincount(slot, minlength=(n_routes + 1) * b)[: n_routes * b]
+    route_size = counts.view(n_routes, b).sum(1)
+    sent = route_size.tolist()  # the one host sync of the send side: the all-to-all needs split sizes
+    total = sum(sent)
+    order = torch.argsort(slot.to(torch.int32), stable=True)[:total]  # int32 sorts several times faster
+    first_row = torch.repeat_interleave(routing.route_row_start, route_size, output_size=total)
+    positions: list[torch.Tensor | None] = []
+    if with_positions:
+        feature_first = kjt.offsets()[torch.arange(n_keys, device=dev) * b]
+        route_first = feature_first[torch.tensor(routing.route_features, dtype=torch.long, device=dev)]
+        positions = list(torch.split(order - torch.repeat_interleave(route_first, route_size, output_size=total),
+                                     sent))
+    return _Outgoing(counts, values.index_select(0, order) - first_row,
+                     None if weights is None else weights.index_select(0, order), sent, positions)
+
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_int64(w: torch.Tensor) -> torch.Tensor:
+    """Float weights as int64 words holding their bits (exact, reversible by :func:`_from_int64`)."""
+    bits = w.contiguous().view(_BITS[w.element_size()])
+    return bits if bits.dtype == torch.long else bits.to(torch.long)
+
+
+def _from_int64(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    bits = _BITS[torch.empty(0, dtype=dtype).element_size()]
+    return (x if bits == torch.long else x.to(bits)).view(dtype)
+
+
+class PendingInputDist:
+    """An input dist whose payload all-to-all is in flight; :meth:`wait` returns what arrived.
+
+    Made by :func:`start_input_dist`; waiting twice returns the same :class:`Received`.
+    """
+
+    def __init__(self, received: Received | None = None, **parts) -> None:
+        self._received = received
+        self._parts = parts
+
+    def wait(self) -> Received:
+        if self._received is None:
+            self._received = _unpack(**self._parts)
+            self._parts = {}
+        return self._received
+
+
+def start_input_dist(
+    kjt: KeyedJaggedTensor | None,
+    weights: torch.Tensor | None,
+    routing: RoutingTable,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    *,
+    rejected: bool = False,
+    with_positions: bool = True,
+    async_op: bool = True,
+    ranks: list[int] | None = None,
+) -> PendingInputDist:
+    """Send every route's ids (made local to the shard's row block) to the shard owner; the payload flies async.
+
+    ``weights`` are the per-sample weights in the dtype every rank agreed on (or None); ``rejected``: this
+    rank's input failed its checks (``kjt`` may then be None): it still joins the exchange, so that every
+    rank raises :class:`InputRejected` together instead of waiting. Comm, two collectives: an all-to-all of
+    a fixed-size header per rank pair (batch size, rejected flag, whether weights need a gradient, id count
+    of every route), then one all-to-all of lengths, ids and weights (their bits) in one int64 buffer. Per-
+    sample weights that need a gradient travel in a third, differentiable all-to-all instead.
+
+    Example, 2 ranks, one row-wise table of 10 rows (0-4 | 5-9), rank 0's batch ``[[3, 7], [8]]``: rank 0
+    sends rank 1 the header ``[2, 0, 0, 2]`` and the payload ``[1, 1, 2, 3]`` (lengths, then ids 7-5, 8-5).
+    ``ranks``: the global rank of every group rank, to name them in errors.
+    """
+    b = 0 if kjt is None else kjt.stride()
+    n_ranks, n_mine, n_routes = routing.group_size, len(routing.my_routes), len(routing.route_features)
+    if kjt is None or rejected:
+        out = _Outgoing(torch.zeros(n_routes * b, dtype=torch.long, device=device),
+                        torch.zeros(0, dtype=torch.long, device=device), None, [0] * n_routes, [])
+    elif routing.single_block:
+        out = _route_payload(kjt, weights, routing)
+    else:
+        out = _bucketed_payload(kjt, weights, routing, with_positions)
+    if n_ranks == 1:  # this rank is the whole shard group: nothing to exchange
+        if rejected:
+            raise InputRejected("this rank rejected its input")
+        lengths, values, ws = out.flat(b, device)
+        recv = Received(lengths=lengths, values=values, weights=ws, ids_from=[out.sent],
+                        positions=out.positions, sent=out.sent, batches=(b,))
+        return PendingInputDist(recv)
+    weighted = out.weights is not None or (out.pieces is not None and out.pieces[2] is not None)
+    w_grad = weighted and weights is not None and weights.requires_grad and torch.is_grad_enabled()
+    header, i = [], 0
+    per_dest = [len(lst) for lst in routing.routes_to]
+    for k in per_dest:
+        header += [b, int(rejected), int(w_grad), *out.sent[i : i + k]]
+        i += k
+    h = 3 + n_mine
+    got = comm.all_to_all(torch.tensor(header, dtype=torch.long, device=device), [h] * n_ranks,
+                          [3 + k for k in per_dest], group).tolist()
+    bad = [s if ranks is None else ranks[s] for s in range(n_ranks) if got[s * h + 1]]
+    if bad:
+        raise InputRejected(f"ranks {bad} rejected their input (see the error raised there); stopping this rank too")
+    batches = tuple(got[s * h] for s in range(n_ranks))
+    ids_from = [got[s * h + 3 : (s + 1) * h] for s in range(n_ranks)]
+    w_apart = any(got[s * h + 2] for s in range(n_ranks))  # every rank sends weights the same way
+    packed = weighted and not w_apart
+    words = 2 if packed else 1
+    # one buffer: to each rank, its routes' lengths, then ids, then weight bits
+    route_lengths, route_values, route_weights = out.per_route(b)
+    pieces: list[torch.Tensor] = []
+    send_splits = []
+    value_counts = [sum(out.sent[i0 : i0 + k]) for i0, k in zip(_starts(per_dest), per_dest)]
+    for r, i0 in enumerate(_starts(per_dest)):
+        i1 = i0 + per_dest[r]
+        pieces += route_lengths[i0:i1] + route_values[i0:i1]
+        if packed:
+            assert route_weights is not None
+            pieces += [_as_int64(w) for w in route_weights[i0:i1]]
+        send_splits.append(per_dest[r] * b + words * value_counts[r])
+    recv_splits = [n_mine * batches[s] + words * sum(ids_from[s]) for s in range(n_ranks)]
+    send = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
+    buf = torch.empty(sum(recv_splits), dtype=torch.long, device=device)
+    work = dist.all_to_all_single(buf, send, recv_splits, send_splits, group=group, async_op=async_op)
+    separate = None
+    if w_apart:
+        w = out.flat(b, device)[2] if weighted else None
+        w = w if w is not None else torch.zeros(0, device=device)
+        separate = comm.all_to_all(w, [sum(x) for x in ids_from], value_counts, group, differentiable=True)
+    return PendingInputDist(
+        work=work, buf=buf, batches=batches, ids_from=ids_from, sent=out.sent, positions=out.positions,
+        packed_dtype=weights.dtype if packed and weights is not None else None, separate_weights=separate,
+        n_mine=n_mine,
+    )
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    return offsets_of(sizes)[:-1]
+
+
+def _unpack(work, buf, batches, ids_from, sent, positions, packed_dtype, separate_weights, n_mine) -> Received:
+    """The received buffer (``[source][lengths | ids | weights][route]``) as route-major lengths, ids, weights."""
+    if work is not None:
+        work.wait()
+    n_ranks = len(batches)
+    words = 2 if packed_dtype is not None else 1
+    sizes, order_l, order_v, order_w = [], [], [], []
+    for s in range(n_ranks):
+        base = len(sizes)
+        sizes += [batches[s]] * n_mine + ids_from[s] + (ids_from[s] if words == 2 else [])
+        order_l.append(range(base, base + n_mine))
+        order_v.append(range(base + n_mine, base + 2 * n_mine))
+        order_w.append(range(base + 2 * n_mine, base + 3 * n_mine))
+    chunks = torch.split(buf, sizes)
+
+    def route_major(idx: list[range]) -> torch.Tensor:
+        parts = [chunks[idx[s][k]] for k in range(n_mine) for s in range(n_ranks)]
+        return torch.cat(parts) if parts else buf[:0]
+
+    lengths, values = route_major(order_l), route_major(order_v)
+    weights = _from_int64(route_major(order_w), packed_dtype) if packed_dtype is not None else None
+    if separate_weights is not None:
+        weights = regroup(separate_weights, [c for row in ids_from for c in row], n_ranks, n_mine)
+    return Received(lengths=lengths, values=values, weights=weights, ids_from=ids_from, positions=positions,
+                    sent=sent, batches=batches)
 
 
 def input_dist(
     kjt: KeyedJaggedTensor,
     weights: torch.Tensor | None,
     routing: RoutingTable,
-    batches: list[int],
     group: dist.ProcessGroup,
     device: torch.device,
+    *,
+    with_positions: bool = True,
 ) -> Received:
-    """Send every route's ids (made local to the shard's row block) to the shard owner; return what came in.
-
-    ``weights`` are the per-sample weights in the dtype every rank agreed on (or None). Comm: an
-    all-to-all of id counts, then of lengths, ids and weights.
-    """
-    b = kjt.stride()
-    if routing.single_block:
-        send_l, send_v, send_w, sent, value_counts = _route_payload(kjt, weights, routing)
-        positions: list[torch.Tensor | None] = [None] * len(sent)
-    else:
-        send_l, send_v, send_w, sent, value_counts, positions = _bucketed_payload(kjt, weights, routing, device)
-    n_ranks, n_mine = routing.group_size, len(routing.my_routes)
-    if n_ranks == 1:  # this rank is the whole shard group: nothing to exchange
-        return Received(lengths=send_l, values=send_v, weights=send_w, ids_from=[sent], positions=positions,
-                        sent=sent)
-    # lengths first: their sizes follow from the batch sizes, and every id count follows from them
-    len_in = [len(lst) * b for lst in routing.routes_to]
-    len_out = [n_mine * bs for bs in batches]
-    recv_l = comm.all_to_all(send_l, len_out, len_in, group)
-    seg_bags = [bs for bs in batches for _ in range(n_mine)]
-    bounds = offsets_from_lengths(torch.tensor(seg_bags, dtype=torch.long, device=device))
-    recv_offsets = offsets_from_lengths(recv_l)
-    seg_vals = (recv_offsets[bounds[1:]] - recv_offsets[bounds[:-1]]).tolist()
-    recv_counts = [sum(seg_vals[s * n_mine : (s + 1) * n_mine]) for s in range(n_ranks)]
-    recv_v = comm.all_to_all(send_v, recv_counts, value_counts, group)
-    recv_w = None if send_w is None else comm.all_to_all(send_w, recv_counts, value_counts, group)
-    # received layout is [source][route][bag]; the lookup wants [route][source][bag]
-    return Received(
-        lengths=regroup(recv_l, seg_bags, n_ranks, n_mine),
-        values=regroup(recv_v, seg_vals, n_ranks, n_mine),
-        weights=None if recv_w is None else regroup(recv_w, seg_vals, n_ranks, n_mine),
-        ids_from=[seg_vals[s * n_mine : (s + 1) * n_mine] for s in range(n_ranks)],
-        positions=positions,
-        sent=sent,
-    )
-
-
-def _route_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable):
-    """Every route's lengths, ids and weights when no table needs bucketing: the KJT's features in route order.
-
-    Ids stay as they are (every routed table is one row block from row 0), so this is one gather, or
-    nothing when the routes already read the features in order.
-    """
-    order = list(routing.route_features)
-    lpk = kjt.length_per_key()
-    sent = [lpk[f] for f in order]
-    value_counts, i = [], 0
-    for lst in routing.routes_to:
-        value_counts.append(sum(sent[i : i + len(lst)]))
-        i += len(lst)
-    if order == list(range(len(kjt.keys()))):
-        return kjt.lengths(), kjt.values(), weights, sent, value_counts
-    opk = kjt.offset_per_key()
-    dev = kjt.values().device
-    gather = segment_gather_index(torch.tensor([opk[f] for f in order], dtype=torch.long, device=dev),
-                                  torch.tensor(sent, dtype=torch.long, device=dev), total=sum(sent))
-    b = kjt.stride()
-    lengths = kjt.lengths().view(len(kjt.keys()), b)[torch.tensor(order, dtype=torch.long, device=dev)].reshape(-1)
-    return lengths, kjt.values()[gather], None if weights is None else weights[gather], sent, value_counts
-
-
-def _bucketed_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable,
-                      device: torch.device):
-    """Every route's lengths, ids (local to the route's row block) and weights, bucketed by row block."""
-    b = kjt.stride()
-    values, lengths, opk = kjt.values(), kjt.lengths(), kjt.offset_per_key()
-    per_feature: dict[int, tuple] = {}
-    for r in routing.all_routes:
-        if r.feature in per_feature:
-            continue
-        f, ti = r.feature, r.table
-        vals = values[opk[f] : opk[f + 1]]
-        lens = lengths[f * b : (f + 1) * b]
-        w = None if weights is None else weights[opk[f] : opk[f + 1]]
-        starts = routing.row_starts[ti]
-        if len(starts) == 1:
-            per_feature[f] = (lens.view(1, b), [vals.numel()], vals - starts[0] if starts[0] else vals, w, None)
-            continue
-        counts, seg, local_vals, order = _bucketize(vals, lens, starts, b, device)
-        per_feature[f] = (counts, seg, local_vals, None if w is None else w[order], order)
-    # every feature's id count per row block, read back in one host sync
-    bucketed = [f for f, v in per_feature.items() if isinstance(v[1], torch.Tensor)]
-    if bucketed:
-        flat = torch.cat([per_feature[f][1] for f in bucketed]).tolist()
-        i = 0
-        for f in bucketed:
-            counts, seg, local_vals, w, order = per_feature[f]
-            per_feature[f] = (counts, flat[i : i + seg.numel()], local_vals, w, order)
-            i += seg.numel()
-    send_lengths, send_values, send_weights, positions, value_counts, sent = [], [], [], [], [], []
-    for lst in routing.routes_to:
-        n = 0
-        for r in lst:
-            counts, seg, vals, w, order = per_feature[r.feature]
-            blk = routing.block_of[(r.table, r.shard.row_offset)]
-            lo = sum(seg[:blk])
-            hi = lo + seg[blk]
-            send_lengths.append(counts[blk])
-            send_values.append(vals[lo:hi])
-            if w is not None:
-                send_weights.append(w[lo:hi])
-            positions.append(None if order is None else order[lo:hi])
-            sent.append(hi - lo)
-            n += hi - lo
-        value_counts.append(n)
-
-    def cat(xs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        return torch.cat(xs) if xs else torch.zeros(0, dtype=dtype, device=device)
-
-    send_w = None if weights is None else cat(send_weights, weights.dtype)
-    return cat(send_lengths, torch.long), cat(send_values, torch.long), send_w, sent, value_counts, positions
+    """:func:`start_input_dist` and wait for it: every route's ids at the shard owners, route-major."""
+    return start_input_dist(kjt, weights, routing, group, device, with_positions=with_positions,
+                            async_op=False).wait()
 
 
 def pooled_output_dist(

@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from lightning_rec.sharding.layout import ShardMeta, offsets_of
+
+# Row blocks of every feature live in one key space, ``feature * KEY_SPAN + row``, so that one searchsorted
+# buckets the ids of all features at once. An id outside its table (only possible with checks off) keeps
+# an out-of-range local id wherever it lands, so the owner's kernel still refuses it.
+KEY_SPAN = 1 << 42
+
+
+def _empty_long() -> torch.Tensor:
+    return torch.zeros(0, dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,17 @@ class RoutingTable:
     single_block: bool = False  # every routed table is one row block from row 0: ids need no bucketing
     colmap_kind: str = "sum"  # "identity" (output = the block), "permutation" (each column once) or "sum"
     colmap_parts: tuple[torch.Tensor, ...] = ()  # colmap split by part: data-parallel block, then each rank's
+    # vectorised bucketing (row blocks): a *bucket* is one row block of one feature, feature-major; a feature
+    # of a data-parallel table is one bucket no route reads
+    bucket_bounds: torch.Tensor = field(default_factory=_empty_long)  # first key of every bucket, ascending
+    bucket_start: torch.Tensor = field(default_factory=_empty_long)  # first row of every bucket's block
+    route_bucket: torch.Tensor = field(default_factory=_empty_long)  # the bucket of every route of all_routes
+    route_row_start: torch.Tensor = field(default_factory=_empty_long)  # first row of every route's block
+    # when no bucket is read by two routes (no column shards of a row block): indexed by searchsorted's
+    # right-side position (bucket + 1), the bucket's route minus its feature (unread buckets: number of routes
+    # minus the feature), so that ``value * batch + bag`` is the (route, bag) slot of an id
+    bucket_route_rel: torch.Tensor | None = None
+    routes_in_order: bool = False  # the routes read every feature once, in order: the payload is the KJT itself
 
     @property
     def group_size(self) -> int:
@@ -71,7 +91,13 @@ class RoutingTable:
 
     def to(self, device: torch.device | str) -> RoutingTable:
         return dataclasses.replace(self, colmap=self.colmap.to(device),
-                                   colmap_parts=tuple(c.to(device) for c in self.colmap_parts))
+                                   colmap_parts=tuple(c.to(device) for c in self.colmap_parts),
+                                   bucket_bounds=self.bucket_bounds.to(device),
+                                   bucket_start=self.bucket_start.to(device),
+                                   route_bucket=self.route_bucket.to(device),
+                                   route_row_start=self.route_row_start.to(device),
+                                   bucket_route_rel=None if self.bucket_route_rel is None
+                                   else self.bucket_route_rel.to(device))
 
 
 def build_routing(
@@ -130,6 +156,23 @@ def build_routing(
     sizes = [sum(part_widths)] + [sum(r.shard.cols for r in lst) for lst in routes_to]
     routed_tables = {r.table for lst in routes_to for r in lst}
     single_block = all(row_starts[t] == (0,) for t in routed_tables)
+    bounds, starts_of_buckets, first_bucket = [], [], []
+    for f, ti in enumerate(feature_table):
+        first_bucket.append(len(bounds))
+        for start in row_starts.get(ti, (0,)) if ti in routed_tables else (0,):
+            bounds.append(f * KEY_SPAN + start)
+            starts_of_buckets.append(start)
+    all_routes = [r for lst in routes_to for r in lst]
+    route_bucket = [first_bucket[r.feature] + block_of[(r.table, r.shard.row_offset)] for r in all_routes]
+    bucket_feature = [f for f in range(len(feature_table))
+                      for _ in range((first_bucket + [len(bounds)])[f + 1] - first_bucket[f])]
+    rel = [len(all_routes) - f for f in bucket_feature]
+    for i, bk in enumerate(route_bucket):
+        rel[bk] = i - bucket_feature[bk]
+    unique = len(set(route_bucket)) == len(route_bucket)
+    if len(feature_table) >= (1 << 62) // KEY_SPAN or any(s.row_offset + s.rows > KEY_SPAN for shards in table_shards
+                                                           for s in shards or []):
+        raise ValueError(f"more than {(1 << 62) // KEY_SPAN} features or a table of more than {KEY_SPAN} rows")
     return RoutingTable(
         group_rank=group_rank,
         routes_to=tuple(tuple(lst) for lst in routes_to),
@@ -145,4 +188,10 @@ def build_routing(
         single_block=single_block,
         colmap_kind=colmap_kind,
         colmap_parts=tuple(torch.split(colmap, sizes)),
+        bucket_bounds=torch.tensor(bounds, dtype=torch.long, device=device),
+        bucket_start=torch.tensor(starts_of_buckets, dtype=torch.long, device=device),
+        route_bucket=torch.tensor(route_bucket, dtype=torch.long, device=device),
+        route_row_start=torch.tensor([r.shard.row_offset for r in all_routes], dtype=torch.long, device=device),
+        bucket_route_rel=torch.tensor(rel[:1] + rel, dtype=torch.long, device=device) if unique and rel else None,
+        routes_in_order=[r.feature for r in all_routes] == list(range(len(feature_table))),
     )

@@ -6,15 +6,17 @@ The pipeline only ever sees shards, so the types differ in their layout, not in 
 
 * **input dist** -- for every (feature, shard) pair (a *route*), each rank keeps the ids that fall in
   the shard's row block, makes them local to the block and sends them, with their bag lengths, to the
-  shard's owner (all-to-all; sizes and batch sizes travel first).
+  shard's owner (a fixed-size header all-to-all of batch size and id counts, then one all-to-all of
+  lengths, ids and weights). A train pipeline may start it one batch ahead (``prefetch_input_dist``).
 * **lookup** -- the owner pools each received bag over its local rows and columns with SUM.
 * **output dist** -- pooled partial rows go back to the rank that owns the sample (all-to-all, the
   reverse of the input dist) and are summed into place: row blocks add up (the reduce-scatter of
   row-wise sharding, done as all-to-all + local sum so gloo can run it), column blocks sit side by side.
   MEAN pooling then divides by the full bag length, once, on the sample's rank (rule 1).
 
-Forward comm: all-gather of batch sizes, all-to-all of id counts, lengths, ids (and weights), all-to-all
-of pooled rows. Backward comm: the reverse all-to-all of the pooled gradient; ids get none.
+Forward comm: all-to-all of a header (batch size, input verdict, id counts), all-to-all of lengths, ids
+and weights in one buffer, all-to-all of pooled rows. Backward comm: the reverse all-to-all of the pooled
+gradient; ids get none.
 Gradient scale (rule 2): each shard receives the sum of every rank's gradient; ``embedding_grad="mean"``
 multiplies it by ``1 / data-parallel ranks`` in ``comm.embedding_grad``, the one place a scale is applied.
 
@@ -36,8 +38,9 @@ from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.optim import FusedOptimizer
 from lightning_rec.sharding import comm, dists
 from lightning_rec.sharding.agreement import check_agreement, describe_table
-from lightning_rec.sharding.collection import ShardedCollection, target_device
+from lightning_rec.sharding.collection import ShardedCollection
 from lightning_rec.sharding.dists import Received
+from lightning_rec.sharding.materialize import target_device
 from lightning_rec.sharding.plan import ShardingPlan, default_local_size, resolve_module_plan
 from lightning_rec.sharding.planner import automatic_plan
 from lightning_rec.sharding.state import full_state_dict
@@ -113,7 +116,8 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         layout, routing = self._layout, self._routing
-        kjt, batches = self._checked_input(features)
+        begun = self._begin(features)
+        kjt = begun.kjt
         b = kjt.stride()
         dtype = self._out_dtype()
         parts: list[torch.Tensor] = []
@@ -121,8 +125,9 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         if routing.dp_tables:
             parts.append(self._dp_lookup(kjt))
             maps.append(routing.colmap_parts[0])
-        if routing.has_model_parallel:
-            recv = self.input_dist(kjt, batches)
+        recv = begun.wait()  # the ids travelled while the data-parallel tables looked up
+        if recv is not None:
+            batches = list(recv.batches)
             pooled = self.lookup(recv, batches)
             blocks = self.output_dist(pooled, batches, b)
             parts.extend(blocks)
@@ -179,7 +184,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         layout, routing = self._layout, self._routing
-        kjt, batches = self._checked_input(features)
+        begun = self._begin(features)
+        kjt = begun.kjt
         b = kjt.stride()
         lpk = kjt.length_per_key()
         dtypes = [self._table_dtypes[ti] for ti in layout.feature_table]
@@ -190,8 +196,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
                                           sub.length_per_key(), self.sparse_grad)
             results.update(zip(routing.dp_features, embs))
         pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in layout.feature_names]
-        if routing.has_model_parallel:
-            recv = self.input_dist(kjt, batches)
+        recv = begun.wait()
+        if recv is not None:
             pieces = self.output_dist(self.lookup(recv), recv)
         out = {}
         for f, name in enumerate(layout.feature_names):

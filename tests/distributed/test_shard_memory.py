@@ -25,7 +25,7 @@ from lightning_rec.sharding import (
     table_row_wise,
     table_wise,
 )
-from lightning_rec.sharding import collection as collection_mod
+from lightning_rec.sharding import materialize as collection_mod
 from lightning_rec.sparse import KeyedJaggedTensor
 from lightning_rec.testing import run_distributed
 

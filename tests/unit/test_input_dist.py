@@ -1,0 +1,107 @@
+"""The input dist's payload (bucketing by row block, route order, weight bits) against a loop over routes and
+bags, on one process: no process group is needed to build what a rank sends."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from lightning_rec import KeyedJaggedTensor
+from lightning_rec.sharding import dists
+from lightning_rec.sharding.layout import ShardMeta
+from lightning_rec.sharding.routing import build_routing
+
+
+def _expected(kjt: KeyedJaggedTensor, weights, routing):
+    """Per route: (bag lengths, local ids, weights, positions in the feature's ids), by plain loops."""
+    b, lengths, values = kjt.stride(), kjt.lengths().tolist(), kjt.values().tolist()
+    opk = kjt.offset_per_key()
+    out = []
+    for r in routing.all_routes:
+        lo, hi = r.shard.row_offset, r.shard.row_offset + r.shard.rows
+        lens, ids, ws, pos, i = [], [], [], [], opk[r.feature]
+        for bag in range(b):
+            n = 0
+            for _ in range(lengths[r.feature * b + bag]):
+                if lo <= values[i] < hi:
+                    ids.append(values[i] - lo)
+                    pos.append(i - opk[r.feature])
+                    ws.append(None if weights is None else float(weights[i]))
+                    n += 1
+                i += 1
+            lens.append(n)
+        out.append((lens, ids, ws, pos))
+    return out
+
+
+def _case(seed: int):
+    rng = random.Random(seed)
+    n_tables, ws = rng.randint(1, 4), rng.randint(2, 4)
+    shards, feature_table = [], []
+    for t in range(n_tables):
+        rows = rng.randint(1, 12)
+        kind = rng.choice(["table", "rows", "rows", "grid", "grid", "dp"])
+        if kind == "dp":
+            shards.append(None)
+        elif kind == "table":
+            shards.append([ShardMeta(0, rows, 0, 4, rng.randrange(ws))])
+        else:  # every shard of a table on its own rank
+            cols = [(0, 4)] if kind == "rows" or ws < 2 else [(0, 2), (2, 2)]
+            cuts = sorted(rng.randint(0, rows) for _ in range(rng.randint(min(1, ws // len(cols) - 1), ws // len(cols) - 1)))
+            blocks = [(a, b - a) for a, b in zip([0, *cuts], [*cuts, rows])]
+            ranks = iter(rng.sample(range(ws), len(blocks) * len(cols)))
+            shards.append([ShardMeta(o, n, c, w, next(ranks)) for o, n in blocks for c, w in cols])
+        feature_table += [t] * rng.randint(1, 2)
+    tables_rows = [max((s.row_offset + s.rows for s in sh), default=1) if sh else rng.randint(1, 9) for sh in shards]
+    b = rng.randint(0, 4)
+    lengths = torch.tensor([rng.randint(0, 3) for _ in range(len(feature_table) * b)], dtype=torch.long)
+    ids = [rng.randrange(tables_rows[feature_table[f]]) for f in range(len(feature_table))
+           for _ in range(int(lengths[f * b : (f + 1) * b].sum()))]
+    kjt = KeyedJaggedTensor([f"f{i}" for i in range(len(feature_table))], torch.tensor(ids, dtype=torch.long),
+                            lengths=lengths)
+    local = [t for t, sh in enumerate(shards) if sh and any(s.rank == 0 and s.rows for s in sh)]
+    routing = build_routing(feature_table, [4] * len(feature_table), shards, local, 0, ws)
+    return kjt, torch.rand(len(ids), dtype=torch.float64), routing
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_payload_matches_a_loop_over_routes_and_bags(seed: int) -> None:
+    kjt, weights, routing = _case(seed)
+    want = _expected(kjt, weights, routing)
+    paths = [routing]
+    if routing.bucket_route_rel is not None:  # the one-sort path and the general one must agree
+        paths.append(dataclasses.replace(routing, bucket_route_rel=None))
+    for rt in paths:
+        if rt.single_block:
+            out = dists._route_payload(kjt, weights, rt)
+        else:
+            out = dists._bucketed_payload(kjt, weights, rt, with_positions=True)
+        assert out.sent == [len(w[1]) for w in want]
+        lengths, values, ws = out.flat(kjt.stride(), torch.device("cpu"))
+        assert lengths.tolist() == [n for w in want for n in w[0]]
+        assert values.tolist() == [i for w in want for i in w[1]]
+        assert ws.tolist() == [x for w in want for x in w[2]]
+        by_route = out.per_route(kjt.stride())
+        assert [x.tolist() for x in by_route[1]] == [w[1] for w in want]
+        assert [x.tolist() for x in by_route[0]] == [w[0] for w in want]
+        for pos, w in zip(out.positions, want):
+            assert (list(range(len(w[3]))) if pos is None else pos.tolist()) == w[3]
+
+
+def test_weights_travel_as_their_bits_exactly() -> None:
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        w = torch.tensor([0.1, -3.5, float("inf"), 1e-30, float("nan")]).to(dtype)
+        back = dists._from_int64(dists._as_int64(w), dtype)
+        assert back.dtype == dtype and torch.equal(back.view(torch.uint8), w.view(torch.uint8))
+
+
+def test_one_rank_group_returns_its_own_payload_with_its_batch_size() -> None:
+    routing = build_routing([0], [4], [[ShardMeta(0, 5, 0, 4, 0)]], [0], 0, 1)
+    kjt = KeyedJaggedTensor(["a"], torch.tensor([1, 4, 0]), lengths=torch.tensor([2, 1]))
+    got = dists.start_input_dist(kjt, None, routing, None, torch.device("cpu")).wait()
+    assert got.batches == (2,) and got.values.tolist() == [1, 4, 0] and got.lengths.tolist() == [2, 1]
+    with pytest.raises(dists.InputRejected):
+        dists.start_input_dist(kjt, None, routing, None, torch.device("cpu"), rejected=True)
