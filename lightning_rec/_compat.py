@@ -153,13 +153,10 @@ def make_dtensor(
         out = DTensor.from_local(value, mesh, [Replicate()], run_check=False, shape=size, stride=stride)
     elif placement is not None:
         mesh = DeviceMesh.from_group(process_group, device_type)
-        place = [Shard(placement[1])]
-        if pieces:
-            value = pieces[0][0]
-        else:
-            value = torch.empty(compute_local_shape_and_global_offset(size, mesh, place)[0], dtype=dtype,
-                                device=device)
-        out = DTensor.from_local(value, mesh, place, run_check=False, shape=size, stride=stride)
+        # a rank without a piece holds torch.chunk's empty tail block
+        empty = [0 if d == placement[1] else n for d, n in enumerate(size)]
+        value = pieces[0][0] if pieces else torch.empty(empty, dtype=dtype, device=device)
+        out = DTensor.from_local(value, mesh, [Shard(placement[1])], run_check=False, shape=size, stride=stride)
     else:
         mesh = DeviceMesh.from_group(process_group, device_type)
         wrapper = LocalShardsWrapper([t for t, _ in pieces], [tuple(off) for _, off in pieces])
@@ -193,8 +190,13 @@ def local_pieces(x: Any) -> list[tuple[list[int], torch.Tensor]]:
     if x.device_mesh.get_coordinate() is None:
         return []
     local = x._local_tensor  # to_local() is an autograd op; the pieces must stay the live storage
+    record = shard_record(x)
     if isinstance(local, LocalShardsWrapper):
         pairs = [([int(o) for o in off], t) for off, t in zip(local.local_offsets(), local.local_shards())]
+    elif record is not None:  # ours: the record names this rank's shard (torch's helper needs a real device)
+        me = torch.distributed.get_rank()
+        pairs = [(list(off), local) for off, size, rank in record.shards
+                 if rank == me and list(size) == list(local.shape)]
     else:
         _, offsets = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
         pairs = [([int(o) for o in offsets], local)]
