@@ -33,7 +33,6 @@ from lightning_rec.sharding import (
     table_row_wise,
     table_wise,
 )
-from lightning_rec.sharding.layout import ShardMeta, dtensor_placement
 from lightning_rec.testing import run_distributed
 
 DIMS = {"rw": (10, 4), "rw5": (5, 4), "rwc": (10, 4), "cw": (6, 8), "cwr": (6, 8), "tw": (5, 4), "twrw": (7, 4),
@@ -150,23 +149,6 @@ def test_state_dict_is_dtensors_with_truthful_placements_and_dcp_reshards(tmp_pa
     exported = torch.load(path + ".pt", weights_only=True)
     for k, v in r0["full"].items():
         assert torch.equal(exported[k], v), k
-
-
-def test_dtensor_placement_math() -> None:
-    def sm(*rows_cols_rank):
-        return [ShardMeta(*x) for x in rows_cols_rank]
-
-    assert dtensor_placement(sm((0, 3, 0, 4, 0), (3, 3, 0, 4, 1), (6, 3, 0, 4, 2), (9, 1, 0, 4, 3)), 10, 4, 4) == \
-        ("shard", 0)
-    # torch.chunk leaves the last rank empty: 5 rows on 4 ranks are 2, 2, 1, 0
-    assert dtensor_placement(sm((0, 2, 0, 4, 0), (2, 2, 0, 4, 1), (4, 1, 0, 4, 2), (5, 0, 0, 4, 3)), 5, 4, 4) == \
-        ("shard", 0)
-    assert dtensor_placement(sm((0, 3, 0, 4, 1), (3, 2, 0, 4, 0)), 5, 4, 2) is None  # ranks out of order
-    assert dtensor_placement(sm((0, 2, 0, 4, 0), (2, 3, 0, 4, 1)), 5, 4, 2) is None  # not torch.chunk's sizes
-    assert dtensor_placement(sm((0, 6, 0, 4, 0), (0, 6, 4, 4, 1)), 6, 8, 2) == ("shard", 1)
-    assert dtensor_placement(sm((0, 6, 0, 8, 1)), 6, 8, 2) == ("owner", 1)
-    assert dtensor_placement(sm((0, 3, 0, 4, 0), (3, 3, 0, 4, 1), (0, 3, 4, 4, 2), (3, 3, 4, 4, 3)), 6, 8, 4) is None
-    assert dtensor_placement(sm((0, 3, 0, 8, 0), (3, 3, 0, 8, 1)), 6, 8, 4) is None  # half the group
 
 
 # -- lightning_rec checkpoints through DTensors: 4 -> 2 -> 1 processes, grid and table-row-wise -------------
