@@ -120,6 +120,33 @@ class ShardRecord:
 _RECORD = "_lightning_rec_shards"
 
 
+class _Pieces(LocalShardsWrapper):
+    """torch's LocalShardsWrapper reporting its pieces' dtype and device, also when it holds none (torch's reports
+    the default dtype, and a DTensor over it takes its dtype from there: a float16 table would read as float32)."""
+
+    @staticmethod
+    def __new__(cls, local_shards: list[torch.Tensor], local_offsets: list[tuple[int, ...]],
+                dtype: torch.dtype | None = None, device: Any = None) -> _Pieces:
+        base = LocalShardsWrapper(local_shards, local_offsets)
+        if local_shards:
+            dtype, device = local_shards[0].dtype, local_shards[0].device
+        r = torch.Tensor._make_wrapper_subclass(cls, base.size(), dtype=dtype or torch.get_default_dtype(),
+                                                device=device if device is not None else base.device)
+        r._local_shards, r._storage_meta = base._local_shards, base._storage_meta
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if isinstance(out, LocalShardsWrapper) and not isinstance(out, _Pieces):  # keep dtype and device (views)
+            return _Pieces(out.local_shards(), out.local_offsets(), args[0].dtype, args[0].device)
+        return out
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self._local_shards[0].device if self._local_shards else torch.Tensor.device.__get__(self)
+
+
 def make_dtensor(
     local: list[tuple[Any, list[int]]],
     shards: list[tuple],
@@ -159,7 +186,7 @@ def make_dtensor(
         out = DTensor.from_local(value, mesh, [Shard(placement[1])], run_check=False, shape=size, stride=stride)
     else:
         mesh = DeviceMesh.from_group(process_group, device_type)
-        wrapper = LocalShardsWrapper([t for t, _ in pieces], [tuple(off) for _, off in pieces])
+        wrapper = _Pieces([t for t, _ in pieces], [tuple(off) for _, off in pieces], dtype, device)
         out = DTensor.from_local(wrapper, mesh, [Shard(0)], run_check=False, shape=size, stride=stride)
     record = tuple((tuple(int(o) for o in e[0]), tuple(int(s) for s in e[1]), int(e[2])) for e in shards
                    if all(s > 0 for s in e[1]))
@@ -204,7 +231,7 @@ def local_pieces(x: Any) -> list[tuple[list[int], torch.Tensor]]:
 
 
 def sharded_dtype(x: Any) -> torch.dtype:
-    """The element type of a DTensor's values (a DTensor over local-shard pieces reports torch's default)."""
+    """The element type of a DTensor's values (torch's LocalShardsWrapper alone reports the default dtype)."""
     record = shard_record(x)
     if record is not None:
         return record.dtype

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, ShardingPlan, _compat
 from lightning_rec import checkpoint as ckpt
@@ -99,13 +100,16 @@ def _layout_job(rank: int, ws: int, path: str) -> dict:
         fused(_kjt(rank, small)).values().sum().backward()
         state = ckpt.optimizer_state(fused, fused_optimizer(fused))["tensors"]
         export_state_dict(model, path + ".pt")
-    return {"described": {k: _describe(v) for k, v in sd.items()}, "truthful": truthful, "shared": shared,
+        # half precision: every DTensor says float16 (torch's LocalShardsWrapper alone would say float32)
+        half = shard_modules(_model(), ShardingPlan({"": TWO})).half()
+        dtypes = {k: v.dtype for k, v in half.state_dict().items()}
+    return {"dtypes": dtypes, "described": {k: _describe(v) for k, v in sd.items()}, "truthful": truthful, "shared": shared,
             "reloaded": all(torch.equal(reloaded[k], full[k]) for k in full),
             "state": {k: _describe(v) for k, v in state.items()}, "full": full}
 
 
 def _uses_pieces(v) -> bool:
-    return type(v._local_tensor).__name__ == "LocalShardsWrapper"
+    return isinstance(v._local_tensor, LocalShardsWrapper)
 
 
 def test_state_dict_is_dtensors_with_truthful_placements_and_dcp_reshards(tmp_path) -> None:
@@ -146,6 +150,7 @@ def test_state_dict_is_dtensors_with_truthful_placements_and_dcp_reshards(tmp_pa
     uneven = "fused/embedding_bags.rw5.weight/sum"
     assert s0[uneven]["pieces"] == [([0, 0], [1, 1])] and s1[uneven]["pieces"] == [([1, 0], [4, 1])]
     assert s0["fused/embedding_bags.tw.weight/sum"]["placements"] == ["Replicate"]
+    assert all(d == torch.float16 for r in results for d in r["dtypes"].values()), r0["dtypes"]
     exported = torch.load(path + ".pt", weights_only=True)
     for k, v in r0["full"].items():
         assert torch.equal(exported[k], v), k
