@@ -4,7 +4,7 @@
   (``full_tensor()`` gives the unsharded table), local pieces with offsets otherwise, sharing the live storage;
 - optimizer state in a checkpoint (fused element-wise and one-value-per-row) is DTensors laid out the same way;
 - plain ``torch.distributed.checkpoint`` saves and loads them across plans, and lightning_rec checkpoints round
-  trip 4 -> 2 -> 1 processes across plans (grid and table-row-wise included), weights and fused state exactly;
+  trip from 4 processes to 2 and to 1 across plans (grid and table-row-wise included), weights and fused state exactly;
 - nothing warns about ShardedTensor: the whole path runs with warnings as errors.
 """
 
@@ -202,18 +202,15 @@ def _load_job(rank: int, ws: int, plan: dict, path: str) -> dict:
     return {"weights": full_state_dict(model), "sums": _full_fused(model)}
 
 
-def test_checkpoints_reshard_four_to_two_to_one(tmp_path) -> None:
-    first, second = str(tmp_path / "at4"), str(tmp_path / "at2")
-    want = run_distributed(_save_job, 4, FOUR, first, timeout_s=240)[0]
-    assert all(not v.isnan().any() for v in want["sums"].values()) and len(want["sums"]) == 9
-    at2 = run_distributed(_load_job, 2, TWO, first)
-    one = {k: table_wise(0) for k in TWO if k != "dp"} | {"dp": data_parallel()}
-    (at1,) = run_distributed(_load_job, 1, one, first)
-    want2 = run_distributed(_save_job, 2, TWO, second)[0]  # written at 2 (other steps), loaded at 1
-    (at1_from2,) = run_distributed(_load_job, 1, one, second)
-    for got, exp in [(at2[0], want), (at2[1], want), (at1, want), (at1_from2, want2)]:
-        for k, v in exp["weights"].items():
+def test_checkpoints_reshard_four_to_two_and_one(tmp_path) -> None:
+    path = str(tmp_path / "at4")
+    want = run_distributed(_save_job, 4, FOUR, path, timeout_s=240)[0]
+    assert all(not v.isnan().any() and v.abs().sum() > 0 for v in want["sums"].values()) and len(want["sums"]) == 9
+    at2 = run_distributed(_load_job, 2, TWO, path)
+    (at1,) = run_distributed(_load_job, 1, {k: table_wise(0) for k in TWO if k != "dp"} | {"dp": data_parallel()},
+                             path)
+    for got in [*at2, at1]:
+        for k, v in want["weights"].items():
             assert torch.equal(got["weights"][k], v), k
-        for k, v in exp["sums"].items():
+        for k, v in want["sums"].items():
             assert torch.equal(got["sums"][k], v), k
-    assert not torch.equal(want2["sums"]["grid"], want["sums"]["grid"])
