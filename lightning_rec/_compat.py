@@ -137,6 +137,15 @@ class _Pieces(LocalShardsWrapper):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "_c10d_functional":
+            # torch's wrapper would gather its pieces as if they were Shard(0)'s blocks: wrong sizes, a mismatched
+            # collective that aborts the process. Every rank holds one of these, so every rank raises.
+            raise RuntimeError(
+                "this DTensor holds a table tiled in a way no DTensor placement describes (custom sizes, ranks out "
+                "of order, blocks of one host, grids): DTensor collectives (full_tensor, redistribute) do not apply "
+                "to it; gather tables with lightning_rec.full_state_dict. torch.distributed.checkpoint reads and "
+                "writes it."
+            )
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if isinstance(out, LocalShardsWrapper) and not isinstance(out, _Pieces):  # keep dtype and device (views)
             return _Pieces(out.local_shards(), out.local_offsets(), args[0].dtype, args[0].device)

@@ -85,6 +85,13 @@ def _layout_job(rank: int, ws: int, path: str) -> dict:
                 truthful[k] = torch.equal(v.full_tensor(), full[k])  # a collective over the shard group
             elif isinstance(v.placements[0], Replicate) and v.device_mesh.get_coordinate() is not None:
                 truthful[k] = torch.equal(v.to_local(), full[k])
+        refused = {}
+        for k in ("rwc", "cwr"):  # local pieces: DTensor collectives refuse, on every rank (no hang, no abort)
+            try:
+                sd[f"embedding_bags.{k}.weight"].full_tensor()
+                refused[k] = "gathered"
+            except RuntimeError as e:
+                refused[k] = str(e)
         # plain DCP, no lightning_rec code: save in this plan, load into another one
         dcp.save({"model": sd}, checkpoint_id=path)
         other = shard_modules(_model(seed=5), ShardingPlan({"": {**TWO, "rw": table_wise(0), "cw": row_wise(),
@@ -103,7 +110,7 @@ def _layout_job(rank: int, ws: int, path: str) -> dict:
         # half precision: every DTensor says float16 (torch's LocalShardsWrapper alone would say float32)
         half = shard_modules(_model(), ShardingPlan({"": TWO})).half()
         dtypes = {k: v.dtype for k, v in half.state_dict().items()}
-    return {"dtypes": dtypes, "described": {k: _describe(v) for k, v in sd.items()}, "truthful": truthful, "shared": shared,
+    return {"dtypes": dtypes, "refused": refused, "described": {k: _describe(v) for k, v in sd.items()}, "truthful": truthful, "shared": shared,
             "reloaded": all(torch.equal(reloaded[k], full[k]) for k in full),
             "state": {k: _describe(v) for k, v in state.items()}, "full": full}
 
@@ -150,6 +157,8 @@ def test_state_dict_is_dtensors_with_truthful_placements_and_dcp_reshards(tmp_pa
     uneven = "fused/embedding_bags.rw5.weight/sum"
     assert s0[uneven]["pieces"] == [([0, 0], [1, 1])] and s1[uneven]["pieces"] == [([1, 0], [4, 1])]
     assert s0["fused/embedding_bags.tw.weight/sum"]["placements"] == ["Replicate"]
+    for r in results:
+        assert all("not supported" in e or "full_state_dict" in e for e in r["refused"].values()), r["refused"]
     assert all(d == torch.float16 for r in results for d in r["dtypes"].values()), r0["dtypes"]
     exported = torch.load(path + ".pt", weights_only=True)
     for k, v in r0["full"].items():
