@@ -109,12 +109,12 @@ def indexed_device(device: Any) -> Any:
 @dataclass(frozen=True)
 class ShardRecord:
     """What lightning_rec notes on the DTensors it makes: the table's dtype, every non-empty shard
-    ``(offsets, sizes, global rank)`` and the process group the table is sharded over (a table-wise DTensor's
-    mesh is its owner alone, so the mesh does not name the group)."""
+    ``(offsets, sizes, global rank)`` and the global ranks of the group the table is sharded over (a table-wise
+    DTensor's mesh is its owner alone). Plain values, so state_dicts still pickle and deep-copy."""
 
     dtype: torch.dtype
     shards: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]
-    group: Any
+    group_ranks: tuple[int, ...]
 
 
 _RECORD = "_lightning_rec_shards"
@@ -164,6 +164,7 @@ def make_dtensor(
     device: Any,
     process_group: Any,
     placement: tuple[str, int] | None = None,
+    mesh: Any = None,
 ) -> Any:
     """A DTensor over ``local`` pieces ``(tensor, offsets)``; ``shards`` = ``(offsets, sizes, global rank, ...)``
     of every shard of the table.
@@ -173,7 +174,8 @@ def make_dtensor(
     ``("owner", global rank)`` is ``Replicate()`` on a one-rank mesh (a rank outside it holds an empty local
     tensor); ``None`` (any other tiling: uneven or custom offsets, blocks of a host, grids) wraps the local pieces
     with their offsets in torch's ``LocalShardsWrapper`` (the mechanism TorchRec uses; torch.distributed.checkpoint
-    reads each piece's offsets from it), on the group's mesh. Local pieces share storage with the given tensors.
+    reads each piece's offsets from it), on the group's mesh (or ``mesh``). Local pieces share storage with the
+    given tensors.
     Runs no collective (meshes are built over existing groups, or without a backend for one rank), so
     ``state_dict()`` may be called on one rank alone. Zero-size shards are left out of the record.
     """
@@ -194,12 +196,14 @@ def make_dtensor(
         value = pieces[0][0] if pieces else torch.empty(empty, dtype=dtype, device=device)
         out = DTensor.from_local(value, mesh, [Shard(placement[1])], run_check=False, shape=size, stride=stride)
     else:
-        mesh = DeviceMesh.from_group(process_group, device_type)
+        mesh = mesh if mesh is not None else DeviceMesh.from_group(process_group, device_type)
         wrapper = _Pieces([t for t, _ in pieces], [tuple(off) for _, off in pieces], dtype, device)
         out = DTensor.from_local(wrapper, mesh, [Shard(0)], run_check=False, shape=size, stride=stride)
     record = tuple((tuple(int(o) for o in e[0]), tuple(int(s) for s in e[1]), int(e[2])) for e in shards
                    if all(s > 0 for s in e[1]))
-    setattr(out, _RECORD, ShardRecord(dtype, record, process_group))
+    ranks = torch.distributed.get_process_group_ranks(process_group) if process_group is not None else \
+        mesh.mesh.flatten().tolist()
+    setattr(out, _RECORD, ShardRecord(dtype, record, tuple(ranks)))
     return out
 
 

@@ -66,7 +66,7 @@ def _gather_to_zero(value: Any) -> torch.Tensor | None:
     Under 2D every replica group holds the whole table; the one that contains rank 0 sends.
     """
     record = _compat.shard_record(value)
-    if 0 not in dist.get_process_group_ranks(record.group):
+    if 0 not in record.group_ranks:
         return None
     rank = atomic.rank()
     dtype = record.dtype

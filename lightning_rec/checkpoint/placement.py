@@ -99,7 +99,8 @@ def chunked(value: Any) -> Any:
     record = _compat.shard_record(value)
     if record is None:  # not one of ours: written as it is
         return value
-    return _compat.make_dtensor(local, [], list(value.size()), record.dtype, pieces[0][1].device, record.group)
+    return _compat.make_dtensor(local, [], list(value.size()), record.dtype, pieces[0][1].device, None,
+                                mesh=value.device_mesh)
 
 
 def chunk_tree(tree: Any) -> Any:

@@ -141,9 +141,9 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
         if not _compat.is_sharded(value):
             out[key] = value
             continue
-        record = _compat.shard_record(value)
-        device, group = tables.get(key, (torch.device("cpu"), None))
-        group = record.group if record is not None else group
+        if key not in tables:
+            raise ValueError(f"state_dict entry {key!r} is a DTensor but no sharded collection of the model owns it")
+        device, group = tables[key]
         dtype = _compat.sharded_dtype(value)
         # gloo has no bfloat16 arithmetic; fp32 holds every bf16 value exactly
         wire = torch.float32 if dtype == torch.bfloat16 else dtype

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import copy
+import io
 import warnings
 
 # imported before the checks run: fbgemm warns about optional CUDA kernels on its first import
@@ -163,6 +165,37 @@ def test_state_dict_is_dtensors_with_truthful_placements_and_dcp_reshards(tmp_pa
     exported = torch.load(path + ".pt", weights_only=True)
     for k, v in r0["full"].items():
         assert torch.equal(exported[k], v), k
+
+
+def _chunked_job(rank: int, ws: int, path: str) -> dict:
+    model = shard_modules(_model(), ShardingPlan({"": TWO}))
+    sd = model.state_dict()
+    # state_dicts of DTensors still pickle and deep-copy (the record lightning_rec keeps on them is plain values)
+    copied = copy.deepcopy(sd)
+    torch.save(sd, io.BytesIO())
+    same_copy = all(torch.equal(a, b) for k in sd if _compat.is_sharded(sd[k])
+                    for (_, a), (_, b) in zip(_compat.local_pieces(sd[k]), _compat.local_pieces(copied[k])))
+    old, ckpt.placement.CHUNK_BYTES = ckpt.placement.CHUNK_BYTES, 40  # pieces of at most 2 rows of 4 floats
+    try:
+        ckpt.save(path, model)
+    finally:
+        ckpt.placement.CHUNK_BYTES = old
+    other = shard_modules(_model(seed=9), ShardingPlan({"": {**TWO, "rw": row_wise([7, 3]), "twrw": table_wise(0)}}))
+    ckpt.load(path, other)
+    want, got = full_state_dict(model), full_state_dict(other)
+    return {"same_copy": same_copy, "loaded": all(torch.equal(want[k], got[k]) for k in want)}
+
+
+def test_checkpoint_pieces_are_written_in_row_blocks_and_state_dicts_copy(tmp_path) -> None:
+    path = tmp_path / "chunked"
+    for r in run_distributed(_chunked_job, 2, str(path)):
+        assert r["same_copy"] and r["loaded"]
+    md = ckpt.storage.CheckedReader(path, 0).read_metadata().state_dict_metadata
+    for k, v in md.items():
+        if k.startswith("state_dict.") and "dp" not in k:
+            pieces = [tuple(c.sizes) for c in v.chunks if c.sizes.numel()]
+            assert len(pieces) > 1 and all(r * c * 4 <= 40 for r, c in pieces), (k, pieces)
+            assert sum(c.sizes.numel() for c in v.chunks) == v.size.numel(), k
 
 
 # -- lightning_rec checkpoints through DTensors: 4 -> 2 -> 1 processes, grid and table-row-wise -------------
