@@ -61,32 +61,32 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_to_zero(value: Any) -> torch.Tensor | None:
-    """The full tensor of a ShardedTensor on global rank 0 (None elsewhere); shards travel point to point.
+    """The full tensor of a sharded DTensor on global rank 0 (None elsewhere); shards travel point to point.
 
     Under 2D every replica group holds the whole table; the one that contains rank 0 sends.
     """
-    group = _compat.sharded_tensor_group(value)
-    if 0 not in dist.get_process_group_ranks(group):
+    record = _compat.shard_record(value)
+    if 0 not in record.group_ranks:
         return None
     rank = atomic.rank()
-    dtype = value.metadata().tensor_properties.dtype
+    dtype = record.dtype
     wire = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    pieces = _compat.local_pieces(value)
     if rank != 0:
-        for sh in value.local_shards():
-            dist.send(_as_bytes(sh.tensor), dst=0)
+        for _, t in pieces:
+            dist.send(_as_bytes(t), dst=0)
         return None
     full = torch.empty(list(value.size()), dtype=dtype)
-    local = {tuple(sh.metadata.shard_offsets): sh.tensor for sh in value.local_shards()}
-    for m in value.metadata().shards_metadata:
-        (r, c), (nr, nc) = m.shard_offsets, m.shard_sizes
+    local = {tuple(off): t for off, t in pieces}
+    for (r, c), (nr, nc), owner in record.shards:
         src = local.get((r, c))
         if src is not None:
             full[r : r + nr, c : c + nc] = src.detach().to("cpu")
         elif nc == full.shape[1] and wire.type == "cpu":
-            dist.recv(_as_bytes(full[r : r + nr]), src=m.placement.rank())  # whole rows: straight into place
+            dist.recv(_as_bytes(full[r : r + nr]), src=owner)  # whole rows: straight into place
         else:
             buf = torch.empty(nr * nc * dtype.itemsize, dtype=torch.uint8, device=wire)
-            dist.recv(buf, src=m.placement.rank())
+            dist.recv(buf, src=owner)
             full[r : r + nr, c : c + nc] = buf.cpu().view(dtype).view(nr, nc)
     return full
 
@@ -112,7 +112,7 @@ def export_state_dict(model: nn.Module, path: str | os.PathLike) -> Path:
     atomic.agree(error, f"exporting {path}")
     index = 0  # storages are numbered in the order the pickler meets them: the state_dict's order
     for key, v in state.items():
-        if _compat.is_sharded_tensor(v):
+        if _compat.is_sharded(v):
             full = _gather_to_zero(v)
         elif torch.is_tensor(v):
             full = v.detach().to("cpu") if rank == 0 else None
@@ -150,8 +150,8 @@ def _skeleton(state: dict[str, Any], path: Path, tmp: Path) -> tuple[Any, dict[s
     path.parent.mkdir(parents=True, exist_ok=True)
     skeleton: dict[str, Any] = {}
     for key, v in state.items():
-        if _compat.is_sharded_tensor(v):
-            skeleton[key] = torch.empty(list(v.size()), dtype=v.metadata().tensor_properties.dtype)
+        if _compat.is_sharded(v):
+            skeleton[key] = torch.empty(list(v.size()), dtype=_compat.sharded_dtype(v))
         elif torch.is_tensor(v):
             skeleton[key] = torch.empty(v.shape, dtype=v.dtype)
         else:
@@ -164,9 +164,9 @@ def _skeleton(state: dict[str, Any], path: Path, tmp: Path) -> tuple[Any, dict[s
 
 def _disk_full(e: Exception, tmp: Path, state: dict[str, Any]) -> Exception:
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-        need = sum((v.size().numel() * v.metadata().tensor_properties.dtype.itemsize)
-                   if _compat.is_sharded_tensor(v) else v.nbytes for v in state.values()
-                   if torch.is_tensor(v) or _compat.is_sharded_tensor(v))
+        need = sum((v.size().numel() * _compat.sharded_dtype(v).itemsize)
+                   if _compat.is_sharded(v) else v.nbytes for v in state.values()
+                   if torch.is_tensor(v) or _compat.is_sharded(v))
         return DiskFullError(tmp, need, 0)
     return e
 

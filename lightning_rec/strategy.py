@@ -329,7 +329,7 @@ class RecShardedStrategy(DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state_dict under the unsharded keys: ShardedTensors for sharded tables, plain tensors else.
+        """The module's state_dict under the unsharded keys: DTensors for sharded tables, plain tensors else.
 
         Collective only in the sense that every rank contributes its shards when the checkpoint is saved.
         """

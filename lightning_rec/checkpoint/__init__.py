@@ -8,10 +8,11 @@ Layout of a checkpoint directory::
                                             optimizer hyper-parameters and the layout of their state, the plan,
                                             a CRC-32 of every stored piece)
 
-Sharded tables and their optimizer state are written as ShardedTensors over the whole table (in row blocks
-of at most 32 MiB), so DCP reshards them on load into any world size, 2D layout or plan (one process
-included); replicated tensors are written once. Optimizer state is keyed by parameter name, never by
-position, in a plan-independent form (:mod:`lightning_rec.checkpoint.optim_state`).
+Sharded tables and their optimizer state are written as DTensors over the whole table (in row blocks of at
+most 32 MiB), so DCP reshards them on load into any world size, 2D layout or plan (one process included);
+replicated tensors are written once. On disk a sharded tensor is its pieces with their offsets, the same
+format ShardedTensors wrote, so checkpoints from before DTensor state load unchanged. Optimizer state is
+keyed by parameter name, never by position, in a plan-independent form (:mod:`lightning_rec.checkpoint.optim_state`).
 
 Modules: ``atomic`` (collective helpers, all-or-nothing writes; also used by :mod:`lightning_rec.export`),
 ``placement`` (where shards sit), ``optim_state`` (optimizer state by name), ``safe`` (loading without

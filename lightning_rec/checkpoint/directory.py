@@ -84,7 +84,7 @@ def _gather_checksums(local: dict[str, Any]) -> dict[str, Any]:
 
 
 def write(path: str | os.PathLike, tensors: Mapping[str, Any], meta: dict[str, Any]) -> Path:
-    """Write ``tensors`` (nested dicts of tensors / ShardedTensors) with DCP and ``meta`` with ``torch.save``.
+    """Write ``tensors`` (nested dicts of tensors / DTensors) with DCP and ``meta`` with ``torch.save``.
 
     Collective and all-or-nothing: the directory appears at ``path`` only when every rank wrote its part;
     a failure on any rank raises on every rank (:class:`CheckpointError`, :class:`DiskFullError`), removes
@@ -146,13 +146,13 @@ def _check_model(saved: Mapping[str, Any], path: Path, model_state: Mapping[str,
     have = {k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)}
     problems = []
     for key, value in model_state.items():
-        if not (torch.is_tensor(value) or _compat.is_sharded_tensor(value)):
+        if not (torch.is_tensor(value) or _compat.is_sharded(value)):
             continue
         if key not in have:
             if strict:
                 problems.append(f"{key!r} is missing from the checkpoint")
             continue
-        want = list(value.size()) if _compat.is_sharded_tensor(value) else list(value.shape)
+        want = list(value.size()) if _compat.is_sharded(value) else list(value.shape)
         got = list(getattr(have[key], "size", []))
         if got != want:
             problems.append(f"{key!r} has shape {got} in the checkpoint but {want} in the model")
@@ -189,7 +189,7 @@ def load(
         model_state = model.state_dict()
         _check_model(reader.read_metadata().state_dict_metadata, path, model_state, strict)
         targets: dict[str, Any] = {"state_dict": {k: v for k, v in model_state.items()
-                                                  if torch.is_tensor(v) or _compat.is_sharded_tensor(v)}}
+                                                  if torch.is_tensor(v) or _compat.is_sharded(v)}}
         optimizers = list(optimizers)
         saved_opts = meta.get("optimizer_layouts", [])
         if optimizers:

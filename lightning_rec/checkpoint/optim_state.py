@@ -82,7 +82,7 @@ def _param_names(model: nn.Module, optimizer: Any) -> dict[int, str]:
 
 
 def optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
-    """``{"tensors": {flat key: tensor or ShardedTensor}, "meta": {...}}`` for one (possibly combined) optimizer.
+    """``{"tensors": {flat key: tensor or DTensor}, "meta": {...}}`` for one (possibly combined) optimizer.
 
     Collective: every rank calls it (the meta is merged over ranks, since each rank holds other tables). An
     error on one rank is raised on every rank at that merge, so no rank is left waiting.

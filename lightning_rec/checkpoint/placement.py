@@ -1,4 +1,4 @@
-"""Where each sharded parameter sits in its table, and the chunking of ShardedTensors for writing."""
+"""Where each sharded parameter sits in its table, and the chunking of DTensors for writing."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_rec import _compat
+from lightning_rec.sharding.layout import ShardMeta
 from lightning_rec.sharding.sharded import sharded_collections
+from lightning_rec.sharding.state import table_dtensor
 
 # Pieces are written in row blocks of at most this size, so reading one back (DCP loads a stored piece whole
 # before copying it into place) costs at most this much memory beyond the model's own state.
@@ -19,63 +20,54 @@ CHUNK_BYTES = 32 << 20
 
 @dataclass
 class Placement:
-    """One sharded parameter: its table's global shape, every shard ``(offsets, sizes, global rank)``, ours."""
+    """One sharded parameter: its table's global shape, every shard (shard-group ranks), this rank's piece."""
 
     table: str
     global_shape: list[int]
-    shards: list[tuple[list[int], list[int], int]]
+    shards: list[ShardMeta]
     local_offsets: list[int]
     local_sizes: list[int]
     group: Any
     dtype: torch.dtype
 
     def sharded(self, local: torch.Tensor, dtype: torch.dtype | None = None) -> Any:
-        return _compat.make_sharded_tensor(
-            [(local, self.local_offsets)], self.shards, self.global_shape, dtype or local.dtype,
-            local.device.type, self.group,
-        )
+        """``local`` (this rank's piece of a tensor shaped like the table) as a DTensor laid out like the table."""
+        return table_dtensor([(local, self.local_offsets)], self.shards, self.global_shape, dtype or local.dtype,
+                             local.device, self.group)
 
     def column_offsets(self) -> list[int]:
         """The distinct column offsets of the table's shards: the column pieces of row-wise state."""
-        return sorted({off[1] for off, size, _ in self.shards if all(s > 0 for s in size)})
+        return sorted({s.col_offset for s in self.shards if s.rows > 0 and s.cols > 0})
 
     def rows_sharded(self, local: torch.Tensor, columns: int, column: int) -> Any:
-        """``local`` ([local rows, 1]) as column ``column`` of a [table rows, ``columns``] ShardedTensor."""
-        pieces = [([off[0], self.column_offsets().index(off[1])], [size[0], 1], r) for off, size, r in self.shards
-                  if all(s > 0 for s in size)]
-        return _compat.make_sharded_tensor([(local, [self.local_offsets[0], column])], pieces,
-                                           [self.global_shape[0], columns], local.dtype, local.device.type,
-                                           self.group)
+        """``local`` ([local rows, 1]) as column ``column`` of a [table rows, ``columns``] DTensor."""
+        cols = self.column_offsets()
+        pieces = [ShardMeta(s.row_offset, s.rows, cols.index(s.col_offset), 1, s.rank) for s in self.shards
+                  if s.rows > 0 and s.cols > 0]
+        return table_dtensor([(local, [self.local_offsets[0], column])], pieces, [self.global_shape[0], columns],
+                             local.dtype, local.device, self.group)
 
     def rows_target(self, buf: torch.Tensor) -> Any:
         """A load target for the rows ``[local_offsets[0], + len(buf))`` of a [table rows, k] tensor.
 
-        Only the local rows are read; the rest of the table is described as held by another rank of the group
-        (a load target's metadata must tile the tensor, and nothing is read for pieces held elsewhere).
+        Only the local rows are read: a DTensor's load target names this rank's pieces alone.
         """
-        rows, row0 = self.global_shape[0], self.local_offsets[0]
-        n, k = buf.shape
-        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else [dist.get_rank()]
-        others = [r for r in ranks if r != dist.get_rank()]
-        if n == rows or not others:
+        if buf.shape[0] == self.global_shape[0]:
             return None  # the caller reads the whole tensor instead
-        pieces = [([0, 0], [row0, k], others[0]), ([row0, 0], [n, k], dist.get_rank()),
-                  ([row0 + n, 0], [rows - row0 - n, k], others[0])]
-        return _compat.make_sharded_tensor([(buf, [row0, 0])], pieces, [rows, k], buf.dtype, buf.device.type,
-                                           self.group)
+        return _compat.make_dtensor([(buf, [self.local_offsets[0], 0])], [], [self.global_shape[0], buf.shape[1]],
+                                    buf.dtype, buf.device, self.group)
 
 
 def placements(model: nn.Module) -> dict[str, Placement]:
     """``{parameter name: placement}`` for the sharded tables this rank holds a piece of."""
     out: dict[str, Placement] = {}
     for path, m in sharded_collections(model):
-        tables, all_shards, ranks, dtypes = m.tables, m.shards, m.shard_group_ranks, m.table_dtypes
+        tables, all_shards, dtypes = m.tables, m.shards, m.table_dtypes
         for ti, s in m.local_shards:
             t = tables[ti]
-            shards = [([x.row_offset, x.col_offset], [x.rows, x.cols], ranks[x.rank]) for x in all_shards[t.name]]
             name = f"{path}.{m.table_attr}.{t.name}.weight" if path else f"{m.table_attr}.{t.name}.weight"
-            out[name] = Placement(t.name, [t.num_embeddings, t.embedding_dim], shards, [s.row_offset, s.col_offset],
-                                  [s.rows, s.cols], m.shard_group, dtypes[ti])
+            out[name] = Placement(t.name, [t.num_embeddings, t.embedding_dim], list(all_shards[t.name]),
+                                  [s.row_offset, s.col_offset], [s.rows, s.cols], m.shard_group, dtypes[ti])
     return out
 
 
@@ -89,38 +81,30 @@ def sharding_layout(model: nn.Module) -> dict[str, dict[str, Any]]:
     }
 
 
-def _row_blocks(offsets: list[int], sizes: list[int], row_bytes: int) -> list[tuple[int, int]]:
-    step = max(1, CHUNK_BYTES // max(row_bytes, 1))
-    return [(r, min(step, sizes[0] - r)) for r in range(0, sizes[0], step)]
-
-
 def chunked(value: Any) -> Any:
-    """A 2-D ShardedTensor re-described with every shard split into row blocks of at most ``CHUNK_BYTES``.
+    """A 2-D DTensor re-described with every local piece split into row blocks of at most ``CHUNK_BYTES``.
 
-    The local pieces are views (no copy); every rank splits every shard by the same rule, so the metadata agrees.
+    The new pieces are views (no copy). Each rank describes only its own pieces, so no rank needs to agree with
+    another on the split; replicas of a piece split it the same way (DCP writes one copy).
     """
-    if not _compat.is_sharded_tensor(value) or value.dim() != 2:
+    if not _compat.is_sharded(value) or value.dim() != 2:
         return value
-    md = value.metadata()
-    itemsize = md.tensor_properties.dtype.itemsize
-    if all(m.shard_sizes[0] * m.shard_sizes[1] * itemsize <= CHUNK_BYTES for m in md.shards_metadata):
+    pieces = _compat.local_pieces(value)
+    if all(t.numel() * t.element_size() <= CHUNK_BYTES for _, t in pieces):
         return value
-    pieces, local = [], []
-    mine = {tuple(sh.metadata.shard_offsets): sh.tensor for sh in value.local_shards()}
-    device = "cpu"
-    for m in md.shards_metadata:
-        (r, c), (nr, nc) = m.shard_offsets, m.shard_sizes
-        device = m.placement.device().type
-        for r0, n in _row_blocks([r, c], [nr, nc], nc * itemsize):
-            pieces.append(([r + r0, c], [n, nc], m.placement.rank()))
-            if (r, c) in mine:
-                local.append((mine[(r, c)][r0:r0 + n], [r + r0, c]))
-    return _compat.make_sharded_tensor(local, pieces, list(value.size()), md.tensor_properties.dtype, device,
-                                       value._process_group)
+    local = []
+    for (r, c), t in pieces:
+        step = max(1, CHUNK_BYTES // max(t.shape[1] * t.element_size(), 1))
+        local += [(t[r0:r0 + step], [r + r0, c]) for r0 in range(0, t.shape[0], step)]
+    record = _compat.shard_record(value)
+    if record is None:  # not one of ours: written as it is
+        return value
+    return _compat.make_dtensor(local, [], list(value.size()), record.dtype, pieces[0][1].device, None,
+                                mesh=value.device_mesh)
 
 
 def chunk_tree(tree: Any) -> Any:
-    """``chunked`` applied to every ShardedTensor of nested dicts."""
+    """``chunked`` applied to every DTensor of nested dicts."""
     if isinstance(tree, dict):
         return {k: chunk_tree(v) for k, v in tree.items()}
     return chunked(tree)

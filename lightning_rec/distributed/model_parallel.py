@@ -134,7 +134,7 @@ class DistributedModelParallel(nn.Module):
         data_parallel_wrapper: not supported (must be None).
         embedding_grad: ``"mean"`` (TorchRec's, default) or ``"sum"`` (see ``shard_modules``).
 
-    ``state_dict()`` has the unsharded model's keys (sharded tables as ShardedTensors). ``fused_optimizer`` is
+    ``state_dict()`` has the unsharded model's keys (sharded tables as DTensors). ``fused_optimizer`` is
     the :class:`~lightning_rec.optim.FusedOptimizer` of the fused tables (None without): step it once per step
     after backward (``TrainPipelineSparseDist`` does), the update itself happens in backward.
     """

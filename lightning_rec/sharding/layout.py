@@ -103,3 +103,28 @@ def block_shards(
         for r, rank in enumerate(ranks):
             shards.append(ShardMeta(row_offs[r], row_sizes[r], col_offs[c], cols, rank))
     return shards
+
+
+def dtensor_placement(shards: Sequence[ShardMeta], num_rows: int, dim: int, group_size: int) -> tuple[str, int] | None:
+    """How a table's tiling maps onto DTensor placements over a 1-D mesh of the shard group, if it does.
+
+    ``("owner", rank)``: one shard holds the whole table (table-wise): ``Replicate()`` on a mesh of that rank.
+    ``("shard", d)``: shard-group rank ``i`` holds ``torch.chunk``'s block ``i`` along dimension ``d`` (what
+    ``Shard(d)`` means; even row-wise and column-wise splits). None: anything else (custom sizes, ranks out of
+    order, blocks of one host, grids), described by local pieces with offsets.
+
+    >>> dtensor_placement([ShardMeta(0, 3, 0, 4, 0), ShardMeta(3, 2, 0, 4, 1)], 5, 4, 2)
+    ('shard', 0)
+    """
+    full = [s for s in shards if s.rows > 0 and s.cols > 0]
+    if len(full) == 1 and (full[0].rows, full[0].cols) == (num_rows, dim):
+        return ("owner", full[0].rank)
+    for d, total in ((0, num_rows), (1, dim)):
+        sizes = even_split(total, group_size)
+        offs = offsets_of(sizes)
+        want = {(offs[r], sizes[r], r) for r in range(group_size) if sizes[r] > 0}
+        got = {((s.row_offset, s.rows) if d == 0 else (s.col_offset, s.cols)) + (s.rank,) for s in full
+               if ((s.col_offset, s.cols) if d == 0 else (s.row_offset, s.rows)) == (0, dim if d == 0 else num_rows)}
+        if len(got) == len(full) and got == want and total > 0:
+            return ("shard", d)
+    return None

@@ -1,8 +1,8 @@
-"""State dicts of sharded collections: ShardedTensors under the unsharded keys, loading, full_state_dict.
+"""State dicts of sharded collections: DTensors under the unsharded keys, loading, full_state_dict.
 
-A sharded table's ``state_dict`` entry is a ShardedTensor over the whole table whose local shard shares
-storage with the live weight (so ``load_state_dict`` writes through); data-parallel tables stay plain
-tensors. Placements name the device with its index (``rank:1/cuda:1``), as torch requires.
+A sharded table's ``state_dict`` entry is a ``torch.distributed.tensor.DTensor`` over the whole table whose
+local piece shares storage with the live weight (so ``load_state_dict`` and DCP loads write through);
+data-parallel tables stay plain tensors. Placements per tiling: :func:`table_dtensor`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_rec import _compat
+from lightning_rec.sharding import layout
+from lightning_rec.sharding.layout import ShardMeta
 
 if TYPE_CHECKING:
     from lightning_rec.sharding.sharded import ShardedCollection
@@ -23,23 +25,31 @@ def table_key(module: ShardedCollection, name: str, prefix: str = "") -> str:
     return f"{prefix}{module.table_attr}.{name}.weight"
 
 
-def placements(module: ShardedCollection, local_device: torch.device) -> list[torch.device]:
-    """The device of every shard-group rank, as written into ShardedTensor metadata.
+def table_dtensor(
+    pieces: list[tuple[torch.Tensor | None, list[int]]],
+    shards: list[ShardMeta],
+    shape: list[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    group: Any,
+) -> Any:
+    """A DTensor over a table tiled by ``shards`` (shard-group ranks) from this rank's ``pieces`` (tensor, offsets).
 
-    This rank's is the device its shards live on now; a peer's is the one it reported at sharding time
-    when that has the same type (so a CUDA job names each rank's own GPU), else this rank's.
+    Placements follow :func:`layout.dtensor_placement`: ``Shard(0)`` / ``Shard(1)`` over the shard group where the
+    tiling is ``torch.chunk``'s, ``Replicate()`` on the owner's one-rank mesh for a whole table, local pieces
+    with offsets otherwise. The pieces share storage with the given tensors.
     """
-    me = dist.get_rank(module.shard_group)
-    out = []
-    for r, d in enumerate(module.peer_devices):
-        out.append(local_device if r == me or d.type != local_device.type else d)
-    return out
+    ranks = dist.get_process_group_ranks(group)
+    where = layout.dtensor_placement(shards, shape[0], shape[1], len(ranks))
+    if where is not None and where[0] == "owner":
+        where = ("owner", ranks[where[1]])
+    described = [([s.row_offset, s.col_offset], [s.rows, s.cols], ranks[s.rank]) for s in shards]
+    return _compat.make_dtensor(pieces, described, shape, dtype, device, group, where)
 
 
 def sharded_state_dict_hook(module: ShardedCollection, state_dict: dict, prefix: str, local_metadata: Any) -> dict:
-    """Replace each sharded table's local piece by a ShardedTensor over the whole table (same key as unsharded)."""
-    ranks, dtypes, local = module.shard_group_ranks, module.table_dtypes, module.local_shards
-    device = module.device
+    """Replace each sharded table's local piece by a DTensor over the whole table (same key as unsharded)."""
+    dtypes, local, device = module.table_dtypes, module.local_shards, module.device
     for i, t in enumerate(module.tables):
         shards = module.shards[t.name]
         if shards is None:
@@ -47,26 +57,18 @@ def sharded_state_dict_hook(module: ShardedCollection, state_dict: dict, prefix:
         key = table_key(module, t.name, prefix)
         piece = state_dict.pop(key, None)
         pieces = [(piece, [s.row_offset, s.col_offset]) for j, s in local if j == i and piece is not None]
-        here = device if piece is None else piece.device
-        devices = placements(module, here)
-        state_dict[key] = _compat.make_sharded_tensor(
-            pieces,
-            [([s.row_offset, s.col_offset], [s.rows, s.cols], ranks[s.rank], devices[s.rank]) for s in shards],
-            [t.num_embeddings, t.embedding_dim],
-            dtypes[i],
-            here,
-            module.shard_group,
-        )
+        state_dict[key] = table_dtensor(pieces, shards, [t.num_embeddings, t.embedding_dim], dtypes[i],
+                                        device if piece is None else piece.device, module.shard_group)
     return state_dict
 
 
 def load_hook(module: ShardedCollection, state_dict: dict, prefix: str) -> None:
-    """Cut this rank's pieces out of full tensors or matching ShardedTensors, in place in ``state_dict``."""
+    """Cut this rank's pieces out of full tensors or DTensors sharded the same way, in place in ``state_dict``."""
     for i, t in enumerate(module.tables):
         key = table_key(module, t.name, prefix)
         shards = module.shards[t.name]
         if shards is None or key not in state_dict:
-            if shards is None and key in state_dict and _compat.is_sharded_tensor(state_dict[key]):
+            if shards is None and key in state_dict and _compat.is_sharded(state_dict[key]):
                 raise ValueError(
                     f"table {t.name!r} is data-parallel here but the state_dict holds it sharded; "
                     "gather it first with lightning_rec.sharding.full_state_dict"
@@ -75,15 +77,14 @@ def load_hook(module: ShardedCollection, state_dict: dict, prefix: str) -> None:
         value = state_dict.pop(key)
         mine = [s for j, s in module.local_shards if j == i]
         shape = [t.num_embeddings, t.embedding_dim]
-        if _compat.is_sharded_tensor(value):
+        if _compat.is_sharded(value):
             if list(value.size()) != shape:
                 raise ValueError(f"table {t.name!r}: state_dict holds shape {list(value.size())}, the model {shape}")
             if not mine:
                 continue
             (s,) = mine
-            found = [sh.tensor for sh in value.local_shards()
-                     if list(sh.metadata.shard_offsets) == [s.row_offset, s.col_offset]
-                     and list(sh.metadata.shard_sizes) == [s.rows, s.cols]]
+            found = [t for off, t in _compat.local_pieces(value)
+                     if off == [s.row_offset, s.col_offset] and list(t.shape) == [s.rows, s.cols]]
             if not found:
                 if s.rows == 0:
                     continue
@@ -110,18 +111,19 @@ class _HasTables(Protocol):
     @property
     def table_attr(self) -> str: ...
     @property
-    def peer_devices(self) -> list[torch.device]: ...
+    def shard_group(self) -> Any: ...
     @property
     def device(self) -> torch.device: ...
 
 
-def _table_devices(model: nn.Module) -> dict[str, torch.device]:
+def _tables(model: nn.Module) -> dict[str, tuple[torch.device, Any]]:
+    """``{state_dict key: (device, shard group)}`` of every table of every sharded collection in ``model``."""
     out = {}
     for path, m in model.named_modules():
         if isinstance(m, _HasTables):
             prefix = f"{path}." if path else ""
             for t in m.tables:
-                out[f"{prefix}{m.table_attr}.{t.name}.weight"] = m.device
+                out[f"{prefix}{m.table_attr}.{t.name}.weight"] = (m.device, m.shard_group)
     return out
 
 
@@ -133,22 +135,22 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
     ``rank0_only`` the result is returned on rank 0 and ``{}`` elsewhere (less memory on the other ranks).
     """
     state = model.state_dict()
-    devices = _table_devices(model)
+    tables = _tables(model)
     out = {}
     for key, value in state.items():
-        if not _compat.is_sharded_tensor(value):
+        if not _compat.is_sharded(value):
             out[key] = value
             continue
-        group = value._process_group
-        dtype = value.metadata().tensor_properties.dtype
+        if key not in tables:
+            raise ValueError(f"state_dict entry {key!r} is a DTensor but no sharded collection of the model owns it")
+        device, group = tables[key]
+        dtype = _compat.sharded_dtype(value)
         # gloo has no bfloat16 arithmetic; fp32 holds every bf16 value exactly
         wire = torch.float32 if dtype == torch.bfloat16 else dtype
-        pieces = value.local_shards()
-        device = pieces[0].tensor.device if pieces else devices.get(key, torch.device("cpu"))
-        full = torch.zeros(list(value.size()), dtype=wire, device=device)
-        for sh in pieces:
-            (r, c), (nr, nc) = sh.metadata.shard_offsets, sh.metadata.shard_sizes
-            full[r : r + nr, c : c + nc] = sh.tensor.detach().to(wire)
+        pieces = _compat.local_pieces(value)
+        full = torch.zeros(list(value.size()), dtype=wire, device=pieces[0][1].device if pieces else device)
+        for (r, c), t in pieces:
+            full[r : r + t.shape[0], c : c + t.shape[1]] = t.detach().to(wire)
         if rank0_only:
             dist.reduce(full, dst=dist.get_process_group_ranks(group)[0], group=group)
         else:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, _compat
 from lightning_rec.sharding import (
     ShardingPlan,
     column_wise,
@@ -166,9 +166,9 @@ def _state_job(rank: int, ws: int, path: str, device: str = "cpu") -> dict:
     shared = []
     params = dict(sharded.named_parameters())
     for k, v in sd.items():
-        if hasattr(v, "local_shards"):
-            for sh in v.local_shards():
-                shared.append(sh.tensor.data_ptr() == params[k].data_ptr())
+        if _compat.is_sharded(v):
+            for _, t in _compat.local_pieces(v):
+                shared.append(t.data_ptr() == params[k].data_ptr())
     # write-through: load full tensors, then read them back gathered
     new = {k: torch.arange(math.prod(v.size()), dtype=torch.float32).view(list(v.size())) for k, v in sd.items()}
     sharded.load_state_dict(new)
