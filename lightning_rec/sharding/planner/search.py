@@ -17,9 +17,17 @@ import numpy as np
 from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
 from lightning_rec.fused_kinds import as_spec
 from lightning_rec.sharding.plan import ShardingPlan, data_parallel, resolve_table, table_wise
-from lightning_rec.sharding.planner.cost import GRADIENTS, MEMORY_PARTS, OPTIMIZER_STATE, CostModel, Load, TableStats
+from lightning_rec.sharding.planner.cost import (
+    GRADIENTS,
+    MEMORY_PARTS,
+    OPTIMIZER_STATE,
+    CostModel,
+    Load,
+    TableStats,
+)
 from lightning_rec.sharding.planner.inputs import PlacedCollection, plan_entries, table_stats
 from lightning_rec.sharding.planner.report import PlanReport, TableChoice, placement_label
+from lightning_rec.sharding.planner.terms import Terms, load_of, placement_terms, prepare, probe_memory, whole
 from lightning_rec.sharding.planner.topology import PlannerError, TableConstraint, Topology, human_bytes
 from lightning_rec.sharding.types import KINDS, ParameterSharding, placement_of
 
@@ -28,13 +36,12 @@ from lightning_rec.sharding.types import KINDS, ParameterSharding, placement_of
 class _Candidate:
     sharding: ParameterSharding
     offload: bool = False
-    load: Load | None = None
+    terms: Terms | None = None
+    load: Load | None = None  # the unit's per-part load, where it was computed anyway
     fits: bool = True
     short: str = ""  # why it does not fit
     key: tuple = ()
-    time: np.ndarray | None = None  # per rank, summed over TIME_PARTS
-    mem: np.ndarray | None = None  # per rank, summed over MEMORY_PARTS
-    host: np.ndarray | None = None  # host memory per host
+    new: np.ndarray | None = None  # per rank: the time placed so far plus this placement's
 
     @property
     def kind(self) -> ShardingType:
@@ -55,7 +62,7 @@ class _Space:
         """Memory ranks ``0..upto-1`` would hold under ``probe`` (the unit's tables together)."""
         total = np.zeros((len(MEMORY_PARTS), upto))
         for i in self._unit:
-            total += self._planner._model.probe_memory(self._stats[i], probe, upto)
+            total += probe_memory(self._planner._model, self._stats[i], probe, upto)
         return total.sum(0)
 
     @staticmethod
@@ -81,6 +88,20 @@ class _Space:
         need = self._need(probe, L)  # the probe's first host
         free = self._free.reshape(H, L)
         return self._lowest(self._tot.reshape(H, L).max(1), free.min(1), (free >= need).all(1), k)
+
+
+class _Probes:
+    """A ``CandidateSpace`` that puts every placement where its probe is: the shapes of a unit's candidates."""
+
+    def __init__(self, topo: Topology, widths: list[int]) -> None:
+        self.group_size, self.local_size, self.num_hosts = topo.model_parallel_size, topo.local_size, topo.num_hosts
+        self.column_shards = widths
+
+    def best_ranks(self, k: int, probe: ParameterSharding) -> list[int]:
+        return list(probe.ranks or [])
+
+    def best_hosts(self, k: int, probe: ParameterSharding) -> list[int]:
+        return list(probe.host_indexes or [])
 
 
 def _divisors(n: int) -> list[int]:
@@ -287,52 +308,92 @@ class Planner:
         key = tuple(unit)
         if key not in self._base:
             only_dp = self._allowed(stats, unit) == [ShardingType.DATA_PARALLEL]
-            self._base[key] = self._unit_load(stats, unit, data_parallel() if only_dp else table_wise(0), False)
+            ps = data_parallel() if only_dp else table_wise(0)
+            self._base[key] = (load_of(self._model, placement_terms(self._model, stats[unit[0]], ps)) if len(unit) == 1
+                               else self._unit_load(stats, unit, ps, False))
         return self._base[key]
+
+    def _widths(self, stats, unit) -> list[int]:
+        """Numbers of column shards the unit's widths allow."""
+        if OPTIMIZER_STATE[self.optimizer][1]:
+            return []  # per-row optimizer state over a column shard is not the full row's: never split columns
+        dims = [stats[i].dim for i in unit]
+        return [k for k in _divisors(math.gcd(*dims)) if k > 1 and min(dims) // k >= self.min_column_width]
+
+    def _prepare(self, stats, units) -> None:
+        """The per-shard values of every single table's placements (its candidates' shapes, on probe ranks and
+        hosts, and its table-wise base), computed together for all tables."""
+        topo = self.topology
+        items = []
+        for unit in units:
+            if len(unit) == 1:
+                allowed = self._allowed(stats, unit)
+                space = _Probes(topo, self._widths(stats, unit))
+                s = stats[unit[0]]
+                items += [(s, ps) for st in allowed for ps in KINDS[st].candidates(space)]
+                items.append((s, table_wise(0)))
+        prepare(self._model, items)
 
     def _candidates(self, stats, unit, allowed, tot, used, host_used) -> list[_Candidate]:
         topo = self.topology
         budget = np.inf if topo.device_memory is None else topo.device_memory
-        dims = [stats[i].dim for i in unit]
-        widths = [k for k in _divisors(math.gcd(*dims)) if k > 1 and min(dims) // k >= self.min_column_width]
-        if OPTIMIZER_STATE[self.optimizer][1]:
-            widths = []  # per-row optimizer state over a column shard is not the full row's: never split columns
-        space = _Space(self, stats, unit, widths, tot, budget - used)
+        space = _Space(self, stats, unit, self._widths(stats, unit), tot, budget - used)
         out = [ps for st in allowed for ps in KINDS[st].candidates(space)]
         cands = [_Candidate(ps) for ps in out]
-        single = len(unit) == 1
-        if topo.host_memory is not None and all(
-                self.constraints.get(stats[i].config.name, TableConstraint()).allow_host_memory for i in unit):
-            offloaded = []
-            for c in cands:
-                if c.kind != ShardingType.DATA_PARALLEL:
-                    host = _Candidate(replace(c.sharding, compute_kernel="fused_uvm"), True)
-                    if single:
-                        (c.time, c.mem, c.host), (host.time, host.mem, host.host) = self._model.summary(
-                            stats[unit[0]], c.sharding, both=True)
-                    else:
-                        c.load, host.load = self._unit_loads(stats, unit, c.sharding)
-                    offloaded.append(host)
-            cands += offloaded
-        host_budget = np.inf if topo.host_memory is None else topo.host_memory
+        offload = topo.host_memory is not None and all(
+            self.constraints.get(stats[i].config.name, TableConstraint()).allow_host_memory for i in unit)
+        offloaded = []
         for c in cands:
-            if c.time is None:
-                if single:
-                    c.time, c.mem, c.host = self._model.summary(stats[unit[0]], c.sharding)
-                else:
-                    if c.load is None:
-                        c.load = self._unit_load(stats, unit, c.sharding, c.offload)
-                    c.time, c.mem, c.host = c.load.time.sum(0), c.load.mem.sum(0), c.load.host
-            over = used + c.mem - budget
-            host_over = host_used + c.host - host_budget
-            c.fits = bool((over <= 0).all() and (host_over <= 0).all())
+            host = _Candidate(replace(c.sharding, compute_kernel="fused_uvm"), True)
+            both = offload and c.kind != ShardingType.DATA_PARALLEL
+            if len(unit) == 1:
+                terms = placement_terms(self._model, stats[unit[0]], c.sharding, both=both)
+                c.terms, host.terms = terms if both else (terms, None)
+            elif both:  # tables kept together: their summed per-part loads
+                c.load, host.load = self._unit_loads(stats, unit, c.sharding)
+                c.terms, host.terms = whole(c.load), whole(host.load)
+            else:
+                c.load = self._unit_load(stats, unit, c.sharding, False)
+                c.terms = whole(c.load)
+            if both:
+                offloaded.append(host)
+        return cands + offloaded
+
+    def _score(self, cands: list[_Candidate], tot: np.ndarray, used: np.ndarray, host_used: np.ndarray,
+               remaining: float, mode: str) -> None:
+        """Each candidate's fit and sort key, from the per-rank time and memory placed so far."""
+        topo = self.topology
+        budget = np.inf if topo.device_memory is None else topo.device_memory
+        host_budget = np.inf if topo.host_memory is None else topo.host_memory
+        # a rank without a shard of the candidate keeps its memory: only the shards' ranks can newly overflow
+        used_ok, used_max = bool((used <= budget).all()), used.max()
+        M = len(tot)
+        for n, c in enumerate(cands):
+            t = c.terms
+            c.new = new = t.time_after(tot, topo.local_size)
+            after = used[t.ranks] + t.mem
+            c.fits = used_ok and bool((after <= budget).all()) and bool((host_used + t.host <= host_budget).all())
             if not c.fits:
-                r = int(np.argmax(over)) if over.max() > 0 else None
-                c.short = (f"does not fit: rank {r} would need {human_bytes(used[r] + c.mem[r])} of "
-                           f"{human_bytes(budget)} ({human_bytes(over[r])} short)" if r is not None else
-                           f"does not fit: host {int(np.argmax(host_over))} short of host memory by "
-                           f"{human_bytes(host_over.max())}")
-        return cands
+                c.short = self._short(used + t.mem_on(M), host_used + t.host, budget, host_budget)
+            # the slowest rank can end no lower than the mean work once every table is placed: judging by that
+            # bound keeps the greedy from spreading early tables thin at the cost of total work
+            total_work = new.sum()
+            projected = max(new.max(), (total_work + max(remaining, 0.0)) / len(new))
+            if mode == "time":
+                c.key = (projected, total_work, n)
+            else:
+                peak = max(used_max, after.max())  # (used + memory).max(): the memory is 0 off the shards
+                c.key = (peak / (budget if np.isfinite(budget) else 1.0), projected, n)
+
+    @staticmethod
+    def _short(mem: np.ndarray, host: np.ndarray, budget: float, host_budget: float) -> str:
+        over, host_over = mem - budget, host - host_budget
+        if over.max() > 0:
+            r = int(np.argmax(over))
+            return (f"does not fit: rank {r} would need {human_bytes(mem[r])} of {human_bytes(budget)} "
+                    f"({human_bytes(over[r])} short)")
+        return (f"does not fit: host {int(np.argmax(host_over))} short of host memory by "
+                f"{human_bytes(host_over.max())}")
 
     def _plan(self, stats: list[TableStats]) -> PlanReport:
         self._check_names(stats)
@@ -356,6 +417,7 @@ class Planner:
                     choices[i] = self._choice(stats[i], c.placement, load, False, fixed=True)
             elif unit:
                 units.append(unit)
+        self._prepare(stats, units)
         self._check_total(stats, units, total)
         if topo.replicas > 1 and any(s.grads == "fused" for s in stats):
             notes.append("fused tables under replica groups look up the union of the replicas' batches; the "
@@ -386,8 +448,6 @@ class Planner:
         return [units[i] for i in order], [float(work_a[i]) for i in order]
 
     def _greedy(self, stats, units, total: Load, choices: list, mode: str) -> str | None:
-        topo = self.topology
-        budget = np.inf if topo.device_memory is None else topo.device_memory
         ordered, work = self._order(stats, units)
         remaining = float(sum(work))
         for unit, own_work in zip(ordered, work):
@@ -395,15 +455,7 @@ class Planner:
             allowed = self._allowed(stats, unit)
             tot, used = total.time.sum(0), total.mem.sum(0)
             cands = self._candidates(stats, unit, allowed, tot, used, total.host)
-            for n, c in enumerate(cands):
-                new = tot + c.time
-                # the slowest rank can end no lower than the mean work once every table is placed: judging by that
-                # bound keeps the greedy from spreading early tables thin at the cost of total work
-                projected = max(new.max(), (new.sum() + max(remaining, 0.0)) / len(new))
-                if mode == "time":
-                    c.key = (projected, new.sum(), n)
-                else:
-                    c.key = ((used + c.mem).max() / (budget if np.isfinite(budget) else 1.0), projected, n)
+            self._score(cands, tot, used, total.host, remaining, mode)
             if not cands:
                 raise PlannerError(self._no_candidate(stats, unit, allowed))
             fitting = sorted((c for c in cands if c.fits), key=lambda c: c.key)
@@ -411,7 +463,7 @@ class Planner:
                 return self._no_fit(stats, unit, cands, total, sum(x is not None for x in choices))
             best = fitting[0]
             if best.load is None:  # the candidates of one table carry only sums over the parts
-                best.load = self._unit_load(stats, unit, best.sharding, best.offload)
+                best.load = load_of(self._model, best.terms)
             total += best.load
             # the runner-up is the best other sharding type; another placement of the same type only if none
             others = sorted((c for c in cands if c is not best), key=lambda c: (c.kind == best.kind, not c.fits, c.key))
@@ -422,15 +474,15 @@ class Planner:
                 if others:
                     ru = others[0]
                     ch.runner_up = placement_label(ru.sharding) + (" [host mem]" if ru.offload else "")
-                    ch.rejected_because = ru.short if not ru.fits else self._why(best, ru, tot)
+                    ch.rejected_because = ru.short if not ru.fits else self._why(best, ru)
                 else:
                     ch.rejected_because = "the only allowed placement"
                 choices[i] = ch
         return None
 
     @staticmethod
-    def _why(best: _Candidate, other: _Candidate, tot: np.ndarray) -> str:
-        b, o = tot + best.time, tot + other.time
+    def _why(best: _Candidate, other: _Candidate) -> str:
+        b, o = best.new, other.new
         if o.max() > b.max():
             return f"slowest rank {1e3 * o.max():.3f} ms instead of {1e3 * b.max():.3f} ms"
         if o.sum() > b.sum():
@@ -477,9 +529,10 @@ class Planner:
                 + ". Allow another sharding type for it")
 
     def _no_fit(self, stats, unit, cands, total: Load, placed: int) -> str:
-        best = min(cands, key=lambda c: (c.mem + total.mem.sum(0)).max())
+        used, M = total.mem.sum(0), self.topology.model_parallel_size
+        best = min(cands, key=lambda c: (c.terms.mem_on(M) + used).max())
         names = [stats[i].label for i in unit]
-        need = (best.mem + total.mem.sum(0)).max()
+        need = (best.terms.mem_on(M) + used).max()
         missing = need - self.topology.device_memory  # type: ignore[operator]
         return (
             f"no placement of table{'s' if len(unit) > 1 else ''} {names} fits in device memory after {placed} other "
