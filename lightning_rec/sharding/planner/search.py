@@ -27,7 +27,15 @@ from lightning_rec.sharding.planner.cost import (
 )
 from lightning_rec.sharding.planner.inputs import PlacedCollection, plan_entries, table_stats
 from lightning_rec.sharding.planner.report import PlanReport, TableChoice, placement_label
-from lightning_rec.sharding.planner.terms import Terms, load_of, placement_terms, prepare, probe_memory, whole
+from lightning_rec.sharding.planner.terms import (
+    Terms,
+    load_of,
+    placement_terms,
+    prepare,
+    probe_memory,
+    probe_need,
+    whole,
+)
 from lightning_rec.sharding.planner.topology import PlannerError, TableConstraint, Topology, human_bytes
 from lightning_rec.sharding.types import KINDS, ParameterSharding, placement_of
 
@@ -60,6 +68,8 @@ class _Space:
 
     def _need(self, probe: ParameterSharding, upto: int) -> np.ndarray:
         """Memory ranks ``0..upto-1`` would hold under ``probe`` (the unit's tables together)."""
+        if len(self._unit) == 1:
+            return probe_need(self._planner._model, self._stats[self._unit[0]], probe, upto)
         total = np.zeros((len(MEMORY_PARTS), upto))
         for i in self._unit:
             total += probe_memory(self._planner._model, self._stats[i], probe, upto)
@@ -88,6 +98,10 @@ class _Space:
         need = self._need(probe, L)  # the probe's first host
         free = self._free.reshape(H, L)
         return self._lowest(self._tot.reshape(H, L).max(1), free.min(1), (free >= need).all(1), k)
+
+
+def _in_host_memory(ps: ParameterSharding) -> ParameterSharding:
+    return replace(ps, compute_kernel="fused_uvm")
 
 
 class _Probes:
@@ -163,7 +177,8 @@ class Planner:
         self.min_column_width = min_column_width
         self._model = CostModel(self.topology, batch_size)
         self._last: PlanReport | None = None
-        self._base: dict[tuple[int, ...], Load] = {}
+        self._base: dict[tuple[int, ...], tuple[float, float]] = {}
+        self._scratch: Load | None = None
 
     # -- inputs --------------------------------------------------------------------------------------------
     def _entries(self, model_or_tables) -> list[tuple[str, BaseEmbeddingConfig, str, object]]:
@@ -303,14 +318,18 @@ class Planner:
             host += h
         return device, host
 
-    def _base_load(self, stats, unit) -> Load:
-        """The unit's table-wise load (data-parallel where that is all it may be): its size for ordering."""
+    def _base_size(self, stats, unit) -> tuple[float, float]:
+        """The memory and work summed over every rank and part of the unit's table-wise load (data-parallel where
+        that is all it may be): its size for ordering."""
         key = tuple(unit)
         if key not in self._base:
             only_dp = self._allowed(stats, unit) == [ShardingType.DATA_PARALLEL]
             ps = data_parallel() if only_dp else table_wise(0)
-            self._base[key] = (load_of(self._model, placement_terms(self._model, stats[unit[0]], ps)) if len(unit) == 1
-                               else self._unit_load(stats, unit, ps, False))
+            if len(unit) == 1:
+                load = load_of(self._model, placement_terms(self._model, stats[unit[0]], ps), self._scratch)
+            else:
+                load = self._unit_load(stats, unit, ps, False)
+            self._base[key] = (load.mem.sum(), load.time.sum())
         return self._base[key]
 
     def _widths(self, stats, unit) -> list[int]:
@@ -334,51 +353,77 @@ class Planner:
                 items.append((s, table_wise(0)))
         prepare(self._model, items)
 
-    def _candidates(self, stats, unit, allowed, tot, used, host_used) -> list[_Candidate]:
+    def _candidates(self, stats, unit, allowed, tot, used) -> list[tuple[_Candidate, _Candidate | None]]:
+        """The unit's placements in device memory, each with its twin in host memory (None: not allowed); the
+        terms of a single table's twins are left for :meth:`_twins` to compute where they can matter."""
         topo = self.topology
         budget = np.inf if topo.device_memory is None else topo.device_memory
         space = _Space(self, stats, unit, self._widths(stats, unit), tot, budget - used)
-        out = [ps for st in allowed for ps in KINDS[st].candidates(space)]
-        cands = [_Candidate(ps) for ps in out]
         offload = topo.host_memory is not None and all(
             self.constraints.get(stats[i].config.name, TableConstraint()).allow_host_memory for i in unit)
-        offloaded = []
-        for c in cands:
-            host = _Candidate(replace(c.sharding, compute_kernel="fused_uvm"), True)
+        out = []
+        for ps in (ps for st in allowed for ps in KINDS[st].candidates(space)):
+            c = _Candidate(ps)
             both = offload and c.kind != ShardingType.DATA_PARALLEL
+            host = _Candidate(None, True) if both else None  # type: ignore[arg-type] - its placement once needed
             if len(unit) == 1:
-                terms = placement_terms(self._model, stats[unit[0]], c.sharding, both=both)
-                c.terms, host.terms = terms if both else (terms, None)
+                c.terms = placement_terms(self._model, stats[unit[0]], ps)
             elif both:  # tables kept together: their summed per-part loads
-                c.load, host.load = self._unit_loads(stats, unit, c.sharding)
-                c.terms, host.terms = whole(c.load), whole(host.load)
+                host.sharding = _in_host_memory(ps)  # type: ignore[union-attr]
+                c.load, host.load = self._unit_loads(stats, unit, ps)  # type: ignore[union-attr]
+                c.terms, host.terms = whole(c.load), whole(host.load)  # type: ignore[union-attr]
             else:
-                c.load = self._unit_load(stats, unit, c.sharding, False)
+                c.load = self._unit_load(stats, unit, ps, False)
                 c.terms = whole(c.load)
-            if both:
-                offloaded.append(host)
-        return cands + offloaded
+            out.append((c, host))
+        return out
 
-    def _score(self, cands: list[_Candidate], tot: np.ndarray, used: np.ndarray, host_used: np.ndarray,
-               remaining: float, mode: str) -> None:
-        """Each candidate's fit and sort key, from the per-rank time and memory placed so far."""
+    def _twins(self, stats, unit, pairs, mode: str) -> list[tuple[int, _Candidate]]:
+        """The host-memory twins that can be chosen or be the runner-up, with their index among all candidates.
+
+        Looking up in host memory is never faster (``host_lookup_bandwidth <= lookup_bandwidth``): a twin's
+        per-rank time is then at least its device placement's, element for element, so placing by time it
+        can only win, or be the runner-up, where that placement does not fit, or where no other sharding type
+        competes. Elsewhere its terms are skipped: the choices and runner-ups are those of scoring it.
+        """
+        hw = self.topology.hardware
+        every = (mode != "time" or hw.host_lookup_bandwidth > hw.lookup_bandwidth  # type: ignore[union-attr]
+                 or len({c.kind for c, _ in pairs}) < 2)
+        out = []
+        for c, host in pairs:
+            if host is None:
+                continue
+            if host.terms is None and (every or not c.fits):
+                host.terms = placement_terms(self._model, stats[unit[0]], c.sharding, host_only=True)
+                host.sharding = _in_host_memory(c.sharding)
+            if host.terms is not None:
+                out.append((len(pairs) + len(out), host))  # the index it has among all candidates
+            else:
+                out.append((len(pairs) + len(out), None))
+        return [(n, h) for n, h in out if h is not None]
+
+    def _score(self, cands: list[tuple[int, _Candidate]], tot: np.ndarray, used: np.ndarray,
+               host_used: np.ndarray, remaining: float, mode: str) -> None:
+        """Each candidate's fit and sort key (ties: its index), from the per-rank time and memory placed so far."""
         topo = self.topology
         budget = np.inf if topo.device_memory is None else topo.device_memory
         host_budget = np.inf if topo.host_memory is None else topo.host_memory
         # a rank without a shard of the candidate keeps its memory: only the shards' ranks can newly overflow
         used_ok, used_max = bool((used <= budget).all()), used.max()
+        host_ok = bool((host_used <= host_budget).all())
         M = len(tot)
-        for n, c in enumerate(cands):
+        for n, c in cands:
             t = c.terms
             c.new = new = t.time_after(tot, topo.local_size)
             after = used[t.ranks] + t.mem
-            c.fits = used_ok and bool((after <= budget).all()) and bool((host_used + t.host <= host_budget).all())
+            host_fits = host_ok if t.host is None else bool((host_used + t.host <= host_budget).all())
+            c.fits = used_ok and bool((after <= budget).all()) and host_fits
             if not c.fits:
-                c.short = self._short(used + t.mem_on(M), host_used + t.host, budget, host_budget)
+                c.short = self._short(used + t.mem_on(M), host_used + t.host_on(len(host_used)), budget, host_budget)
             # the slowest rank can end no lower than the mean work once every table is placed: judging by that
             # bound keeps the greedy from spreading early tables thin at the cost of total work
             total_work = new.sum()
-            projected = max(new.max(), (total_work + max(remaining, 0.0)) / len(new))
+            projected = max(new.max(), (total_work + max(remaining, 0.0)) / M)
             if mode == "time":
                 c.key = (projected, total_work, n)
             else:
@@ -397,7 +442,8 @@ class Planner:
 
     def _plan(self, stats: list[TableStats]) -> PlanReport:
         self._check_names(stats)
-        self._base: dict[tuple[int, ...], Load] = {}
+        self._base: dict[tuple[int, ...], tuple[float, float]] = {}
+        self._scratch = self._model.empty()  # per-part arrays filled and read within one step, not kept
         topo, model = self.topology, self._model
         total = model.empty()
         choices: list[TableChoice | None] = [None] * len(stats)
@@ -439,9 +485,9 @@ class Planner:
         """Units largest first (memory and work shares), and each one's least total work (its table-wise cost)."""
         mem, work = [], []
         for unit in units:
-            load = self._base_load(stats, unit)
-            mem.append(load.mem.sum())
-            work.append(load.time.sum())
+            m, w = self._base_size(stats, unit)
+            mem.append(m)
+            work.append(w)
         mem_a, work_a = np.array(mem), np.array(work)
         size = mem_a / max(mem_a.sum(), 1e-30) + work_a / max(work_a.sum(), 1e-30)
         order = np.lexsort((np.arange(len(units)), -size))
@@ -454,8 +500,11 @@ class Planner:
             remaining -= own_work
             allowed = self._allowed(stats, unit)
             tot, used = total.time.sum(0), total.mem.sum(0)
-            cands = self._candidates(stats, unit, allowed, tot, used, total.host)
-            self._score(cands, tot, used, total.host, remaining, mode)
+            pairs = self._candidates(stats, unit, allowed, tot, used)
+            self._score(list(enumerate(c for c, _ in pairs)), tot, used, total.host, remaining, mode)
+            twins = self._twins(stats, unit, pairs, mode)
+            self._score(twins, tot, used, total.host, remaining, mode)
+            cands = [c for c, _ in pairs] + [h for _, h in twins]
             if not cands:
                 raise PlannerError(self._no_candidate(stats, unit, allowed))
             fitting = sorted((c for c in cands if c.fits), key=lambda c: c.key)
@@ -463,7 +512,7 @@ class Planner:
                 return self._no_fit(stats, unit, cands, total, sum(x is not None for x in choices))
             best = fitting[0]
             if best.load is None:  # the candidates of one table carry only sums over the parts
-                best.load = load_of(self._model, best.terms)
+                best.load = load_of(self._model, best.terms, self._scratch)
             total += best.load
             # the runner-up is the best other sharding type; another placement of the same type only if none
             others = sorted((c for c in cands if c is not best), key=lambda c: (c.kind == best.kind, not c.fits, c.key))
@@ -497,7 +546,7 @@ class Planner:
         capacity = M * topo.device_memory + (0 if topo.host_memory is None else topo.num_hosts * topo.host_memory)
         needs = []
         for unit in units:
-            needs.append((float(self._base_load(stats, unit).mem.sum()), unit))
+            needs.append((float(self._base_size(stats, unit)[0]), unit))
         need = sum(n for n, _ in needs) + float(fixed.mem.sum())
         if need > capacity:
             big = sorted(needs, key=lambda x: -x[0])[:5]

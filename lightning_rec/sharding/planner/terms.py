@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_rec.sharding.layout import Tiling
-from lightning_rec.sharding.planner.cost import MEMORY_PARTS, TIME_PARTS, CostModel, Load, TableStats
+from lightning_rec.sharding.planner.cost import MEMORY_PARTS, CostModel, Load, TableStats
 from lightning_rec.sharding.types import KINDS, ParameterSharding
 
 _CACHED_SHARDS = 64  # shapes with at most this many shards are kept per table (probe, candidate and base reuse)
@@ -33,7 +33,7 @@ class Terms:
     time: np.ndarray  # per shard: seconds, summed over TIME_PARTS
     idle: np.ndarray | None  # per host: seconds of a rank without a shard; None: every rank has one
     mem: np.ndarray  # per shard: device bytes, summed over MEMORY_PARTS (0 on ranks without a shard)
-    host: np.ndarray  # per host: host-memory bytes
+    host: np.ndarray | None  # per host: host-memory bytes (None: none)
     parts: object  # what load_of rebuilds the per-part load from (a Load, or the placement's pieces)
 
     def time_after(self, tot: np.ndarray, local_size: int) -> np.ndarray:
@@ -41,6 +41,10 @@ class Terms:
         new = np.empty_like(tot) if self.idle is None else tot + self.idle.repeat(local_size)
         new[self.ranks] = tot[self.ranks] + self.time
         return new
+
+    def host_on(self, H: int) -> np.ndarray:
+        """Host memory per host, every host."""
+        return np.zeros(H) if self.host is None else self.host
 
     def mem_on(self, M: int) -> np.ndarray:
         """Device memory per rank, every rank."""
@@ -186,6 +190,11 @@ def prepare(model: CostModel, items: list[tuple[TableStats, ParameterSharding]])
             s.shapes.setdefault(_key(tiling), _make(model, s, tiling, None, tuple(x[part] for x in values)))
 
 
+def _plus(x: np.ndarray, y: np.ndarray | float) -> np.ndarray:
+    """``x + y``, skipped where ``y`` is the float 0 (the same numbers: no part here is -0)."""
+    return x if isinstance(y, float) and y == 0.0 else x + y
+
+
 def _index(ranks: np.ndarray) -> slice | np.ndarray:
     """Consecutive increasing ranks as a slice (cheaper to gather and scatter), else the ranks."""
     n = len(ranks)
@@ -195,10 +204,10 @@ def _index(ranks: np.ndarray) -> slice | np.ndarray:
     return ranks
 
 
-def placement_terms(model: CostModel, s: TableStats, ps: ParameterSharding,
-                    both: bool = False) -> Terms | tuple[Terms, Terms]:
-    """A valid placement of one table as :class:`Terms`; ``both``: the pair (in device memory, in host memory).
-    Its sums, and :func:`load_of`, equal :meth:`CostModel.of_placement`'s bit for bit."""
+def placement_terms(model: CostModel, s: TableStats, ps: ParameterSharding, both: bool = False,
+                    host_only: bool = False) -> Terms | tuple[Terms, Terms]:
+    """A valid placement of one table as :class:`Terms`, the table in device memory; ``host_only``: in host memory;
+    ``both``: the pair. Its sums, and :func:`load_of`, equal :meth:`CostModel.of_placement`'s bit for bit."""
     tiling = KINDS[ps.sharding_type].layout(s.config, ps, model.M, model.local)  # type: ignore[index]
     if tiling is None:
         t = whole(model.replicated(s))
@@ -206,25 +215,30 @@ def placement_terms(model: CostModel, s: TableStats, ps: ParameterSharding,
     hw, H, L = model.hw, model.H, model.local
     sh = _shape(model, s, tiling)
     ranks = tiling.rank
-    hosts = ranks // L
     where = _index(ranks)
-    if isinstance(where, slice) and where.start % L == 0 and where.stop % L == 0:
-        on_shards = lambda x: x[where.start // L: where.stop // L].repeat(L)  # noqa: E731 - whole hosts: x[hosts]
-    else:
-        on_shards = lambda x: x[hosts]  # noqa: E731 - per-host values on the shards' ranks
+    hosts = model.host_of[where] if isinstance(where, slice) else ranks // L
     c = 1 / hw.inter_host_bandwidth - 1 / hw.intra_host_bandwidth
     base_a = sh.a_sum / hw.inter_host_bandwidth - np.bincount(hosts, sh.a, minlength=H) * c
     base_o = sh.o_sum / hw.inter_host_bandwidth - np.bincount(hosts, sh.o, minlength=H) * c
-    t2 = (sh.full(sh.a_k) + np.maximum(on_shards(base_a) - sh.full(sh.a_i), 0.0)) / 2
-    t3 = sh.full(sh.o_k) + np.maximum(on_shards(base_o) - sh.full(sh.o_i), 0.0)
+    # per-shard values depend on the shard's run and host only: computed once per (run, host) segment of
+    # consecutive ranks where there are few, then repeated over the segment's ranks
+    if sh.runs is not None and isinstance(where, slice):
+        run, host_of, seg = _segments(sh.runs, where.start, L)
+        per_run = lambda x: x if isinstance(x, float) else x[run]  # noqa: E731 - per run -> per segment
+        expand = lambda x: x.repeat(seg)  # noqa: E731 - per segment -> per shard
+    else:
+        host_of = hosts
+        per_run, expand = sh.full, lambda x: x
+    t2 = (per_run(sh.a_k) + np.maximum(base_a[host_of] - per_run(sh.a_i), 0.0)) / 2
+    t3 = per_run(sh.o_k) + np.maximum(base_o[host_of] - per_run(sh.o_i), 0.0)
     # ranks without a shard: the senders' all-to-all terms and bucketizing only (their own share is 0)
     idle2, idle3 = (0.0 + np.maximum(base_a, 0.0)) / 2, 0.0 + np.maximum(base_o, 0.0)
-    idle = ((((((0.0 + 0.0) + idle2) + idle3) + sh.t4) + 0.0) + 0.0) if len(ranks) < model.M else None
-    t6 = sh.full(sh.t6)
+    idle = _plus(idle2 + idle3, sh.t4) if len(ranks) < model.M else None  # the parts in order, 0 for the rest
+    t6 = per_run(sh.t6)
     out = []
-    for host in ((False, True) if both else (False,)):
-        time = ((((sh.full(sh.t01[host]) + t2) + t3) + sh.t4) + 0.0) + t6
-        parts = (sh, host, t2, t3, idle2, idle3)
+    for host in ((False, True) if both else (True,) if host_only else (False,)):
+        time = expand(_plus(_plus((per_run(sh.t01[host]) + t2) + t3, sh.t4), t6))
+        parts = (sh, host, (t2, expand), (t3, expand), idle2, idle3)
         mem = sh.full(sh.mem[host])
         if host:
             h, kept = hosts, sh.full(sh.kept)
@@ -233,30 +247,50 @@ def placement_terms(model: CostModel, s: TableStats, ps: ParameterSharding,
                 h, kept = hosts[order], kept[order]
             out.append(Terms(where, time, idle, mem, np.bincount(h, kept, minlength=H), parts))
         else:
-            out.append(Terms(where, time, idle, mem, np.zeros(H), parts))
+            out.append(Terms(where, time, idle, mem, None, parts))
     return (out[0], out[1]) if both else out[0]
 
 
-def load_of(model: CostModel, terms: Terms) -> Load:
-    """The per-part :class:`Load` of ``terms``: the same arrays as :meth:`CostModel.of_placement`."""
+def _segments(runs: np.ndarray, first: int, local: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Shards on consecutive ranks from ``first``, in runs of ``runs``: the maximal stretches of one run on one
+    host, as (run, host, length) per stretch."""
+    run_starts = np.concatenate(([0], np.cumsum(runs)[:-1]))
+    n = int(run_starts[-1] + runs[-1])
+    begins = np.zeros(n, dtype=bool)
+    begins[run_starts] = True
+    begins[(-first) % local::local] = True  # the first shard on each host
+    starts = np.flatnonzero(begins)
+    return (np.searchsorted(run_starts, starts, side="right") - 1, (first + starts) // local,
+            np.diff(np.append(starts, n)))
+
+
+def load_of(model: CostModel, terms: Terms, out: Load | None = None) -> Load:
+    """The per-part :class:`Load` of ``terms``: the same arrays as :meth:`CostModel.of_placement`; written into
+    ``out`` when given (a scratch load: fresh arrays this size cost more to fault in than to fill)."""
     if isinstance(terms.parts, Load):
         return terms.parts
     sh, host, t2, t3, idle2, idle3 = terms.parts
-    M, where = model.M, terms.ranks
-    time = np.zeros((len(TIME_PARTS), M))
+    where = terms.ranks
+    if out is None:
+        out = model.empty()
+    else:
+        out.time.fill(0.0)
+        out.mem.fill(0.0)
+    time, mem = out.time, out.mem
     time[0, where], time[1, where] = sh.full(sh.t0[host]), sh.full(sh.t1)
     if terms.idle is not None:
         time[2], time[3] = idle2.repeat(model.local), idle3.repeat(model.local)  # per host -> per rank
-    time[2, where], time[3, where] = t2, t3
+    time[2, where], time[3, where] = t2[1](t2[0]), t3[1](t3[0])
     time[4] = sh.t4
     time[6, where] = sh.full(sh.t6)
-    mem = np.zeros((len(MEMORY_PARTS), M))
     if host:
         mem[3, where] = sh.full(sh.per_shard[3])
-        return Load(time, mem, terms.host.copy())
+        out.host[:] = terms.host_on(model.H)
+        return out
     for i, part in enumerate(sh.per_shard):
         mem[i, where] = sh.full(part)
-    return Load(time, mem, np.zeros(model.H))
+    out.host.fill(0.0)
+    return out
 
 
 def probe_memory(model: CostModel, s: TableStats, ps: ParameterSharding, upto: int) -> np.ndarray:
@@ -271,4 +305,16 @@ def probe_memory(model: CostModel, s: TableStats, ps: ParameterSharding, upto: i
     where = tiling.rank[mine]
     for i, part in enumerate(sh.per_shard):
         out[i, where] = sh.full(part)[mine]
+    return out
+
+
+def probe_need(model: CostModel, s: TableStats, ps: ParameterSharding, upto: int) -> np.ndarray:
+    """``probe_memory(...).sum(0)``: device memory of ranks ``0..upto-1`` summed over MEMORY_PARTS."""
+    tiling = KINDS[ps.sharding_type].layout(s.config, ps, model.M, model.local)  # type: ignore[index]
+    if tiling is None:
+        return probe_memory(model, s, ps, upto).sum(0)
+    sh = _shape(model, s, tiling)
+    mine = tiling.rank < upto
+    out = np.zeros(upto)
+    out[tiling.rank[mine]] = sh.full(sh.mem[0])[mine]  # 0 + each part, added in order: the parts' sum
     return out
