@@ -178,6 +178,7 @@ class Planner:
         self._model = CostModel(self.topology, batch_size)
         self._last: PlanReport | None = None
         self._base: dict[tuple[int, ...], tuple[float, float]] = {}
+        self._kinds: dict[tuple[int, ...], list[ShardingType]] = {}
         self._scratch: Load | None = None
 
     # -- inputs --------------------------------------------------------------------------------------------
@@ -282,6 +283,12 @@ class Planner:
         return units
 
     def _allowed(self, stats: list[TableStats], unit: list[int]) -> list[ShardingType]:
+        key = tuple(unit)
+        if key not in self._kinds:
+            self._kinds[key] = self._allowed_kinds(stats, unit)
+        return self._kinds[key]
+
+    def _allowed_kinds(self, stats: list[TableStats], unit: list[int]) -> list[ShardingType]:
         allowed = list(ShardingType)
         for i in unit:
             c = self.constraints.get(stats[i].config.name)
@@ -443,6 +450,7 @@ class Planner:
     def _plan(self, stats: list[TableStats]) -> PlanReport:
         self._check_names(stats)
         self._base: dict[tuple[int, ...], tuple[float, float]] = {}
+        self._kinds: dict[tuple[int, ...], list[ShardingType]] = {}  # the sharding types each unit may use
         self._scratch = self._model.empty()  # per-part arrays filled and read within one step, not kept
         topo, model = self.topology, self._model
         total = model.empty()

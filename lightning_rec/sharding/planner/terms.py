@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lightning_rec.configs import ShardingType
 from lightning_rec.sharding.layout import Tiling
 from lightning_rec.sharding.planner.cost import MEMORY_PARTS, CostModel, Load, TableStats
 from lightning_rec.sharding.types import KINDS, ParameterSharding
@@ -153,6 +154,18 @@ def _make(model: CostModel, s: TableStats, tiling: Tiling, runs, v: tuple) -> _S
                   (v[12], v[13], v[14], v[15]), (v[16], v[17]), v[18])
 
 
+def _layout(model: CostModel, s: TableStats, ps: ParameterSharding) -> Tiling | None:
+    """The kind's tiling of a placement; small ones are kept per table (probes and bases recur)."""
+    key = ("layout", ps.sharding_type, *(None if x is None else tuple(x) for x in (ps.ranks, ps.row_sizes, ps.col_sizes,
+                                                                                 ps.host_indexes)), ps.num_buckets)
+    tiling = s.shapes.get(key, False)
+    if tiling is False:
+        tiling = KINDS[ps.sharding_type].layout(s.config, ps, model.M, model.local)  # type: ignore[index]
+        if tiling is None or len(tiling.rank) <= _CACHED_SHARDS:
+            s.shapes[key] = tiling
+    return tiling
+
+
 def _key(tiling: Tiling) -> tuple:
     return tiling.row_sizes.tobytes(), tiling.col_sizes.tobytes()
 
@@ -171,13 +184,16 @@ def _shape(model: CostModel, s: TableStats, tiling: Tiling) -> _Shape:
 def prepare(model: CostModel, items: list[tuple[TableStats, ParameterSharding]]) -> None:
     """Compute the shapes of the small placements of many tables at once (numpy over all their shards rather
     than a few operations per table), into each table's cache; :func:`placement_terms` then finds them."""
-    groups: dict[tuple, list] = {}
+    groups: dict[tuple, dict] = {}
     for s, ps in items:
-        tiling = KINDS[ps.sharding_type].layout(s.config, ps, model.M, model.local)  # type: ignore[index]
+        if ps.sharding_type == ShardingType.ROW_WISE and model.M > _CACHED_SHARDS:
+            continue  # a shard on every rank: too many to keep
+        tiling = _layout(model, s, ps)
         if tiling is None or len(tiling.rank) > _CACHED_SHARDS or _key(tiling) in s.shapes:
             continue
-        groups.setdefault((s.grads, s.pooled), []).append((s, tiling))
-    for group in groups.values():
+        groups.setdefault((s.grads, s.pooled), {}).setdefault((id(s), _key(tiling)), (s, tiling))
+    for unique in groups.values():
+        group = list(unique.values())
         stats = [s for s, _ in group]
         sizes = np.array([len(t.rank) for _, t in group])
         ends = np.cumsum(sizes)
@@ -208,7 +224,7 @@ def placement_terms(model: CostModel, s: TableStats, ps: ParameterSharding, both
                     host_only: bool = False) -> Terms | tuple[Terms, Terms]:
     """A valid placement of one table as :class:`Terms`, the table in device memory; ``host_only``: in host memory;
     ``both``: the pair. Its sums, and :func:`load_of`, equal :meth:`CostModel.of_placement`'s bit for bit."""
-    tiling = KINDS[ps.sharding_type].layout(s.config, ps, model.M, model.local)  # type: ignore[index]
+    tiling = _layout(model, s, ps)
     if tiling is None:
         t = whole(model.replicated(s))
         return (t, t) if both else t
@@ -295,7 +311,7 @@ def load_of(model: CostModel, terms: Terms, out: Load | None = None) -> Load:
 
 def probe_memory(model: CostModel, s: TableStats, ps: ParameterSharding, upto: int) -> np.ndarray:
     """Device memory ``[len(MEMORY_PARTS), upto]`` of ranks ``0..upto-1`` under a placement (no offload)."""
-    tiling = KINDS[ps.sharding_type].layout(s.config, ps, model.M, model.local)  # type: ignore[index]
+    tiling = _layout(model, s, ps)
     out = np.zeros((len(MEMORY_PARTS), upto))
     if tiling is None:
         out += model.replicated(s).mem[:, :upto]
@@ -310,7 +326,7 @@ def probe_memory(model: CostModel, s: TableStats, ps: ParameterSharding, upto: i
 
 def probe_need(model: CostModel, s: TableStats, ps: ParameterSharding, upto: int) -> np.ndarray:
     """``probe_memory(...).sum(0)``: device memory of ranks ``0..upto-1`` summed over MEMORY_PARTS."""
-    tiling = KINDS[ps.sharding_type].layout(s.config, ps, model.M, model.local)  # type: ignore[index]
+    tiling = _layout(model, s, ps)
     if tiling is None:
         return probe_memory(model, s, ps, upto).sum(0)
     sh = _shape(model, s, tiling)
