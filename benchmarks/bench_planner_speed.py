@@ -69,12 +69,12 @@ def cases():
                     host_memory="2TB", device="cuda"))
 
 
-def run(mod, tables, pooling, topo_kw) -> tuple[float, list]:
+def run(mod, tables, pooling, topo_kw) -> tuple[tuple[float, float], list]:
     planner = mod.Planner(mod.Topology(**topo_kw), batch_size=512, pooling_factors=pooling,
                           optimizer="rowwise_adagrad", gradients="fused")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     planner.plan(tables)
-    dt = time.perf_counter() - t0
+    dt = (time.perf_counter() - t0, time.process_time() - c0)
     rep = planner.explain()
     placements = [(c.table, c.sharding.sharding_type.value, c.sharding.ranks, c.sharding.host_indexes,
                    c.sharding.compute_kernel) for c in rep.tables]
@@ -94,11 +94,12 @@ def main(argv: list[str] | None = None) -> int:
              f"Before: `{PACKAGE}/` at {args.before[:10]}; after: the working tree. "
              f"Alternating, {args.repeats} runs each, fastest run in seconds; fused row-wise Adagrad, 512 samples "
              "per rank.", "",
-             "| case | before s | after s | speed-up | same plans |", "|---|---:|---:|---:|---|"]
+             "| case | before s | after s | speed-up | before CPU s | after CPU s | same plans |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for name, tables, pooling, topo_kw in cases():
         if args.cases == "big" and "group 4096" not in name:
             continue
-        times: dict[str, list[float]] = {"before": [], "after": []}
+        times: dict[str, list[tuple[float, float]]] = {"before": [], "after": []}
         results = {}
         for r in range(args.repeats):
             order = [("before", before), ("after", new_planner)]
@@ -106,14 +107,15 @@ def main(argv: list[str] | None = None) -> int:
                 dt, res = run(mod, tables, pooling, topo_kw)
                 times[label].append(dt)
                 results[label] = res
-        b, a = min(times["before"]), min(times["after"])
+        (b, bc), (a, ac) = (tuple(min(x[i] for x in times[k]) for i in (0, 1)) for k in ("before", "after"))
         same = results["before"][0] == results["after"][0]
         step_b, step_a = results["before"][1], results["after"][1]
         same_text = "yes" if same and abs(step_a - step_b) <= 1e-9 * abs(step_b) else "NO"
-        lines.append(f"| {name} | {b:.3f} | {a:.3f} | {b / a:.1f}x | {same_text} |")
+        lines.append(f"| {name} | {b:.3f} | {a:.3f} | {b / a:.1f}x | {bc:.3f} | {ac:.3f} | {same_text} |")
         print(lines[-1], flush=True)
     lines += ["", f"Machine: {os.cpu_count()} cores; load average {load0[0]:.1f} at start, {os.getloadavg()[0]:.1f} "
-              "at end (other processes share the cores: compare the ratio, not the seconds).", "",
+              "at end (other processes share the cores: compare the ratio, not the seconds). CPU s: the process's "
+              "own CPU time, fastest run (closer to a quiet machine's wall time than the wall time under load).", "",
               f"Command: `python benchmarks/bench_planner_speed.py {' '.join(sys.argv[1:] if argv is None else argv)}`"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
