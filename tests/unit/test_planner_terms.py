@@ -29,7 +29,7 @@ from lightning_rec.sharding import (
     table_wise,
 )
 from lightning_rec.sharding.planner import OPTIMIZER_STATE
-from lightning_rec.sharding.planner.search import _Candidate, _in_host_memory
+from lightning_rec.sharding.planner.candidates import Candidate, in_host_memory
 from lightning_rec.sharding.planner.terms import Terms, load_of, placement_terms, prepare, whole
 from lightning_rec.sharding.planner.topology import human_bytes
 from lightning_rec.sharding.types import KINDS
@@ -58,7 +58,7 @@ class ReferencePlanner(Planner):
             c.load = self._unit_load(stats, unit, c.sharding, False)
             c.terms = whole(c.load)
             if host is not None:
-                host.sharding = _in_host_memory(c.sharding)
+                host.sharding = in_host_memory(c.sharding)
                 host.load = self._unit_load(stats, unit, c.sharding, True)
                 host.terms = whole(host.load)
             out.append((c, host))
@@ -68,7 +68,7 @@ class ReferencePlanner(Planner):
         hosts = [h for _, h in pairs if h is not None]
         return [(len(pairs) + j, h) for j, h in enumerate(hosts)]
 
-    def _score(self, cands: list[tuple[int, _Candidate]], tot, used, host_used, remaining, mode) -> None:
+    def _score(self, cands: list[tuple[int, Candidate]], tot, used, host_used, remaining, mode) -> None:
         topo = self.topology
         budget = np.inf if topo.device_memory is None else topo.device_memory
         host_budget = np.inf if topo.host_memory is None else topo.host_memory

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
 
 import numpy as np
 
 from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
 from lightning_rec.fused_kinds import as_spec
 from lightning_rec.sharding.plan import ShardingPlan, data_parallel, resolve_table, table_wise
+from lightning_rec.sharding.planner.candidates import Candidate, Probes, Space, divisors, in_host_memory, score, why
 from lightning_rec.sharding.planner.cost import (
     GRADIENTS,
-    MEMORY_PARTS,
     OPTIMIZER_STATE,
     CostModel,
     Load,
@@ -28,98 +27,13 @@ from lightning_rec.sharding.planner.cost import (
 from lightning_rec.sharding.planner.inputs import PlacedCollection, plan_entries, table_stats
 from lightning_rec.sharding.planner.report import PlanReport, TableChoice, placement_label
 from lightning_rec.sharding.planner.terms import (
-    Terms,
     load_of,
     placement_terms,
     prepare,
-    probe_memory,
-    probe_need,
     whole,
 )
 from lightning_rec.sharding.planner.topology import PlannerError, TableConstraint, Topology, human_bytes
 from lightning_rec.sharding.types import KINDS, ParameterSharding, placement_of
-
-
-@dataclass
-class _Candidate:
-    sharding: ParameterSharding
-    offload: bool = False
-    terms: Terms | None = None
-    load: Load | None = None  # the unit's per-part load, where it was computed anyway
-    fits: bool = True
-    short: str = ""  # why it does not fit
-    key: tuple = ()
-    new: np.ndarray | None = None  # per rank: the time placed so far plus this placement's
-
-    @property
-    def kind(self) -> ShardingType:
-        return self.sharding.sharding_type  # type: ignore[return-value]
-
-
-# -- the planner -------------------------------------------------------------------------------------------
-class _Space:
-    """Where a unit's placements may go: the ``CandidateSpace`` the sharding kinds propose candidates in."""
-
-    def __init__(self, planner: Planner, stats, unit, widths: list[int], tot: np.ndarray, free: np.ndarray) -> None:
-        topo = planner.topology
-        self.group_size, self.local_size, self.num_hosts = topo.model_parallel_size, topo.local_size, topo.num_hosts
-        self.column_shards = widths
-        self._planner, self._stats, self._unit, self._tot, self._free = planner, stats, unit, tot, free
-
-    def _need(self, probe: ParameterSharding, upto: int) -> np.ndarray:
-        """Memory ranks ``0..upto-1`` would hold under ``probe`` (the unit's tables together)."""
-        if len(self._unit) == 1:
-            return probe_need(self._planner._model, self._stats[self._unit[0]], probe, upto)
-        total = np.zeros((len(MEMORY_PARTS), upto))
-        for i in self._unit:
-            total += probe_memory(self._planner._model, self._stats[i], probe, upto)
-        return total.sum(0)
-
-    @staticmethod
-    def _lowest(scores: np.ndarray, room: np.ndarray, ok: np.ndarray, k: int) -> list[int]:
-        # the k lowest-scoring places that fit; else the k with most room (the candidate then reports the shortfall)
-        if ok.sum() >= k:  # the first k of a stable sort of the fitting places by score (ties: the lower index)
-            vals = np.where(ok, scores, np.inf)
-            if k == 1:
-                return [int(np.argmin(vals))]
-            if k < len(vals):
-                idx = np.flatnonzero(vals <= np.partition(vals, k - 1)[k - 1])
-            else:
-                idx = np.arange(len(vals))
-            return sorted(int(x) for x in idx[np.argsort(vals[idx], kind="stable")][:k])
-        return sorted(int(x) for x in np.argsort(-room, kind="stable")[:k])
-
-    def best_ranks(self, k: int, probe: ParameterSharding) -> list[int]:
-        need = self._need(probe, 1)[0]  # every shard of the probe weighs what its first one does
-        return self._lowest(self._tot, self._free, self._free >= need, k)
-
-    def best_hosts(self, k: int, probe: ParameterSharding) -> list[int]:
-        H, L = self.num_hosts, self.local_size
-        need = self._need(probe, L)  # the probe's first host
-        free = self._free.reshape(H, L)
-        return self._lowest(self._tot.reshape(H, L).max(1), free.min(1), (free >= need).all(1), k)
-
-
-def _in_host_memory(ps: ParameterSharding) -> ParameterSharding:
-    return replace(ps, compute_kernel="fused_uvm")
-
-
-class _Probes:
-    """A ``CandidateSpace`` that puts every placement where its probe is: the shapes of a unit's candidates."""
-
-    def __init__(self, topo: Topology, widths: list[int]) -> None:
-        self.group_size, self.local_size, self.num_hosts = topo.model_parallel_size, topo.local_size, topo.num_hosts
-        self.column_shards = widths
-
-    def best_ranks(self, k: int, probe: ParameterSharding) -> list[int]:
-        return list(probe.ranks or [])
-
-    def best_hosts(self, k: int, probe: ParameterSharding) -> list[int]:
-        return list(probe.host_indexes or [])
-
-
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
 
 
 class Planner:
@@ -344,7 +258,7 @@ class Planner:
         if OPTIMIZER_STATE[self.optimizer][1]:
             return []  # per-row optimizer state over a column shard is not the full row's: never split columns
         dims = [stats[i].dim for i in unit]
-        return [k for k in _divisors(math.gcd(*dims)) if k > 1 and min(dims) // k >= self.min_column_width]
+        return [k for k in divisors(math.gcd(*dims)) if k > 1 and min(dims) // k >= self.min_column_width]
 
     def _prepare(self, stats, units) -> None:
         """The per-shard values of every single table's placements (its candidates' shapes, on probe ranks and
@@ -354,29 +268,29 @@ class Planner:
         for unit in units:
             if len(unit) == 1:
                 allowed = self._allowed(stats, unit)
-                space = _Probes(topo, self._widths(stats, unit))
+                space = Probes(topo, self._widths(stats, unit))
                 s = stats[unit[0]]
                 items += [(s, ps) for st in allowed for ps in KINDS[st].candidates(space)]
                 items.append((s, table_wise(0)))
         prepare(self._model, items)
 
-    def _candidates(self, stats, unit, allowed, tot, used) -> list[tuple[_Candidate, _Candidate | None]]:
+    def _candidates(self, stats, unit, allowed, tot, used) -> list[tuple[Candidate, Candidate | None]]:
         """The unit's placements in device memory, each with its twin in host memory (None: not allowed); the
         terms of a single table's twins are left for :meth:`_twins` to compute where they can matter."""
         topo = self.topology
         budget = np.inf if topo.device_memory is None else topo.device_memory
-        space = _Space(self, stats, unit, self._widths(stats, unit), tot, budget - used)
+        space = Space(self._model, topo, [stats[i] for i in unit], self._widths(stats, unit), tot, budget - used)
         offload = topo.host_memory is not None and all(
             self.constraints.get(stats[i].config.name, TableConstraint()).allow_host_memory for i in unit)
         out = []
         for ps in (ps for st in allowed for ps in KINDS[st].candidates(space)):
-            c = _Candidate(ps)
+            c = Candidate(ps)
             both = offload and c.kind != ShardingType.DATA_PARALLEL
-            host = _Candidate(None, True) if both else None  # type: ignore[arg-type] - its placement once needed
+            host = Candidate(None, True) if both else None  # type: ignore[arg-type] - its placement once needed
             if len(unit) == 1:
                 c.terms = placement_terms(self._model, stats[unit[0]], ps)
             elif both:  # tables kept together: their summed per-part loads
-                host.sharding = _in_host_memory(ps)  # type: ignore[union-attr]
+                host.sharding = in_host_memory(ps)  # type: ignore[union-attr]
                 c.load, host.load = self._unit_loads(stats, unit, ps)  # type: ignore[union-attr]
                 c.terms, host.terms = whole(c.load), whole(host.load)  # type: ignore[union-attr]
             else:
@@ -385,7 +299,7 @@ class Planner:
             out.append((c, host))
         return out
 
-    def _twins(self, stats, unit, pairs, mode: str) -> list[tuple[int, _Candidate]]:
+    def _twins(self, stats, unit, pairs, mode: str) -> list[tuple[int, Candidate]]:
         """The host-memory twins that can be chosen or be the runner-up, with their index among all candidates.
 
         Looking up in host memory is never faster (``host_lookup_bandwidth <= lookup_bandwidth``): a twin's
@@ -402,50 +316,16 @@ class Planner:
                 continue
             if host.terms is None and (every or not c.fits):
                 host.terms = placement_terms(self._model, stats[unit[0]], c.sharding, host_only=True)
-                host.sharding = _in_host_memory(c.sharding)
+                host.sharding = in_host_memory(c.sharding)
             if host.terms is not None:
                 out.append((len(pairs) + len(out), host))  # the index it has among all candidates
             else:
                 out.append((len(pairs) + len(out), None))
         return [(n, h) for n, h in out if h is not None]
 
-    def _score(self, cands: list[tuple[int, _Candidate]], tot: np.ndarray, used: np.ndarray,
+    def _score(self, cands: list[tuple[int, Candidate]], tot: np.ndarray, used: np.ndarray,
                host_used: np.ndarray, remaining: float, mode: str) -> None:
-        """Each candidate's fit and sort key (ties: its index), from the per-rank time and memory placed so far."""
-        topo = self.topology
-        budget = np.inf if topo.device_memory is None else topo.device_memory
-        host_budget = np.inf if topo.host_memory is None else topo.host_memory
-        # a rank without a shard of the candidate keeps its memory: only the shards' ranks can newly overflow
-        used_ok, used_max = bool((used <= budget).all()), used.max()
-        host_ok = bool((host_used <= host_budget).all())
-        M = len(tot)
-        for n, c in cands:
-            t = c.terms
-            c.new = new = t.time_after(tot, topo.local_size)
-            after = used[t.ranks] + t.mem
-            host_fits = host_ok if t.host is None else bool((host_used + t.host <= host_budget).all())
-            c.fits = used_ok and bool((after <= budget).all()) and host_fits
-            if not c.fits:
-                c.short = self._short(used + t.mem_on(M), host_used + t.host_on(len(host_used)), budget, host_budget)
-            # the slowest rank can end no lower than the mean work once every table is placed: judging by that
-            # bound keeps the greedy from spreading early tables thin at the cost of total work
-            total_work = new.sum()
-            projected = max(new.max(), (total_work + max(remaining, 0.0)) / M)
-            if mode == "time":
-                c.key = (projected, total_work, n)
-            else:
-                peak = max(used_max, after.max())  # (used + memory).max(): the memory is 0 off the shards
-                c.key = (peak / (budget if np.isfinite(budget) else 1.0), projected, n)
-
-    @staticmethod
-    def _short(mem: np.ndarray, host: np.ndarray, budget: float, host_budget: float) -> str:
-        over, host_over = mem - budget, host - host_budget
-        if over.max() > 0:
-            r = int(np.argmax(over))
-            return (f"does not fit: rank {r} would need {human_bytes(mem[r])} of {human_bytes(budget)} "
-                    f"({human_bytes(over[r])} short)")
-        return (f"does not fit: host {int(np.argmax(host_over))} short of host memory by "
-                f"{human_bytes(host_over.max())}")
+        score(cands, self.topology, tot, used, host_used, remaining, mode)
 
     def _plan(self, stats: list[TableStats]) -> PlanReport:
         self._check_names(stats)
@@ -531,20 +411,11 @@ class Planner:
                 if others:
                     ru = others[0]
                     ch.runner_up = placement_label(ru.sharding) + (" [host mem]" if ru.offload else "")
-                    ch.rejected_because = ru.short if not ru.fits else self._why(best, ru)
+                    ch.rejected_because = ru.short if not ru.fits else why(best, ru)
                 else:
                     ch.rejected_because = "the only allowed placement"
                 choices[i] = ch
         return None
-
-    @staticmethod
-    def _why(best: _Candidate, other: _Candidate) -> str:
-        b, o = best.new, other.new
-        if o.max() > b.max():
-            return f"slowest rank {1e3 * o.max():.3f} ms instead of {1e3 * b.max():.3f} ms"
-        if o.sum() > b.sum():
-            return f"same slowest rank, {1e3 * (o.sum() - b.sum()):.3f} ms more work over all ranks"
-        return "placed by memory balance instead"
 
     def _check_total(self, stats, units, fixed: Load) -> None:
         topo = self.topology
