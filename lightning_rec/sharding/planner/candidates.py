@@ -72,7 +72,18 @@ class Space:
         H, L = self.num_hosts, self.local_size
         need = self._need(probe, L)  # the probe's first host
         free = self._free.reshape(H, L)
-        return self._lowest(self._tot.reshape(H, L).max(1), free.min(1), (free >= need).all(1), k)
+        return self._lowest(_per_host(self._tot, H, L, np.maximum), _per_host(self._free, H, L, np.minimum),
+                            (free >= need).all(1), k)
+
+
+def _per_host(x: np.ndarray, hosts: int, local: int, op) -> np.ndarray:
+    """``x.reshape(hosts, local).max(1)`` (``op=np.maximum``; min likewise), a host's ranks folded column by column:
+    the same numbers at a fraction of the cost of numpy's reduction over short rows."""
+    cols = x.reshape(hosts, local)
+    out = cols[:, 0].copy()
+    for j in range(1, local):
+        op(out, cols[:, j], out=out)
+    return out
 
 
 def in_host_memory(ps: ParameterSharding) -> ParameterSharding:
