@@ -1,7 +1,8 @@
 """Automatic sharding plans: a cost model of the sharded pipeline and a greedy search over it.
 
 ``topology`` (the cluster, its speeds, per-table constraints), ``cost`` (time and memory of a placement),
-``search`` (the :class:`Planner`), ``report`` (:class:`PlanReport`, the explanation).
+``terms`` (the same numbers per shard and per host, as the search compares them), ``candidates`` (the places
+the sharding kinds may use, scored), ``search`` (the :class:`Planner`), ``report`` (:class:`PlanReport`).
 """
 
 from lightning_rec.sharding.planner.cost import GRADIENTS, MEMORY_PARTS, OPTIMIZER_STATE, TIME_PARTS, CostModel

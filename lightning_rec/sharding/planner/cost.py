@@ -20,7 +20,7 @@ Distinct ids are estimated as for uniformly spread ids, an upper bound for skewe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -57,6 +57,8 @@ class TableStats:
     pooled: bool
     grads: str
     state: tuple[int, int]
+    #: per-shard values of this table's small tilings, kept by the search (``terms.py``)
+    shapes: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def label(self) -> str:
@@ -121,7 +123,7 @@ class CostModel:
             sender -= np.bincount(ranks, x, minlength=self.M) / hw.intra_host_bandwidth
         return owner, np.maximum(sender, 0.0)
 
-    def _shard_memory(self, s: TableStats, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, ...]:
+    def shard_memory(self, s: TableStats, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, ...]:
         """Per-shard (weights, optimizer, gradients, buffers) bytes, one array each (MEMORY_PARTS)."""
         M, B = self.M, self.B
         ids = M * B * s.ids * (rows / s.rows)  # ids this shard receives per step
@@ -133,19 +135,6 @@ class CostModel:
         else:
             grads = 0 * ids
         return (rows * cols * s.elem, rows * s.state_bytes(cols), grads, ids * 16 + 2 * M * out_per * cols * s.wire)
-
-    def probe_memory(self, s: TableStats, ps: ParameterSharding, upto: int) -> np.ndarray:
-        """Device memory ``[len(MEMORY_PARTS), upto]`` of ranks ``0..upto-1`` under a placement (no offload)."""
-        tiling = KINDS[ps.sharding_type].layout(s.config, ps, self.M, self.local)  # type: ignore[index]
-        out = np.zeros((len(MEMORY_PARTS), upto))
-        if tiling is None:
-            out += self.replicated(s).mem[:, :upto]
-            return out
-        mine = tiling.rank < upto
-        where = tiling.rank[mine]
-        for i, part in enumerate(self._shard_memory(s, tiling.rows[mine], tiling.cols[mine])):
-            out[i, where] = part
-        return out
 
     def sharded(
         self, s: TableStats, ranks: np.ndarray, rows: np.ndarray, cols: np.ndarray, offload: bool, col_blocks: int,
@@ -178,7 +167,7 @@ class CostModel:
             union = rows * -np.expm1(-self.R * ids / np.maximum(rows, 1))
             rep = (self.R * uniq * 8 + 2 * (self.R - 1) / self.R * union * cols * s.wire) / hw.inter_host_bandwidth
             t[6] = put(rep)
-        per_shard = self._shard_memory(s, rows, cols)
+        per_shard = self.shard_memory(s, rows, cols)
         mem = np.zeros((len(MEMORY_PARTS), M))
         for i in range(len(MEMORY_PARTS)):
             mem[i] = put(per_shard[i])
@@ -194,72 +183,6 @@ class CostModel:
             else:
                 loads.append(Load(tt, mem.copy() if both else mem, np.zeros(self.H)))
         return (loads[0], loads[1]) if both else loads[0]
-
-    def summary(self, s: TableStats, ps: ParameterSharding, both: bool = False):
-        """``(time, memory, host memory)`` per rank / host of a valid placement of one table, the same numbers as
-        ``load.time.sum(0)``, ``load.mem.sum(0)`` and ``load.host`` of :meth:`of_placement` (bit for bit: the
-        parts are added in the same order), without building the per-part load. ``both``: the pair (device
-        memory, host memory).
-
-        The search compares thousands of candidates: ranks without a shard of the table differ only by
-        their host, so they are computed per host and the shards' ranks per shard.
-        """
-        tiling = KINDS[ps.sharding_type].layout(s.config, ps, self.M, self.local)  # type: ignore[index]
-        if tiling is None:
-            load = self.replicated(s)
-            return load.time.sum(0), load.mem.sum(0), load.host
-        hw, M, B, R = self.hw, self.M, self.B, self.R
-        ranks, rows, cols = tiling.rank, tiling.rows, tiling.cols
-        live = rows > 0
-        frac = rows / s.rows
-        ids = M * B * s.ids * frac
-        row_bytes = 2 * cols * s.elem + s.state_bytes(cols)
-        if s.grads == "dense":
-            t1 = rows * (row_bytes + cols * s.elem) / hw.update_bandwidth
-        else:
-            t1 = ids * row_bytes / hw.update_bandwidth
-        a = np.where(live, B * (8 * s.ids * frac + 8 * s.features), 0.0)
-        out_per = B * (s.features if s.pooled else s.ids * frac)
-        o = np.where(live, out_per * cols * s.wire, 0.0)
-        hosts = ranks // self.local
-        # what a rank sends at the inter-host speed, less what stays on its host (as in _a2a)
-        c = 1 / hw.inter_host_bandwidth - 1 / hw.intra_host_bandwidth
-        base_a = a.sum() / hw.inter_host_bandwidth - np.bincount(hosts, a, minlength=self.H) * c
-        base_o = o.sum() / hw.inter_host_bandwidth - np.bincount(hosts, o, minlength=self.H) * c
-        t2 = (a * self.k_in + np.maximum(base_a[hosts] - a / hw.intra_host_bandwidth, 0.0)) / 2
-        t3 = o * self.k_in + np.maximum(base_o[hosts] - o / hw.intra_host_bandwidth, 0.0)
-        t4 = B * s.ids / hw.bucketize_rate if np.count_nonzero(live) > tiling.col_blocks else 0.0
-        if R > 1:
-            uniq = rows * -np.expm1(-ids / np.maximum(rows, 1))
-            union = rows * -np.expm1(-R * ids / np.maximum(rows, 1))
-            t6 = (R * uniq * 8 + 2 * (R - 1) / R * union * cols * s.wire) / hw.inter_host_bandwidth
-        else:
-            t6 = 0.0
-        if len(ranks) < M:  # ranks without a shard: the senders' all-to-all terms and bucketizing only
-            zero = np.zeros(self.H)
-            idle = ((((((zero + 0.0) + (0.0 + np.maximum(base_a, 0.0)) / 2) + (0.0 + np.maximum(base_o, 0.0))) + t4)
-                     + 0.0) + 0.0)[self.host_of]
-        else:
-            idle = np.empty(M)
-        per_shard = self._shard_memory(s, rows, cols)
-        out = []
-        for host in ((False, True) if both else (False,)):
-            bw = hw.host_lookup_bandwidth if host else hw.lookup_bandwidth
-            t0 = ids * (cols * s.elem + hw.lookup_overhead_bytes) / bw
-            time = idle.copy() if both else idle
-            time[ranks] = (((((t0 + t1) + t2) + t3) + t4) + 0.0) + t6
-            mem = np.zeros(M)
-            if host:
-                mem[ranks] = ((0.0 + 0.0) + 0.0) + per_shard[3]
-                kept = (per_shard[0] + per_shard[1]) + per_shard[2]
-                if len(ranks) > 1 and not (ranks[1:] > ranks[:-1]).all():
-                    order = np.argsort(ranks, kind="stable")  # the dense sum adds a host's ranks in rank order
-                    hosts, kept = hosts[order], kept[order]
-                out.append((time, mem, np.bincount(hosts, kept, minlength=self.H)))
-            else:
-                mem[ranks] = ((per_shard[0] + per_shard[1]) + per_shard[2]) + per_shard[3]
-                out.append((time, mem, np.zeros(self.H)))
-        return (out[0], out[1]) if both else out[0]
 
     def replicated(self, s: TableStats) -> Load:
         hw, B, N, D = self.hw, self.B, s.rows, s.dim

@@ -10,81 +10,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
 
 import numpy as np
 
 from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
 from lightning_rec.fused_kinds import as_spec
 from lightning_rec.sharding.plan import ShardingPlan, data_parallel, resolve_table, table_wise
-from lightning_rec.sharding.planner.cost import GRADIENTS, MEMORY_PARTS, OPTIMIZER_STATE, CostModel, Load, TableStats
+from lightning_rec.sharding.planner.candidates import Candidate, Probes, Space, divisors, in_host_memory, score, why
+from lightning_rec.sharding.planner.cost import (
+    GRADIENTS,
+    OPTIMIZER_STATE,
+    CostModel,
+    Load,
+    TableStats,
+)
 from lightning_rec.sharding.planner.inputs import PlacedCollection, plan_entries, table_stats
 from lightning_rec.sharding.planner.report import PlanReport, TableChoice, placement_label
+from lightning_rec.sharding.planner.terms import (
+    load_of,
+    placement_terms,
+    prepare,
+    whole,
+)
 from lightning_rec.sharding.planner.topology import PlannerError, TableConstraint, Topology, human_bytes
 from lightning_rec.sharding.types import KINDS, ParameterSharding, placement_of
-
-
-@dataclass
-class _Candidate:
-    sharding: ParameterSharding
-    offload: bool = False
-    load: Load | None = None
-    fits: bool = True
-    short: str = ""  # why it does not fit
-    key: tuple = ()
-    time: np.ndarray | None = None  # per rank, summed over TIME_PARTS
-    mem: np.ndarray | None = None  # per rank, summed over MEMORY_PARTS
-    host: np.ndarray | None = None  # host memory per host
-
-    @property
-    def kind(self) -> ShardingType:
-        return self.sharding.sharding_type  # type: ignore[return-value]
-
-
-# -- the planner -------------------------------------------------------------------------------------------
-class _Space:
-    """Where a unit's placements may go: the ``CandidateSpace`` the sharding kinds propose candidates in."""
-
-    def __init__(self, planner: Planner, stats, unit, widths: list[int], tot: np.ndarray, free: np.ndarray) -> None:
-        topo = planner.topology
-        self.group_size, self.local_size, self.num_hosts = topo.model_parallel_size, topo.local_size, topo.num_hosts
-        self.column_shards = widths
-        self._planner, self._stats, self._unit, self._tot, self._free = planner, stats, unit, tot, free
-
-    def _need(self, probe: ParameterSharding, upto: int) -> np.ndarray:
-        """Memory ranks ``0..upto-1`` would hold under ``probe`` (the unit's tables together)."""
-        total = np.zeros((len(MEMORY_PARTS), upto))
-        for i in self._unit:
-            total += self._planner._model.probe_memory(self._stats[i], probe, upto)
-        return total.sum(0)
-
-    @staticmethod
-    def _lowest(scores: np.ndarray, room: np.ndarray, ok: np.ndarray, k: int) -> list[int]:
-        # the k lowest-scoring places that fit; else the k with most room (the candidate then reports the shortfall)
-        if ok.sum() >= k:  # the first k of a stable sort of the fitting places by score (ties: the lower index)
-            vals = np.where(ok, scores, np.inf)
-            if k == 1:
-                return [int(np.argmin(vals))]
-            if k < len(vals):
-                idx = np.flatnonzero(vals <= np.partition(vals, k - 1)[k - 1])
-            else:
-                idx = np.arange(len(vals))
-            return sorted(int(x) for x in idx[np.argsort(vals[idx], kind="stable")][:k])
-        return sorted(int(x) for x in np.argsort(-room, kind="stable")[:k])
-
-    def best_ranks(self, k: int, probe: ParameterSharding) -> list[int]:
-        need = self._need(probe, 1)[0]  # every shard of the probe weighs what its first one does
-        return self._lowest(self._tot, self._free, self._free >= need, k)
-
-    def best_hosts(self, k: int, probe: ParameterSharding) -> list[int]:
-        H, L = self.num_hosts, self.local_size
-        need = self._need(probe, L)  # the probe's first host
-        free = self._free.reshape(H, L)
-        return self._lowest(self._tot.reshape(H, L).max(1), free.min(1), (free >= need).all(1), k)
-
-
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
 
 
 class Planner:
@@ -142,7 +91,9 @@ class Planner:
         self.min_column_width = min_column_width
         self._model = CostModel(self.topology, batch_size)
         self._last: PlanReport | None = None
-        self._base: dict[tuple[int, ...], Load] = {}
+        self._base: dict[tuple[int, ...], tuple[float, float]] = {}
+        self._kinds: dict[tuple[int, ...], list[ShardingType]] = {}
+        self._scratch: Load | None = None
 
     # -- inputs --------------------------------------------------------------------------------------------
     def _entries(self, model_or_tables) -> list[tuple[str, BaseEmbeddingConfig, str, object]]:
@@ -246,6 +197,12 @@ class Planner:
         return units
 
     def _allowed(self, stats: list[TableStats], unit: list[int]) -> list[ShardingType]:
+        key = tuple(unit)
+        if key not in self._kinds:
+            self._kinds[key] = self._allowed_kinds(stats, unit)
+        return self._kinds[key]
+
+    def _allowed_kinds(self, stats: list[TableStats], unit: list[int]) -> list[ShardingType]:
         allowed = list(ShardingType)
         for i in unit:
             c = self.constraints.get(stats[i].config.name)
@@ -282,61 +239,99 @@ class Planner:
             host += h
         return device, host
 
-    def _base_load(self, stats, unit) -> Load:
-        """The unit's table-wise load (data-parallel where that is all it may be): its size for ordering."""
+    def _base_size(self, stats, unit) -> tuple[float, float]:
+        """The memory and work summed over every rank and part of the unit's table-wise load (data-parallel where
+        that is all it may be): its size for ordering."""
         key = tuple(unit)
         if key not in self._base:
             only_dp = self._allowed(stats, unit) == [ShardingType.DATA_PARALLEL]
-            self._base[key] = self._unit_load(stats, unit, data_parallel() if only_dp else table_wise(0), False)
+            ps = data_parallel() if only_dp else table_wise(0)
+            if len(unit) == 1:
+                load = load_of(self._model, placement_terms(self._model, stats[unit[0]], ps), self._scratch)
+            else:
+                load = self._unit_load(stats, unit, ps, False)
+            self._base[key] = (load.mem.sum(), load.time.sum())
         return self._base[key]
 
-    def _candidates(self, stats, unit, allowed, tot, used, host_used) -> list[_Candidate]:
+    def _widths(self, stats, unit) -> list[int]:
+        """Numbers of column shards the unit's widths allow."""
+        if OPTIMIZER_STATE[self.optimizer][1]:
+            return []  # per-row optimizer state over a column shard is not the full row's: never split columns
+        dims = [stats[i].dim for i in unit]
+        return [k for k in divisors(math.gcd(*dims)) if k > 1 and min(dims) // k >= self.min_column_width]
+
+    def _prepare(self, stats, units) -> None:
+        """The per-shard values of every single table's placements (its candidates' shapes, on probe ranks and
+        hosts, and its table-wise base), computed together for all tables."""
+        topo = self.topology
+        items = []
+        for unit in units:
+            if len(unit) == 1:
+                allowed = self._allowed(stats, unit)
+                space = Probes(topo, self._widths(stats, unit))
+                s = stats[unit[0]]
+                items += [(s, ps) for st in allowed for ps in KINDS[st].candidates(space)]
+                items.append((s, table_wise(0)))
+        prepare(self._model, items)
+
+    def _candidates(self, stats, unit, allowed, tot, used) -> list[tuple[Candidate, Candidate | None]]:
+        """The unit's placements in device memory, each with its twin in host memory (None: not allowed); the
+        terms of a single table's twins are left for :meth:`_twins` to compute where they can matter."""
         topo = self.topology
         budget = np.inf if topo.device_memory is None else topo.device_memory
-        dims = [stats[i].dim for i in unit]
-        widths = [k for k in _divisors(math.gcd(*dims)) if k > 1 and min(dims) // k >= self.min_column_width]
-        if OPTIMIZER_STATE[self.optimizer][1]:
-            widths = []  # per-row optimizer state over a column shard is not the full row's: never split columns
-        space = _Space(self, stats, unit, widths, tot, budget - used)
-        out = [ps for st in allowed for ps in KINDS[st].candidates(space)]
-        cands = [_Candidate(ps) for ps in out]
-        single = len(unit) == 1
-        if topo.host_memory is not None and all(
-                self.constraints.get(stats[i].config.name, TableConstraint()).allow_host_memory for i in unit):
-            offloaded = []
-            for c in cands:
-                if c.kind != ShardingType.DATA_PARALLEL:
-                    host = _Candidate(replace(c.sharding, compute_kernel="fused_uvm"), True)
-                    if single:
-                        (c.time, c.mem, c.host), (host.time, host.mem, host.host) = self._model.summary(
-                            stats[unit[0]], c.sharding, both=True)
-                    else:
-                        c.load, host.load = self._unit_loads(stats, unit, c.sharding)
-                    offloaded.append(host)
-            cands += offloaded
-        host_budget = np.inf if topo.host_memory is None else topo.host_memory
-        for c in cands:
-            if c.time is None:
-                if single:
-                    c.time, c.mem, c.host = self._model.summary(stats[unit[0]], c.sharding)
-                else:
-                    if c.load is None:
-                        c.load = self._unit_load(stats, unit, c.sharding, c.offload)
-                    c.time, c.mem, c.host = c.load.time.sum(0), c.load.mem.sum(0), c.load.host
-            over = used + c.mem - budget
-            host_over = host_used + c.host - host_budget
-            c.fits = bool((over <= 0).all() and (host_over <= 0).all())
-            if not c.fits:
-                r = int(np.argmax(over)) if over.max() > 0 else None
-                c.short = (f"does not fit: rank {r} would need {human_bytes(used[r] + c.mem[r])} of "
-                           f"{human_bytes(budget)} ({human_bytes(over[r])} short)" if r is not None else
-                           f"does not fit: host {int(np.argmax(host_over))} short of host memory by "
-                           f"{human_bytes(host_over.max())}")
-        return cands
+        space = Space(self._model, topo, [stats[i] for i in unit], self._widths(stats, unit), tot, budget - used)
+        offload = topo.host_memory is not None and all(
+            self.constraints.get(stats[i].config.name, TableConstraint()).allow_host_memory for i in unit)
+        out = []
+        for ps in (ps for st in allowed for ps in KINDS[st].candidates(space)):
+            c = Candidate(ps)
+            both = offload and c.kind != ShardingType.DATA_PARALLEL
+            host = Candidate(None, True) if both else None  # type: ignore[arg-type] - its placement once needed
+            if len(unit) == 1:
+                c.terms = placement_terms(self._model, stats[unit[0]], ps)
+            elif both:  # tables kept together: their summed per-part loads
+                host.sharding = in_host_memory(ps)  # type: ignore[union-attr]
+                c.load, host.load = self._unit_loads(stats, unit, ps)  # type: ignore[union-attr]
+                c.terms, host.terms = whole(c.load), whole(host.load)  # type: ignore[union-attr]
+            else:
+                c.load = self._unit_load(stats, unit, ps, False)
+                c.terms = whole(c.load)
+            out.append((c, host))
+        return out
+
+    def _twins(self, stats, unit, pairs, mode: str) -> list[tuple[int, Candidate]]:
+        """The host-memory twins that can be chosen or be the runner-up, with their index among all candidates.
+
+        Looking up in host memory is never faster (``host_lookup_bandwidth <= lookup_bandwidth``): a twin's
+        per-rank time is then at least its device placement's, element for element, so placing by time it
+        can only win, or be the runner-up, where that placement does not fit, or where no other sharding type
+        competes. Elsewhere its terms are skipped: the choices and runner-ups are those of scoring it.
+        """
+        hw = self.topology.hardware
+        every = (mode != "time" or hw.host_lookup_bandwidth > hw.lookup_bandwidth  # type: ignore[union-attr]
+                 or len({c.kind for c, _ in pairs}) < 2)
+        out = []
+        for c, host in pairs:
+            if host is None:
+                continue
+            if host.terms is None and (every or not c.fits):
+                host.terms = placement_terms(self._model, stats[unit[0]], c.sharding, host_only=True)
+                host.sharding = in_host_memory(c.sharding)
+            if host.terms is not None:
+                out.append((len(pairs) + len(out), host))  # the index it has among all candidates
+            else:
+                out.append((len(pairs) + len(out), None))
+        return [(n, h) for n, h in out if h is not None]
+
+    def _score(self, cands: list[tuple[int, Candidate]], tot: np.ndarray, used: np.ndarray,
+               host_used: np.ndarray, remaining: float, mode: str) -> None:
+        score(cands, self.topology, tot, used, host_used, remaining, mode)
 
     def _plan(self, stats: list[TableStats]) -> PlanReport:
         self._check_names(stats)
-        self._base: dict[tuple[int, ...], Load] = {}
+        self._base: dict[tuple[int, ...], tuple[float, float]] = {}
+        self._kinds: dict[tuple[int, ...], list[ShardingType]] = {}  # the sharding types each unit may use
+        self._scratch = self._model.empty()  # per-part arrays filled and read within one step, not kept
         topo, model = self.topology, self._model
         total = model.empty()
         choices: list[TableChoice | None] = [None] * len(stats)
@@ -356,6 +351,7 @@ class Planner:
                     choices[i] = self._choice(stats[i], c.placement, load, False, fixed=True)
             elif unit:
                 units.append(unit)
+        self._prepare(stats, units)
         self._check_total(stats, units, total)
         if topo.replicas > 1 and any(s.grads == "fused" for s in stats):
             notes.append("fused tables under replica groups look up the union of the replicas' batches; the "
@@ -377,33 +373,26 @@ class Planner:
         """Units largest first (memory and work shares), and each one's least total work (its table-wise cost)."""
         mem, work = [], []
         for unit in units:
-            load = self._base_load(stats, unit)
-            mem.append(load.mem.sum())
-            work.append(load.time.sum())
+            m, w = self._base_size(stats, unit)
+            mem.append(m)
+            work.append(w)
         mem_a, work_a = np.array(mem), np.array(work)
         size = mem_a / max(mem_a.sum(), 1e-30) + work_a / max(work_a.sum(), 1e-30)
         order = np.lexsort((np.arange(len(units)), -size))
         return [units[i] for i in order], [float(work_a[i]) for i in order]
 
     def _greedy(self, stats, units, total: Load, choices: list, mode: str) -> str | None:
-        topo = self.topology
-        budget = np.inf if topo.device_memory is None else topo.device_memory
         ordered, work = self._order(stats, units)
         remaining = float(sum(work))
         for unit, own_work in zip(ordered, work):
             remaining -= own_work
             allowed = self._allowed(stats, unit)
             tot, used = total.time.sum(0), total.mem.sum(0)
-            cands = self._candidates(stats, unit, allowed, tot, used, total.host)
-            for n, c in enumerate(cands):
-                new = tot + c.time
-                # the slowest rank can end no lower than the mean work once every table is placed: judging by that
-                # bound keeps the greedy from spreading early tables thin at the cost of total work
-                projected = max(new.max(), (new.sum() + max(remaining, 0.0)) / len(new))
-                if mode == "time":
-                    c.key = (projected, new.sum(), n)
-                else:
-                    c.key = ((used + c.mem).max() / (budget if np.isfinite(budget) else 1.0), projected, n)
+            pairs = self._candidates(stats, unit, allowed, tot, used)
+            self._score(list(enumerate(c for c, _ in pairs)), tot, used, total.host, remaining, mode)
+            twins = self._twins(stats, unit, pairs, mode)
+            self._score(twins, tot, used, total.host, remaining, mode)
+            cands = [c for c, _ in pairs] + [h for _, h in twins]
             if not cands:
                 raise PlannerError(self._no_candidate(stats, unit, allowed))
             fitting = sorted((c for c in cands if c.fits), key=lambda c: c.key)
@@ -411,7 +400,7 @@ class Planner:
                 return self._no_fit(stats, unit, cands, total, sum(x is not None for x in choices))
             best = fitting[0]
             if best.load is None:  # the candidates of one table carry only sums over the parts
-                best.load = self._unit_load(stats, unit, best.sharding, best.offload)
+                best.load = load_of(self._model, best.terms, self._scratch)
             total += best.load
             # the runner-up is the best other sharding type; another placement of the same type only if none
             others = sorted((c for c in cands if c is not best), key=lambda c: (c.kind == best.kind, not c.fits, c.key))
@@ -422,20 +411,11 @@ class Planner:
                 if others:
                     ru = others[0]
                     ch.runner_up = placement_label(ru.sharding) + (" [host mem]" if ru.offload else "")
-                    ch.rejected_because = ru.short if not ru.fits else self._why(best, ru, tot)
+                    ch.rejected_because = ru.short if not ru.fits else why(best, ru)
                 else:
                     ch.rejected_because = "the only allowed placement"
                 choices[i] = ch
         return None
-
-    @staticmethod
-    def _why(best: _Candidate, other: _Candidate, tot: np.ndarray) -> str:
-        b, o = tot + best.time, tot + other.time
-        if o.max() > b.max():
-            return f"slowest rank {1e3 * o.max():.3f} ms instead of {1e3 * b.max():.3f} ms"
-        if o.sum() > b.sum():
-            return f"same slowest rank, {1e3 * (o.sum() - b.sum()):.3f} ms more work over all ranks"
-        return "placed by memory balance instead"
 
     def _check_total(self, stats, units, fixed: Load) -> None:
         topo = self.topology
@@ -445,7 +425,7 @@ class Planner:
         capacity = M * topo.device_memory + (0 if topo.host_memory is None else topo.num_hosts * topo.host_memory)
         needs = []
         for unit in units:
-            needs.append((float(self._base_load(stats, unit).mem.sum()), unit))
+            needs.append((float(self._base_size(stats, unit)[0]), unit))
         need = sum(n for n, _ in needs) + float(fixed.mem.sum())
         if need > capacity:
             big = sorted(needs, key=lambda x: -x[0])[:5]
@@ -477,9 +457,10 @@ class Planner:
                 + ". Allow another sharding type for it")
 
     def _no_fit(self, stats, unit, cands, total: Load, placed: int) -> str:
-        best = min(cands, key=lambda c: (c.mem + total.mem.sum(0)).max())
+        used, M = total.mem.sum(0), self.topology.model_parallel_size
+        best = min(cands, key=lambda c: (c.terms.mem_on(M) + used).max())
         names = [stats[i].label for i in unit]
-        need = (best.mem + total.mem.sum(0)).max()
+        need = (best.terms.mem_on(M) + used).max()
         missing = need - self.topology.device_memory  # type: ignore[operator]
         return (
             f"no placement of table{'s' if len(unit) > 1 else ''} {names} fits in device memory after {placed} other "
