@@ -3,7 +3,8 @@
 Both are plain functions of a :class:`~lightning_rec.sharding.routing.RoutingTable` and a process group;
 the sharded collections call them as ``input_dist -> lookup -> output_dist`` (see
 docs/ARCHITECTURE.md, "One lookup, walked through"). Every tensor they create lives on ``device``, the
-module's device, so the same code runs over gloo on CPU and over NCCL (or gloo) on CUDA.
+module's device, so the same code runs over gloo on CPU and over NCCL (or gloo) on CUDA. Under
+``torch.compile`` the two stages run eagerly (a graph break each, see ``comm``); the lookup between them compiles.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def _bucketize(vals: torch.Tensor, lens: torch.Tensor, starts: tuple[int, ...], 
     return counts, counts.sum(1), vals[order] - st[bucket[order]], order
 
 
+@torch.compiler.disable
 def input_dist(
     kjt: KeyedJaggedTensor,
     weights: torch.Tensor | None,
@@ -182,6 +184,7 @@ def _bucketed_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, rout
     return cat(send_lengths, torch.long), cat(send_values, torch.long), send_w, sent, value_counts, positions
 
 
+@torch.compiler.disable
 def pooled_output_dist(
     pooled: torch.Tensor, routing: RoutingTable, batches: list[int], b: int, group: dist.ProcessGroup
 ) -> list[torch.Tensor]:
@@ -201,6 +204,7 @@ def pooled_output_dist(
     return [blk.view(b, w) for blk, w in zip(torch.split(flat, [b * w for w in cols_from]), cols_from)]
 
 
+@torch.compiler.disable
 def sequence_output_dist(
     embs: list[torch.Tensor],
     recv: Received,
