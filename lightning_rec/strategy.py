@@ -67,6 +67,11 @@ class RecShardedStrategy(DDPStrategy):
         trusted_checkpoints: load checkpoints with full unpickling, which runs any code the files name. Only
             for checkpoints you wrote whose hyper-parameters or callback states hold arbitrary objects; by
             default loading refuses such files (``UnsafeCheckpointError``) and never runs code from them.
+        compile: ``torch.compile`` the LightningModule's forward after sharding (in place, as
+            ``nn.Module.compile``; state_dict keys unchanged): True, or a dict of ``torch.compile`` options
+            (default ``{"dynamic": True}``: batch sizes and bag lengths change every step). The dense part and
+            the local lookups compile; each sharded collection's collectives run eagerly, one graph break each
+            (docs/ARCHITECTURE.md, "torch.compile"). ``Trainer.fit(torch.compile(model))`` works too.
     """
 
     strategy_name = "rec_sharded"
@@ -81,6 +86,7 @@ class RecShardedStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(seconds=1800),
         trusted_checkpoints: bool = False,
+        compile: bool | dict[str, Any] = False,
         **kwargs: Any,
     ) -> None:
         start_method = kwargs.pop("start_method", "popen")
@@ -101,6 +107,11 @@ class RecShardedStrategy(DDPStrategy):
         self.embedding_optimizer = as_spec(embedding_optimizer)
         self.mesh_info: MeshInfo | None = None
         self.trusted_checkpoints = trusted_checkpoints
+        if not isinstance(compile, (bool, dict)):
+            raise TypeError(f"compile must be a bool or a dict of torch.compile options, got {type(compile).__name__}")
+        self.compile_options: dict[str, Any] | None = (
+            {"dynamic": True, **compile} if isinstance(compile, dict) else {"dynamic": True} if compile else None
+        )
 
     @property
     @override
@@ -166,6 +177,8 @@ class RecShardedStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self._shard()  # before DDP and before the optimizers see the parameters
+        if self.compile_options is not None:
+            self.lightning_module.compile(**self.compile_options)  # traced lazily, on the sharded modules
         # "*-true" precision converts the dense model; tables keep the dtype their config fixed
         target = precision_target_dtype(self.precision_plugin)
         for m in self.lightning_module.modules():

@@ -120,7 +120,10 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         parts: list[torch.Tensor] = []
         maps: list[torch.Tensor] = []
         if routing.dp_tables:
-            parts.append(self._dp_lookup(kjt))
+            # (results go to a local first: a graph break inside a call whose caller holds a fresh bound method
+            # on its stack makes torch.compile recompile the resumed code at every step)
+            dp_pooled = self._dp_lookup(kjt)
+            parts.append(dp_pooled)
             maps.append(routing.colmap_parts[0])
         if routing.has_model_parallel:
             recv = self.input_dist(kjt, batches)
@@ -193,7 +196,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
         pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in layout.feature_names]
         if routing.has_model_parallel:
             recv = self.input_dist(kjt, batches)
-            pieces = self.output_dist(self.lookup(recv), recv)
+            embs_mp = self.lookup(recv)  # a local first, as in the pooled forward
+            pieces = self.output_dist(embs_mp, recv)
         out = {}
         for f, name in enumerate(layout.feature_names):
             if f in results:
