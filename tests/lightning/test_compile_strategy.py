@@ -17,6 +17,16 @@ PLAN = ShardingPlan({"ebc": {"user": row_wise(), "item": column_wise(ranks=[1, 0
 OPTIONS = {"backend": "aot_eager"}
 
 
+class _UnloggedClickModule(ClickModule):
+    """ClickModule without ``self.log`` in ``training_step``: ``Trainer.fit(torch.compile(model))`` compiles
+    ``training_step`` too, and dynamo (torch 2.13) fails inside Lightning's ``self.log`` with an
+    InternalTorchDynamoError, on one device with the default strategy as well (not a sharding matter)."""
+
+    def training_step(self, batch, _):
+        kjt, y = batch
+        return torch.nn.functional.binary_cross_entropy_with_logits(self(kjt), y)
+
+
 def _fit(strategy: RecShardedStrategy, model: L.LightningModule | torch.nn.Module) -> None:
     L.Trainer(accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
@@ -30,7 +40,7 @@ def _job(rank: int, ws: int) -> dict:
     strategy = RecShardedStrategy(compile=OPTIONS)
     _fit(strategy, by_strategy)
     # Lightning's usual way: compile the module, then fit (the strategy shards it before the first trace)
-    by_user = ClickModule(plan=PLAN)
+    by_user = _UnloggedClickModule(plan=PLAN)
     _fit(RecShardedStrategy(), torch.compile(by_user, dynamic=True, **OPTIONS))
     return {
         "states": [full_state_dict(m) for m in (eager, by_strategy, by_user)],
