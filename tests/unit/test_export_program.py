@@ -138,3 +138,16 @@ def test_fx_symbolic_trace_of_the_lightning_dlrm() -> None:
     # a dotted table name has no fx module path: a clear error names it and the way out (fx_trace renames)
     with pytest.raises(ValueError, match=r"'geo.city'.*fx_trace"):
         torch.fx.symbolic_trace(_dlrm())
+
+
+def test_inference_copy_of_a_compiled_model_is_not_compiled() -> None:
+    # RecShardedStrategy(compile=...) compiles the module in place (nn.Module.compile): the copy that
+    # export_program traces must not carry the compiled call along
+    model = _dlrm()
+    model.compile(backend="eager")
+    copy = inference_model(model)
+    assert copy._compiled_call_impl is None and model._compiled_call_impl is not None
+    x = _batch(list(CARDS), list(CARDS.values()), 3, 2, 0)
+    kjt = KeyedJaggedTensor(list(CARDS), x[1], lengths=x[2])
+    model.eval()
+    torch.testing.assert_close(copy(x[0], kjt), model(x[0], kjt))
