@@ -14,14 +14,21 @@ apart. Methods alternate within each round (shuffled order), ``--iters`` steps e
 median over rounds of the per-round ratio, so slow phases of a shared machine hit both sides alike. One
 thread by default (``--threads``).
 
+``--sharded``: the same step for the DLRM sharded over 2 gloo processes (tables round-robin table-wise,
+row-wise, column-wise, data-parallel), eager vs ``torch.compile(model, dynamic=True)`` after sharding (what
+``RecShardedStrategy(compile=True)`` does); each rank takes its own batches, rank 0's times are reported.
+The collectives run eagerly in both (graph breaks), so the ratio shows what compiling the rest buys.
+
 Usage:
     python benchmarks/bench_compile.py                                  # full size
+    python benchmarks/bench_compile.py --sharded --out benchmarks/results/compile_sharded.md
     python benchmarks/bench_compile.py --tables 4 --rows 1000 --batch 64 --rounds 2 --iters 2   # smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import random
 import statistics
@@ -35,8 +42,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from lightning_rec import KeyedJaggedTensor
+from lightning_rec import KeyedJaggedTensor, ShardingPlan
 from lightning_rec.models import DLRM
+from lightning_rec.sharding import column_wise, data_parallel, row_wise, shard_modules, table_wise
+from lightning_rec.testing import run_distributed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,11 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=str, default=None, help="also write the markdown table here")
+    p.add_argument("--sharded", action="store_true", help="2 gloo processes, the tables sharded")
+    p.add_argument("--backend", type=str, default="inductor")
     return p.parse_args(argv)
 
 
 def make_batches(args: argparse.Namespace) -> list[tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(getattr(args, "seed", 0))
     keys = [f"cat_{i}" for i in range(args.tables)]
     out = []
     for _ in range(args.pool):
@@ -77,35 +88,46 @@ def step(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
     return loss
 
 
-def main(argv: list[str] | None = None) -> str:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+def make_model(args: argparse.Namespace) -> DLRM:
     torch.manual_seed(0)
     keys = [f"cat_{i}" for i in range(args.tables)]
-    model = DLRM(num_dense=args.dense, feature_names=keys, num_embeddings_per_feature=[args.rows] * args.tables,
-                 embedding_dim=args.dim, dense_arch_layer_sizes=[64, args.dim], over_arch_layer_sizes=[64, 32, 1],
-                 kernel="torch", sparse_grad=False)
+    return DLRM(num_dense=args.dense, feature_names=keys, num_embeddings_per_feature=[args.rows] * args.tables,
+                embedding_dim=args.dim, dense_arch_layer_sizes=[64, args.dim], over_arch_layer_sizes=[64, 32, 1],
+                kernel="torch", sparse_grad=False)
+
+
+def _sharded_rank(rank: int, ws: int, args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    kinds = [table_wise(rank=0), row_wise(), column_wise(ranks=[1, 0]), data_parallel()]
+    plan = ShardingPlan({"sparse_arch.embedding_bag_collection": {
+        f"cat_{i}": (table_wise(rank=i % ws) if i % 4 == 0 else kinds[i % 4]) for i in range(args.tables)}})
+    eager = shard_modules(make_model(args), plan)
+    model = shard_modules(make_model(args), plan)
+    args.seed = 1 + rank  # each rank its own batches
     batches = make_batches(args)
     torch._dynamo.reset()
     torch._dynamo.config.capture_scalar_outputs = True
-    compiled = torch.compile(model, fullgraph=True)
+    compiled = torch.compile(model, dynamic=True, backend=args.backend)
+    return _measure(args, eager, compiled, model, batches, rank)
 
-    # correctness and compile time first: every pooled batch once (recompiles, if any, happen here)
+
+def _measure(args: argparse.Namespace, model: torch.nn.Module, compiled: torch.nn.Module, compiled_base: torch.nn.Module,
+             batches: list, rank: int = 0) -> dict:
+    """Check and compile (every pooled batch once), then alternate eager and compiled rounds."""
     start = time.perf_counter()
     for b in batches:
         loss_c = step(compiled, b)
-        grads_c = [p.grad.clone() for p in model.parameters()]
         loss_e = step(model, b)
         torch.testing.assert_close(loss_c, loss_e, rtol=1e-4, atol=1e-5)
-        for gc, p in zip(grads_c, model.parameters()):
-            torch.testing.assert_close(gc, p.grad, rtol=1e-4, atol=1e-5)
+        for gc, ge in zip(compiled_base.parameters(), model.parameters()):
+            if ge.grad is not None:
+                torch.testing.assert_close(gc.grad, ge.grad, rtol=1e-4, atol=1e-5)
     compile_s = time.perf_counter() - start
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
     methods = {"eager": model, "compiled": compiled}
     times: dict[str, list[float]] = {m: [] for m in methods}
     ratios = []
-    rng = random.Random(0)
+    rng = random.Random(0)  # the same order on every rank: both run the same method at the same time
     i = 0
     for r in range(args.warmup + args.rounds):
         order = list(methods)
@@ -121,13 +143,32 @@ def main(argv: list[str] | None = None) -> str:
             for name, ms in this.items():
                 times[name].append(ms)
             ratios.append(this["compiled"] / this["eager"])
+    return {"times": times, "ratios": ratios, "compile_s": compile_s, "graphs": graphs}
 
+
+def main(argv: list[str] | None = None) -> str:
+    args = parse_args(argv)
+    load = os.getloadavg()[0]
+    if args.sharded:
+        res = run_distributed(_sharded_rank, 2, args, timeout_s=3600)[0]
+        what = f"sharded over 2 gloo processes (per rank: batch {args.batch}), {args.backend}, dynamic=True"
+    else:
+        torch.set_num_threads(args.threads)
+        model = make_model(args)
+        batches = make_batches(args)
+        torch._dynamo.reset()
+        torch._dynamo.config.capture_scalar_outputs = True
+        compiled = torch.compile(model, fullgraph=True)
+        res = _measure(args, model, compiled, model, batches)
+        what = "one process, inductor, fullgraph=True"
+    times, ratios, compile_s, graphs = res["times"], res["ratios"], res["compile_s"], res["graphs"]
     lines = [
-        f"DLRM step (forward + BCE + backward), CPU, {args.threads} thread(s), torch {torch.__version__}, "
-        f"{platform.processor() or platform.machine()}",
+        f"DLRM step (forward + BCE + backward), CPU, {what}, {args.threads} thread(s) per process, "
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}",
         f"{args.tables} tables x {args.rows} rows x {args.dim} dims, batch {args.batch}, bags 0..{args.max_bag}, "
         f"{args.rounds} rounds x {args.iters} steps; compile + check of {args.pool} batches: {compile_s:.1f}s "
-        f"({graphs} graph(s) compiled for {args.pool} batches)",
+        f"({graphs} graph(s) compiled for {args.pool} batches); load average {load:.1f} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end (2 cores)",
         "",
         "| method | median ms/step |",
         "| --- | --- |",

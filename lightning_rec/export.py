@@ -266,7 +266,7 @@ def inference_model(model: nn.Module) -> nn.Module | None:
     # trainer, the device mesh and the cached fused optimizer (which hold process groups and fbgemm kernels)
     memo: dict[int, Any] = {id(m): _unsharded_twin(m, full, f"{path}." if path else "") for path, m in sharded}
     for sub in model.modules():
-        for name in ("_trainer", "_device_mesh", "_lightning_rec_fused_optimizer", "_fabric"):
+        for name in ("_trainer", "_device_mesh", "_lightning_rec_fused_optimizer", "_fabric", "_compiled_call_impl"):
             value = sub.__dict__.get(name)
             if value is not None:
                 memo[id(value)] = None
@@ -403,14 +403,9 @@ def _num_dense(model: nn.Module, num_dense: int | str | None) -> int | None:
 
 def _trace(model: nn.Module, keys: Sequence[str] | None, num_dense: int | None, weighted: bool,
            batch_size: int) -> tuple[torch.export.ExportedProgram, dict[str, Any]]:
-    keys, rows, features = _keys(model, keys)
-    # a collection given other keys reorders the KJT (KeyedJaggedTensor.permute), which needs the ids per key
-    # as Python ints: torch.export has them only as symbols, so today every collection must read exactly `keys`
-    other = {path or "<model>": f for path, f in features.items() if f != keys}
-    if other:
-        raise ValueError(f"export_program: the program's keys are {keys}, but collections {other} read other "
-                         "features or another order; give keys= in the collection's config order (a model whose "
-                         "collections read different features cannot be exported yet)")
+    keys, rows, _ = _keys(model, keys)
+    # a collection reading other features (or another order) permutes the KJT: its per-key id counts are
+    # symbols in the program (KeyedJaggedTensor keeps them symbolic), so any mix of collections exports
     _rename_tables(model)
     wrapper = TensorInputs(model, keys, num_dense, weighted)
     example = _example(keys, rows, num_dense, weighted, batch_size)
@@ -447,8 +442,7 @@ def export_program(
         model: the trained model, sharded (collective: every rank calls this; rank 0 writes) or not.
         path: the file to write (``.pt2``); it appears only when complete.
         keys: the features, in the order ``lengths`` lists them (default: the features of the model's
-            embedding collections, in config order). Every collection must read exactly these, in this order:
-            reordering a KJT inside the program is not traceable yet, so other keys raise a ValueError.
+            embedding collections, in config order, each once). Collections may read any of them in any order.
         num_dense: dense features (the model is called as ``model(dense, kjt)``); ``"auto"`` reads the
             model's ``num_dense`` attribute; None: no dense input, the model is called as ``model(kjt)``.
         weighted: a fourth input, ``weights [N]``, becomes the KJT's per-id weights.

@@ -188,7 +188,13 @@ class _CollectionBase(nn.Module):
                 t.init_weight(w)
 
     def _traced_tables(self) -> list[torch.Tensor]:
-        return [self._table_modules()[t.name].weight for t in self._layout.tables]
+        container = self._table_modules()
+        # fx names a parameter by its dotted module path: a table named "geo.city" has no such path
+        dotted = [name for name in container._modules if "." in name]
+        if dotted:
+            raise ValueError(f"torch.fx cannot address tables {dotted}: their names hold a '.', which fx reads as a "
+                             "module path. Trace with lightning_rec.export.fx_trace(model), which renames them")
+        return [container[t.name].weight for t in self._layout.tables]
 
 
 class EmbeddingBagCollection(_CollectionBase):

@@ -75,6 +75,11 @@ class RecShardedStrategy(DDPStrategy):
             (a new or modified one is looked up unpipelined, with a warning). Batches reach the device before
             ``on_before_batch_transfer`` runs. Not with managed-collision modules (refused). Off by default:
             no speed-up could be shown on the shared 2-core CPU machine (``benchmarks/results/pipeline.md``).
+        compile: ``torch.compile`` the LightningModule's forward after sharding (in place, as
+            ``nn.Module.compile``; state_dict keys unchanged): True, or a dict of ``torch.compile`` options
+            (default ``{"dynamic": True}``: batch sizes and bag lengths change every step). The dense part and
+            the local lookups compile; each sharded collection's collectives run eagerly, one graph break each
+            (docs/ARCHITECTURE.md, "torch.compile"). ``Trainer.fit(torch.compile(model))`` works too.
     """
 
     strategy_name = "rec_sharded"
@@ -90,6 +95,7 @@ class RecShardedStrategy(DDPStrategy):
         timeout: timedelta | None = timedelta(seconds=1800),
         trusted_checkpoints: bool = False,
         pipeline: bool = False,
+        compile: bool | dict[str, Any] = False,
         **kwargs: Any,
     ) -> None:
         start_method = kwargs.pop("start_method", "popen")
@@ -112,6 +118,11 @@ class RecShardedStrategy(DDPStrategy):
         self.trusted_checkpoints = trusted_checkpoints
         self.pipeline = pipeline
         self._prefetcher: InputPrefetcher | None = None
+        if not isinstance(compile, (bool, dict)):
+            raise TypeError(f"compile must be a bool or a dict of torch.compile options, got {type(compile).__name__}")
+        self.compile_options: dict[str, Any] | None = (
+            {"dynamic": True, **compile} if isinstance(compile, dict) else {"dynamic": True} if compile else None
+        )
 
     @property
     @override
@@ -177,6 +188,8 @@ class RecShardedStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self._shard()  # before DDP and before the optimizers see the parameters
+        if self.compile_options is not None:
+            self.lightning_module.compile(**self.compile_options)  # traced lazily, on the sharded modules
         # "*-true" precision converts the dense model; tables keep the dtype their config fixed
         target = precision_target_dtype(self.precision_plugin)
         for m in self.lightning_module.modules():

@@ -146,7 +146,8 @@ class DLRM(RecModule):
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """Logits ``[B]``."""
-        if dense.dim() != 2 or dense.size(1) != self.num_dense:
+        # a torch.fx Proxy is no Tensor: the check is skipped while fx traces (it cannot branch on a Proxy)
+        if isinstance(dense, torch.Tensor) and (dense.dim() != 2 or dense.size(1) != self.num_dense):
             raise ValueError(f"dense features must be [batch, {self.num_dense}], got {tuple(dense.shape)}")
         d = self.dense_arch(dense)
         s = self.sparse_arch(sparse)

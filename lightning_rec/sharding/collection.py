@@ -354,6 +354,7 @@ class ShardedCollection(nn.Module):
             raise
         return _Begun(kjt, pending)
 
+    @torch.compiler.disable  # stage 1 is collectives (and host-side bookkeeping): eager, one graph break
     def _begin(self, features: KeyedJaggedTensor) -> _Begun:
         """Stage 1 of a forward: the prefetched input dist of ``features`` if a pipeline started it, else a new one."""
         for i, (prefetched, versions, begun) in enumerate(self._prefetched):

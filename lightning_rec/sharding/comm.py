@@ -2,6 +2,10 @@
 
 Every forward collective defines its backward next to it. Embedding gradients are scaled in exactly one
 place, :func:`embedding_grad`, used alike by data-parallel replicas and by shards of sharded tables.
+
+Under ``torch.compile`` the public collectives run eagerly (``torch.compiler.disable``: one graph break
+each). Their split sizes are read back from tensors (sizes before payloads), which dynamo could trace only
+as unbacked symbols, recompiling or breaking the graph at every read; eager, they are exact and cheap.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class _AllToAll(torch.autograd.Function):
         return (back if ctx.x_grad else None), None, None, None, None
 
 
+@torch.compiler.disable
 def all_to_all(
     x: torch.Tensor,
     out_splits: list[int],
@@ -80,6 +85,7 @@ def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+@torch.compiler.disable
 def all_gather_ints(
     values: list[int], group: dist.ProcessGroup | None, device: torch.device | str | None = None
 ) -> list[list[int]]:
@@ -136,6 +142,7 @@ class _OwnRowsOfUnion(torch.autograd.Function):
         return (union if ctx.union_grad else None), None, None, None
 
 
+@torch.compiler.disable
 def gather_union(x: torch.Tensor, counts: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     """The rows of every rank of ``group`` stacked in group-rank order (rank i holds ``counts[i]`` rows).
 
@@ -153,6 +160,7 @@ def gather_union(x: torch.Tensor, counts: list[int], group: dist.ProcessGroup) -
     return _all_gather_rows(x, list(counts), group)
 
 
+@torch.compiler.disable
 def own_rows_of_union(union: torch.Tensor, counts: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     """This rank's rows of a union batch computed on every rank; backward all-gathers every rank's row gradients.
 
@@ -262,4 +270,11 @@ def embedding_grad(
         reduce_group = None
     if not weights or not any(w.requires_grad for w in weights) or (reduce_group is None and scale == 1.0):
         return list(weights)
+    return _apply_embedding_grad(weights, ids, reduce_group, scale)
+
+
+@torch.compiler.disable  # a graph break only where a reduction or a scale is applied
+def _apply_embedding_grad(
+    weights: list[torch.Tensor], ids: list[torch.Tensor], reduce_group: dist.ProcessGroup | None, scale: float
+) -> list[torch.Tensor]:
     return list(_EmbeddingGrad.apply(reduce_group, scale, len(weights), *weights, *[i.detach().long() for i in ids]))

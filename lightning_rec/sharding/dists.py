@@ -3,7 +3,8 @@
 Both are plain functions of a :class:`~lightning_rec.sharding.routing.RoutingTable` and a process group;
 the sharded collections call them as ``input_dist -> lookup -> output_dist`` (see
 docs/ARCHITECTURE.md, "One lookup, walked through"). Every tensor they create lives on ``device``, the
-module's device, so the same code runs over gloo on CPU and over NCCL (or gloo) on CUDA.
+module's device, so the same code runs over gloo on CPU and over NCCL (or gloo) on CUDA. Under
+``torch.compile`` the two stages run eagerly (a graph break each, see ``comm``); the lookup between them compiles.
 """
 
 from __future__ import annotations
@@ -207,6 +208,7 @@ class PendingInputDist:
         self._received = received
         self._parts = parts
 
+    @torch.compiler.disable
     def wait(self) -> Received:
         if self._received is None:
             self._received = _unpack(**self._parts)
@@ -332,6 +334,7 @@ def _unpack(work, buf, batches, ids_from, sent, positions, packed_dtype, separat
                     sent=sent, batches=batches)
 
 
+@torch.compiler.disable
 def input_dist(
     kjt: KeyedJaggedTensor,
     weights: torch.Tensor | None,
@@ -346,6 +349,7 @@ def input_dist(
                             async_op=False).wait()
 
 
+@torch.compiler.disable
 def pooled_output_dist(
     pooled: torch.Tensor, routing: RoutingTable, batches: list[int], b: int, group: dist.ProcessGroup
 ) -> list[torch.Tensor]:
@@ -365,6 +369,7 @@ def pooled_output_dist(
     return [blk.view(b, w) for blk, w in zip(torch.split(flat, [b * w for w in cols_from]), cols_from)]
 
 
+@torch.compiler.disable
 def sequence_output_dist(
     embs: list[torch.Tensor],
     recv: Received,

@@ -123,7 +123,10 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         parts: list[torch.Tensor] = []
         maps: list[torch.Tensor] = []
         if routing.dp_tables:
-            parts.append(self._dp_lookup(kjt))
+            # (results go to a local first: a graph break inside a call whose caller holds a fresh bound method
+            # on its stack makes torch.compile recompile the resumed code at every step)
+            dp_pooled = self._dp_lookup(kjt)
+            parts.append(dp_pooled)
             maps.append(routing.colmap_parts[0])
         recv = begun.wait()  # the ids travelled while the data-parallel tables looked up
         if recv is not None:
@@ -198,7 +201,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
         pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in layout.feature_names]
         recv = begun.wait()
         if recv is not None:
-            pieces = self.output_dist(self.lookup(recv), recv)
+            embs_mp = self.lookup(recv)  # a local first, as in the pooled forward
+            pieces = self.output_dist(embs_mp, recv)
         out = {}
         for f, name in enumerate(layout.feature_names):
             if f in results:

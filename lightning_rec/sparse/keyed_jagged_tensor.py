@@ -27,6 +27,10 @@ from lightning_rec.sparse._utils import (
 from lightning_rec.sparse.jagged_tensor import JaggedTensor
 
 
+def _as_int(x: object) -> int | torch.SymInt:
+    return x if isinstance(x, torch.SymInt) else int(x)  # type: ignore[call-overload]
+
+
 class KeyedJaggedTensor(metaclass=SparseMeta):
     """Sparse features of one batch: for each key (feature) and each sample, a bag of ids.
 
@@ -119,10 +123,11 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
         self._stride_per_key = spk
         self._lengths_offset_per_key = cumsum_list(spk)
         self._length_per_key: list[int] | None = None
+        # symbolic sizes (torch.export, torch.compile) stay symbols: int() would guard on a data-dependent value
         if length_per_key is not None:
-            self._length_per_key = [int(x) for x in length_per_key]
+            self._length_per_key = [_as_int(x) for x in length_per_key]
         elif offset_per_key is not None:
-            self._length_per_key = [int(b - a) for a, b in itertools.pairwise(offset_per_key)]
+            self._length_per_key = [_as_int(b - a) for a, b in itertools.pairwise(offset_per_key)]
         if check and self._length_per_key is not None and (
             len(self._length_per_key) != len(keys) or sum(self._length_per_key) != values.size(0)
         ):
