@@ -20,6 +20,8 @@ from typing import Any
 
 import torch.fx
 
+from lightning_rec.sparse import KeyedTensor
+
 # torchrec module -> lightning_rec modules searched in order for each attribute
 _SOURCES: dict[str, list[str]] = {
     "torchrec": ["lightning_rec"],
@@ -65,14 +67,11 @@ def _skip_if_asan(func: Callable) -> Callable:
     return func
 
 
-def _regroup(keyed_tensors: list, groups: list) -> list:
-    return importlib.import_module("lightning_rec.sparse").KeyedTensor.regroup(keyed_tensors, groups)
-
-
 _EXTRA: dict[str, dict[str, Any]] = {
     # TorchRec's several implementations of KeyedTensor.regroup (fbgemm ops, fused permutes), one here
     "torchrec.sparse.jagged_tensor": dict.fromkeys(
-        ("regroup_kts", "_regroup_keyed_tensors", "permute_multi_embedding", "_fbgemm_permute_pooled_embs"), _regroup
+        ("regroup_kts", "_regroup_keyed_tensors", "permute_multi_embedding", "_fbgemm_permute_pooled_embs"),
+        KeyedTensor.regroup,
     ),
     "torchrec.fx": {"symbolic_trace": torch.fx.symbolic_trace, "Tracer": torch.fx.Tracer},
     "torchrec.test_utils": {"skip_if_asan_class": _skip_if_asan_class, "skip_if_asan": _skip_if_asan},

@@ -81,6 +81,19 @@ def lengths_and_offsets(
     return lengths, offsets
 
 
+def script_lengths_and_offsets(
+    lengths: torch.Tensor | None, offsets: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lengths_and_offsets`` under TorchScript: the arithmetic only (no checks, as in TorchRec)."""
+    if lengths is None:
+        if offsets is None:
+            raise ValueError("needs `lengths` or `offsets`")
+        return offsets[1:] - offsets[:-1], offsets
+    if offsets is None:
+        return lengths, offsets_from_lengths(lengths)
+    return lengths, offsets
+
+
 def segment_gather_index(starts: torch.Tensor, lens: torch.Tensor, total: int | None = None) -> torch.Tensor:
     """Index that concatenates segments ``[starts[i], starts[i] + lens[i])`` in order, without a loop."""
     if total is None:
