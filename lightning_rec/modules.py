@@ -114,6 +114,7 @@ class FeatureLayout:
                 lengths=features.lengths().long(), stride=features.stride(), length_per_key=features.length_per_key(),
             )
         if checks_enabled() and features.values().device.type != "meta":
+            features = _drop_trailing(features)
             kernels.validate_ids(
                 features.values(), features.length_per_key(), self.rows, self.feature_names, self.feature_table_names
             )
@@ -132,6 +133,17 @@ class FeatureLayout:
             return (pooled.view(batch_size, n, self.dims[0]) / div).view(batch_size, n * self.dims[0])
         div = kernels.mean_divisor(lengths, self.dims, self.is_mean, batch_size)
         return pooled / div.to(pooled.dtype)
+
+
+def _drop_trailing(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """Without the values / weights past the last bag (TorchRec allows them; they belong to no bag)."""
+    lpk = kjt.length_per_key()  # needed by the id check anyway (cached)
+    n = sum(lpk)
+    v, w = kjt.values(), kjt.weights_or_none()
+    if v.size(0) == n and (w is None or w.size(0) == n):
+        return kjt
+    return KeyedJaggedTensor(kjt.keys(), v[:n], weights=None if w is None else w[:n], lengths=kjt.lengths(),
+                             offsets=kjt.offsets(), stride=kjt.stride(), length_per_key=lpk)
 
 
 def _expand_variable_batch(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:

@@ -37,9 +37,19 @@ def _check_integer(name: str, t: torch.Tensor, what: str) -> None:
 
 
 def lengths_and_offsets(
-    values: torch.Tensor, lengths: torch.Tensor | None, offsets: torch.Tensor | None, what: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both of ``lengths`` / ``offsets`` from whichever was given, checked against ``values`` when eager."""
+    values: torch.Tensor,
+    lengths: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+    what: str,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Both of ``lengths`` / ``offsets`` from whichever was given, checked against ``values`` when eager; and
+    the number of entries the bags cover (-1 when not checked: under torch.compile, or on the meta device).
+
+    As in TorchRec, ``values`` (and ``weights``) may run past the last bag: those trailing entries belong to no
+    bag (every method reads bags through the offsets; the lookups drop them). Fewer entries than the bags
+    cover is an error.
+    """
     if lengths is None and offsets is None:
         if values.numel() == 0:  # TorchRec's ``KeyedJaggedTensor([], torch.Tensor())``: nothing to cut
             lengths = torch.zeros(0, dtype=torch.int32, device=values.device)
@@ -74,11 +84,16 @@ def lengths_and_offsets(
         lengths = offsets[1:] - offsets[:-1]
         if check and lengths.numel() and int(lengths.min()) < 0:
             raise SparseInputError(f"{what}: `offsets` must be non-decreasing")
+    total = -1
     if check:
         total = int(offsets[-1])
-        if total != values.size(0):
-            raise SparseInputError(f"{what}: lengths sum to {total} but `values` has {values.size(0)} entries")
-    return lengths, offsets
+        if total > values.size(0):
+            raise SparseInputError(f"{what}: lengths sum to {total} but `values` has only {values.size(0)} entries")
+        if weights is not None and total > weights.size(0):
+            raise SparseInputError(
+                f"{what}: lengths sum to {total} but `weights` has only {weights.size(0)} entries"
+            )
+    return lengths, offsets, total
 
 
 def script_lengths_and_offsets(

@@ -11,13 +11,21 @@ def _padded(x: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor, n: in
     """``[bags, n, *x.shape[1:]]``: each bag's first ``n`` entries, then ``pad``."""
     b = lengths.numel()
     out = x.new_full([b, n] + list(x.shape[1:]), pad)
-    if x.size(0) == 0 or n == 0:
+    total = int(offsets[-1]) if b > 0 else 0
+    if total == 0 or n == 0:
         return out
-    row = torch.repeat_interleave(torch.arange(b, device=x.device), lengths.long(), output_size=x.size(0))
-    col = torch.arange(x.size(0), device=x.device) - offsets[:-1].long()[row]
+    x = x[:total]  # entries past the last bag belong to no bag
+    row = torch.repeat_interleave(torch.arange(b, device=x.device), lengths.long(), output_size=total)
+    col = torch.arange(total, device=x.device) - offsets[:-1].long()[row]
     keep = col < n
     out[row[keep], col[keep]] = x[keep]
     return out
+
+
+def _bags(x: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+    sizes = torch.jit.annotate(list[int], lengths.tolist())
+    # entries past the last bag belong to no bag
+    return list(torch.split(x[: sum(sizes)], sizes))
 
 
 class JaggedTensor(metaclass=SparseMeta):
@@ -44,11 +52,7 @@ class JaggedTensor(metaclass=SparseMeta):
         else:
             if checks_enabled() and (not isinstance(values, torch.Tensor) or values.dim() < 1):
                 raise ValueError("JaggedTensor `values` must be a tensor with at least one dimension")
-            lengths, offsets = lengths_and_offsets(values, lengths, offsets, "JaggedTensor")
-            if checks_enabled() and weights is not None and weights.shape[:1] != values.shape[:1]:
-                raise ValueError(
-                    f"JaggedTensor: `weights` has {weights.size(0)} entries but `values` has {values.size(0)}"
-                )
+            lengths, offsets, _ = lengths_and_offsets(values, lengths, offsets, "JaggedTensor", weights)
         self._lengths: torch.Tensor = lengths
         self._offsets: torch.Tensor = offsets
         self._values = values
@@ -126,13 +130,13 @@ class JaggedTensor(metaclass=SparseMeta):
     # -- dense views --------------------------------------------------------------------------------
     def to_dense(self) -> list[torch.Tensor]:
         """One tensor per bag."""
-        return list(torch.split(self._values, torch.jit.annotate(list[int], self._lengths.tolist())))
+        return _bags(self._values, self._lengths)
 
     def to_dense_weights(self) -> list[torch.Tensor] | None:
         w = self._weights
         if w is None:
             return None
-        return list(torch.split(w, torch.jit.annotate(list[int], self._lengths.tolist())))
+        return _bags(w, self._lengths)
 
     def _pad_to(self, desired_length: int | None) -> int:
         if desired_length is not None:

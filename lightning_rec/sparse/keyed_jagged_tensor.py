@@ -96,7 +96,7 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
                         raise TypeError(f"KeyedJaggedTensor keys must be strings, got {repr(k)}")  # noqa: RUF010
                 if not isinstance(values, torch.Tensor) or values.dim() < 1:
                     raise ValueError("KeyedJaggedTensor `values` must be a tensor with at least one dimension")
-            lengths, offsets = lengths_and_offsets(values, lengths, offsets, "KeyedJaggedTensor")
+            lengths, offsets, covered = lengths_and_offsets(values, lengths, offsets, "KeyedJaggedTensor", weights)
             n_bags = lengths.numel()
             self._variable_stride = stride_per_key_per_rank is not None
             if stride_per_key_per_rank is not None:
@@ -129,10 +129,6 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
                 stride = stride or 0
                 spk = []
                 self._stride_per_key_per_rank = []
-            if check and weights is not None and weights.shape[:1] != values.shape[:1]:
-                raise SparseInputError(
-                    f"KeyedJaggedTensor: `weights` has {weights.size(0)} entries but `values` has {values.size(0)}"
-                )
             self._keys = keys
             self._values = values
             self._weights = weights
@@ -147,11 +143,11 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
             elif offset_per_key is not None:
                 self._length_per_key = [int(b - a) for a, b in itertools.pairwise(offset_per_key)]
             if check and self._length_per_key is not None and (
-                len(self._length_per_key) != len(keys) or sum(self._length_per_key) != values.size(0)
+                len(self._length_per_key) != len(keys) or (covered >= 0 and sum(self._length_per_key) != covered)
             ):
                 raise SparseInputError(
-                    f"KeyedJaggedTensor: length_per_key {self._length_per_key} does not split {values.size(0)} "
-                    f"values over keys {keys}"
+                    f"KeyedJaggedTensor: length_per_key {self._length_per_key} does not split the {covered} "
+                    f"values the lengths cover over keys {keys}"
                 )
             self._inverse_indices = inverse_indices
 
@@ -194,6 +190,9 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
             raise ValueError("from_jt_dict: either every JaggedTensor has weights or none has")
         strides = [jt.lengths().numel() for jt in jts]
         same = strides.count(strides[0]) == len(strides)
+        if not torch.jit.is_scripting() and checks_enabled():
+            for k in keys:
+                _check_no_trailing(jt_dict[k], "KeyedJaggedTensor.from_jt_dict")
         return KeyedJaggedTensor(
             keys,
             torch.cat([jt.values() for jt in jts]),
@@ -263,6 +262,8 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
             keys.extend(k.keys())
             spkpr.extend(k.stride_per_key_per_rank())
             lpk.extend(k.length_per_key())
+            if not torch.jit.is_scripting() and checks_enabled():
+                _check_no_trailing(k, "KeyedJaggedTensor.concat")
         if len(strides) > 0 and strides.count(strides[0]) != len(strides):
             variable = True
         return KeyedJaggedTensor(
@@ -550,6 +551,19 @@ def _concat(kjt_list: list["KeyedJaggedTensor"]) -> "KeyedJaggedTensor":  # (quo
 @torch.fx.wrap
 def _empty_like(kjt: "KeyedJaggedTensor") -> "KeyedJaggedTensor":
     return KeyedJaggedTensor._empty_like(kjt)
+
+
+def _check_no_trailing(t: "KeyedJaggedTensor | JaggedTensor", what: str) -> None:
+    # TorchRec concatenates the raw values, so entries past one input's last bag would shift the next input's
+    # bags: a silently different batch. Refused here.
+    covered = int(t.offsets()[-1]) if t.offsets().numel() else 0
+    w = t.weights_or_none()
+    if t.values().size(0) != covered or (w is not None and w.size(0) != covered):
+        raise SparseInputError(
+            f"{what}: an input has values / weights past its last bag ({t.values().size(0)} values, "
+            f"{None if w is None else w.size(0)} weights, lengths cover {covered}); concatenating would shift "
+            "the next input's bags"
+        )
 
 
 def _script_strides(
