@@ -342,6 +342,11 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
         if lpk is None:
             if len(self._keys) == 0:
                 lpk = []
+            elif self._values.is_meta:
+                # shapes only, no lengths to read: TorchRec's placeholder split of the values over the keys
+                n = len(self._keys)
+                lpk = [self._values.size(0) // n] * n
+                lpk[0] += self._values.size(0) % n
             elif not self._variable_stride:
                 lpk = torch.jit.annotate(
                     list[int], self._lengths.view(len(self._keys), self._stride).sum(1).tolist()
@@ -351,6 +356,11 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
                 lpk = torch.jit.annotate(list[int], (bounds[1:] - bounds[:-1]).tolist())
             self._length_per_key = lpk
         return lpk
+
+    def unsync(self) -> "KeyedJaggedTensor":
+        """Forget the cached ids per key (TorchRec's ``unsync``); the next ``length_per_key()`` recomputes."""
+        self._length_per_key = None
+        return self
 
     def length_per_key_or_none(self) -> list[int] | None:
         return self._length_per_key
@@ -556,6 +566,8 @@ def _empty_like(kjt: "KeyedJaggedTensor") -> "KeyedJaggedTensor":
 def _check_no_trailing(t: "KeyedJaggedTensor | JaggedTensor", what: str) -> None:
     # TorchRec concatenates the raw values, so entries past one input's last bag would shift the next input's
     # bags: a silently different batch. Refused here.
+    if t.values().is_meta:
+        return  # shapes only
     covered = int(t.offsets()[-1]) if t.offsets().numel() else 0
     w = t.weights_or_none()
     if t.values().size(0) != covered or (w is not None and w.size(0) != covered):

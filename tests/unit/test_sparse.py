@@ -380,3 +380,23 @@ def test_to_dict_index_per_key_and_keyed_tensor_helpers() -> None:
     groups = KeyedTensor.regroup_as_dict([kt], [["q"], ["p", "q"]], ["g1", "g2"])
     assert list(groups) == ["g1", "g2"] and groups["g2"].shape == (2, 3)
     assert str(kt) == 'KeyedTensor({\n    "p": [[1.0], [1.0]],\n    "q": [[0.0, 0.0], [0.0, 0.0]]\n})\n'
+
+
+def test_meta_device_kjt_has_placeholder_lengths_per_key() -> None:
+    # shapes only (model sizing): as TorchRec, the values split over the keys, the first key taking the rest
+    meta = torch.device("meta")
+    kjt = KeyedJaggedTensor(["a", "b", "c"], torch.empty(10, device=meta), weights=torch.empty(10, device=meta),
+                            lengths=torch.empty(6, dtype=torch.long, device=meta))
+    assert kjt.sync().length_per_key() == [4, 3, 3]
+    assert kjt.unsync().length_per_key_or_none() is None
+    d = kjt.to_dict()
+    assert [d[k].values().shape[0] for k in "abc"] == [4, 3, 3] and d["b"].weights().is_meta
+    assert KeyedJaggedTensor.from_jt_dict(d).length_per_key() == [4, 3, 3]
+    assert kjt.permute([2, 0]).values().shape[0] == 7
+
+
+def test_unsync_recomputes_lengths_per_key() -> None:
+    kjt = KeyedJaggedTensor.from_lengths_sync(KEYS, _t(VALUES), _t(LENGTHS))
+    lpk = kjt.sync().length_per_key_or_none()
+    assert lpk is not None and kjt.unsync().length_per_key_or_none() is None
+    assert kjt.length_per_key() == lpk
