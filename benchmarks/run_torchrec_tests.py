@@ -35,6 +35,10 @@ SUITES = {
         "torchrec/modules/tests/test_feature_processor.py",
         "torchrec/modules/tests/test_activation.py",
     ],
+    # sharding plans and their helpers (the multi-process tests need TorchRec's process harness: they fail)
+    "sharding": [
+        "torchrec/distributed/tests/test_sharding_plan.py",
+    ],
 }
 HELPERS = {"torchrec.sparse.tests.utils": "torchrec/sparse/tests/utils.py"}
 
