@@ -6,14 +6,10 @@ data-dependent checks under ``torch.compile``, so models holding them trace and 
 
 import torch.utils._pytree as _pytree
 
+from lightning_rec.sparse._kjt_extras import ComputeJTDictToKJT, ComputeKJTToJTDict, kjt_is_equal
 from lightning_rec.sparse._utils import SparseInputError, checks_enabled, offsets_from_lengths, segment_gather_index
 from lightning_rec.sparse.jagged_tensor import JaggedTensor, jt_is_equal
-from lightning_rec.sparse.keyed_jagged_tensor import (
-    ComputeJTDictToKJT,
-    ComputeKJTToJTDict,
-    KeyedJaggedTensor,
-    kjt_is_equal,
-)
+from lightning_rec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
 from lightning_rec.sparse.keyed_tensor import KeyedTensor
 
 __all__ = [

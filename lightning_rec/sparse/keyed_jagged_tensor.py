@@ -11,17 +11,19 @@ import itertools
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from lightning_rec.sparse import _format
 from lightning_rec.sparse._utils import (
     SparseInputError,
     SparseMeta,
+    check_no_trailing,
     checks_enabled,
     cumsum_list,
+    eager_strides,
     lengths_and_offsets,
     offsets_from_lengths,
     script_lengths_and_offsets,
+    script_strides,
     segment_gather_index,
 )
 from lightning_rec.sparse.jagged_tensor import JaggedTensor
@@ -74,7 +76,7 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
         if torch.jit.is_scripting():
             # TorchScript compiles this branch only (the eager one below is Python it cannot compile)
             lengths, offsets = script_lengths_and_offsets(lengths, offsets)
-            stride, spkpr, spk = _script_strides(keys, lengths.numel(), stride, stride_per_key_per_rank)
+            stride, spkpr, spk = script_strides(keys, lengths.numel(), stride, stride_per_key_per_rank)
             self._keys = keys
             self._values = values
             self._weights = weights
@@ -97,38 +99,10 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
                 if not isinstance(values, torch.Tensor) or values.dim() < 1:
                     raise ValueError("KeyedJaggedTensor `values` must be a tensor with at least one dimension")
             lengths, offsets, covered = lengths_and_offsets(values, lengths, offsets, "KeyedJaggedTensor", weights)
-            n_bags = lengths.numel()
             self._variable_stride = stride_per_key_per_rank is not None
-            if stride_per_key_per_rank is not None:
-                self._stride_per_key_per_rank = [[int(s) for s in r] for r in stride_per_key_per_rank]
-                spk = [sum(r) for r in self._stride_per_key_per_rank]
-                if check and (len(spk) != len(keys) or sum(spk) != n_bags):
-                    raise SparseInputError(
-                        f"KeyedJaggedTensor: stride_per_key_per_rank gives {spk} bags per key for keys {keys}, "
-                        f"but lengths has {n_bags} bags"
-                    )
-                stride = stride if stride is not None else (max(spk) if spk else 0)
-            elif keys:
-                inferred = n_bags // len(keys)
-                if check and n_bags % len(keys):
-                    raise SparseInputError(
-                        f"KeyedJaggedTensor: {n_bags} lengths cannot be split evenly over {len(keys)} keys; "
-                        "for a batch size per feature pass stride_per_key_per_rank"
-                    )
-                if check and stride is not None and stride != inferred:
-                    raise SparseInputError(
-                        f"KeyedJaggedTensor: stride={stride} but {n_bags} lengths over {len(keys)} keys "
-                        f"give a batch size of {inferred}"
-                    )
-                stride = inferred
-                spk = [stride] * len(keys)
-                self._stride_per_key_per_rank = [[stride] for _ in keys]
-            else:
-                if check and n_bags:
-                    raise SparseInputError("KeyedJaggedTensor with no keys must have no lengths")
-                stride = stride or 0
-                spk = []
-                self._stride_per_key_per_rank = []
+            stride, self._stride_per_key_per_rank, spk = eager_strides(
+                keys, lengths.numel(), stride, stride_per_key_per_rank, check
+            )
             self._keys = keys
             self._values = values
             self._weights = weights
@@ -192,7 +166,7 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
         same = strides.count(strides[0]) == len(strides)
         if not torch.jit.is_scripting() and checks_enabled():
             for k in keys:
-                _check_no_trailing(jt_dict[k], "KeyedJaggedTensor.from_jt_dict")
+                check_no_trailing(jt_dict[k], "KeyedJaggedTensor.from_jt_dict")
         return KeyedJaggedTensor(
             keys,
             torch.cat([jt.values() for jt in jts]),
@@ -263,7 +237,7 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
             spkpr.extend(k.stride_per_key_per_rank())
             lpk.extend(k.length_per_key())
             if not torch.jit.is_scripting() and checks_enabled():
-                _check_no_trailing(k, "KeyedJaggedTensor.concat")
+                check_no_trailing(k, "KeyedJaggedTensor.concat")
         if len(strides) > 0 and strides.count(strides[0]) != len(strides):
             variable = True
         return KeyedJaggedTensor(
@@ -410,20 +384,12 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
             lo, hi = opk[k], opk[k + s]
             out.append(
                 KeyedJaggedTensor(
-                    self._keys[k : k + s],
-                    self._values[lo:hi],
-                    weights=None if w is None else w[lo:hi],
-                    lengths=self._lengths[lopk[k] : lopk[k + s]],
-                    offsets=None,
-                    stride=self._stride,
-                    stride_per_key_per_rank=self._stride_per_key_per_rank[k : k + s] if self._variable_stride else None,
-                    stride_per_key=None,
-                    length_per_key=lpk[k : k + s],
-                    lengths_offset_per_key=None,
-                    offset_per_key=None,
-                    index_per_key=None,
-                    jt_dict=None,
-                    inverse_indices=self._inverse_indices,
+                    self._keys[k : k + s], self._values[lo:hi], weights=None if w is None else w[lo:hi],
+                    lengths=self._lengths[lopk[k] : lopk[k + s]], offsets=None, stride=self._stride,
+                    stride_per_key_per_rank=self._stride_per_key_per_rank[k : k + s] if self._variable_stride
+                    else None,
+                    stride_per_key=None, length_per_key=lpk[k : k + s], lengths_offset_per_key=None,
+                    offset_per_key=None, index_per_key=None, jt_dict=None, inverse_indices=self._inverse_indices,
                 )
             )
             k += s
@@ -457,23 +423,13 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
         else:
             lengths = self._lengths
         w = self._weights
+        spkpr = [self._stride_per_key_per_rank[i] for i in indices] if self._variable_stride else None
         return KeyedJaggedTensor(
-            [self._keys[i] for i in indices],
-            self._values[gather],
-            weights=None if w is None else w[gather],
-            lengths=lengths,
-            offsets=None,
-            stride=self._stride,
-            stride_per_key_per_rank=(
-                [self._stride_per_key_per_rank[i] for i in indices] if self._variable_stride else None
-            ),
-            stride_per_key=None,
-            length_per_key=new_lpk,
-            lengths_offset_per_key=None,
-            offset_per_key=None,
-            index_per_key=None,
-            jt_dict=None,
-            inverse_indices=self._inverse_indices,
+            [self._keys[i] for i in indices], self._values[gather], weights=None if w is None else w[gather],
+            lengths=lengths, offsets=None, stride=self._stride,
+            stride_per_key_per_rank=spkpr,
+            stride_per_key=None, length_per_key=new_lpk, lengths_offset_per_key=None, offset_per_key=None,
+            index_per_key=None, jt_dict=None, inverse_indices=self._inverse_indices,
         )
 
     # (inside methods every constructor argument is given: TorchScript compiles methods before it knows the
@@ -482,19 +438,11 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
     def _apply(self, fn: Callable) -> "KeyedJaggedTensor":  # (no Callable[[...]]: TorchScript reads hints)
         inv = self._inverse_indices
         return KeyedJaggedTensor(
-            self._keys,
-            fn(self._values),
-            weights=None if self._weights is None else fn(self._weights),
-            lengths=fn(self._lengths),
-            offsets=fn(self._offsets),
-            stride=self._stride,
+            self._keys, fn(self._values), weights=None if self._weights is None else fn(self._weights),
+            lengths=fn(self._lengths), offsets=fn(self._offsets), stride=self._stride,
             stride_per_key_per_rank=self._stride_per_key_per_rank if self._variable_stride else None,
-            stride_per_key=None,
-            length_per_key=self._length_per_key,
-            lengths_offset_per_key=None,
-            offset_per_key=None,
-            index_per_key=None,
-            jt_dict=None,
+            stride_per_key=None, length_per_key=self._length_per_key, lengths_offset_per_key=None,
+            offset_per_key=None, index_per_key=None, jt_dict=None,
             inverse_indices=None if inv is None else (inv[0], fn(inv[1])),
         )
 
@@ -510,19 +458,12 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
             if dtype is not None:
                 w = w.to(dtype)
         return KeyedJaggedTensor(
-            self._keys,
-            self._values.to(device, non_blocking=non_blocking),
-            weights=w,
+            self._keys, self._values.to(device, non_blocking=non_blocking), weights=w,
             lengths=self._lengths.to(device, non_blocking=non_blocking),
-            offsets=self._offsets.to(device, non_blocking=non_blocking),
-            stride=self._stride,
+            offsets=self._offsets.to(device, non_blocking=non_blocking), stride=self._stride,
             stride_per_key_per_rank=self._stride_per_key_per_rank if self._variable_stride else None,
-            stride_per_key=None,
-            length_per_key=self._length_per_key,
-            lengths_offset_per_key=None,
-            offset_per_key=None,
-            index_per_key=None,
-            jt_dict=None,
+            stride_per_key=None, length_per_key=self._length_per_key, lengths_offset_per_key=None,
+            offset_per_key=None, index_per_key=None, jt_dict=None,
             inverse_indices=None if inv is None else (inv[0], inv[1].to(device, non_blocking=non_blocking)),
         )
 
@@ -563,65 +504,4 @@ def _empty_like(kjt: "KeyedJaggedTensor") -> "KeyedJaggedTensor":
     return KeyedJaggedTensor._empty_like(kjt)
 
 
-def _check_no_trailing(t: "KeyedJaggedTensor | JaggedTensor", what: str) -> None:
-    # TorchRec concatenates the raw values, so entries past one input's last bag would shift the next input's
-    # bags: a silently different batch. Refused here.
-    if t.values().is_meta:
-        return  # shapes only
-    covered = int(t.offsets()[-1]) if t.offsets().numel() else 0
-    w = t.weights_or_none()
-    if t.values().size(0) != covered or (w is not None and w.size(0) != covered):
-        raise SparseInputError(
-            f"{what}: an input has values / weights past its last bag ({t.values().size(0)} values, "
-            f"{None if w is None else w.size(0)} weights, lengths cover {covered}); concatenating would shift "
-            "the next input's bags"
-        )
-
-
-def _script_strides(
-    keys: list[str], n_bags: int, stride: int | None, stride_per_key_per_rank: list[list[int]] | None
-) -> tuple[int, list[list[int]], list[int]]:
-    """The constructor's stride arithmetic under TorchScript: ``(stride, per key per rank, per key)``."""
-    if stride_per_key_per_rank is not None:
-        spk = [sum(r) for r in stride_per_key_per_rank]
-        if stride is None:
-            stride = max(spk) if len(spk) > 0 else 0
-        return stride, stride_per_key_per_rank, spk
-    if len(keys) == 0:
-        no_ranks: list[list[int]] = []
-        no_keys: list[int] = []
-        return 0 if stride is None else stride, no_ranks, no_keys
-    inferred = n_bags // len(keys)
-    return inferred, [[inferred] for _ in keys], [inferred for _ in keys]
-
-
-def kjt_is_equal(kjt_1: KeyedJaggedTensor, kjt_2: KeyedJaggedTensor) -> bool:
-    """Same keys, values, lengths, weights and strides (TorchRec's ``kjt_is_equal``)."""
-    if not isinstance(kjt_1, KeyedJaggedTensor) or not isinstance(kjt_2, KeyedJaggedTensor):
-        return False
-    w1, w2 = kjt_1.weights_or_none(), kjt_2.weights_or_none()
-    return (
-        kjt_1.keys() == kjt_2.keys()
-        and kjt_1.stride_per_key() == kjt_2.stride_per_key()
-        and torch.equal(kjt_1.values(), kjt_2.values())
-        and torch.equal(kjt_1.lengths(), kjt_2.lengths())
-        and (w1 is None) == (w2 is None)
-        and (w1 is None or torch.equal(w1, w2))  # type: ignore[arg-type]
-    )
-
-
-class ComputeKJTToJTDict(nn.Module):
-    """``kjt.to_dict()`` as a module (TorchRec's name; fx / script friendly)."""
-
-    def forward(self, keyed_jagged_tensor: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        return keyed_jagged_tensor.to_dict()
-
-
-class ComputeJTDictToKJT(nn.Module):
-    """``KeyedJaggedTensor.from_jt_dict`` as a module (TorchRec's name)."""
-
-    def forward(self, jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
-        return KeyedJaggedTensor.from_jt_dict(jt_dict)
-
-
-__all__ = ["ComputeJTDictToKJT", "ComputeKJTToJTDict", "KeyedJaggedTensor", "kjt_is_equal", "offsets_from_lengths"]
+__all__ = ["KeyedJaggedTensor", "offsets_from_lengths"]

@@ -5,7 +5,15 @@ import warnings
 import pytest
 import torch
 
-from lightning_rec import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from lightning_rec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    JaggedTensor,
+    KeyedJaggedTensor,
+    KeyedTensor,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -100,3 +108,38 @@ def test_keyed_tensor_script_matches_eager():
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k])
+
+
+def test_collections_script_and_fx_then_script_match_eager():
+    # TorchRec's contract: torch.jit.script(ebc) and torch.jit.script(symbolic_trace(ebc)) run
+    torch.manual_seed(0)
+    kjt = KeyedJaggedTensor.from_offsets_sync(
+        keys=["f2", "f1", "f3"], values=torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 1, 3, 4, 7]),
+        offsets=torch.tensor([0, 2, 4, 6, 8, 10, 12]), weights=torch.rand(12),
+    )
+    for names in (["t.1", "t 2"], ["t1", "t2"]):  # fx cannot name parameters under a dotted table name
+        ebc = EmbeddingBagCollection(tables=[
+            EmbeddingBagConfig(name=names[0], embedding_dim=3, num_embeddings=10, feature_names=["f1", "f3"]),
+            EmbeddingBagConfig(name=names[1], embedding_dim=4, num_embeddings=10, feature_names=["f2"],
+                               pooling="mean"),
+        ], is_weighted=True)
+        want = ebc(kjt)
+        models = [torch.jit.script(ebc)]
+        if "." not in names[0]:
+            models.append(torch.jit.script(torch.fx.symbolic_trace(ebc)))
+        for m in models:
+            got = m(kjt)
+            assert got.keys() == want.keys() == ["f1", "f3", "f2"]
+            torch.testing.assert_close(got.values(), want.values())
+    ec = EmbeddingCollection(tables=[
+        EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f1", "f2"])
+    ], need_indices=True)
+    kjt = KeyedJaggedTensor.from_offsets_sync(keys=["f1", "f2"], values=torch.tensor([0, 1, 2, 3]),
+                                              offsets=torch.tensor([0, 2, 3, 3, 4]))
+    want = ec(kjt)
+    for m in (torch.jit.script(ec), torch.jit.script(torch.fx.symbolic_trace(ec))):
+        got = m(kjt)
+        assert list(got) == list(want)
+        for k in want:
+            assert torch.equal(got[k].values(), want[k].values()) and torch.equal(got[k].weights(), want[k].weights())
+            assert torch.equal(got[k].lengths(), want[k].lengths())
