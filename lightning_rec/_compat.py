@@ -7,6 +7,7 @@ from importlib import metadata
 from typing import Any
 
 import torch
+import torch.fx._pytree as _fx_pytree
 import torch.fx.experimental._config as _fx_shape_config
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch.distributed._shard.metadata import ShardMetadata
@@ -201,3 +202,6 @@ serialization_get_layout = torch.serialization._get_layout
 
 #: DCP's private record of where a stored piece lives, which its metadata pickles name
 DcpStorageInfo = _StorageInfo
+
+# how a pytree node flattens against an exported program's input spec (TorchRec registers its sparse types)
+register_pytree_flatten_spec = _fx_pytree.register_pytree_flatten_spec
