@@ -58,8 +58,7 @@ Remaining failures, by reason:
   `kt_regroup_arguments` ops (8 tests of TestKeyedTensorRegroupOp); the `dist_labels` / `dist_splits` /
   `dist_tensors` / `dist_init` input-dist helpers (`test_scriptable_forward`); lazily computed lengths / offsets
   (`test_pytree_kjt` expects `lengths_or_none() is None`); empty JaggedTensors with an empty (not `[0]`) offsets
-  tensor (`test_empty`, `test_empty_to_dict`); the `torch.fx._pytree` flatten-spec registration of KeyedTensor
-  (`test_pytree`).
+  tensor (`test_empty`, `test_empty_to_dict`).
 - Numeric checks against TorchRec's seeded initial weights: TorchRec's nn.EmbeddingBag draws a normal_ init
   before the uniform one, so the same seed gives other weights here (the maths is checked against plain torch
   in tests/unit/test_nn_models.py).
