@@ -8,6 +8,7 @@ from importlib import metadata
 from typing import Any
 
 import torch
+import torch.fx._pytree as _fx_pytree
 import torch.fx.experimental._config as _fx_shape_config
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -306,3 +307,6 @@ DcpStorageInfo = _StorageInfo
 def tensor_version(t: torch.Tensor) -> int:
     """How often ``t`` was modified in place (torch's private version counter)."""
     return t._version
+
+# how a pytree node flattens against an exported program's input spec (TorchRec registers its sparse types)
+register_pytree_flatten_spec = _fx_pytree.register_pytree_flatten_spec

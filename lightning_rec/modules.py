@@ -1,7 +1,6 @@
 """Unsharded embedding collections: the reference semantics every sharded plan must reproduce."""
 
-from __future__ import annotations
-
+# no ``from __future__ import annotations``: TorchScript reads the annotations of ignored methods as objects
 from collections.abc import Sequence
 
 import torch
@@ -114,6 +113,7 @@ class FeatureLayout:
                 lengths=features.lengths().long(), stride=features.stride(), length_per_key=features.length_per_key(),
             )
         if checks_enabled() and features.values().device.type != "meta":
+            features = _drop_trailing(features)
             kernels.validate_ids(
                 features.values(), features.length_per_key(), self.rows, self.feature_names, self.feature_table_names
             )
@@ -132,6 +132,17 @@ class FeatureLayout:
             return (pooled.view(batch_size, n, self.dims[0]) / div).view(batch_size, n * self.dims[0])
         div = kernels.mean_divisor(lengths, self.dims, self.is_mean, batch_size)
         return pooled / div.to(pooled.dtype)
+
+
+def _drop_trailing(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """Without the values / weights past the last bag (TorchRec allows them; they belong to no bag)."""
+    lpk = kjt.length_per_key()  # needed by the id check anyway (cached)
+    n = sum(lpk)
+    v, w = kjt.values(), kjt.weights_or_none()
+    if v.size(0) == n and (w is None or w.size(0) == n):
+        return kjt
+    return KeyedJaggedTensor(kjt.keys(), v[:n], weights=None if w is None else w[:n], lengths=kjt.lengths(),
+                             offsets=kjt.offsets(), stride=kjt.stride(), length_per_key=lpk)
 
 
 def _expand_variable_batch(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
@@ -167,9 +178,26 @@ def _make_tables(tables: Sequence[BaseEmbeddingConfig], device: torch.device | s
 
 
 class _CollectionBase(nn.Module):
-    """What both collections share: TorchRec's ``device`` attribute and ``reset_parameters``."""
+    """What both collections share: TorchRec's ``device`` attribute and ``reset_parameters``.
 
+    ``torch.jit.script``-able, as TorchRec's: scripted (and fx-traced) code runs ``_traced_forward``, one
+    lookup per feature on its JaggedTensor; eager code runs the batched kernels.
+    """
+
+    # TorchScript: the layout is Python-only (the scripted forward reads the typed lists below)
+    __jit_ignored_attributes__ = ["_layout"]  # noqa: RUF012
+    __jit_unused_properties__ = ["device"]  # noqa: RUF012
     _layout: FeatureLayout
+
+    def _set_layout(self, layout: FeatureLayout) -> None:
+        self._layout = layout
+        # typed copies for the traced / scripted forward
+        self._feature_names: list[str] = list(layout.feature_names)
+        self._feature_table: list[int] = list(layout.feature_table)
+        self._embedding_names: list[str] = list(layout.embedding_names)
+        self._dims: list[int] = list(layout.dims)
+        self._table_names: list[str] = [t.name for t in layout.tables]
+        self._container_name = "embeddings" if isinstance(self, EmbeddingCollection) else "embedding_bags"
 
     def _table_modules(self) -> kernels.TableContainer:
         raise NotImplementedError
@@ -187,14 +215,18 @@ class _CollectionBase(nn.Module):
             if w.device.type != "meta":
                 t.init_weight(w)
 
+    @torch.jit.ignore
     def _traced_tables(self) -> list[torch.Tensor]:
-        container = self._table_modules()
         # fx names a parameter by its dotted module path: a table named "geo.city" has no such path
-        dotted = [name for name in container._modules if "." in name]
+        dotted = [name for name in self._table_names if "." in name]
         if dotted:
             raise ValueError(f"torch.fx cannot address tables {dotted}: their names hold a '.', which fx reads as a "
                              "module path. Trace with lightning_rec.export.fx_trace(model), which renames them")
-        return [container[t.name].weight for t in self._layout.tables]
+        # plain attributes only: under TorchScript ``self`` is the scripted module (no ``_layout``)
+        tables = getattr(self, self._container_name)
+        if isinstance(tables, nn.Module):
+            return [tables[name].weight for name in self._table_names]
+        return [getattr(tables, name).weight for name in self._table_names]  # TorchScript's C++ module
 
 
 class EmbeddingBagCollection(_CollectionBase):
@@ -230,7 +262,8 @@ class EmbeddingBagCollection(_CollectionBase):
     ) -> None:
         super().__init__()
         check_tables(tables, EmbeddingBagConfig, allow_shared=True)
-        self._layout = FeatureLayout(tables, strict=strict_features, allow_shared=True)
+        self._set_layout(FeatureLayout(tables, strict=strict_features, allow_shared=True))
+        self._is_mean: list[bool] = list(self._layout.is_mean)
         self._is_weighted = is_weighted
         self.kernel = kernels.validate_kernel(kernel)
         self.sparse_grad = sparse_grad
@@ -250,9 +283,15 @@ class EmbeddingBagCollection(_CollectionBase):
         return [self.embedding_bags[t.name].weight for t in self._layout.tables]
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if torch.jit.is_scripting():
+            return self._traced_forward(features)
+        return self._eager_forward(features)
+
+    @torch.jit.unused
+    def _eager_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         layout = self._layout
         if _compat.is_fx_symbolic_tracing():
-            return self._fx_forward(features)
+            return self._traced_forward(features)
         if isinstance(features, KeyedJaggedTensor) and features.values().device.type == "meta":
             # shapes only, as TorchRec: a forward on the meta device sizes a model without data
             missing = [f for f in layout.feature_names if f not in features.keys()]  # noqa: SIM118 (a KJT, not a dict)
@@ -304,22 +343,26 @@ class EmbeddingBagCollection(_CollectionBase):
             ))
         return torch.cat(outs, dim=1)
 
-    def _fx_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        # torch.fx sees a Proxy, not a KJT: one F.embedding_bag per feature on its JaggedTensor, as TorchRec
-        # traces, so the graph holds only KJT / JaggedTensor method calls and torch functions.
-        layout = self._layout
-        jts = features.to_dict()
+    def _traced_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        # torch.fx sees a Proxy, not a KJT, and TorchScript cannot compile the batched kernels: one
+        # F.embedding_bag per feature on its JaggedTensor, as TorchRec traces, so the graph holds only KJT /
+        # JaggedTensor method calls and torch functions (written so that TorchScript compiles it too).
+        jts = features.to_dict(True)
         tables = self._traced_tables()
-        outs = []
-        for f, t, mean in zip(layout.feature_names, layout.feature_table, layout.is_mean):
-            jt = jts[f]
-            out = F.embedding_bag(jt.values().long(), tables[t], jt.offsets().long(), mode="sum",
-                                  per_sample_weights=jt.weights().to(tables[t].dtype) if self._is_weighted else None,
-                                  include_last_offset=True)
-            if mean:
+        outs: list[torch.Tensor] = []
+        for i in range(len(self._feature_names)):
+            jt = jts[self._feature_names[i]]
+            w = tables[self._feature_table[i]]
+            psw: torch.Tensor | None = None
+            if self._is_weighted:
+                psw = jt.weights().to(w.dtype)
+            # norm_type as a float: fx records every argument, and TorchScript refuses torch's int default
+            out = F.embedding_bag(jt.values().long(), w, jt.offsets().long(), mode="sum", per_sample_weights=psw,
+                                  include_last_offset=True, norm_type=2.0)
+            if self._is_mean[i]:
                 out = out / jt.lengths().clamp(min=1).unsqueeze(1).to(out.dtype)
             outs.append(out)
-        return KeyedTensor(layout.embedding_names, layout.dims, torch.cat(outs, dim=1))
+        return KeyedTensor(self._embedding_names, self._dims, torch.cat(outs, dim=1), 1, None, None)
 
 
 class EmbeddingCollection(_CollectionBase):
@@ -340,7 +383,7 @@ class EmbeddingCollection(_CollectionBase):
     ) -> None:
         super().__init__()
         check_tables(tables, EmbeddingConfig, allow_shared=True)
-        self._layout = FeatureLayout(tables, strict=strict_features, allow_shared=True)
+        self._set_layout(FeatureLayout(tables, strict=strict_features, allow_shared=True))
         self._need_indices = need_indices
         self.sparse_grad = sparse_grad
         self.embeddings = _make_tables(tables, device)
@@ -358,15 +401,15 @@ class EmbeddingCollection(_CollectionBase):
         return self._layout.dims[0] if self._layout.dims else 0
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        if torch.jit.is_scripting():
+            return self._traced_forward(features)
+        return self._eager_forward(features)
+
+    @torch.jit.unused
+    def _eager_forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         layout = self._layout
         if _compat.is_fx_symbolic_tracing():
-            jts = features.to_dict()
-            tables = self._traced_tables()
-            return {
-                name: JaggedTensor(F.embedding(jts[f].values().long(), tables[t]), lengths=jts[f].lengths(),
-                                   weights=jts[f].values() if self._need_indices else None)
-                for name, f, t in zip(layout.embedding_names, layout.feature_names, layout.feature_table)
-            }
+            return self._traced_forward(features)
         kjt = layout.select(features)
         tables = [self.embeddings[t.name].weight for t in layout.tables]
         embs = kernels.torch_sequence(
@@ -379,3 +422,18 @@ class EmbeddingCollection(_CollectionBase):
                                weights=kjt.values()[opk[i] : opk[i + 1]] if self._need_indices else None)
             for i, (name, e) in enumerate(zip(layout.embedding_names, embs))
         }
+
+    def _traced_forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        # one F.embedding per feature (torch.fx and TorchScript; see EmbeddingBagCollection._traced_forward)
+        jts = features.to_dict(True)
+        tables = self._traced_tables()
+        out: dict[str, JaggedTensor] = {}
+        for i in range(len(self._feature_names)):
+            jt = jts[self._feature_names[i]]
+            out[self._embedding_names[i]] = JaggedTensor(
+                F.embedding(jt.values().long(), tables[self._feature_table[i]]),
+                weights=jt.values() if self._need_indices else None,
+                lengths=jt.lengths(),
+                offsets=None,
+            )
+        return out

@@ -19,6 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch.fx
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+
+from lightning_rec.sparse import KeyedTensor
 
 # torchrec module -> lightning_rec modules searched in order for each attribute
 _SOURCES: dict[str, list[str]] = {
@@ -36,11 +40,33 @@ _SOURCES: dict[str, list[str]] = {
     "torchrec.models": [],
     "torchrec.models.dlrm": ["lightning_rec.models.dlrm", "lightning_rec.nn"],
     "torchrec.models.deepfm": ["lightning_rec.models.deepfm"],
-    "torchrec.datasets": [],
+    "torchrec.datasets": ["lightning_rec.data"],
     "torchrec.datasets.utils": ["lightning_rec.data"],
-    "torchrec.distributed": [],
+    "torchrec.datasets.random": ["lightning_rec.data"],
+    "torchrec.datasets.criteo": ["lightning_rec.data"],
+    "torchrec.distributed": ["lightning_rec.distributed", "lightning_rec.sharding"],
+    "torchrec.distributed.types": ["lightning_rec.sharding", "lightning_rec.distributed", "lightning_rec.configs"],
+    "torchrec.distributed.sharding_plan": ["lightning_rec.sharding", "lightning_rec.distributed"],
+    "torchrec.distributed.planner": ["lightning_rec.sharding"],
+    "torchrec.distributed.model_parallel": ["lightning_rec.distributed"],
+    "torchrec.distributed.embeddingbag": ["lightning_rec.distributed"],
+    "torchrec.distributed.embedding": ["lightning_rec.distributed"],
+    "torchrec.distributed.train_pipeline": ["lightning_rec.distributed"],
+    "torchrec.distributed.comm": [],
+    "torchrec.distributed.quant_embedding": [],
     "torchrec.distributed.test_utils": [],
     "torchrec.distributed.test_utils.test_input": [],
+    "torchrec.distributed.test_utils.multi_process": [],
+    "torchrec.distributed.test_utils.test_sharding": [],
+    "torchrec.modules.fp_embedding_modules": ["lightning_rec.nn", "lightning_rec.modules"],
+    "torchrec.modules.fused_embedding_modules": [],
+    "torchrec.modules.mc_embedding_modules": ["lightning_rec.mc"],
+    "torchrec.quant": [],
+    "torchrec.quant.embedding_modules": [],
+    "torchrec.types": ["lightning_rec.configs"],
+    "torchrec.optim": ["lightning_rec.distributed"],
+    "torchrec.optim.keyed": ["lightning_rec.distributed"],
+    "torchrec.optim.optimizers": ["lightning_rec.distributed"],
     "torchrec.ir": [],
     "torchrec.ir.serializer": [],
     "torchrec.ir.utils": [],
@@ -65,16 +91,15 @@ def _skip_if_asan(func: Callable) -> Callable:
     return func
 
 
-def _regroup(keyed_tensors: list, groups: list) -> list:
-    return importlib.import_module("lightning_rec.sparse").KeyedTensor.regroup(keyed_tensors, groups)
-
-
 _EXTRA: dict[str, dict[str, Any]] = {
     # TorchRec's several implementations of KeyedTensor.regroup (fbgemm ops, fused permutes), one here
     "torchrec.sparse.jagged_tensor": dict.fromkeys(
-        ("regroup_kts", "_regroup_keyed_tensors", "permute_multi_embedding", "_fbgemm_permute_pooled_embs"), _regroup
+        ("regroup_kts", "_regroup_keyed_tensors", "permute_multi_embedding", "_fbgemm_permute_pooled_embs"),
+        KeyedTensor.regroup,
     ),
     "torchrec.fx": {"symbolic_trace": torch.fx.symbolic_trace, "Tracer": torch.fx.Tracer},
+    # torch's own classes, which TorchRec re-exports
+    "torchrec.distributed.types": {"ShardMetadata": ShardMetadata, "EnumerableShardingSpec": EnumerableShardingSpec},
     "torchrec.test_utils": {"skip_if_asan_class": _skip_if_asan_class, "skip_if_asan": _skip_if_asan},
 }
 

@@ -4,16 +4,14 @@ All three are ``torch.fx`` proxyable (building one from traced tensors records a
 data-dependent checks under ``torch.compile``, so models holding them trace and compile without graph breaks.
 """
 
+import torch
 import torch.utils._pytree as _pytree
 
+from lightning_rec._compat import register_pytree_flatten_spec
+from lightning_rec.sparse._kjt_extras import ComputeJTDictToKJT, ComputeKJTToJTDict, kjt_is_equal
 from lightning_rec.sparse._utils import SparseInputError, checks_enabled, offsets_from_lengths, segment_gather_index
 from lightning_rec.sparse.jagged_tensor import JaggedTensor, jt_is_equal
-from lightning_rec.sparse.keyed_jagged_tensor import (
-    ComputeJTDictToKJT,
-    ComputeKJTToJTDict,
-    KeyedJaggedTensor,
-    kjt_is_equal,
-)
+from lightning_rec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
 from lightning_rec.sparse.keyed_tensor import KeyedTensor
 
 __all__ = [
@@ -66,3 +64,16 @@ def _unflatten_kt(children: list, ctx: tuple) -> KeyedTensor:
 _pytree.register_pytree_node(JaggedTensor, _flatten_jt, _unflatten_jt)
 _pytree.register_pytree_node(KeyedJaggedTensor, _flatten_kjt, _unflatten_kjt)
 _pytree.register_pytree_node(KeyedTensor, _flatten_kt, _unflatten_kt)
+
+
+def _flatten_spec_kt(kt: KeyedTensor, spec: _pytree.TreeSpec) -> list[torch.Tensor]:
+    # an exported program's input spec names the keys in its order: a KeyedTensor with the same keys in
+    # another order is regrouped into that order (TorchRec registers the same)
+    keys = spec.context[0]
+    if kt.keys() == keys:
+        return [kt.values()]
+    d = kt.to_dict()
+    return [torch.cat([d[k] for k in keys], dim=kt.key_dim())]
+
+
+register_pytree_flatten_spec(KeyedTensor, _flatten_spec_kt)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from lightning_rec._compat import FxProxyableMeta
@@ -37,9 +39,19 @@ def _check_integer(name: str, t: torch.Tensor, what: str) -> None:
 
 
 def lengths_and_offsets(
-    values: torch.Tensor, lengths: torch.Tensor | None, offsets: torch.Tensor | None, what: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both of ``lengths`` / ``offsets`` from whichever was given, checked against ``values`` when eager."""
+    values: torch.Tensor,
+    lengths: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+    what: str,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Both of ``lengths`` / ``offsets`` from whichever was given, checked against ``values`` when eager; and
+    the number of entries the bags cover (-1 when not checked: under torch.compile, or on the meta device).
+
+    As in TorchRec, ``values`` (and ``weights``) may run past the last bag: those trailing entries belong to no
+    bag (every method reads bags through the offsets; the lookups drop them). Fewer entries than the bags
+    cover is an error.
+    """
     if lengths is None and offsets is None:
         if values.numel() == 0:  # TorchRec's ``KeyedJaggedTensor([], torch.Tensor())``: nothing to cut
             lengths = torch.zeros(0, dtype=torch.int32, device=values.device)
@@ -74,10 +86,28 @@ def lengths_and_offsets(
         lengths = offsets[1:] - offsets[:-1]
         if check and lengths.numel() and int(lengths.min()) < 0:
             raise SparseInputError(f"{what}: `offsets` must be non-decreasing")
+    total = -1
     if check:
         total = int(offsets[-1])
-        if total != values.size(0):
-            raise SparseInputError(f"{what}: lengths sum to {total} but `values` has {values.size(0)} entries")
+        if total > values.size(0):
+            raise SparseInputError(f"{what}: lengths sum to {total} but `values` has only {values.size(0)} entries")
+        if weights is not None and total > weights.size(0):
+            raise SparseInputError(
+                f"{what}: lengths sum to {total} but `weights` has only {weights.size(0)} entries"
+            )
+    return lengths, offsets, total
+
+
+def script_lengths_and_offsets(
+    lengths: torch.Tensor | None, offsets: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lengths_and_offsets`` under TorchScript: the arithmetic only (no checks, as in TorchRec)."""
+    if lengths is None:
+        if offsets is None:
+            raise ValueError("needs `lengths` or `offsets`")
+        return offsets[1:] - offsets[:-1], offsets
+    if offsets is None:
+        return lengths, offsets_from_lengths(lengths)
     return lengths, offsets
 
 
@@ -96,3 +126,66 @@ def cumsum_list(xs: list[int]) -> list[int]:
     for x in xs:
         out.append(out[-1] + x)
     return out
+
+
+def check_no_trailing(t: Any, what: str) -> None:  # a KeyedJaggedTensor or a JaggedTensor
+    # TorchRec concatenates the raw values, so entries past one input's last bag would shift the next input's
+    # bags: a silently different batch. Refused here.
+    if t.values().is_meta:
+        return  # shapes only
+    covered = int(t.offsets()[-1]) if t.offsets().numel() else 0
+    w = t.weights_or_none()
+    if t.values().size(0) != covered or (w is not None and w.size(0) != covered):
+        raise SparseInputError(
+            f"{what}: an input has values / weights past its last bag ({t.values().size(0)} values, "
+            f"{None if w is None else w.size(0)} weights, lengths cover {covered}); concatenating would shift "
+            "the next input's bags"
+        )
+
+
+def script_strides(
+    keys: list[str], n_bags: int, stride: int | None, stride_per_key_per_rank: list[list[int]] | None
+) -> tuple[int, list[list[int]], list[int]]:
+    """The constructor's stride arithmetic under TorchScript: ``(stride, per key per rank, per key)``."""
+    if stride_per_key_per_rank is not None:
+        spk = [sum(r) for r in stride_per_key_per_rank]
+        if stride is None:
+            stride = max(spk) if len(spk) > 0 else 0
+        return stride, stride_per_key_per_rank, spk
+    if len(keys) == 0:
+        no_ranks: list[list[int]] = []
+        no_keys: list[int] = []
+        return 0 if stride is None else stride, no_ranks, no_keys
+    inferred = n_bags // len(keys)
+    return inferred, [[inferred] for _ in keys], [inferred for _ in keys]
+
+
+def eager_strides(
+    keys: list[str], n_bags: int, stride: int | None, stride_per_key_per_rank: Any, check: bool
+) -> tuple[int, list[list[int]], list[int]]:
+    """The KJT constructor's ``(stride, stride per key per rank, stride per key)``, checked when ``check``."""
+    if stride_per_key_per_rank is not None:
+        spkpr = [[int(s) for s in r] for r in stride_per_key_per_rank]
+        spk = [sum(r) for r in spkpr]
+        if check and (len(spk) != len(keys) or sum(spk) != n_bags):
+            raise SparseInputError(
+                f"KeyedJaggedTensor: stride_per_key_per_rank gives {spk} bags per key for keys {keys}, "
+                f"but lengths has {n_bags} bags"
+            )
+        return (stride if stride is not None else (max(spk) if spk else 0)), spkpr, spk
+    if keys:
+        inferred = n_bags // len(keys)
+        if check and n_bags % len(keys):
+            raise SparseInputError(
+                f"KeyedJaggedTensor: {n_bags} lengths cannot be split evenly over {len(keys)} keys; "
+                "for a batch size per feature pass stride_per_key_per_rank"
+            )
+        if check and stride is not None and stride != inferred:
+            raise SparseInputError(
+                f"KeyedJaggedTensor: stride={stride} but {n_bags} lengths over {len(keys)} keys "
+                f"give a batch size of {inferred}"
+            )
+        return inferred, [[inferred] for _ in keys], [inferred] * len(keys)
+    if check and n_bags:
+        raise SparseInputError("KeyedJaggedTensor with no keys must have no lengths")
+    return stride or 0, [], []

@@ -6,22 +6,24 @@ so on. Every key has ``stride()`` bags, or, with a variable batch size per featu
 object is built eagerly; methods after that trust the invariants.
 """
 
-from __future__ import annotations
-
+# no ``from __future__ import annotations``: TorchScript cannot parse some string annotations (torch.device)
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from lightning_rec.sparse import _format
 from lightning_rec.sparse._utils import (
     SparseInputError,
     SparseMeta,
+    check_no_trailing,
     checks_enabled,
     cumsum_list,
+    eager_strides,
     lengths_and_offsets,
     offsets_from_lengths,
+    script_lengths_and_offsets,
+    script_strides,
     segment_gather_index,
 )
 from lightning_rec.sparse.jagged_tensor import JaggedTensor
@@ -45,6 +47,9 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
         length_per_key / offset_per_key: ids per key, if the caller already knows them (saves a sync).
         inverse_indices: ``(keys, [F, B] tensor)`` mapping each sample to its deduplicated bag (VBE).
 
+    ``torch.jit.script``-able, as TorchRec's: under TorchScript the checks are skipped (as TorchRec never runs
+    them) and the arithmetic is the same.
+
     Example (2 keys, batch of 3)::
 
         keys    = ["f1", "f2"]
@@ -52,194 +57,202 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
         values  = [a, b, c,   d, e, f]
     """
 
+    # ``device`` is a property here (a method in TorchRec): TorchScript code reads ``values().device``
+    __jit_unused_properties__ = ["device"]  # noqa: RUF012
+
     def __init__(
         self,
-        keys: Sequence[str],
+        keys: list[str],
         values: torch.Tensor,
         weights: torch.Tensor | None = None,
         lengths: torch.Tensor | None = None,
         offsets: torch.Tensor | None = None,
         stride: int | None = None,
-        stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
-        stride_per_key: Sequence[int] | None = None,
-        length_per_key: Sequence[int] | None = None,
-        lengths_offset_per_key: Sequence[int] | None = None,
-        offset_per_key: Sequence[int] | None = None,
+        stride_per_key_per_rank: list[list[int]] | None = None,
+        stride_per_key: list[int] | None = None,
+        length_per_key: list[int] | None = None,
+        lengths_offset_per_key: list[int] | None = None,
+        offset_per_key: list[int] | None = None,
         index_per_key: dict[str, int] | None = None,
         jt_dict: dict[str, JaggedTensor] | None = None,
         inverse_indices: tuple[list[str], torch.Tensor] | None = None,
     ) -> None:
-        keys = list(keys)
-        check = checks_enabled()
-        if check:
-            for k in keys:
-                if not isinstance(k, str):
-                    raise TypeError(f"KeyedJaggedTensor keys must be strings, got {k!r}")
-            if not isinstance(values, torch.Tensor) or values.dim() < 1:
-                raise ValueError("KeyedJaggedTensor `values` must be a tensor with at least one dimension")
-        lengths, offsets = lengths_and_offsets(values, lengths, offsets, "KeyedJaggedTensor")
-        n_bags = lengths.numel()
-        self._variable_stride = stride_per_key_per_rank is not None
-        if stride_per_key_per_rank is not None:
-            self._stride_per_key_per_rank = [[int(s) for s in r] for r in stride_per_key_per_rank]
-            spk = [sum(r) for r in self._stride_per_key_per_rank]
-            if check and (len(spk) != len(keys) or sum(spk) != n_bags):
-                raise SparseInputError(
-                    f"KeyedJaggedTensor: stride_per_key_per_rank gives {spk} bags per key for keys {keys}, "
-                    f"but lengths has {n_bags} bags"
-                )
-            stride = stride if stride is not None else (max(spk) if spk else 0)
-        elif keys:
-            inferred = n_bags // len(keys)
-            if check and n_bags % len(keys):
-                raise SparseInputError(
-                    f"KeyedJaggedTensor: {n_bags} lengths cannot be split evenly over {len(keys)} keys; "
-                    "for a batch size per feature pass stride_per_key_per_rank"
-                )
-            if check and stride is not None and stride != inferred:
-                raise SparseInputError(
-                    f"KeyedJaggedTensor: stride={stride} but {n_bags} lengths over {len(keys)} keys "
-                    f"give a batch size of {inferred}"
-                )
-            stride = inferred
-            spk = [stride] * len(keys)
-            self._stride_per_key_per_rank = [[stride] for _ in keys]
+        if torch.jit.is_scripting():
+            # TorchScript compiles this branch only (the eager one below is Python it cannot compile)
+            lengths, offsets = script_lengths_and_offsets(lengths, offsets)
+            stride, spkpr, spk = script_strides(keys, lengths.numel(), stride, stride_per_key_per_rank)
+            self._keys = keys
+            self._values = values
+            self._weights = weights
+            self._lengths: torch.Tensor = lengths
+            self._offsets: torch.Tensor = offsets
+            self._stride: int = stride
+            self._stride_per_key: list[int] = spk
+            self._stride_per_key_per_rank: list[list[int]] = spkpr
+            self._variable_stride: bool = stride_per_key_per_rank is not None
+            self._lengths_offset_per_key: list[int] = cumsum_list(spk)
+            self._length_per_key: list[int] | None = length_per_key
+            self._inverse_indices = inverse_indices
         else:
-            if check and n_bags:
-                raise SparseInputError("KeyedJaggedTensor with no keys must have no lengths")
-            stride = stride or 0
-            spk = []
-            self._stride_per_key_per_rank = []
-        if check and weights is not None and weights.shape[:1] != values.shape[:1]:
-            raise SparseInputError(
-                f"KeyedJaggedTensor: `weights` has {weights.size(0)} entries but `values` has {values.size(0)}"
+            keys = list(keys)
+            check = checks_enabled()
+            if check:
+                for k in keys:
+                    if not isinstance(k, str):
+                        raise TypeError(f"KeyedJaggedTensor keys must be strings, got {repr(k)}")  # noqa: RUF010
+                if not isinstance(values, torch.Tensor) or values.dim() < 1:
+                    raise ValueError("KeyedJaggedTensor `values` must be a tensor with at least one dimension")
+            lengths, offsets, covered = lengths_and_offsets(values, lengths, offsets, "KeyedJaggedTensor", weights)
+            self._variable_stride = stride_per_key_per_rank is not None
+            stride, self._stride_per_key_per_rank, spk = eager_strides(
+                keys, lengths.numel(), stride, stride_per_key_per_rank, check
             )
-        self._keys = keys
-        self._values = values
-        self._weights = weights
-        self._lengths = lengths
-        self._offsets = offsets
-        self._stride = stride
-        self._stride_per_key = spk
-        self._lengths_offset_per_key = cumsum_list(spk)
-        self._length_per_key: list[int] | None = None
-        # symbolic sizes (torch.export, torch.compile) stay symbols: int() would guard on a data-dependent value
-        if length_per_key is not None:
-            self._length_per_key = [_as_int(x) for x in length_per_key]
-        elif offset_per_key is not None:
-            self._length_per_key = [_as_int(b - a) for a, b in itertools.pairwise(offset_per_key)]
-        if check and self._length_per_key is not None and (
-            len(self._length_per_key) != len(keys) or sum(self._length_per_key) != values.size(0)
-        ):
-            raise SparseInputError(
-                f"KeyedJaggedTensor: length_per_key {self._length_per_key} does not split {values.size(0)} "
-                f"values over keys {keys}"
-            )
-        self._inverse_indices = inverse_indices
+            self._keys = keys
+            self._values = values
+            self._weights = weights
+            self._lengths = lengths
+            self._offsets = offsets
+            self._stride = stride
+            self._stride_per_key = spk
+            self._lengths_offset_per_key = cumsum_list(spk)
+            self._length_per_key: list[int] | None = None
+            # symbolic sizes (torch.export, torch.compile) stay symbols: int() would guard on a data-dependent value
+            if length_per_key is not None:
+                self._length_per_key = [_as_int(x) for x in length_per_key]
+            elif offset_per_key is not None:
+                self._length_per_key = [_as_int(b - a) for a, b in itertools.pairwise(offset_per_key)]
+            if check and self._length_per_key is not None and (
+                len(self._length_per_key) != len(keys) or (covered >= 0 and sum(self._length_per_key) != covered)
+            ):
+                raise SparseInputError(
+                    f"KeyedJaggedTensor: length_per_key {self._length_per_key} does not split the {covered} "
+                    f"values the lengths cover over keys {keys}"
+                )
+            self._inverse_indices = inverse_indices
 
     # -- constructors (TorchRec names) --------------------------------------------------------------
     @staticmethod
     def from_lengths_sync(
-        keys: Sequence[str],
+        keys: list[str],
         values: torch.Tensor,
         lengths: torch.Tensor,
         weights: torch.Tensor | None = None,
         stride: int | None = None,
-        stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
+        stride_per_key_per_rank: list[list[int]] | None = None,
         inverse_indices: tuple[list[str], torch.Tensor] | None = None,
-    ) -> KeyedJaggedTensor:
+    ) -> "KeyedJaggedTensor":
         return KeyedJaggedTensor(keys, values, weights=weights, lengths=lengths, stride=stride,
                                  stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
 
     @staticmethod
     def from_offsets_sync(
-        keys: Sequence[str],
+        keys: list[str],
         values: torch.Tensor,
         offsets: torch.Tensor,
         weights: torch.Tensor | None = None,
         stride: int | None = None,
-        stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
+        stride_per_key_per_rank: list[list[int]] | None = None,
         inverse_indices: tuple[list[str], torch.Tensor] | None = None,
-    ) -> KeyedJaggedTensor:
+    ) -> "KeyedJaggedTensor":
         return KeyedJaggedTensor(keys, values, weights=weights, offsets=offsets, stride=stride,
                                  stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
 
     @staticmethod
-    def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
+    def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> "KeyedJaggedTensor":
         """Build from ``{key: JaggedTensor}``; JaggedTensors with different bag counts give a VBE KJT."""
-        keys = list(jt_dict)
-        if not keys:
+        keys = list(jt_dict.keys())
+        if len(keys) == 0:
             return KeyedJaggedTensor.empty()
         jts = [jt_dict[k] for k in keys]
         has_w = [jt.weights_or_none() is not None for jt in jts]
         if any(has_w) and not all(has_w):
             raise ValueError("from_jt_dict: either every JaggedTensor has weights or none has")
         strides = [jt.lengths().numel() for jt in jts]
+        same = strides.count(strides[0]) == len(strides)
+        if not torch.jit.is_scripting() and checks_enabled():
+            for k in keys:
+                check_no_trailing(jt_dict[k], "KeyedJaggedTensor.from_jt_dict")
         return KeyedJaggedTensor(
             keys,
             torch.cat([jt.values() for jt in jts]),
             weights=torch.cat([jt.weights() for jt in jts]) if all(has_w) else None,
             lengths=torch.cat([jt.lengths() for jt in jts]),
-            stride_per_key_per_rank=None if len(set(strides)) <= 1 else [[s] for s in strides],
+            stride_per_key_per_rank=None if same else [[s] for s in strides],
         )
 
     @staticmethod
     def empty(
         is_weighted: bool = False,
-        device: torch.device | str | None = None,
+        device: torch.device | None = None,
         values_dtype: torch.dtype | None = None,
         weights_dtype: torch.dtype | None = None,
         lengths_dtype: torch.dtype = torch.int32,
-    ) -> KeyedJaggedTensor:
+    ) -> "KeyedJaggedTensor":
         """No keys, no values (TorchRec's signature)."""
+        no_keys: list[str] = []
         return KeyedJaggedTensor(
-            [],
-            torch.empty(0, dtype=values_dtype or torch.long, device=device),
+            no_keys,
+            torch.empty(0, dtype=torch.long if values_dtype is None else values_dtype, device=device),
             weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
             lengths=torch.empty(0, dtype=lengths_dtype, device=device),
             stride=0,
         )
 
     @staticmethod
-    def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    def empty_like(kjt: "KeyedJaggedTensor") -> "KeyedJaggedTensor":
         """Same keys, stride and dtypes, no ids."""
         return _empty_like(kjt)
 
     @staticmethod
-    def concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+    def concat(kjt_list: list["KeyedJaggedTensor"]) -> "KeyedJaggedTensor":
         """Keys of every KJT side by side (each KJT's bags stay key-major)."""
         return _concat(kjt_list)
 
     @staticmethod
-    def _empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    def _empty_like(kjt: "KeyedJaggedTensor") -> "KeyedJaggedTensor":
         n = sum(kjt.stride_per_key())
+        w = kjt.weights_or_none()
         return KeyedJaggedTensor(
             kjt.keys(),
             kjt.values()[:0],
-            weights=None if kjt.weights_or_none() is None else kjt.weights()[:0],
-            lengths=torch.zeros(n, dtype=kjt.lengths().dtype, device=kjt.device),
+            weights=None if w is None else w[:0],
+            lengths=torch.zeros(n, dtype=kjt.lengths().dtype, device=kjt.values().device),
             stride=kjt.stride(),
             stride_per_key_per_rank=kjt.stride_per_key_per_rank() if kjt.variable_stride_per_key() else None,
         )
 
     @staticmethod
-    def _concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
-        if not kjt_list:
+    def _concat(kjt_list: list["KeyedJaggedTensor"]) -> "KeyedJaggedTensor":
+        # plain loops: TorchScript compiles this (no sets, generators or nested comprehensions)
+        if len(kjt_list) == 0:
             raise ValueError("KeyedJaggedTensor.concat needs at least one KeyedJaggedTensor")
         has_w = [k.weights_or_none() is not None for k in kjt_list]
         if any(has_w) and not all(has_w):
             raise ValueError("KeyedJaggedTensor.concat: either every KeyedJaggedTensor has weights or none has")
-        strides = {k.stride() for k in kjt_list if k.keys()}
-        variable = any(k.variable_stride_per_key() for k in kjt_list) or len(strides) > 1
-        keys = [key for k in kjt_list for key in k.keys()]  # noqa: SIM118 (KJTs, not dicts)
+        strides: list[int] = []
+        variable = False
+        keys: list[str] = []
+        spkpr: list[list[int]] = []
+        lpk: list[int] = []
+        for k in kjt_list:
+            if len(k.keys()) > 0:
+                strides.append(k.stride())
+            variable = variable or k.variable_stride_per_key()
+            keys.extend(k.keys())
+            spkpr.extend(k.stride_per_key_per_rank())
+            lpk.extend(k.length_per_key())
+            if not torch.jit.is_scripting() and checks_enabled():
+                check_no_trailing(k, "KeyedJaggedTensor.concat")
+        if len(strides) > 0 and strides.count(strides[0]) != len(strides):
+            variable = True
         return KeyedJaggedTensor(
             keys,
             torch.cat([k.values() for k in kjt_list]),
             weights=torch.cat([k.weights() for k in kjt_list]) if all(has_w) else None,
             lengths=torch.cat([k.lengths() for k in kjt_list]),
-            stride=max(strides) if strides else 0,
-            stride_per_key_per_rank=[r for k in kjt_list for r in k.stride_per_key_per_rank()] if variable else None,
-            length_per_key=[n for k in kjt_list for n in k.length_per_key()],
+            stride=max(strides) if len(strides) > 0 else 0,
+            stride_per_key_per_rank=spkpr if variable else None,
+            length_per_key=lpk,
         )
 
     # -- accessors ----------------------------------------------------------------------------------
@@ -262,9 +275,10 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
         return self._offsets
 
     def weights(self) -> torch.Tensor:
-        if self._weights is None:
+        w = self._weights  # a local: TorchScript refines locals, not attributes
+        if w is None:
             raise ValueError("this KeyedJaggedTensor has no weights")
-        return self._weights
+        return w
 
     def weights_or_none(self) -> torch.Tensor | None:
         return self._weights
@@ -283,9 +297,10 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
         return self._variable_stride
 
     def inverse_indices(self) -> tuple[list[str], torch.Tensor]:
-        if self._inverse_indices is None:
+        inv = self._inverse_indices
+        if inv is None:
             raise ValueError("this KeyedJaggedTensor has no inverse_indices")
-        return self._inverse_indices
+        return inv
 
     def inverse_indices_or_none(self) -> tuple[list[str], torch.Tensor] | None:
         return self._inverse_indices
@@ -302,15 +317,29 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
 
     def length_per_key(self) -> list[int]:
         """Number of ids of each key (one device sync, cached)."""
-        if self._length_per_key is None:
-            if not self._keys:
-                self._length_per_key = []
+        lpk = self._length_per_key
+        if lpk is None:
+            if len(self._keys) == 0:
+                lpk = []
+            elif self._values.is_meta:
+                # shapes only, no lengths to read: TorchRec's placeholder split of the values over the keys
+                n = len(self._keys)
+                lpk = [self._values.size(0) // n] * n
+                lpk[0] += self._values.size(0) % n
             elif not self._variable_stride:
-                self._length_per_key = self._lengths.view(len(self._keys), self._stride).sum(1).tolist()
+                lpk = torch.jit.annotate(
+                    list[int], self._lengths.view(len(self._keys), self._stride).sum(1).tolist()
+                )
             else:
                 bounds = self._offsets[self._lengths_offset_per_key]
-                self._length_per_key = (bounds[1:] - bounds[:-1]).tolist()
-        return self._length_per_key
+                lpk = torch.jit.annotate(list[int], (bounds[1:] - bounds[:-1]).tolist())
+            self._length_per_key = lpk
+        return lpk
+
+    def unsync(self) -> "KeyedJaggedTensor":
+        """Forget the cached ids per key (TorchRec's ``unsync``); the next ``length_per_key()`` recomputes."""
+        self._length_per_key = None
+        return self
 
     def length_per_key_or_none(self) -> list[int] | None:
         return self._length_per_key
@@ -323,57 +352,61 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
 
     def _key_index(self, key: str) -> int:
         if key not in self._keys:
-            raise KeyError(f"feature {key!r} is not in this KeyedJaggedTensor (keys: {self._keys})")
+            # no f-string conversion (``!r``): TorchScript compiles this
+            keys = ", ".join(self._keys)
+            raise KeyError("feature '" + key + "' is not in this KeyedJaggedTensor (keys: " + keys + ")")
         return self._keys.index(key)
 
     def _slice(self, i: int, opk: list[int], compute_offsets: bool = True) -> JaggedTensor:
         lo, hi = self._lengths_offset_per_key[i], self._lengths_offset_per_key[i + 1]
         lengths = self._lengths[lo:hi]
+        w = self._weights
         return JaggedTensor(
             self._values[opk[i] : opk[i + 1]],
-            weights=None if self._weights is None else self._weights[opk[i] : opk[i + 1]],
+            weights=None if w is None else w[opk[i] : opk[i + 1]],
             lengths=lengths,
             offsets=(self._offsets[lo : hi + 1] - self._offsets[lo]) if compute_offsets else None,
         )
 
     def __getitem__(self, key: str) -> JaggedTensor:
-        return self._slice(self._key_index(key), self.offset_per_key())
+        return self._slice(self._key_index(key), self.offset_per_key(), True)
 
     def to_dict(self, compute_offsets: bool = True) -> dict[str, JaggedTensor]:
         opk = self.offset_per_key()
         return {k: self._slice(i, opk, compute_offsets) for i, k in enumerate(self._keys)}
 
     # -- transforms ---------------------------------------------------------------------------------
-    def split(self, segments: Sequence[int]) -> list[KeyedJaggedTensor]:
+    def split(self, segments: list[int]) -> list["KeyedJaggedTensor"]:
         """Split by keys into consecutive groups of ``segments[i]`` keys."""
-        if sum(segments) != len(self._keys) or any(s < 0 for s in segments):
-            raise ValueError(f"split sizes {list(segments)} must be non-negative and sum to {len(self._keys)} keys")
+        if sum(segments) != len(self._keys) or (len(segments) > 0 and min(segments) < 0):
+            n = str(len(self._keys))
+            raise ValueError("split sizes " + str(segments) + " must be non-negative and sum to " + n)
         opk, lopk, lpk = self.offset_per_key(), self._lengths_offset_per_key, self.length_per_key()
-        out, k = [], 0
+        out: list[KeyedJaggedTensor] = []
+        k = 0
+        w = self._weights
         for s in segments:
             lo, hi = opk[k], opk[k + s]
             out.append(
                 KeyedJaggedTensor(
-                    self._keys[k : k + s],
-                    self._values[lo:hi],
-                    weights=None if self._weights is None else self._weights[lo:hi],
-                    lengths=self._lengths[lopk[k] : lopk[k + s]],
-                    stride=self._stride,
-                    stride_per_key_per_rank=self._stride_per_key_per_rank[k : k + s] if self._variable_stride else None,
-                    length_per_key=lpk[k : k + s],
-                    inverse_indices=self._inverse_indices,
+                    self._keys[k : k + s], self._values[lo:hi], weights=None if w is None else w[lo:hi],
+                    lengths=self._lengths[lopk[k] : lopk[k + s]], offsets=None, stride=self._stride,
+                    stride_per_key_per_rank=self._stride_per_key_per_rank[k : k + s] if self._variable_stride
+                    else None,
+                    stride_per_key=None, length_per_key=lpk[k : k + s], lengths_offset_per_key=None,
+                    offset_per_key=None, index_per_key=None, jt_dict=None, inverse_indices=self._inverse_indices,
                 )
             )
             k += s
         return out
 
-    def permute(self, indices: Sequence[int], indices_tensor: torch.Tensor | None = None) -> KeyedJaggedTensor:
+    def permute(self, indices: list[int], indices_tensor: torch.Tensor | None = None) -> "KeyedJaggedTensor":
         """Reorder (or repeat) keys: the result has keys ``[keys[i] for i in indices]``."""
         n = len(self._keys)
         indices = list(indices)
         for i in indices:
-            if not 0 <= i < n:
-                raise ValueError(f"permute index {i} out of range for {n} keys")
+            if i < 0 or i >= n:
+                raise ValueError("permute index out of range for " + str(n) + " keys")
         opk, lopk, lpk = self.offset_per_key(), self._lengths_offset_per_key, self.length_per_key()
         dev = self._values.device
         new_lpk = [lpk[i] for i in indices]
@@ -394,58 +427,71 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
             lengths = self._lengths.view(n, self._stride)[idx].reshape(-1)
         else:
             lengths = self._lengths
+        w = self._weights
+        spkpr = [self._stride_per_key_per_rank[i] for i in indices] if self._variable_stride else None
         return KeyedJaggedTensor(
-            [self._keys[i] for i in indices],
-            self._values[gather],
-            weights=None if self._weights is None else self._weights[gather],
-            lengths=lengths,
-            stride=self._stride,
-            stride_per_key_per_rank=(
-                [self._stride_per_key_per_rank[i] for i in indices] if self._variable_stride else None
-            ),
-            length_per_key=new_lpk,
-            inverse_indices=self._inverse_indices,
+            [self._keys[i] for i in indices], self._values[gather], weights=None if w is None else w[gather],
+            lengths=lengths, offsets=None, stride=self._stride,
+            stride_per_key_per_rank=spkpr,
+            stride_per_key=None, length_per_key=new_lpk, lengths_offset_per_key=None, offset_per_key=None,
+            index_per_key=None, jt_dict=None, inverse_indices=self._inverse_indices,
         )
 
-    def _apply(self, fn) -> KeyedJaggedTensor:
+    # (inside methods every constructor argument is given: TorchScript compiles methods before it knows the
+    # constructor's defaults)
+    @torch.jit.unused
+    def _apply(self, fn: Callable) -> "KeyedJaggedTensor":  # (no Callable[[...]]: TorchScript reads hints)
+        inv = self._inverse_indices
         return KeyedJaggedTensor(
-            self._keys,
-            fn(self._values),
-            weights=None if self._weights is None else fn(self._weights),
-            lengths=fn(self._lengths),
-            offsets=fn(self._offsets),
-            stride=self._stride,
+            self._keys, fn(self._values), weights=None if self._weights is None else fn(self._weights),
+            lengths=fn(self._lengths), offsets=fn(self._offsets), stride=self._stride,
             stride_per_key_per_rank=self._stride_per_key_per_rank if self._variable_stride else None,
-            length_per_key=self._length_per_key,
-            inverse_indices=None if self._inverse_indices is None else
-            (self._inverse_indices[0], fn(self._inverse_indices[1])),
+            stride_per_key=None, length_per_key=self._length_per_key, lengths_offset_per_key=None,
+            offset_per_key=None, index_per_key=None, jt_dict=None,
+            inverse_indices=None if inv is None else (inv[0], fn(inv[1])),
         )
 
-    def to(self, device: torch.device | str, non_blocking: bool = False, dtype: torch.dtype | None = None
-           ) -> KeyedJaggedTensor:
-        if torch.device(device) == self.device and dtype is None:
+    def to(self, device: torch.device, non_blocking: bool = False, dtype: torch.dtype | None = None
+           ) -> "KeyedJaggedTensor":
+        if not torch.jit.is_scripting():
+            device = torch.device(device)  # a string too
+        w, inv = self._weights, self._inverse_indices
+        if device == self._values.device and dtype is None:
             return self
-        kjt = self._apply(lambda t: t.to(device, non_blocking=non_blocking))
-        if dtype is not None and kjt._weights is not None:
-            kjt._weights = kjt._weights.to(dtype)
-        return kjt
+        if w is not None:
+            w = w.to(device, non_blocking=non_blocking)
+            if dtype is not None:
+                w = w.to(dtype)
+        return KeyedJaggedTensor(
+            self._keys, self._values.to(device, non_blocking=non_blocking), weights=w,
+            lengths=self._lengths.to(device, non_blocking=non_blocking),
+            offsets=self._offsets.to(device, non_blocking=non_blocking), stride=self._stride,
+            stride_per_key_per_rank=self._stride_per_key_per_rank if self._variable_stride else None,
+            stride_per_key=None, length_per_key=self._length_per_key, lengths_offset_per_key=None,
+            offset_per_key=None, index_per_key=None, jt_dict=None,
+            inverse_indices=None if inv is None else (inv[0], inv[1].to(device, non_blocking=non_blocking)),
+        )
 
-    def pin_memory(self) -> KeyedJaggedTensor:
+    @torch.jit.unused
+    def pin_memory(self) -> "KeyedJaggedTensor":
         return self._apply(lambda t: t.pin_memory())
 
+    @torch.jit.unused
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         for t in (self._values, self._lengths, self._offsets, self._weights):
             if t is not None:
                 t.record_stream(stream)
 
-    def sync(self) -> KeyedJaggedTensor:
+    def sync(self) -> "KeyedJaggedTensor":
         self.length_per_key()
         return self
 
+    @torch.jit.unused
     def __str__(self) -> str:
         return _format.keyed_jagged(self._keys, self._values, self._weights, self._offsets,
                                     self._lengths_offset_per_key)
 
+    @torch.jit.unused
     def __repr__(self) -> str:
         w = "" if self._weights is None else f", weights={self._weights.tolist()}"
         return (f"KeyedJaggedTensor(keys={self._keys}, stride_per_key={self._stride_per_key}, "
@@ -454,42 +500,13 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
 
 # fx.wrap: under torch.fx tracing these are single graph nodes (their arguments are Proxies to iterate over)
 @torch.fx.wrap
-def _concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+def _concat(kjt_list: list["KeyedJaggedTensor"]) -> "KeyedJaggedTensor":  # (quoted: TorchScript resolves later)
     return KeyedJaggedTensor._concat(kjt_list)
 
 
 @torch.fx.wrap
-def _empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+def _empty_like(kjt: "KeyedJaggedTensor") -> "KeyedJaggedTensor":
     return KeyedJaggedTensor._empty_like(kjt)
 
 
-def kjt_is_equal(kjt_1: KeyedJaggedTensor, kjt_2: KeyedJaggedTensor) -> bool:
-    """Same keys, values, lengths, weights and strides (TorchRec's ``kjt_is_equal``)."""
-    if not isinstance(kjt_1, KeyedJaggedTensor) or not isinstance(kjt_2, KeyedJaggedTensor):
-        return False
-    w1, w2 = kjt_1.weights_or_none(), kjt_2.weights_or_none()
-    return (
-        kjt_1.keys() == kjt_2.keys()
-        and kjt_1.stride_per_key() == kjt_2.stride_per_key()
-        and torch.equal(kjt_1.values(), kjt_2.values())
-        and torch.equal(kjt_1.lengths(), kjt_2.lengths())
-        and (w1 is None) == (w2 is None)
-        and (w1 is None or torch.equal(w1, w2))  # type: ignore[arg-type]
-    )
-
-
-class ComputeKJTToJTDict(nn.Module):
-    """``kjt.to_dict()`` as a module (TorchRec's name; fx / script friendly)."""
-
-    def forward(self, keyed_jagged_tensor: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        return keyed_jagged_tensor.to_dict()
-
-
-class ComputeJTDictToKJT(nn.Module):
-    """``KeyedJaggedTensor.from_jt_dict`` as a module (TorchRec's name)."""
-
-    def forward(self, jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
-        return KeyedJaggedTensor.from_jt_dict(jt_dict)
-
-
-__all__ = ["ComputeJTDictToKJT", "ComputeKJTToJTDict", "KeyedJaggedTensor", "kjt_is_equal", "offsets_from_lengths"]
+__all__ = ["KeyedJaggedTensor", "offsets_from_lengths"]

@@ -1,9 +1,6 @@
 """KeyedTensor: pooled embeddings of one batch, key blocks side by side (TorchRec's ``KeyedTensor``)."""
 
-from __future__ import annotations
-
-from collections.abc import Sequence
-
+# no ``from __future__ import annotations``: TorchScript cannot parse some string annotations (torch.device)
 import torch
 
 from lightning_rec.sparse import _format
@@ -14,39 +11,38 @@ class KeyedTensor(metaclass=SparseMeta):
     """``values()`` holds one block per key along ``key_dim`` (default 1: ``[batch, sum(length_per_key)]``).
 
     Args (TorchRec's names and order): ``keys``, ``length_per_key`` (block widths), ``values``, ``key_dim``.
+    ``torch.jit.script``-able, as TorchRec's: the checks and Python-only helpers run eagerly only.
     """
 
     def __init__(
         self,
-        keys: Sequence[str],
-        length_per_key: Sequence[int],
+        keys: list[str],
+        length_per_key: list[int],
         values: torch.Tensor,
         key_dim: int = 1,
-        offset_per_key: Sequence[int] | None = None,
+        offset_per_key: list[int] | None = None,
         index_per_key: dict[str, int] | None = None,
     ) -> None:
-        keys, length_per_key = list(keys), list(length_per_key)
-        if checks_enabled():
-            if len(keys) != len(length_per_key):
-                raise ValueError(f"KeyedTensor: {len(keys)} keys but {len(length_per_key)} lengths")
-            # TorchRec builds an empty KeyedTensor from a 1-D empty tensor
-            if keys and (values.dim() <= key_dim or values.size(key_dim) != sum(length_per_key)):
-                raise ValueError(
-                    f"KeyedTensor: values must have size {sum(length_per_key)} along key_dim={key_dim}, "
-                    f"got shape {tuple(values.shape)}"
-                )
+        if not torch.jit.is_scripting():
+            keys, length_per_key = list(keys), list(length_per_key)
+            if offset_per_key is not None:
+                offset_per_key = list(offset_per_key)
+            if checks_enabled():
+                _check(keys, length_per_key, values, key_dim)
         self._keys = keys
         self._length_per_key = length_per_key
         self._values = values
         self._key_dim = key_dim
-        self._offsets = list(offset_per_key) if offset_per_key is not None else cumsum_list(length_per_key)
+        self._offsets: list[int] = offset_per_key if offset_per_key is not None else cumsum_list(length_per_key)
 
     @staticmethod
     def from_tensor_list(
         keys: list[str], tensors: list[torch.Tensor], key_dim: int = 1, cat_dim: int = 1
-    ) -> KeyedTensor:
+    ) -> "KeyedTensor":
         """Concatenate one tensor per key along ``cat_dim``; block widths read along ``key_dim``."""
-        return KeyedTensor(keys, [t.shape[key_dim] for t in tensors], torch.cat(tensors, dim=cat_dim), key_dim)
+        # every argument given: inside the class TorchScript does not know the defaults yet
+        return KeyedTensor(keys, [t.size(key_dim) for t in tensors], torch.cat(tensors, dim=cat_dim), key_dim,
+                           None, None)
 
     def keys(self) -> list[str]:
         return self._keys
@@ -71,21 +67,22 @@ class KeyedTensor(metaclass=SparseMeta):
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self._keys:
-            raise KeyError(f"{key!r} is not in this KeyedTensor (keys: {self._keys})")
+            raise KeyError(_missing_key(key, self._keys))
         return self._block(self._keys.index(key))
 
     def to_dict(self) -> dict[str, torch.Tensor]:
         return {k: self._block(i) for i, k in enumerate(self._keys)}
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedTensor:
+    def to(self, device: torch.device, non_blocking: bool = False) -> "KeyedTensor":
         return KeyedTensor(self._keys, self._length_per_key, self._values.to(device, non_blocking=non_blocking),
-                           self._key_dim)
+                           self._key_dim, self._offsets, None)
 
+    @torch.jit.unused
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         self._values.record_stream(stream)
 
     @staticmethod
-    def regroup(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]) -> list[torch.Tensor]:
+    def regroup(keyed_tensors: list["KeyedTensor"], groups: list[list[str]]) -> list[torch.Tensor]:
         """One tensor per group: the named keys' blocks side by side, taken from several KeyedTensors.
 
         A key found in several KeyedTensors is taken from the first; a key may appear in several groups.
@@ -93,45 +90,68 @@ class KeyedTensor(metaclass=SparseMeta):
         return _regroup(keyed_tensors, groups)
 
     @staticmethod
-    def _regroup(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]) -> list[torch.Tensor]:
+    def _regroup(keyed_tensors: list["KeyedTensor"], groups: list[list[str]]) -> list[torch.Tensor]:
         where: dict[str, tuple[int, int]] = {}
         for t, kt in enumerate(keyed_tensors):
             if kt.key_dim() != 1:
                 raise ValueError("KeyedTensor.regroup needs key_dim=1 KeyedTensors")
             for i, k in enumerate(kt.keys()):
-                where.setdefault(k, (t, i))
-        out = []
+                if k not in where:  # the first KeyedTensor holding a key wins
+                    where[k] = (t, i)
+        out: list[torch.Tensor] = []
         for g in groups:
-            missing = [k for k in g if k not in where]
-            if missing:
-                raise KeyError(f"regroup: keys {missing} not found (available: {sorted(where)})")
-            out.append(torch.cat([keyed_tensors[where[k][0]]._block(where[k][1]) for k in g], dim=1))
+            blocks: list[torch.Tensor] = []
+            for k in g:
+                if k not in where:
+                    raise KeyError("regroup: key '" + k + "' not found (available: " + ", ".join(where.keys()) + ")")
+                t, i = where[k]
+                blocks.append(keyed_tensors[t]._block(i))
+            out.append(torch.cat(blocks, dim=1))
         return out
 
     @staticmethod
     def regroup_as_dict(
-        keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]], keys: Sequence[str]
+        keyed_tensors: list["KeyedTensor"], groups: list[list[str]], keys: list[str]
     ) -> dict[str, torch.Tensor]:
         """``regroup`` with the groups named by ``keys``."""
         if len(groups) != len(keys):
-            raise ValueError(f"regroup_as_dict: {len(groups)} groups but {len(keys)} keys")
-        return _regroup_as_dict(keyed_tensors, groups, list(keys))
+            raise ValueError("regroup_as_dict: needs as many keys as groups")
+        return _regroup_as_dict(keyed_tensors, groups, keys)
 
+    @torch.jit.unused
     def __str__(self) -> str:
         return _format.keyed(self.to_dict())
 
+    @torch.jit.unused
     def __repr__(self) -> str:
         return f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key}, values={self._values})"
 
 
 # fx.wrap: under torch.fx tracing a regroup is one graph node (its arguments are Proxies to iterate over)
 @torch.fx.wrap
-def _regroup(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]) -> list[torch.Tensor]:
+def _regroup(keyed_tensors: list["KeyedTensor"], groups: list[list[str]]) -> list[torch.Tensor]:
     return KeyedTensor._regroup(keyed_tensors, groups)
 
 
 @torch.fx.wrap
 def _regroup_as_dict(
-    keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]], keys: list[str]
+    keyed_tensors: list["KeyedTensor"], groups: list[list[str]], keys: list[str]
 ) -> dict[str, torch.Tensor]:
-    return dict(zip(keys, KeyedTensor._regroup(keyed_tensors, groups)))
+    tensors = KeyedTensor._regroup(keyed_tensors, groups)
+    return {k: tensors[i] for i, k in enumerate(keys)}
+
+
+def _check(keys: list[str], length_per_key: list[int], values: torch.Tensor, key_dim: int) -> None:
+    if len(keys) != len(length_per_key):
+        raise ValueError(f"KeyedTensor: {len(keys)} keys but {len(length_per_key)} lengths")
+    # TorchRec builds an empty KeyedTensor from a 1-D empty tensor
+    if keys and (values.dim() <= key_dim or values.size(key_dim) != sum(length_per_key)):
+        raise ValueError(
+            f"KeyedTensor: values must have size {sum(length_per_key)} along key_dim={key_dim}, "
+            f"got shape {tuple(values.shape)}"
+        )
+
+
+def _missing_key(key: str, keys: list[str]) -> str:
+    # no f-string conversions (``!r``): TorchScript compiles this
+    return "key '" + key + "' is not in this KeyedTensor (keys: " + ", ".join(keys) + ")"

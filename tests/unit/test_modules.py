@@ -816,3 +816,24 @@ def test_forward_on_meta_device_gives_shapes() -> None:
     out = ebc(meta)
     assert out.values().device.type == "meta" and out.values().shape == (3, 11)
     assert out.keys() == ["f0", "f1", "f2"]
+
+
+def test_entries_past_the_last_bag_are_not_looked_up() -> None:
+    # TorchRec accepts a KJT whose values / weights run past the last bag; those entries belong to no bag
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["a", "b"])
+    ], is_weighted=True)
+    ec = EmbeddingCollection(tables=[EmbeddingConfig(name="t", num_embeddings=10, embedding_dim=4,
+                                                     feature_names=["a", "b"])])
+    lengths = torch.tensor([1, 2, 0, 1])
+    values = torch.tensor([1, 2, 3, 4])
+    weights = torch.tensor([0.5, 1.0, 2.0, 3.0])
+    ref = KeyedJaggedTensor(["b", "a"], values, weights=weights, lengths=lengths)
+    # 99 is out of range for the table: looked up, it would raise
+    padded = KeyedJaggedTensor(["b", "a"], torch.cat([values, torch.tensor([99, 99])]),
+                               weights=torch.cat([weights, torch.ones(5)]), lengths=lengths)
+    assert torch.equal(ebc(padded).values(), ebc(ref).values())
+    got, want = ec(padded), ec(ref)
+    for k in want:
+        assert torch.equal(got[k].values(), want[k].values()) and torch.equal(got[k].lengths(), want[k].lengths())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor, kjt_is_equal
 
 
 def _t(xs, dtype=torch.long):
@@ -215,20 +215,43 @@ def test_from_jt_dict_round_trip(kjt: KeyedJaggedTensor) -> None:
 # -- validation errors -------------------------------------------------------------------------------
 
 
-def test_lengths_do_not_match_values() -> None:
-    with pytest.raises(ValueError, match=r"lengths sum to 8 but `values` has 7 entries"):
+def test_lengths_cover_more_than_values() -> None:
+    with pytest.raises(ValueError, match=r"lengths sum to 8 but `values` has only 7 entries"):
         KeyedJaggedTensor.from_lengths_sync(KEYS, _t(VALUES[:-1]), _t(LENGTHS))
-    with pytest.raises(ValueError, match=r"lengths sum to 8 but `values` has 9 entries"):
-        KeyedJaggedTensor.from_offsets_sync(KEYS, _t(VALUES + [1]), _t(OFFSETS))
-    with pytest.raises(ValueError, match=r"lengths sum to 3 but `values` has 2 entries"):
+    with pytest.raises(ValueError, match=r"lengths sum to 3 but `values` has only 2 entries"):
         JaggedTensor(_t([1, 2]), lengths=_t([1, 2]))
 
 
-def test_weights_do_not_match_values() -> None:
-    with pytest.raises(ValueError, match=r"`weights` has 7 entries but `values` has 8"):
+def test_weights_cover_less_than_lengths() -> None:
+    with pytest.raises(ValueError, match=r"lengths sum to 8 but `weights` has only 7 entries"):
         KeyedJaggedTensor.from_lengths_sync(KEYS, _t(VALUES), _t(LENGTHS), weights=torch.ones(7))
-    with pytest.raises(ValueError, match=r"`weights` has 1 entries but `values` has 2"):
+    with pytest.raises(ValueError, match=r"lengths sum to 2 but `weights` has only 1 entries"):
         JaggedTensor(_t([1, 2]), lengths=_t([2]), weights=torch.ones(1))
+
+
+def test_entries_past_the_last_bag_belong_to_no_bag() -> None:
+    # TorchRec accepts values / weights longer than the lengths cover (preallocated buffers): the bags are
+    # what the lengths say, everywhere
+    kjt = KeyedJaggedTensor.from_offsets_sync(KEYS, _t(VALUES + [99, 98]), _t(OFFSETS),
+                                              weights=torch.arange(20.0))
+    ref = KeyedJaggedTensor.from_offsets_sync(KEYS, _t(VALUES), _t(OFFSETS), weights=torch.arange(8.0))
+    assert kjt.length_per_key() == ref.length_per_key()
+    for k in KEYS:
+        assert torch.equal(kjt[k].values(), ref[k].values()) and torch.equal(kjt[k].weights(), ref[k].weights())
+    for a, b in zip(kjt.split([1, 1]), ref.split([1, 1])):
+        assert kjt_is_equal(a, b)
+    assert kjt_is_equal(kjt.permute([1, 0]), ref.permute([1, 0]))
+    assert str(kjt) == str(ref)
+    jt = JaggedTensor(_t([1, 2, 3, 4]), lengths=_t([1, 0, 2]), weights=torch.arange(6.0))
+    assert [t.tolist() for t in jt.to_dense()] == [[1], [], [2, 3]]
+    assert [t.tolist() for t in jt.to_dense_weights()] == [[0.0], [], [1.0, 2.0]]
+    assert jt.to_padded_dense().tolist() == [[1, 0], [0, 0], [2, 3]]
+    assert jt.to_padded_dense_weights(1, -1.0).tolist() == [[0.0], [-1.0], [1.0]]
+    # concatenating would move the trailing entries into the next input's bags (TorchRec does): refused
+    with pytest.raises(ValueError, match="past its last bag"):
+        KeyedJaggedTensor.concat([kjt, ref])
+    with pytest.raises(ValueError, match="past its last bag"):
+        KeyedJaggedTensor.from_jt_dict({"a": jt})
 
 
 def test_batch_size_inconsistent_across_keys() -> None:
@@ -286,7 +309,7 @@ def test_keyed_tensor_accessors_and_regroup() -> None:
     assert torch.equal(g2, v1[:, 2:5])
     (g,) = KeyedTensor.regroup([kt1], [["b", "a", "b"]])  # a key may appear in several places
     assert torch.equal(g, torch.cat([v1[:, 2:], v1[:, :2], v1[:, 2:]], dim=1))
-    with pytest.raises(KeyError, match=r"keys \['x'\] not found"):
+    with pytest.raises(KeyError, match=r"key 'x' not found"):
         KeyedTensor.regroup([kt1, kt2], [["a", "x"]])
     # a key in several KeyedTensors is taken from the first one (TorchRec's rule)
     (g,) = KeyedTensor.regroup([kt1, KeyedTensor(["a"], [1], torch.zeros(2, 1))], [["a"]])
@@ -350,10 +373,30 @@ def test_to_dict_index_per_key_and_keyed_tensor_helpers() -> None:
     assert kjt.index_per_key() == {"a": 0, "b": 1} and kjt.stride_per_key() == [2, 2]
     d = kjt.to_dict(compute_offsets=False)
     assert d["b"].values().tolist() == [2, 3] and d["b"].lengths().tolist() == [2, 0]
-    with pytest.raises(ValueError, match=r"length_per_key \[1, 1\] does not split 3 values"):
+    with pytest.raises(ValueError, match=r"length_per_key \[1, 1\] does not split the 3 values"):
         KeyedJaggedTensor(["a", "b"], _t([1, 2, 3]), lengths=_t([1, 0, 2, 0]), length_per_key=[1, 1])
     kt = KeyedTensor.from_tensor_list(["p", "q"], [torch.ones(2, 1), torch.zeros(2, 2)])
     assert kt.length_per_key() == [1, 2] and kt.values().shape == (2, 3)
     groups = KeyedTensor.regroup_as_dict([kt], [["q"], ["p", "q"]], ["g1", "g2"])
     assert list(groups) == ["g1", "g2"] and groups["g2"].shape == (2, 3)
     assert str(kt) == 'KeyedTensor({\n    "p": [[1.0], [1.0]],\n    "q": [[0.0, 0.0], [0.0, 0.0]]\n})\n'
+
+
+def test_meta_device_kjt_has_placeholder_lengths_per_key() -> None:
+    # shapes only (model sizing): as TorchRec, the values split over the keys, the first key taking the rest
+    meta = torch.device("meta")
+    kjt = KeyedJaggedTensor(["a", "b", "c"], torch.empty(10, device=meta), weights=torch.empty(10, device=meta),
+                            lengths=torch.empty(6, dtype=torch.long, device=meta))
+    assert kjt.sync().length_per_key() == [4, 3, 3]
+    assert kjt.unsync().length_per_key_or_none() is None
+    d = kjt.to_dict()
+    assert [d[k].values().shape[0] for k in "abc"] == [4, 3, 3] and d["b"].weights().is_meta
+    assert KeyedJaggedTensor.from_jt_dict(d).length_per_key() == [4, 3, 3]
+    assert kjt.permute([2, 0]).values().shape[0] == 7
+
+
+def test_unsync_recomputes_lengths_per_key() -> None:
+    kjt = KeyedJaggedTensor.from_lengths_sync(KEYS, _t(VALUES), _t(LENGTHS))
+    lpk = kjt.sync().length_per_key_or_none()
+    assert lpk is not None and kjt.unsync().length_per_key_or_none() is None
+    assert kjt.length_per_key() == lpk
