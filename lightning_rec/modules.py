@@ -217,14 +217,14 @@ class _CollectionBase(nn.Module):
 
     @torch.jit.ignore
     def _traced_tables(self) -> list[torch.Tensor]:
-        # fx names a parameter by its dotted module path: a table named "geo.city" has no such path
-        dotted = [name for name in self._table_names if "." in name]
-        if dotted:
-            raise ValueError(f"torch.fx cannot address tables {dotted}: their names hold a '.', which fx reads as a "
-                             "module path. Trace with lightning_rec.export.fx_trace(model), which renames them")
         # plain attributes only: under TorchScript ``self`` is the scripted module (no ``_layout``)
         tables = getattr(self, self._container_name)
         if isinstance(tables, nn.Module):
+            # fx names a parameter by its dotted module path: a table named "geo.city" has no such path
+            dotted = [name for name in tables._modules if "." in name]
+            if dotted:
+                raise ValueError(f"torch.fx cannot address tables {dotted}: their names hold a '.', which fx reads as "
+                                 "a module path. Trace with lightning_rec.export.fx_trace(model), which renames them")
             return [tables[name].weight for name in self._table_names]
         return [getattr(tables, name).weight for name in self._table_names]  # TorchScript's C++ module
 
