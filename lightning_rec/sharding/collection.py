@@ -7,6 +7,9 @@ lookup and output dist of pooled and sequence embeddings.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable, Mapping
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -21,6 +24,8 @@ from lightning_rec.sharding.fused import build_kernels, check_fused, union_looku
 from lightning_rec.sharding.layout import ShardMeta
 from lightning_rec.sharding.routing import RoutingTable, build_routing
 from lightning_rec.sparse import KeyedJaggedTensor, checks_enabled
+
+_MAX_ID = (1 << 63) - 1  # raw ids are only checked to be non-negative
 
 
 def _broadcast_from_first(w: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -147,6 +152,10 @@ class ShardedCollection(nn.Module):
             setattr(self, self._attr, kernels.FusedTables(self.fused_kernels(), [t.name for t in tables]))
         self._register_state_dict_hook(state.sharded_state_dict_hook)
         self._register_load_state_dict_pre_hook(self._load_hook)
+        # raw-id tables (managed collision, see route_raw_ids): unset unless a wrapper is driving this forward
+        self._row_keys: dict[int, dists.RowKey] | None = None
+        self._on_received: Callable[[Received], Received] | None = None
+        self._raw_id_layout: FeatureLayout | None = None
 
     # -- read-only accessors for the rest of the library --------------------------------------------
     @property
@@ -249,7 +258,7 @@ class ShardedCollection(nn.Module):
         err: Exception | None = None
         kjt = None
         try:
-            kjt = self._layout.select(features)
+            kjt = (self._raw_id_layout or self._layout).select(features)
             if kjt.device != self._device:
                 raise ValueError(f"the KeyedJaggedTensor is on {kjt.device} but this sharded collection is on "
                                  f"{self._device}; move the batch (or the module) with .to()")
@@ -306,7 +315,27 @@ class ShardedCollection(nn.Module):
     def input_dist(self, kjt: KeyedJaggedTensor, batches: list[int]) -> Received:
         """Stage 1: every route's ids to the shard's owner (``batches``: every shard rank's batch size)."""
         weights = self._wire_weights(kjt.weights_or_none()) if self._uses_weights() else None
-        return dists.input_dist(kjt, weights, self._routing, batches, self._group, self._device)
+        recv = dists.input_dist(kjt, weights, self._routing, batches, self._group, self._device, self._row_keys)
+        return recv if self._on_received is None else self._on_received(recv)
+
+    def route_raw_ids(self, row_of: Mapping[str, dists.RowKey] | None,
+                      on_received: Callable[[Received], Received] | None) -> None:
+        """Let tables take raw ids (managed collision) until called again with ``None``.
+
+        ``row_of[table](ids)`` is, for each raw id, a global row of the row block that must receive it (the
+        bucket's rows); the input dist routes raw ids there unchanged, and ``on_received(recv)`` runs on
+        every rank right after it and returns ``recv`` with those ids made rows of the local shard. The ids
+        of these tables are only checked to be non-negative.
+        """
+        if row_of is None:
+            self._row_keys = self._on_received = self._raw_id_layout = None
+            return
+        index = {t.name: i for i, t in enumerate(self._layout.tables)}
+        self._row_keys = {index[t]: fn for t, fn in row_of.items()}
+        self._on_received = on_received
+        layout = copy.copy(self._layout)
+        layout.rows = [_MAX_ID if t in row_of else r for t, r in zip(layout.feature_table_names, layout.rows)]
+        self._raw_id_layout = layout
 
     def _shard_weights(self, recv: Received) -> list[torch.Tensor]:
         """This rank's shards as the lookup sees them; under 2D replicas their backward sums over the replicas."""

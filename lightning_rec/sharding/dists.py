@@ -8,6 +8,7 @@ module's device, so the same code runs over gloo on CPU and over NCCL (or gloo) 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,8 @@ from lightning_rec.sharding import comm
 from lightning_rec.sharding.layout import offsets_of
 from lightning_rec.sharding.routing import RoutingTable
 from lightning_rec.sparse import KeyedJaggedTensor, offsets_from_lengths, segment_gather_index
+
+RowKey = Callable[[torch.Tensor], torch.Tensor]  # raw ids -> a global row of the block that owns each id
 
 
 def regroup(x: torch.Tensor, seg_sizes: list[int], n_outer: int, n_inner: int) -> torch.Tensor:
@@ -51,14 +54,19 @@ class Received:
         return [sum(col) for col in zip(*self.ids_from)] if self.ids_from and self.ids_from[0] else []
 
 
-def _bucketize(vals: torch.Tensor, lens: torch.Tensor, starts: tuple[int, ...], b: int, device: torch.device):
-    """Split one feature's ids by row block: per-block bag lengths, id counts, block-local ids, permutation."""
+def _bucketize(vals: torch.Tensor, lens: torch.Tensor, starts: tuple[int, ...], b: int, device: torch.device,
+               row_key: RowKey | None = None):
+    """Split one feature's ids by row block: per-block bag lengths, id counts, block-local ids, permutation.
+
+    With ``row_key`` (raw ids of a managed-collision table) the block is the one holding row ``row_key(ids)``
+    and the ids travel unchanged (the owner remaps them after the input dist).
+    """
     st = torch.tensor(starts, dtype=torch.long, device=device)
-    bucket = torch.searchsorted(st, vals, right=True) - 1
+    bucket = torch.searchsorted(st, vals if row_key is None else row_key(vals), right=True) - 1
     order = torch.argsort(bucket, stable=True)
     bag = torch.repeat_interleave(torch.arange(b, device=device), lens, output_size=vals.numel())
     counts = torch.bincount(bucket * b + bag, minlength=len(starts) * b).view(len(starts), b)
-    return counts, counts.sum(1), vals[order] - st[bucket[order]], order
+    return counts, counts.sum(1), vals[order] - st[bucket[order]] if row_key is None else vals[order], order
 
 
 def input_dist(
@@ -68,18 +76,21 @@ def input_dist(
     batches: list[int],
     group: dist.ProcessGroup,
     device: torch.device,
+    row_keys: Mapping[int, RowKey] | None = None,
 ) -> Received:
     """Send every route's ids (made local to the shard's row block) to the shard owner; return what came in.
 
-    ``weights`` are the per-sample weights in the dtype every rank agreed on (or None). Comm: an
-    all-to-all of id counts, then of lengths, ids and weights.
+    ``weights`` are the per-sample weights in the dtype every rank agreed on (or None). ``row_keys``: for
+    tables fed raw ids (managed collision), ``{table index: ids -> a row of the block that owns each id}``;
+    those ids travel unchanged. Comm: an all-to-all of id counts, then of lengths, ids and weights.
     """
     b = kjt.stride()
     if routing.single_block:
         send_l, send_v, send_w, sent, value_counts = _route_payload(kjt, weights, routing)
         positions: list[torch.Tensor | None] = [None] * len(sent)
     else:
-        send_l, send_v, send_w, sent, value_counts, positions = _bucketed_payload(kjt, weights, routing, device)
+        send_l, send_v, send_w, sent, value_counts, positions = _bucketed_payload(kjt, weights, routing, device,
+                                                                                  row_keys or {})
     n_ranks, n_mine = routing.group_size, len(routing.my_routes)
     if n_ranks == 1:  # this rank is the whole shard group: nothing to exchange
         return Received(lengths=send_l, values=send_v, weights=send_w, ids_from=[sent], positions=positions,
@@ -131,7 +142,7 @@ def _route_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing
 
 
 def _bucketed_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable,
-                      device: torch.device):
+                      device: torch.device, row_keys: Mapping[int, RowKey]):
     """Every route's lengths, ids (local to the route's row block) and weights, bucketed by row block."""
     b = kjt.stride()
     values, lengths, opk = kjt.values(), kjt.lengths(), kjt.offset_per_key()
@@ -147,7 +158,7 @@ def _bucketed_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, rout
         if len(starts) == 1:
             per_feature[f] = (lens.view(1, b), [vals.numel()], vals - starts[0] if starts[0] else vals, w, None)
             continue
-        counts, seg, local_vals, order = _bucketize(vals, lens, starts, b, device)
+        counts, seg, local_vals, order = _bucketize(vals, lens, starts, b, device, row_keys.get(ti))
         per_feature[f] = (counts, seg, local_vals, None if w is None else w[order], order)
     # every feature's id count per row block, read back in one host sync
     bucketed = [f for f, v in per_feature.items() if isinstance(v[1], torch.Tensor)]
