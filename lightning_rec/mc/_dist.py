@@ -5,9 +5,12 @@ ids by bucket owner (``row_key``) and the owner remaps them after receiving, bef
 communication beyond the lookup's. Separate (:func:`remap_sharded`; when the remapped ids must go back to
 the sender: ``return_remapped_features=True`` or ``remap()``), per step and per rank: bucketize the raw ids,
 all-to-all them to the owners (counts first, then ids), let each owner remap the ids of its buckets (all
-ranks' ids of a bucket together, so its decisions equal one process's), and all-to-all the rows back. Example, 2 ranks, a row-wise table of 2 buckets (bucket 0 on
-rank 0, bucket 1 on rank 1): rank 0 holds ids ``[a(b0), c(b1)]``, rank 1 ``[d(b1)]``; rank 1 receives
-``[c]`` from rank 0 and ``[d]`` from itself, remaps ``{c, d}`` in one step, returns ``c``'s row to rank 0.
+ranks' ids of a bucket together, so its decisions equal one process's), and all-to-all the rows back.
+
+Example, 2 ranks, a row-wise table of 2 buckets (bucket 0 on rank 0, bucket 1 on rank 1): rank 0 holds ids
+``[a(b0), c(b1)]``, rank 1 ``[d(b1)]``; rank 1 receives ``[c]`` from rank 0 and ``[d]`` from itself and
+remaps ``{c, d}`` in one step; the separate way then returns ``c``'s row to rank 0, the folded way looks it
+up on rank 1 and returns the pooled row.
 """
 
 from __future__ import annotations

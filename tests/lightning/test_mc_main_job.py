@@ -45,7 +45,7 @@ data:
 
 def _job(rank: int, ws: int, config: str) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-    import dlrm  # noqa: PLC0415  (the example is a script, not a package module)
+    import dlrm  # the example is a script, not a package module
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
