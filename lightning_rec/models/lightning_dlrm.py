@@ -258,8 +258,11 @@ class DLRM(RecModule):
         return ShardingPlan({"sparse_arch.embedding_bag_collection._embedding_module": plan})
 
     def configure_callbacks(self) -> list[L.Callback]:
-        # hit rate and evictions per epoch, logged and printed by rank 0
-        return [ManagedCollisionCallback(print_stats=True)] if self._mc_modules else []
+        # hit rate and evictions per epoch, logged and printed by rank 0; Lightning would replace a
+        # ManagedCollisionCallback the user configured (e.g. with resize_at) by this one, so keep theirs
+        if not self._mc_modules or any(isinstance(c, ManagedCollisionCallback) for c in self.trainer.callbacks):
+            return []
+        return [ManagedCollisionCallback(print_stats=True)]
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """Logits ``[B]``."""
