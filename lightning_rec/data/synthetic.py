@@ -94,10 +94,11 @@ class SyntheticClicks(ClickStream):
         raw_ids: emit raw ids from an unbounded id space instead of ids in ``[0, cardinality)`` (for
             managed-collision tables; ``cardinalities`` then only size the tables). A feature's ids at row
             time ``t`` (the row index, plus ``epoch * num_rows`` with ``fresh_epochs``) are Zipf ranks ``r``
-            over ``raw_id_space x cardinality`` values, turned into the item ``floor(t * raw_id_drift) - r``
-            and hashed to a non-negative 63-bit id: the most popular ids are the newest, and new ids keep
-            appearing (``raw_id_drift`` per row) while old ones fade. Labels follow the hidden model's
-            per-id effects of the raw ids, so a model that gives every id its own row can learn them.
+            over ``raw_id_space x cardinality`` values, turned into the item ``floor(t * d) - r`` with
+            ``d = raw_id_drift * cardinality / 1000`` and hashed to a non-negative 63-bit id: the most
+            popular ids are the newest, and new ids keep appearing (``raw_id_drift`` of the cardinality per
+            1,000 rows) while old ones fade. Labels follow the hidden model's per-id effects of the raw ids,
+            so a model that gives every id its own row can learn them.
         raw_id_space, raw_id_drift: see ``raw_ids``.
     """
 
@@ -120,7 +121,7 @@ class SyntheticClicks(ClickStream):
         fresh_epochs: bool | None = None,
         raw_ids: bool = False,
         raw_id_space: float = 2.0,
-        raw_id_drift: float = 0.01,
+        raw_id_drift: float = 0.001,
     ) -> None:
         super().__init__()
         if split not in SPLITS:
@@ -162,6 +163,7 @@ class SyntheticClicks(ClickStream):
             self._n = np.ceil(n * self.raw_id_space).astype(np.int64)
             n = self._n.astype(np.float64)
         self._raw_keys = np.asarray([key_of(self.seed, 0x1D5, j) for j in range(f)], dtype=np.uint64)
+        self._cards = np.asarray(self.cardinalities, dtype=np.float64)
         self._one_minus_s = 1.0 - zipf_exponent
         # (n + 1) ** (1 - s) - 1, the span of the bounded power law's inverse CDF
         self._zipf_span = (n + 1.0) ** self._one_minus_s - 1.0 if self._one_minus_s != 0 else np.log(n + 1.0)
@@ -215,8 +217,9 @@ class SyntheticClicks(ClickStream):
         rank_ = np.minimum(np.floor(x).astype(np.int64) - 1, self._n[feat] - 1)
         if self.raw_ids:
             t0 = epoch * self.num_rows if self.fresh_epochs else 0
-            shift = np.floor((np.arange(start, stop, dtype=np.float64) + t0) * self.raw_id_drift).astype(np.int64)
-            item = (shift[row] - rank_).astype(np.uint64)  # wraps below 0: still one value per item
+            t = np.arange(start, stop, dtype=np.float64) + t0
+            shift = np.floor(t[row] * (self.raw_id_drift / 1000.0) * self._cards[feat]).astype(np.int64)
+            item = (shift - rank_).astype(np.uint64)  # wraps below 0: still one value per item
             values = (mix64(item ^ self._raw_keys[feat]) >> np.uint64(1)).astype(np.int64)
         else:
             values = (rank_ * self._scatter_a[feat] + self._scatter_b[feat]) % self._n[feat]

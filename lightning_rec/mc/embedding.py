@@ -59,6 +59,11 @@ class _ManagedCollisionWrapper(nn.Module):
         self._fold_remap = True
         _WRAPPERS.add(self)
 
+    @property
+    def embedding_module(self) -> nn.Module:
+        """The wrapped collection (sharded after ``shard_modules``); plans name it ``<path>._embedding_module``."""
+        return self._embedding_module
+
     # -- optimizer state ----------------------------------------------------------------------------
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Reset / migrate this optimizer's per-row state with the rows (done automatically at its first step)."""

@@ -36,6 +36,8 @@ from lightning_rec.sparse import KeyedJaggedTensor
 _EMBEDDING_OPTIMIZERS = ("adagrad", "sgd", "sparse_adam")
 _MC_KEYS = {"eviction_policy", "num_buckets", "zch_size", "tables", "row_init"}
 _POLICIES = {"lru": LRU_EvictionPolicy, "lfu": LFU_EvictionPolicy}
+# a bucket of a few rows thrashes (its ids evict each other however stale the rest of the table is)
+_MIN_BUCKET_ROWS = 16
 
 
 def _unpack(batch: Any) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor | None]:
@@ -72,8 +74,8 @@ def managed_tables(
 
     ``options`` (``DLRM(managed_collision=...)``): ``tables`` (names; default all), ``zch_size`` (rows: one
     int, or ``{table: int}``; default the table's ``num_embeddings``), ``num_buckets`` (default 768, capped
-    at the table's rows), ``eviction_policy`` (``"lru"`` or ``"lfu"``). A managed table's rows are rounded
-    up to a multiple of its bucket count.
+    so that a bucket holds at least 16 rows), ``eviction_policy`` (``"lru"`` or ``"lfu"``). A managed table's
+    rows are rounded up to a multiple of its bucket count.
     """
     unknown = sorted(set(options) - _MC_KEYS)
     if unknown:
@@ -102,7 +104,7 @@ def managed_tables(
         rows = int((zch.get(t.name) if isinstance(zch, dict) else zch) or t.num_embeddings)
         if rows < 1:
             raise ValueError(f"managed_collision: table {t.name!r}: zch_size must be positive, got {rows}")
-        nb = min(buckets, rows)
+        nb = min(buckets, max(1, rows // _MIN_BUCKET_ROWS))
         rows = -(-rows // nb) * nb
         out.append(dataclasses.replace(t, num_embeddings=rows))
         modules[t.name] = MCHManagedCollisionModule(rows, eviction_policy=_POLICIES[policy](), num_buckets=nb,
@@ -121,7 +123,7 @@ class _ManagedSparseArch(SparseArch):
     """``SparseArch`` over a ``ManagedCollisionEmbeddingBagCollection``: raw ids in, pooled ``[B, F, D]`` out."""
 
     def __init__(self, mc_ebc: ManagedCollisionEmbeddingBagCollection) -> None:
-        super().__init__(mc_ebc._embedding_module)
+        super().__init__(mc_ebc.embedding_module)
         self.embedding_bag_collection = mc_ebc  # state_dict keys as TorchRec's: ..._embedding_module.embedding_bags
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
@@ -251,7 +253,7 @@ class DLRM(RecModule):
         mesh = self.device_mesh
         group = mesh["shard"].size() if mesh is not None else 1
         plan = {}
-        for i, t in enumerate(self.sparse_arch.embedding_bag_collection._embedding_module.embedding_bag_configs()):
+        for i, t in enumerate(self.sparse_arch.embedding_bag_collection.embedding_module.embedding_bag_configs()):
             m = self._mc_modules.get(t.name)
             plan[t.name] = (row_wise(bucket_aligned_rows(m.zch_size, m.num_buckets, group)) if m is not None
                             else table_wise(i % group))

@@ -70,7 +70,7 @@ def test_criteo_npy_raw_ids_are_not_folded(tmp_path) -> None:
 
 def test_synthetic_raw_ids_are_unbounded_drifting_and_shard_like_hashed_rows() -> None:
     cards = [16] * 26
-    ds = SyntheticClicks(8192, 512, cardinalities=cards, raw_ids=True, multi_hot={})
+    ds = SyntheticClicks(8192, 512, cardinalities=cards, raw_ids=True, multi_hot={}, raw_id_drift=1.0)
     _, _, values, labels, _ = ds.rows(0, 8192)
     ids = values.reshape(26, 8192)  # one id per row and feature
     assert values.min() >= 0 and values.dtype == np.int64
@@ -79,7 +79,7 @@ def test_synthetic_raw_ids_are_unbounded_drifting_and_shard_like_hashed_rows() -
     assert len(late - early) > len(late) // 2  # new ids keep appearing
     # a pure function of the row: the same ids for any batch size / world size, and per epoch when fresh
     shards = [list(SyntheticClicks(8192, 256, cardinalities=cards, raw_ids=True, multi_hot={}, rank=r,
-                                   world_size=2)) for r in range(2)]
+                                   world_size=2, raw_id_drift=1.0)) for r in range(2)]
     first = torch.cat([shards[0][0].sparse.values().view(26, -1), shards[1][0].sparse.values().view(26, -1)], 1)
     assert torch.equal(first, torch.from_numpy(ids[:, :512]))
     ds.epoch = 1
@@ -108,14 +108,17 @@ def test_datamodule_passes_raw_ids_to_every_source(tmp_path) -> None:
 
 def test_managed_tables_round_sizes_to_buckets_and_check_options() -> None:
     tables = tables_from_cardinalities(["a", "b", "c"], [1000, 5, 64], 8)
-    out, mods = managed_tables(tables, {"num_buckets": 16, "zch_size": {"a": 100}, "tables": ["a", "b"],
+    out, mods = managed_tables(tables, {"num_buckets": 16, "zch_size": {"a": 1000}, "tables": ["a", "c"],
                                         "eviction_policy": "LFU"})
-    assert [t.num_embeddings for t in out] == [112, 5, 64]  # a: 100 -> 7 x 16; b: 5 buckets of 1; c unmanaged
-    assert set(mods) == {"a", "b"} and mods["a"].num_buckets == 16 and mods["b"].num_buckets == 5
+    # a: 1000 rows -> 16 buckets of 63; b unmanaged; c: 64 rows, buckets of at least 16 rows -> 4 buckets
+    assert [t.num_embeddings for t in out] == [1008, 5, 64]
+    assert set(mods) == {"a", "c"} and mods["a"].num_buckets == 16 and mods["c"].num_buckets == 4
+    _, small = managed_tables(tables, {"zch_size": {"b": 5}})
+    assert small["b"].num_buckets == 1 and small["b"].zch_size == 5
     assert mods["a"].eviction_policy.name == "lfu"
     for bad, msg in (({"buckets": 3}, "unknown keys"), ({"tables": ["x"]}, "not tables of the model"),
                      ({"eviction_policy": "fifo"}, "eviction_policy must be one of"),
-                     ({"zch_size": {"c": 4}, "tables": ["a"]}, "not managed"),
+                     ({"zch_size": {"b": 4}, "tables": ["a"]}, "not managed"),
                      ({"zch_size": -3}, "zch_size must be positive")):
         with pytest.raises(ValueError, match=msg):
             managed_tables(tables, bad)
