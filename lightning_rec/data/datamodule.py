@@ -147,8 +147,10 @@ class ClickDataModule(L.LightningDataModule):
                                      raw_ids=self.raw_ids)
 
     def _loader(self, split: str) -> ClickLoader:
+        trainer = self.trainer
+        hint = (lambda: trainer.current_epoch) if split == "train" and trainer is not None else None
         return ClickLoader(self.dataset(split), num_workers=self.num_workers, pin_memory=self.pin_memory,
-                           what=f"ClickDataModule {split} loader")
+                           what=f"ClickDataModule {split} loader", epoch_hint=hint)
 
     def train_dataloader(self) -> ClickLoader:
         return self._loader("train")
