@@ -55,12 +55,6 @@ def _row_shards(coll: ShardedCollection, table: str):
     return cfg, [s for s in shards if s.rows > 0]
 
 
-def local_row_offset(coll: ShardedCollection, table: str) -> int | None:
-    """First global row of this rank's shard of ``table`` (None when it holds none)."""
-    mine = [s for ti, s in coll.local_shards if coll.tables[ti].name == table and s.rows > 0]
-    return mine[0].row_offset if mine else None
-
-
 def ownership(coll: ShardedCollection, table: str, m: MCHManagedCollisionModule) -> Ownership:
     cfg, shards = _row_shards(coll, table)
     owner = torch.full((cfg.num_embeddings,), -1, dtype=torch.int64)

@@ -70,19 +70,23 @@ class _ManagedCollisionWrapper(nn.Module):
         if not any(r() is optimizer for r in self._optimizers):
             self._optimizers.append(weakref.ref(optimizer))
 
-    def _table_weights(self) -> dict[str, tuple[torch.Tensor, int]]:
-        """``{table: (local weight, global row of its first row)}`` for the managed tables held here."""
+    def _table_weights(self, only: str | None = None) -> dict[str, tuple[torch.Tensor, int]]:
+        """``{table: (local weight, global row of its first row)}`` for the managed tables held here (or ``only``)."""
         coll = self._embedding_module
-        tables = getattr(coll, coll.table_attr if isinstance(coll, ShardedCollection) else self._attr)
+        sharded = isinstance(coll, ShardedCollection)
+        tables = getattr(coll, coll.table_attr if sharded else self._attr)
+        # first global row of each table this rank holds rows of (one pass over the local shards)
+        offsets = {}
+        if sharded:
+            names = [t.name for t in coll.tables]
+            for ti, s in coll.local_shards:
+                if s.rows > 0:
+                    offsets.setdefault(names[ti], s.row_offset)
         out = {}
-        for t in self._managed_collision_collection.modules_by_table():
-            if isinstance(coll, ShardedCollection):
-                offset = _dist.local_row_offset(coll, t)
-                if offset is None:
-                    continue
-            else:
-                offset = 0
-            out[t] = (tables[t].weight, offset)
+        for t in [only] if only is not None else self._managed_collision_collection.modules_by_table():
+            offset = offsets.get(t) if sharded else 0
+            if offset is not None:
+                out[t] = (tables[t].weight, offset)
         return out
 
     def _state_tensors(self, table: str, weight: torch.Tensor) -> list[torch.Tensor]:
@@ -102,8 +106,10 @@ class _ManagedCollisionWrapper(nn.Module):
         return found
 
     def _reinit_rows(self, table: str, rows: torch.Tensor, ids: torch.Tensor) -> None:
-        held = self._table_weights().get(table)
-        if held is None or rows.numel() == 0:
+        if rows.numel() == 0:
+            return
+        held = self._table_weights(table).get(table)
+        if held is None:
             return
         weight, offset = held
         local = (rows - offset).to(weight.device)
@@ -124,8 +130,10 @@ class _ManagedCollisionWrapper(nn.Module):
         return _remap.hashed_uniform(ids, cfg.embedding_dim, seed, cfg.weight_init_min, cfg.weight_init_max)
 
     def _move_rows(self, table: str, src: torch.Tensor, dst: torch.Tensor) -> None:
-        held = self._table_weights().get(table)
-        if held is None or src.numel() == 0:
+        if src.numel() == 0:
+            return
+        held = self._table_weights(table).get(table)
+        if held is None:
             return
         weight, offset = held
         s, d = (src - offset).to(weight.device), (dst - offset).to(weight.device)
