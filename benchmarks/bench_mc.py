@@ -15,22 +15,40 @@ Methods, each one training step, run side by side in every round:
 The report gives the median ms/step, ids/s, and paired ratios (both/lookup, remap/lookup: computed
 within a round, median over rounds). One thread by default, as the shared CI machine is noisy.
 
+``--world N`` (default 2; 0 skips) adds the sharded step on N gloo processes (one thread each; the table
+row-wise in whole buckets, each rank its own fresh batches of ``--batch`` bags), three methods per round:
+
+  folded    the wrapper's step: raw ids routed to the bucket owners by the collection's own input dist,
+            remapped there, looked up (no exchange beyond the lookup's)
+  separate  the same step with the remap as its own exchange first (ids to the owners and rows back:
+            3 more all-to-alls), then the collection's input dist
+  lookup    the sharded collection alone, forward + backward + SGD, on ids remapped beforehand
+
+``--main-job`` also runs the DLRM main job (examples/dlrm.py, 2 processes) on hashed and on raw ids
+(``--data.raw_ids true``) with the same rows, and reports the per-epoch hit rate and evictions it prints
+and both jobs' wall time. The load average (1/5/15 min) is recorded before and after.
+
 Usage:
-    python benchmarks/bench_mc.py                                       # full size
-    python benchmarks/bench_mc.py --rows 48000 --batch 256 --rounds 2   # smoke
+    python benchmarks/bench_mc.py --out benchmarks/results/mc.md --main-job        # full size
+    python benchmarks/bench_mc.py --rows 48000 --batch 256 --rounds 2              # smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
@@ -45,6 +63,10 @@ from lightning_rec import (
     MCHManagedCollisionModule,
 )
 from lightning_rec.mc._remap import splitmix64
+from lightning_rec.sharding import ShardingPlan, row_wise, shard_modules
+from lightning_rec.testing import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,15 +83,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--policy", choices=["lru", "lfu"], default="lru")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--world", type=int, default=2, help="processes of the sharded run (0: skip it)")
+    p.add_argument("--main-job", action="store_true", help="also run the DLRM main job on hashed and raw ids")
+    p.add_argument("--job-rows", type=int, default=200_000, help="main job: training rows per epoch")
+    p.add_argument("--job-epochs", type=int, default=2)
     p.add_argument("--out", type=str, default=None, help="write the markdown report here")
     return p.parse_args(argv)
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 class Batches:
     """Fresh batches forever (one rng): a replayed batch would only hit, and no step would evict."""
 
-    def __init__(self, args) -> None:
-        self.rng, self.args = np.random.default_rng(0), args
+    def __init__(self, args, seed: int = 0) -> None:
+        self.rng, self.args = np.random.default_rng(seed), args
         self.distinct = int(args.rows * args.distinct)
 
     def take(self, n: int) -> list[KeyedJaggedTensor]:
@@ -91,8 +121,118 @@ def build(args) -> ManagedCollisionEmbeddingBagCollection:
     return ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables, kernel="torch", sparse_grad=True), mcc)
 
 
+def sharded_worker(rank: int, world: int, a: dict) -> dict:
+    """One rank of the sharded run: folded, separate and lookup-only steps side by side in every round."""
+    args = argparse.Namespace(**a)
+    torch.set_num_threads(1)
+    per, extra = divmod(args.buckets, world)
+    size = args.rows // args.buckets
+    blocks = [(per + (r < extra)) * size for r in range(world)]
+    model = shard_modules(build(args), ShardingPlan({"_embedding_module": {"t": row_wise(blocks)}}))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    source = Batches(args, seed=1 + rank)
+    for b in source.take(args.fill):
+        model(b)
+
+    def step(kjt):
+        opt.zero_grad()
+        model(kjt)[0].values().sum().backward()
+        opt.step()
+
+    def lookup(kjt):
+        opt.zero_grad()
+        model._embedding_module(kjt).values().sum().backward()
+        opt.step()
+
+    times: dict[str, list[float]] = {"folded": [], "separate": [], "lookup": []}
+    names = list(times)
+    for r in range(args.warmup + args.rounds):
+        for method in names[r % 3 :] + names[: r % 3]:  # rotate the order: no method always runs first
+            data = source.take(args.steps)
+            if method == "lookup":
+                data = [model.remap(b) for b in data]  # untimed: the rows the lookup reads
+            model._fold_remap = method == "folded"
+            dist.barrier()
+            t0 = time.perf_counter()
+            for b in data:
+                (lookup if method == "lookup" else step)(b)
+            dt = time.perf_counter() - t0
+            if r >= args.warmup:
+                times[method].append(dt / args.steps)
+    return {"times": times, "stats": model.mc_stats()["t"]}
+
+
+def sharded_section(args) -> list[str]:
+    res = run_distributed(sharded_worker, args.world, vars(args), timeout_s=1800)
+    # a step ends in collectives: every rank's time is about the slowest's; report rank 0's
+    times = res[0]["times"]
+    ids = args.batch * args.bag * args.world
+    med = {m: statistics.median(v) * 1e3 for m, v in times.items()}
+    ratio = {(k, base): statistics.median(a / b for a, b in zip(times[k], times[base]))
+             for k, base in (("folded", "lookup"), ("separate", "lookup"), ("folded", "separate"))}
+    hits = sum(r["stats"]["hits"] for r in res)
+    lookups = sum(r["stats"]["lookups"] for r in res)
+    evicted = sum(r["stats"]["evicted"] for r in res)
+    return [
+        f"## Sharded: {args.world} processes, remap folded into the input dist vs a separate exchange",
+        "",
+        f"The same table row-wise over {args.world} gloo processes in whole buckets, one thread each; each rank "
+        f"its own fresh batches of {args.batch} bags x {args.bag} ids ({ids:,} ids/step over all ranks). Last "
+        f"timed step: {hits:,} of {lookups:,} ids hit, {evicted:,} evicted.",
+        "",
+        "| method | ms/step (rank 0) | ids/s (all ranks) |",
+        "| --- | --- | --- |",
+        *[f"| {m} | {med[m]:.1f} | {ids / med[m] * 1e3:,.0f} |" for m in times],
+        "",
+        f"Paired ratios (median over rounds): folded / lookup = {ratio[('folded', 'lookup')]:.2f}, "
+        f"separate / lookup = {ratio[('separate', 'lookup')]:.2f}, "
+        f"folded / separate = {ratio[('folded', 'separate')]:.2f}.",
+    ]
+
+
+def run_job(extra: list[str], root: str) -> tuple[float, str]:
+    # the job writes runs/dlrm (logs, checkpoint) under its working directory: a temporary one
+    cmd = [sys.executable, str(ROOT / "examples" / "dlrm.py"), *extra]
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         check=False)
+    if out.returncode:
+        raise RuntimeError(f"main job failed ({' '.join(cmd)}):\n{out.stderr[-3000:]}")
+    return time.perf_counter() - t0, out.stdout
+
+
+def main_job_section(args) -> list[str]:
+    common = ["--data.train_rows", str(args.job_rows), "--trainer.max_epochs", str(args.job_epochs),
+              "--trainer.val_check_interval", "1.0"]
+    lines = [
+        "## The DLRM main job on raw ids",
+        "",
+        f"`python examples/dlrm.py --data.raw_ids true --data.train_rows {args.job_rows} "
+        f"--trainer.max_epochs {args.job_epochs} --trainer.val_check_interval 1.0` (2 processes, the defaults of "
+        "examples/dlrm.yaml otherwise: synthetic clicks at size 0.001, 26 tables, LRU, 768 buckets capped so "
+        "a bucket holds at least 16 rows) next to the same job on hashed ids. Wall time includes start-up and "
+        "validation. The two jobs learn different hidden tasks (raw ids drift), so compare each AUC with its "
+        "achievable AUC.",
+        "",
+    ]
+    runs = {}
+    for name, extra in (("hashed ids", []), ("raw ids, managed collision", ["--data.raw_ids", "true"])):
+        with tempfile.TemporaryDirectory() as root:
+            runs[name] = run_job(common + extra, root)
+            print(f"{name}: {runs[name][0]:.0f}s", flush=True)
+    lines += ["| job | wall s | final line |", "| --- | --- | --- |"]
+    for name, (secs, out) in runs.items():
+        final = [ln for ln in out.splitlines() if ln.startswith("final: ")]
+        lines.append(f"| {name} | {secs:.0f} | `{final[-1] if final else '?'}` |")
+    per_epoch = [ln for ln in runs["raw ids, managed collision"][1].splitlines()
+                 if re.match(r"managed collision, epoch", ln)]
+    lines += ["", "Per epoch (printed by the job):", "", *[f"    {ln}" for ln in per_epoch]]
+    return lines
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    load_before = load()
     torch.set_num_threads(args.threads)
     model = build(args)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -154,6 +294,11 @@ def main(argv=None) -> None:
         f"Paired ratios (median over rounds): remap / lookup = {ratio['remap']:.2f}, "
         f"(remap + lookup) / lookup = {ratio['both']:.2f}.",
     ]
+    if args.world:
+        lines += ["", *sharded_section(args)]
+    if args.main_job:
+        lines += ["", *main_job_section(args)]
+    lines += ["", f"Load average (1/5/15 min) before: {load_before}; after: {load()} (2 cores, shared with other jobs)."]
     text = "\n".join(lines)
     print(text)
     if args.out:

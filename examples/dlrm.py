@@ -12,6 +12,8 @@ memory at start, validation AUC / NE each epoch and a checkpoint at the end. The
     python examples/dlrm.py --trainer.max_epochs 2 --ckpt_path runs/dlrm/checkpoints/dlrm-final.ckpt  # resume
     python examples/dlrm.py --export_program runs/dlrm/dlrm.pt2       # + a torch.export program to serve
     python examples/dlrm.py --data.source criteo_tsv --data.path /data/criteo/day_0 --trainer.max_epochs 1
+    python examples/dlrm.py --data.raw_ids true                    # raw ids through managed collision
+    python examples/dlrm.py --data.raw_ids true --model.managed_collision '{eviction_policy: lfu, num_buckets: 384}'
 
 The model's ``num_dense``, ``feature_names`` and ``num_embeddings_per_feature`` are taken from the data
 module (one table per categorical feature, named after it); give ``model.tables`` to choose tables yourself.
@@ -39,7 +41,7 @@ class DLRMCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         for source, target in (("num_dense", "num_dense"), ("feature_names", "feature_names"),
-                               ("cardinalities", "num_embeddings_per_feature")):
+                               ("cardinalities", "num_embeddings_per_feature"), ("raw_ids", "raw_ids")):
             parser.link_arguments(f"data.{source}", f"model.{target}", apply_on="instantiate")
         parser.add_argument("--ckpt_path", type=str | None, default=None,
                             help="resume from a checkpoint directory (any world size, layout or plan)")
@@ -58,6 +60,8 @@ def final_line(metrics: dict[str, Any], seconds: float, achievable: float | None
     if auc is None or ne is None:
         return f"final: no validation metrics (was validation disabled?) after {seconds:.0f}s"
     extra = f" (achievable AUC {achievable:.4f})" if achievable is not None else ""
+    if "mc/hit_rate" in metrics:  # managed collision (--data.raw_ids true): the last epoch's remap totals
+        extra += f"  mc hit rate {float(metrics['mc/hit_rate']):.4f} evicted {int(metrics['mc/evicted']):,}"
     return f"final: val AUC {float(auc):.4f}  NE {float(ne):.4f}{extra}  after {seconds:.0f}s"
 
 
@@ -92,7 +96,7 @@ def achievable_auc(dm: ClickDataModule) -> float | None:
     if dm.source != "synthetic" or not dm.rows["val"]:
         return None
     return SyntheticClicks(dm.rows["val"], dm.batch_size, seed=dm.seed, split="val", multi_hot=dm.multi_hot,
-                           cardinalities=dm.cardinalities).achievable_auc()
+                           cardinalities=dm.cardinalities, raw_ids=dm.raw_ids).achievable_auc()
 
 
 if __name__ == "__main__":

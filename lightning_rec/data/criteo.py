@@ -4,7 +4,8 @@ Both yield :class:`Batch` objects sharded over data-parallel ranks by the rule i
 ``lightning_rec.data._sharding`` (same number of batches per rank, no overlap, no loss), each rank reading
 only its own rows, in file order or block-shuffled per epoch (``lightning_rec.data._stream``). Dense
 integers become ``log1p(max(x, 0))``, as DLRM feeds them; categorical ids are folded into each table's
-range (hashed for raw hex strings, modulo for preprocessed ids).
+range (hashed for raw hex strings, modulo for preprocessed ids), or kept raw (``raw_ids=True``) for
+managed-collision tables.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from lightning_rec.data._stream import ClickStream, concat_rows
-from lightning_rec.data._tsv import NUM_CAT, LineIndex, parse_lines
+from lightning_rec.data._tsv import NUM_CAT, LineIndex, dense_of, hash_ids, parse_raw
 from lightning_rec.data.synthetic import CRITEO_CARDINALITIES, FEATURE_NAMES, NUM_DENSE
 
 
@@ -66,20 +67,22 @@ def count_lines(path: str) -> int:
     return n + (last != b"\n")
 
 
-class CriteoTSV(ClickStream):
-    """Criteo Kaggle / Terabyte click logs as tab-separated lines.
+def raw_id_values(raw: np.ndarray, lengths: np.ndarray, what: str) -> np.ndarray:
+    """Raw uint64 ids as int64 (``raw_ids=True``): refused, naming the feature, if one does not fit below 2**63."""
+    bad = np.flatnonzero(raw >= np.uint64(1 << 63))
+    if bad.size:
+        f = int(np.searchsorted(np.cumsum(lengths.sum(1)), bad[0], side="right"))
+        raise ValueError(f"{what}: feature {FEATURE_NAMES[f]} has raw id {int(raw[bad[0]]):#x}, which does not fit "
+                         "a non-negative int64 (raw ids must be below 2**63); read it hashed (raw_ids=False)")
+    return raw.astype(np.int64)
 
-    Each line: ``label \\t 13 integers \\t 26 hex ids``; integers and ids may be empty (a missing integer
-    is 0; a missing id is an empty bag for that feature). Hex ids are hashed into ``[0, cardinality)`` per
-    feature. Several files (a list, a directory, or a glob such as ``day_*``) read as one stream of rows;
-    ``start`` / ``num_rows`` pick a window of it (``None``: to the end).
 
-    Files are indexed once at construction (line count and the byte offset of every 256th line, about
-    1 GB/s), so each rank (and each DataLoader worker) reads and parses only the bytes of its own rows, with
-    pyarrow's CSV reader and vectorised hex parsing. A bad line raises a ValueError naming the file, the
-    line and the column; under :class:`ClickLoader` every rank raises it at the same step. ``shuffle``
-    reads blocks of ``shuffle_block`` lines in an order drawn from ``(seed, epoch)``. For repeated epochs
-    over large data prefer Parquet (``lightning-rec convert``, :class:`CriteoParquet`).
+class _CriteoFiles(ClickStream):
+    """The shared part of the Criteo file readers (:class:`CriteoTSV`, ``CriteoParquet``): files, table sizes,
+    the row window, and categorical ids hashed into the tables or kept raw (``raw_ids``).
+
+    Subclasses index their files in ``_index_files`` (returning the total row count) and read rows in
+    ``read_rows``, passing each read's raw uint64 ids through :meth:`_ids`.
     """
 
     num_dense: int = NUM_DENSE
@@ -97,19 +100,54 @@ class CriteoTSV(ClickStream):
         shuffle: bool = False,
         shuffle_block: int = 65536,
         seed: int = 0,
+        raw_ids: bool = False,
     ) -> None:
         super().__init__()
+        name = type(self).__name__
         self.paths = resolve_paths(path)
-        self.cardinalities = _check_cardinalities(cardinalities, "CriteoTSV")
+        self.cardinalities = _check_cardinalities(cardinalities, name)
         self._cards = np.asarray(self.cardinalities, dtype=np.uint64)
         self.feature_names = list(FEATURE_NAMES)
         self.start = int(start)
-        self._index = [LineIndex.build(p) for p in self.paths]
-        self._first_row = np.cumsum([0] + [ix.lines for ix in self._index])
-        what = f"CriteoTSV({self.paths[0]!r}{' ...' if len(self.paths) > 1 else ''})"
-        self.num_rows_total = int(self._first_row[-1])
+        self.raw_ids = bool(raw_ids)
+        what = f"{name}({self.paths[0]!r}{' ...' if len(self.paths) > 1 else ''})"
+        self.num_rows_total = self._index_files()
         n = _window(self.num_rows_total, self.start, num_rows, what)
         self._init_stream(n, batch_size, rank, world_size, drop_last, shuffle, shuffle_block, seed, what)
+
+    def _index_files(self) -> int:
+        raise NotImplementedError
+
+    def _ids(self, raw: np.ndarray, lengths: np.ndarray, where: str) -> np.ndarray:
+        """Key-major raw uint64 ids -> int64 ids: hashed per feature into ``[0, cardinality)``, or raw."""
+        return raw_id_values(raw, lengths, where) if self.raw_ids else hash_ids(raw, lengths, self._cards)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "start": self.start, "raw_ids": self.raw_ids}
+
+
+class CriteoTSV(_CriteoFiles):
+    """Criteo Kaggle / Terabyte click logs as tab-separated lines.
+
+    Each line: ``label \\t 13 integers \\t 26 hex ids``; integers and ids may be empty (a missing integer
+    is 0; a missing id is an empty bag for that feature). Hex ids are hashed into ``[0, cardinality)`` per
+    feature, or, with ``raw_ids=True``, passed on as their raw 64-bit values (for managed-collision tables,
+    which map any id to a row; ``cardinalities`` then only size the tables). Several files (a list, a
+    directory, or a glob such as ``day_*``) read as one stream of rows; ``start`` / ``num_rows`` pick a
+    window of it (``None``: to the end).
+
+    Files are indexed once at construction (line count and the byte offset of every 256th line, about
+    1 GB/s), so each rank (and each DataLoader worker) reads and parses only the bytes of its own rows, with
+    pyarrow's CSV reader and vectorised hex parsing. A bad line raises a ValueError naming the file, the
+    line and the column; under :class:`ClickLoader` every rank raises it at the same step. ``shuffle``
+    reads blocks of ``shuffle_block`` lines in an order drawn from ``(seed, epoch)``. For repeated epochs
+    over large data prefer Parquet (``lightning-rec convert``, :class:`CriteoParquet`).
+    """
+
+    def _index_files(self) -> int:
+        self._index = [LineIndex.build(p) for p in self.paths]
+        self._first_row = np.cumsum([0] + [ix.lines for ix in self._index])
+        return int(self._first_row[-1])
 
     def read_rows(self, start: int, stop: int):
         start, stop = start + self.start, stop + self.start
@@ -118,12 +156,11 @@ class CriteoTSV(ClickStream):
         while start < stop:
             ix, base = self._index[f], int(self._first_row[f])
             a, b = start - base, min(stop - base, ix.lines)
-            parts.append(parse_lines(ix.read(a, b), ix.path, a + 1, self._cards))
+            labels, ints, lengths, raw = parse_raw(ix.read(a, b), ix.path, a + 1)
+            ids = self._ids(raw, lengths, f"CriteoTSV: {ix.path} lines {a + 1}-{b}")
+            parts.append((dense_of(ints), lengths, ids, labels.astype(np.float32)))
             start, f = base + b, f + 1
         return concat_rows(parts)
-
-    def describe(self) -> dict:
-        return {**super().describe(), "start": self.start}
 
 
 class CriteoNpy(ClickStream):
@@ -134,7 +171,8 @@ class CriteoNpy(ClickStream):
     ``X_cat``, ``y`` (as DLRM's ``*_processed.npz``; loaded whole). Integer ``X_int`` are raw counts and
     become ``log1p(max(x, 0))``; floating ``X_int`` are taken as already transformed. ``X_cat`` holds
     non-negative integer ids; ids at or above a table's cardinality are folded in by modulo (DLRM's
-    ``--max-ind-range``). ``y`` must be 0/1. Bad values raise an error naming the file, row and feature
+    ``--max-ind-range``), unless ``raw_ids=True`` keeps them as they are (for managed-collision tables).
+    ``y`` must be 0/1. Bad values raise an error naming the file, row and feature
     (on every rank at the same step under :class:`ClickLoader`). ``shuffle``: as :class:`CriteoTSV`.
     """
 
@@ -154,9 +192,11 @@ class CriteoNpy(ClickStream):
         shuffle: bool = False,
         shuffle_block: int = 65536,
         seed: int = 0,
+        raw_ids: bool = False,
     ) -> None:
         super().__init__()
         self.path = path
+        self.raw_ids = bool(raw_ids)
         self.cardinalities = _check_cardinalities(cardinalities, "CriteoNpy")
         self._cards = np.asarray(self.cardinalities, dtype=np.int64)
         self.feature_names = list(FEATURE_NAMES)
@@ -216,8 +256,10 @@ class CriteoNpy(ClickStream):
             dense = x_int.astype(np.float32)
         else:
             dense = _dense_transform(x_int)
-        ids = cat.astype(np.int64) % self._cards  # [B, F]
+        ids = cat.astype(np.int64)  # [B, F]
+        if not self.raw_ids:
+            ids = ids % self._cards
         return dense, np.ones((NUM_CAT, b - a), dtype=np.int64), ids.T.reshape(-1), y.astype(np.float32)
 
     def describe(self) -> dict:
-        return {**super().describe(), "start": self.start}
+        return {**super().describe(), "start": self.start, "raw_ids": self.raw_ids}

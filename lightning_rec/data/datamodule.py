@@ -42,6 +42,11 @@ class ClickDataModule(L.LightningDataModule):
     in Lightning checkpoints, so a checkpoint taken mid-epoch resumes at the next batch; under a process
     group every rank agrees on each batch, so a bad line stops every rank at the same step.
     ``pin_memory`` pins batches for non-blocking copies to the GPU (worth it with ``num_workers > 0``).
+
+    ``raw_ids=True`` yields raw categorical ids instead of ids folded into each table (the Criteo hex values
+    as 64-bit integers; for ``synthetic``, ids from an unbounded space where new ids keep appearing), for a
+    model with managed-collision tables (``DLRM(raw_ids=True)``, which LightningCLI links to this flag);
+    ``cardinalities`` then size the tables.
     """
 
     def __init__(
@@ -62,6 +67,7 @@ class ClickDataModule(L.LightningDataModule):
         min_cardinality: int = 16,
         shuffle: bool = True,
         shuffle_block: int = 65536,
+        raw_ids: bool = False,
     ) -> None:
         super().__init__()
         if source not in SOURCES:
@@ -88,6 +94,7 @@ class ClickDataModule(L.LightningDataModule):
         self.seed, self.num_workers, self.pin_memory = seed, num_workers, pin_memory
         self.multi_hot, self.drop_last, self.size = multi_hot, drop_last, size
         self.shuffle, self.shuffle_block = shuffle, shuffle_block
+        self.raw_ids: bool = bool(raw_ids)
         self.num_dense: int = NUM_DENSE
         self.feature_names: list[str] = list(FEATURE_NAMES)
         self.cardinalities: list[int] = (
@@ -132,15 +139,18 @@ class ClickDataModule(L.LightningDataModule):
         if self.source == "synthetic":
             return SyntheticClicks(self.rows[rows], self.batch_size, seed=self.seed, rank=rank, world_size=world,
                                    multi_hot=self.multi_hot, drop_last=drop_last, split=rows,
-                                   cardinalities=self.cardinalities)
+                                   cardinalities=self.cardinalities, raw_ids=self.raw_ids)
         start, n = self._window(rows)
         return _READERS[self.source](self.path, self.batch_size, self.cardinalities, rank=rank, world_size=world,
                                      drop_last=drop_last, start=start, num_rows=n, seed=self.seed,
-                                     shuffle=self.shuffle and split == "train", shuffle_block=self.shuffle_block)
+                                     shuffle=self.shuffle and split == "train", shuffle_block=self.shuffle_block,
+                                     raw_ids=self.raw_ids)
 
     def _loader(self, split: str) -> ClickLoader:
+        trainer = self.trainer
+        hint = (lambda: trainer.current_epoch) if split == "train" and trainer is not None else None
         return ClickLoader(self.dataset(split), num_workers=self.num_workers, pin_memory=self.pin_memory,
-                           what=f"ClickDataModule {split} loader")
+                           what=f"ClickDataModule {split} loader", epoch_hint=hint)
 
     def train_dataloader(self) -> ClickLoader:
         return self._loader("train")

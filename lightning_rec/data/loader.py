@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -127,12 +127,13 @@ class ClickLoader:
     ``StatefulDataLoader``). The state is the same on every rank; loaded at another world size, the rows
     left are re-split over the new ranks. Worker processes (``num_workers``) each read whole batches
     round-robin; ``pin_memory`` pins them for non-blocking copies to the GPU. Under a process group of more
-    than one rank, the ranks agree on every batch (see ``agreed``).
+    than one rank, the ranks agree on every batch (see ``agreed``). ``epoch_hint()`` (e.g. the trainer's
+    ``current_epoch``) is the least epoch a new epoch may start at, for a resume that brings no loader state.
     """
 
     def __init__(self, dataset: ClickStream, num_workers: int = 0, pin_memory: bool = False,
                  prefetch_factor: int | None = None, what: str | None = None,
-                 multiprocessing_context: str | None = None) -> None:
+                 multiprocessing_context: str | None = None, epoch_hint: Callable[[], int] | None = None) -> None:
         # not `.dataset`: Lightning warns on every run about an IterableDataset with a length behind `.dataset`,
         # a hazard of hand-sharded datasets that the stream's own sharding avoids
         self.stream = dataset
@@ -150,6 +151,9 @@ class ClickLoader:
         self.what = what or type(dataset).__name__
         self._next_epoch, self._resume, self._resume_batches = 0, 0, 0
         self._epoch, self._start, self._start_batches, self._yielded = None, 0, 0, 0
+        # the trainer's epoch: Lightning does not hand a loader its saved state when it resumes from a checkpoint
+        # taken at the end of an epoch, so a fresh loader would replay epoch 0's rows
+        self._epoch_hint = epoch_hint
 
     def __len__(self) -> int:
         return len(self.stream)
@@ -157,6 +161,8 @@ class ClickLoader:
     def __iter__(self) -> Iterator[Any]:
         # a generator: the epoch starts at the first next(), so an iter() that only probes the loader (as
         # Lightning's check that a loader is iterable does) neither starts an epoch nor its workers
+        if self._epoch_hint is not None and self._resume == 0 and self._resume_batches == 0:
+            self._next_epoch = max(self._next_epoch, int(self._epoch_hint()))
         self._epoch, self._start, self._start_batches = self._next_epoch, self._resume, self._resume_batches
         self._yielded = 0
         self._next_epoch, self._resume, self._resume_batches = self._epoch + 1, 0, 0

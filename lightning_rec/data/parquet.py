@@ -7,16 +7,14 @@ the tables at read time, so one file serves any table sizes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from lightning_rec.data._stream import ClickStream, concat_rows
-from lightning_rec.data._tsv import NUM_CAT, dense_of, hash_ids
-from lightning_rec.data.criteo import _check_cardinalities, _window, resolve_paths
-from lightning_rec.data.synthetic import FEATURE_NAMES, NUM_DENSE
+from lightning_rec.data._stream import concat_rows
+from lightning_rec.data._tsv import NUM_CAT, dense_of
+from lightning_rec.data.criteo import _CriteoFiles
+from lightning_rec.data.synthetic import NUM_DENSE
 
 LABEL = "label"
 INT_COLUMNS = [f"i{j}" for j in range(NUM_DENSE)]
@@ -61,37 +59,16 @@ def _valid(arr: pa.Array) -> np.ndarray:
     return np.unpackbits(raw, bitorder="little")[skip : skip + len(arr)].astype(bool)
 
 
-class CriteoParquet(ClickStream):
+class CriteoParquet(_CriteoFiles):
     """Criteo rows from Parquet files in the layout above (a file, a directory, a glob, or a list of them).
 
     Reads whole row groups (the one under a batch is cached, so consecutive batches decode it once) and
-    only the rows of this rank; ``start`` / ``num_rows`` / ``shuffle`` / sharding as :class:`CriteoTSV`.
-    Missing ids are empty bags; ids are hashed per feature into ``[0, cardinality)`` exactly as the TSV
-    reader hashes the same hex id, so a converted file yields the same batches as its TSV.
+    only the rows of this rank; ``start`` / ``num_rows`` / ``shuffle`` / ``raw_ids`` / sharding as
+    :class:`CriteoTSV`. Missing ids are empty bags; ids are hashed per feature into ``[0, cardinality)``
+    exactly as the TSV reader hashes the same hex id, so a converted file yields the same batches as its TSV.
     """
 
-    num_dense: int = NUM_DENSE
-
-    def __init__(
-        self,
-        path: str | Sequence[str],
-        batch_size: int,
-        cardinalities: Sequence[int] | None = None,
-        rank: int = 0,
-        world_size: int = 1,
-        drop_last: bool = False,
-        start: int = 0,
-        num_rows: int | None = None,
-        shuffle: bool = False,
-        shuffle_block: int = 65536,
-        seed: int = 0,
-    ) -> None:
-        super().__init__()
-        self.paths = resolve_paths(path)
-        self.cardinalities = _check_cardinalities(cardinalities, "CriteoParquet")
-        self._cards = np.asarray(self.cardinalities, dtype=np.uint64)
-        self.feature_names = list(FEATURE_NAMES)
-        self.start = int(start)
+    def _index_files(self) -> int:
         groups = []  # (file index, row group, first row)
         row = 0
         for f, p in enumerate(self.paths):
@@ -109,10 +86,7 @@ class CriteoParquet(ClickStream):
         self._groups = groups
         self._group_starts = np.asarray([g[2] for g in groups] + [row], dtype=np.int64)
         self._cache: tuple[int, pa.Table] | None = None
-        self.num_rows_total = row
-        what = f"CriteoParquet({self.paths[0]!r}{' ...' if len(self.paths) > 1 else ''})"
-        n = _window(row, self.start, num_rows, what)
-        self._init_stream(n, batch_size, rank, world_size, drop_last, shuffle, shuffle_block, seed, what)
+        return row
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_cache": None}  # workers decode their own row groups
@@ -144,8 +118,7 @@ class CriteoParquet(ClickStream):
         present = np.stack([_valid(c) for c in cols])
         raw = np.concatenate([_values(c)[m] for c, m in zip(cols, present)])
         lengths = present.astype(np.int64)
-        return dense_of(ints), lengths, hash_ids(raw, lengths, self._cards), _values(labels).astype(np.float32)
-
-    def describe(self) -> dict:
-        return {**super().describe(), "start": self.start}
+        f, g, _ = self._groups[k]
+        ids = self._ids(raw, lengths, f"CriteoParquet: {self.paths[f]} row group {g}")
+        return dense_of(ints), lengths, ids, _values(labels).astype(np.float32)
 

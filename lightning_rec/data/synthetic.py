@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from lightning_rec.data._hashing import key_of, uniform
+from lightning_rec.data._hashing import key_of, mix64, uniform
 from lightning_rec.data._stream import Arrays, ClickStream
 
 # Criteo Terabyte click logs: distinct values per categorical feature (the counts TorchRec's and MLPerf's
@@ -91,6 +91,15 @@ class SyntheticClicks(ClickStream):
         cardinalities: exact table sizes (26 ints), instead of ``size``.
         zipf_exponent: the ids' Zipf exponent (larger is more skewed).
         fresh_epochs: new rows every epoch (``None``: for the ``train`` split only).
+        raw_ids: emit raw ids from an unbounded id space instead of ids in ``[0, cardinality)`` (for
+            managed-collision tables; ``cardinalities`` then only size the tables). A feature's ids at row
+            time ``t`` (the row index, plus ``epoch * num_rows`` with ``fresh_epochs``) are Zipf ranks ``r``
+            over ``raw_id_space x cardinality`` values, turned into the item ``floor(t * d) - r`` with
+            ``d = raw_id_drift * cardinality / 1000`` and hashed to a non-negative 63-bit id: the most
+            popular ids are the newest, and new ids keep appearing (``raw_id_drift`` of the cardinality per
+            1,000 rows) while old ones fade. Labels follow the hidden model's per-id effects of the raw ids,
+            so a model that gives every id its own row can learn them.
+        raw_id_space, raw_id_drift: see ``raw_ids``.
     """
 
     num_dense: int = NUM_DENSE
@@ -110,6 +119,9 @@ class SyntheticClicks(ClickStream):
         zipf_exponent: float = 1.05,
         min_cardinality: int = 16,
         fresh_epochs: bool | None = None,
+        raw_ids: bool = False,
+        raw_id_space: float = 2.0,
+        raw_id_drift: float = 0.001,
     ) -> None:
         super().__init__()
         if split not in SPLITS:
@@ -130,6 +142,10 @@ class SyntheticClicks(ClickStream):
                 raise ValueError(f"SyntheticClicks: multi_hot[{name!r}] must be an int in [1, {_MAX_HOT}], got {m!r}")
         if not zipf_exponent > 0:
             raise ValueError(f"SyntheticClicks: zipf_exponent must be > 0, got {zipf_exponent}")
+        if not (raw_id_space >= 1 and raw_id_drift >= 0):
+            raise ValueError(f"SyntheticClicks: raw_id_space must be >= 1 and raw_id_drift >= 0, got "
+                             f"{raw_id_space} and {raw_id_drift}")
+        self.raw_ids, self.raw_id_space, self.raw_id_drift = bool(raw_ids), float(raw_id_space), float(raw_id_drift)
         self.split = split
         self.cardinalities = cardinalities
         self.feature_names = list(FEATURE_NAMES)
@@ -143,6 +159,11 @@ class SyntheticClicks(ClickStream):
         f = len(self.feature_names)
         n = np.asarray(self.cardinalities, dtype=np.float64)
         self._n = n.astype(np.int64)
+        if self.raw_ids:  # ranks over a wider space than the table: the table cannot hold every id
+            self._n = np.ceil(n * self.raw_id_space).astype(np.int64)
+            n = self._n.astype(np.float64)
+        self._raw_keys = np.asarray([key_of(self.seed, 0x1D5, j) for j in range(f)], dtype=np.uint64)
+        self._cards = np.asarray(self.cardinalities, dtype=np.float64)
         self._one_minus_s = 1.0 - zipf_exponent
         # (n + 1) ** (1 - s) - 1, the span of the bounded power law's inverse CDF
         self._zipf_span = (n + 1.0) ** self._one_minus_s - 1.0 if self._one_minus_s != 0 else np.log(n + 1.0)
@@ -166,7 +187,7 @@ class SyntheticClicks(ClickStream):
         return self.rows(start, stop, self.epoch)[:4]
 
     def describe(self) -> dict:
-        return {**super().describe(), "split": self.split, "fresh_epochs": self.fresh_epochs}
+        return {**super().describe(), "split": self.split, "fresh_epochs": self.fresh_epochs, "raw_ids": self.raw_ids}
 
     def rows(self, start: int, stop: int, epoch: int = 0) -> tuple[np.ndarray, ...]:
         """Rows ``[start, stop)`` of the split in ``epoch``: dense, lengths ``[F, B]``, values, labels, true
@@ -194,7 +215,14 @@ class SyntheticClicks(ClickStream):
         else:
             x = np.exp(u_id * self._zipf_span[feat])
         rank_ = np.minimum(np.floor(x).astype(np.int64) - 1, self._n[feat] - 1)
-        values = (rank_ * self._scatter_a[feat] + self._scatter_b[feat]) % self._n[feat]
+        if self.raw_ids:
+            t0 = epoch * self.num_rows if self.fresh_epochs else 0
+            t = np.arange(start, stop, dtype=np.float64) + t0
+            shift = np.floor(t[row] * (self.raw_id_drift / 1000.0) * self._cards[feat]).astype(np.int64)
+            item = (shift - rank_).astype(np.uint64)  # wraps below 0: still one value per item
+            values = (mix64(item ^ self._raw_keys[feat]) >> np.uint64(1)).astype(np.int64)
+        else:
+            values = (rank_ * self._scatter_a[feat] + self._scatter_b[feat]) % self._n[feat]
 
         probs = self._probabilities(z, values, feat, bag, flat_len, b)
         labels = (uniform(row_key, rows + np.uint64(_LABEL)) < probs).astype(np.float32)

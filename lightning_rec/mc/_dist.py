@@ -1,14 +1,21 @@
 """Sharded remapping: each id is remapped on the rank that owns its bucket's rows.
 
-Per step and per rank: bucketize the raw ids, all-to-all them to the owners (counts first, then ids), let
-each owner remap the ids of its buckets (all ranks' ids of a bucket together, so its decisions equal one
-process's), and all-to-all the rows back. Example, 2 ranks, a row-wise table of 2 buckets (bucket 0 on
-rank 0, bucket 1 on rank 1): rank 0 holds ids ``[a(b0), c(b1)]``, rank 1 ``[d(b1)]``; rank 1 receives
-``[c]`` from rank 0 and ``[d]`` from itself, remaps ``{c, d}`` in one step, returns ``c``'s row to rank 0.
+Two ways. Folded (the default, :func:`remap_received`): the sharded collection's own input dist routes raw
+ids by bucket owner (``row_key``) and the owner remaps them after receiving, before the lookup: no
+communication beyond the lookup's. Separate (:func:`remap_sharded`; when the remapped ids must go back to
+the sender: ``return_remapped_features=True`` or ``remap()``), per step and per rank: bucketize the raw ids,
+all-to-all them to the owners (counts first, then ids), let each owner remap the ids of its buckets (all
+ranks' ids of a bucket together, so its decisions equal one process's), and all-to-all the rows back.
+
+Example, 2 ranks, a row-wise table of 2 buckets (bucket 0 on rank 0, bucket 1 on rank 1): rank 0 holds ids
+``[a(b0), c(b1)]``, rank 1 ``[d(b1)]``; rank 1 receives ``[c]`` from rank 0 and ``[d]`` from itself and
+remaps ``{c, d}`` in one step; the separate way then returns ``c``'s row to rank 0, the folded way looks it
+up on rank 1 and returns the pooled row.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +24,7 @@ import torch.distributed as dist
 from lightning_rec.mc import _remap
 from lightning_rec.mc.modules import ManagedCollisionCollection, MCHManagedCollisionModule, rebuild, split_by_table
 from lightning_rec.sharding import ShardedCollection
+from lightning_rec.sharding.dists import Received
 from lightning_rec.sparse import KeyedJaggedTensor
 
 
@@ -45,12 +53,6 @@ def _row_shards(coll: ShardedCollection, table: str):
                 "one rank holds each row whole"
             )
     return cfg, [s for s in shards if s.rows > 0]
-
-
-def local_row_offset(coll: ShardedCollection, table: str) -> int | None:
-    """First global row of this rank's shard of ``table`` (None when it holds none)."""
-    mine = [s for ti, s in coll.local_shards if coll.tables[ti].name == table and s.rows > 0]
-    return mine[0].row_offset if mine else None
 
 
 def ownership(coll: ShardedCollection, table: str, m: MCHManagedCollisionModule) -> Ownership:
@@ -159,3 +161,37 @@ def remap_sharded(
         segs[i] = out
     del by_table
     return rebuild(kjt, segs), results
+
+
+# -- remapping folded into the sharded collection's input dist -------------------------------------------------
+def row_key(m: MCHManagedCollisionModule):
+    """Raw ids -> the first row of their bucket: the input dist sends each id to the block holding that row."""
+    nb = int(m._mch_num_buckets)
+    bs = m.zch_size // nb
+    return lambda ids: _remap.bucket_of(ids, nb) * bs
+
+
+def remap_received(
+    coll: ShardedCollection, mods: dict[str, MCHManagedCollisionModule], recv: Received
+) -> tuple[Received, dict[str, _remap.StepResult]]:
+    """Owner side of the fold: remap the raw ids this rank received for its shards, made local to the shards.
+
+    ``recv.values`` are route-major (this rank's routes, each holding every source rank's bags); a table's
+    routes (one per feature) are remapped together, in one step, as one process remaps the global batch.
+    Every rank remaps every table (an empty one where it holds no rows), so each has stats for the step.
+    """
+    routing = coll.routing
+    names = [t.name for t in coll.tables]
+    mine = routing.my_routes
+    segs = list(torch.split(recv.values, recv.ids_per_route())) if mine else []
+    results = {}
+    for t, m in mods.items():
+        ks = [k for k, r in enumerate(mine) if names[r.table] == t]
+        ids = torch.cat([segs[k] for k in ks]).cpu() if ks else torch.zeros(0, dtype=torch.int64)
+        res = m.remap(ids)
+        for k, rows in zip(ks, torch.split(res.slots, [segs[k].numel() for k in ks])):
+            segs[k] = (rows - mine[k].shard.row_offset).to(recv.values.device)
+        results[t] = res
+    if not segs:
+        return recv, results
+    return dataclasses.replace(recv, values=torch.cat(segs)), results

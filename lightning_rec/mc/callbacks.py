@@ -22,13 +22,19 @@ class ManagedCollisionCallback(L.Callback):
         resize_at: ``{epoch: num_buckets}``; at the start of that epoch every managed table is resized
             (ids, rows and optimizer state migrate; see ``resize``). Works sharded: every rank resizes its
             own buckets.
-        log_stats: log ``mc/<path>/<table>/hit_rate`` and ``.../evicted`` per epoch (summed over ranks).
+        log_stats: log ``mc/<path>/<table>/hit_rate`` and ``.../evicted`` per epoch (summed over ranks), and
+            over every managed table ``mc/hit_rate`` and ``mc/evicted``. A hit is an id (counted with
+            repeats) that already held a row; evictions are ids that lost their row to a new id.
+        print_stats: rank 0 also prints one line per epoch with those totals.
     """
 
-    def __init__(self, resize_at: Mapping[int, int] | None = None, log_stats: bool = True) -> None:
+    def __init__(self, resize_at: Mapping[int, int] | None = None, log_stats: bool = True,
+                 print_stats: bool = False) -> None:
         self.resize_at = {int(k): int(v) for k, v in (resize_at or {}).items()}
         self.log_stats = log_stats
+        self.print_stats = print_stats
         self._totals: dict[str, list[int]] = {}
+        self.history: list[dict[str, float]] = []  # per epoch: lookups, hits, evicted, hit_rate (all tables)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._totals = {}
@@ -46,12 +52,23 @@ class ManagedCollisionCallback(L.Callback):
                 tot[2] += s.get("evicted", 0)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self.log_stats or not self._totals:
+        if not (self.log_stats or self.print_stats) or not self._totals:
             return
         keys = sorted(self._totals)
         t = torch.tensor([self._totals[k] for k in keys], dtype=torch.float64)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(t)  # each rank counted its own buckets' lookups
-        for k, (lookups, hits, evicted) in zip(keys, t.tolist()):
-            pl_module.log(f"mc/{k}/hit_rate", hits / max(lookups, 1.0), rank_zero_only=True)
-            pl_module.log(f"mc/{k}/evicted", evicted, rank_zero_only=True)
+        lookups, hits, evicted = t.sum(0).tolist()
+        total = {"lookups": lookups, "hits": hits, "evicted": evicted, "hit_rate": hits / max(lookups, 1.0)}
+        self.history.append(total)
+        if self.log_stats:
+            # every rank holds the same (all-reduced) values; a MAX "sync" keeps them exact and tells Lightning
+            # the values are global
+            values = {f"mc/{k}/{what}": v for k, (n, h, e) in zip(keys, t.tolist())
+                      for what, v in (("hit_rate", h / max(n, 1.0)), ("evicted", e))}
+            values.update({"mc/hit_rate": total["hit_rate"], "mc/evicted": evicted})
+            pl_module.log_dict(values, sync_dist=True, reduce_fx="max")
+        if self.print_stats and trainer.is_global_zero:
+            print(f"managed collision, epoch {trainer.current_epoch}: hit rate {total['hit_rate']:.4f} "
+                  f"({int(hits):,} of {int(lookups):,} ids held a row), {int(evicted):,} ids evicted "
+                  f"({len(keys)} tables)", flush=True)

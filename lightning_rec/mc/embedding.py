@@ -1,8 +1,10 @@
 """Embedding collections behind managed collision: raw ids in, remapped rows looked up (TorchRec's MC-EBC / MC-EC).
 
 The same wrapper runs unsharded and sharded: after ``shard_modules`` has replaced the inner collection by a
-sharded one, the wrapper routes each id to the rank owning its bucket's rows, remaps there, and sends the
-rows back (``_dist``); the sharded collection's own input dist then takes over.
+sharded one, the collection's own input dist routes each raw id to the rank owning its bucket's rows, which
+remaps it there before the lookup (``_dist.remap_received``): no exchange beyond the lookup's. Only when the
+remapped ids must come back (``return_remapped_features=True``, ``remap()``) is remapping a separate
+exchange before the lookup (``_dist.remap_sharded``).
 """
 
 from __future__ import annotations
@@ -52,7 +54,15 @@ class _ManagedCollisionWrapper(nn.Module):
         self._configs = configs
         self._optimizers: list[weakref.ref] = []
         self._owner_cache: dict[tuple, _dist.Ownership] = {}
+        # sharded: remap on the owners inside the collection's input dist (no extra all-to-all); False keeps
+        # the separate remap exchange (benchmarks compare the two)
+        self._fold_remap = True
         _WRAPPERS.add(self)
+
+    @property
+    def embedding_module(self) -> nn.Module:
+        """The wrapped collection (sharded after ``shard_modules``); plans name it ``<path>._embedding_module``."""
+        return self._embedding_module
 
     # -- optimizer state ----------------------------------------------------------------------------
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -60,19 +70,23 @@ class _ManagedCollisionWrapper(nn.Module):
         if not any(r() is optimizer for r in self._optimizers):
             self._optimizers.append(weakref.ref(optimizer))
 
-    def _table_weights(self) -> dict[str, tuple[torch.Tensor, int]]:
-        """``{table: (local weight, global row of its first row)}`` for the managed tables held here."""
+    def _table_weights(self, only: str | None = None) -> dict[str, tuple[torch.Tensor, int]]:
+        """``{table: (local weight, global row of its first row)}`` for the managed tables held here (or ``only``)."""
         coll = self._embedding_module
-        tables = getattr(coll, coll.table_attr if isinstance(coll, ShardedCollection) else self._attr)
+        sharded = isinstance(coll, ShardedCollection)
+        tables = getattr(coll, coll.table_attr if sharded else self._attr)
+        # first global row of each table this rank holds rows of (one pass over the local shards)
+        offsets = {}
+        if sharded:
+            names = [t.name for t in coll.tables]
+            for ti, s in coll.local_shards:
+                if s.rows > 0:
+                    offsets.setdefault(names[ti], s.row_offset)
         out = {}
-        for t in self._managed_collision_collection.modules_by_table():
-            if isinstance(coll, ShardedCollection):
-                offset = _dist.local_row_offset(coll, t)
-                if offset is None:
-                    continue
-            else:
-                offset = 0
-            out[t] = (tables[t].weight, offset)
+        for t in [only] if only is not None else self._managed_collision_collection.modules_by_table():
+            offset = offsets.get(t) if sharded else 0
+            if offset is not None:
+                out[t] = (tables[t].weight, offset)
         return out
 
     def _state_tensors(self, table: str, weight: torch.Tensor) -> list[torch.Tensor]:
@@ -92,8 +106,10 @@ class _ManagedCollisionWrapper(nn.Module):
         return found
 
     def _reinit_rows(self, table: str, rows: torch.Tensor, ids: torch.Tensor) -> None:
-        held = self._table_weights().get(table)
-        if held is None or rows.numel() == 0:
+        if rows.numel() == 0:
+            return
+        held = self._table_weights(table).get(table)
+        if held is None:
             return
         weight, offset = held
         local = (rows - offset).to(weight.device)
@@ -114,8 +130,10 @@ class _ManagedCollisionWrapper(nn.Module):
         return _remap.hashed_uniform(ids, cfg.embedding_dim, seed, cfg.weight_init_min, cfg.weight_init_max)
 
     def _move_rows(self, table: str, src: torch.Tensor, dst: torch.Tensor) -> None:
-        held = self._table_weights().get(table)
-        if held is None or src.numel() == 0:
+        if src.numel() == 0:
+            return
+        held = self._table_weights(table).get(table)
+        if held is None:
             return
         weight, offset = held
         s, d = (src - offset).to(weight.device), (dst - offset).to(weight.device)
@@ -179,6 +197,34 @@ class _ManagedCollisionWrapper(nn.Module):
             self._reinit_rows(t, res.admitted_slots, res.admitted_ids)
         return kjt
 
+    def _lookup(self, features: KeyedJaggedTensor):
+        """The embedding module's output for raw ``features``, and the remapped KJT when it is asked for.
+
+        Sharded, without ``return_remapped_features``: the collection's input dist routes the raw ids to
+        the owners of their buckets and the owners remap them there (``_dist.remap_received``), re-initialise
+        the rows new ids took, then look up: the remapped ids never travel back.
+        """
+        coll = self._embedding_module
+        if not (isinstance(coll, ShardedCollection) and self._fold_remap and not self._return_remapped_features):
+            kjt = self.remap(features)
+            return self._embedding_module(kjt), (kjt if self._return_remapped_features else None)
+        self._prepare()
+        mods = self._managed_collision_collection.modules_by_table()
+        for m in mods.values():
+            m.begin_step()
+
+        def on_received(recv):
+            recv, results = _dist.remap_received(coll, mods, recv)
+            for t, res in results.items():
+                self._reinit_rows(t, res.admitted_slots, res.admitted_ids)
+            return recv
+
+        coll.route_raw_ids({t: _dist.row_key(m) for t, m in mods.items()}, on_received)
+        try:
+            return coll(features), None
+        finally:
+            coll.route_raw_ids(None, None)
+
     def mc_stats(self) -> dict[str, dict[str, int]]:
         """Last step's ``{table: {lookups, hits, admitted, evicted, unadmitted}}`` (this rank's buckets)."""
         return {t: dict(m.last_stats) for t, m in self._managed_collision_collection.modules_by_table().items()}
@@ -219,8 +265,7 @@ class ManagedCollisionEmbeddingBagCollection(_ManagedCollisionWrapper):
                          row_init, seed)
 
     def forward(self, features: KeyedJaggedTensor) -> tuple[KeyedTensor, KeyedJaggedTensor | None]:
-        kjt = self.remap(features)
-        return self._embedding_module(kjt), (kjt if self._return_remapped_features else None)
+        return self._lookup(features)
 
 
 class ManagedCollisionEmbeddingCollection(_ManagedCollisionWrapper):
@@ -244,8 +289,7 @@ class ManagedCollisionEmbeddingCollection(_ManagedCollisionWrapper):
                          row_init, seed)
 
     def forward(self, features: KeyedJaggedTensor) -> tuple[dict[str, JaggedTensor], KeyedJaggedTensor | None]:
-        kjt = self.remap(features)
-        return self._embedding_module(kjt), (kjt if self._return_remapped_features else None)
+        return self._lookup(features)
 
 
 def _auto_register(optimizer: torch.optim.Optimizer, args, kwargs) -> None:

@@ -7,23 +7,37 @@ DLRM checkpoint loads into it; the Lightning parts (steps, metrics, optimizers) 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lightning_rec.configs import EmbeddingBagConfig
+from lightning_rec.mc import (
+    LFU_EvictionPolicy,
+    LRU_EvictionPolicy,
+    ManagedCollisionCallback,
+    ManagedCollisionCollection,
+    ManagedCollisionEmbeddingBagCollection,
+    MCHManagedCollisionModule,
+)
 from lightning_rec.metrics import rec_metrics
 from lightning_rec.models.dlrm import DenseArch, InteractionArch, OverArch, SparseArch
 from lightning_rec.module import RecModule
 from lightning_rec.modules import EmbeddingBagCollection
 from lightning_rec.optim import CombinedOptimizer
-from lightning_rec.sharding.plan import ShardingPlan
+from lightning_rec.sharding.plan import ShardingPlan, row_wise, table_wise
 from lightning_rec.sparse import KeyedJaggedTensor
 
 _EMBEDDING_OPTIMIZERS = ("adagrad", "sgd", "sparse_adam")
+_MC_KEYS = {"eviction_policy", "num_buckets", "zch_size", "tables", "row_init"}
+_POLICIES = {"lru": LRU_EvictionPolicy, "lfu": LFU_EvictionPolicy}
+# a bucket of a few rows thrashes (its ids evict each other however stale the rest of the table is)
+_MIN_BUCKET_ROWS = 16
 
 
 def _unpack(batch: Any) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor | None]:
@@ -53,6 +67,70 @@ def tables_from_cardinalities(
     ]
 
 
+def managed_tables(
+    tables: Sequence[EmbeddingBagConfig], options: dict[str, Any]
+) -> tuple[list[EmbeddingBagConfig], dict[str, MCHManagedCollisionModule]]:
+    """Tables resized for managed collision, and one ``MCHManagedCollisionModule`` per managed table.
+
+    ``options`` (``DLRM(managed_collision=...)``): ``tables`` (names; default all), ``zch_size`` (rows: one
+    int, or ``{table: int}``; default the table's ``num_embeddings``), ``num_buckets`` (default 768, capped
+    so that a bucket holds at least 16 rows), ``eviction_policy`` (``"lru"`` or ``"lfu"``). A managed table's
+    rows are rounded up to a multiple of its bucket count.
+    """
+    unknown = sorted(set(options) - _MC_KEYS)
+    if unknown:
+        raise ValueError(f"managed_collision: unknown keys {unknown}; known keys: {sorted(_MC_KEYS)}")
+    names = [t.name for t in tables]
+    chosen = options.get("tables") or names
+    missing = [t for t in chosen if t not in names]
+    if missing:
+        raise ValueError(f"managed_collision: tables {missing} are not tables of the model ({names})")
+    policy = str(options.get("eviction_policy") or "lru").lower()
+    if policy not in _POLICIES:
+        raise ValueError(f"managed_collision: eviction_policy must be one of {list(_POLICIES)}, got {policy!r}")
+    zch = options.get("zch_size")
+    if isinstance(zch, dict):
+        bad = sorted(set(zch) - set(chosen))
+        if bad:
+            raise ValueError(f"managed_collision: zch_size names tables {bad} that are not managed ({chosen})")
+    buckets = int(options.get("num_buckets") or 768)
+    if buckets < 1:
+        raise ValueError(f"managed_collision: num_buckets must be positive, got {buckets}")
+    out, modules = [], {}
+    for t in tables:
+        if t.name not in chosen:
+            out.append(t)
+            continue
+        rows = int((zch.get(t.name) if isinstance(zch, dict) else zch) or t.num_embeddings)
+        if rows < 1:
+            raise ValueError(f"managed_collision: table {t.name!r}: zch_size must be positive, got {rows}")
+        nb = min(buckets, max(1, rows // _MIN_BUCKET_ROWS))
+        rows = -(-rows // nb) * nb
+        out.append(dataclasses.replace(t, num_embeddings=rows))
+        modules[t.name] = MCHManagedCollisionModule(rows, eviction_policy=_POLICIES[policy](), num_buckets=nb,
+                                                    name=t.name)
+    return out, modules
+
+
+def bucket_aligned_rows(rows: int, num_buckets: int, group_size: int) -> list[int]:
+    """Row-block sizes of a row-wise table holding whole buckets: buckets dealt as evenly as possible."""
+    per, extra = divmod(num_buckets, group_size)
+    size = rows // num_buckets
+    return [(per + (r < extra)) * size for r in range(group_size)]
+
+
+class _ManagedSparseArch(SparseArch):
+    """``SparseArch`` over a ``ManagedCollisionEmbeddingBagCollection``: raw ids in, pooled ``[B, F, D]`` out."""
+
+    def __init__(self, mc_ebc: ManagedCollisionEmbeddingBagCollection) -> None:
+        super().__init__(mc_ebc.embedding_module)
+        self.embedding_bag_collection = mc_ebc  # state_dict keys as TorchRec's: ..._embedding_module.embedding_bags
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        pooled, _ = self.embedding_bag_collection(features)
+        return pooled.values().reshape(-1, self.F, self.D)
+
+
 class DLRM(RecModule):
     """DLRM click-through model: bottom MLP on dense features, an EmbeddingBagCollection on sparse ones,
     pairwise dot interaction, top MLP to one logit; trained with binary cross-entropy.
@@ -79,8 +157,18 @@ class DLRM(RecModule):
         embedding_lr: learning rate of that optimizer.
         sparse_grad: sparse table gradients, so an optimizer step costs what the batch touched.
         kernel: lookup kernel of the unsharded collection (``"auto"``, ``"torch"``, ``"fbgemm"``).
-        plan: a ``ShardingPlan`` for the ``"sparse_arch.embedding_bag_collection"`` module, or None to
-            let the strategy choose.
+        plan: a ``ShardingPlan`` for the ``"sparse_arch.embedding_bag_collection"`` module
+            (``"sparse_arch.embedding_bag_collection._embedding_module"`` with managed collision), or None to
+            let the strategy choose (with managed collision: managed tables row-wise in whole buckets, others
+            table-wise).
+        raw_ids: the sparse features are raw ids (``ClickDataModule(raw_ids=True)``; the CLI links it): turns
+            on managed collision with the default options when ``managed_collision`` is not given.
+        managed_collision: put tables behind managed collision (TorchRec's MC-EBC: raw 64-bit ids remapped to
+            rows, stale ids evicted): a dict with ``eviction_policy`` (``lru`` / ``lfu``), ``num_buckets``
+            (768), ``zch_size`` (rows, an int or ``{table: int}``; default the table size), ``tables``
+            (default all), ``row_init`` (``uniform`` / ``zeros``); see :func:`managed_tables`. Hit rate and
+            evictions are logged per epoch (``mc/hit_rate``, ``mc/evicted``, per table ``mc/<path>/<table>/...``)
+            and printed by rank 0 (:class:`~lightning_rec.mc.ManagedCollisionCallback`).
     """
 
     def __init__(
@@ -99,6 +187,8 @@ class DLRM(RecModule):
         sparse_grad: bool = True,
         kernel: str = "auto",
         plan: ShardingPlan | None = None,
+        raw_ids: bool = False,
+        managed_collision: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["tables", "plan"])
@@ -110,6 +200,13 @@ class DLRM(RecModule):
             tables = tables_from_cardinalities(feature_names, num_embeddings_per_feature, embedding_dim, pooling)
         if not tables:
             raise ValueError("DLRM needs at least one embedding table")
+        if managed_collision is None and raw_ids:
+            managed_collision = {}
+        mc_modules: dict[str, MCHManagedCollisionModule] = {}
+        if managed_collision is not None:
+            if not isinstance(managed_collision, dict):
+                raise TypeError(f"managed_collision must be a dict of options, got {type(managed_collision).__name__}")
+            tables, mc_modules = managed_tables(tables, managed_collision)
         dense_sizes = list(dense_arch_layer_sizes) if dense_arch_layer_sizes else [64, tables[0].embedding_dim]
         over_sizes = list(over_arch_layer_sizes) if over_arch_layer_sizes else [64, 32, 1]
         d = dense_sizes[-1]
@@ -132,7 +229,15 @@ class DLRM(RecModule):
             raise ValueError("embedding_optimizer='sparse_adam' needs sparse_grad=True")
         num_features = sum(len(t.feature_names) for t in tables)
         self.dense_arch = DenseArch(num_dense, dense_sizes)
-        self.sparse_arch = SparseArch(EmbeddingBagCollection(tables, kernel=kernel, sparse_grad=sparse_grad))
+        ebc = EmbeddingBagCollection(tables, kernel=kernel, sparse_grad=sparse_grad)
+        if mc_modules:
+            mcc = ManagedCollisionCollection(mc_modules, tables)
+            row_init = (managed_collision or {}).get("row_init", "uniform")
+            self.sparse_arch: SparseArch = _ManagedSparseArch(
+                ManagedCollisionEmbeddingBagCollection(ebc, mcc, row_init=row_init))
+        else:
+            self.sparse_arch = SparseArch(ebc)
+        self._mc_modules = dict(mc_modules)
         self.inter_arch = InteractionArch(num_features)
         self.over_arch = OverArch(d + num_features * (num_features + 1) // 2, over_sizes)
         self._plan = plan
@@ -142,7 +247,24 @@ class DLRM(RecModule):
         self.test_metrics = rec_metrics("test_")
 
     def configure_sharding(self) -> ShardingPlan | None:
-        return self._plan
+        if self._plan is not None or not self._mc_modules:
+            return self._plan
+        # managed tables need whole buckets per rank (row-wise) and no replicas (not data-parallel)
+        mesh = self.device_mesh
+        group = mesh["shard"].size() if mesh is not None else 1
+        plan = {}
+        for i, t in enumerate(self.sparse_arch.embedding_bag_collection.embedding_module.embedding_bag_configs()):
+            m = self._mc_modules.get(t.name)
+            plan[t.name] = (row_wise(bucket_aligned_rows(m.zch_size, m.num_buckets, group)) if m is not None
+                            else table_wise(i % group))
+        return ShardingPlan({"sparse_arch.embedding_bag_collection._embedding_module": plan})
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        # hit rate and evictions per epoch, logged and printed by rank 0; Lightning would replace a
+        # ManagedCollisionCallback the user configured (e.g. with resize_at) by this one, so keep theirs
+        if not self._mc_modules or any(isinstance(c, ManagedCollisionCallback) for c in self.trainer.callbacks):
+            return []
+        return [ManagedCollisionCallback(print_stats=True)]
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """Logits ``[B]``."""

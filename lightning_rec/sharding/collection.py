@@ -7,7 +7,8 @@ lookup and output dist of pooled and sequence embeddings.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import torch
@@ -34,6 +35,7 @@ from lightning_rec.sharding.routing import RoutingTable, build_routing
 from lightning_rec.sparse import KeyedJaggedTensor, checks_enabled
 
 _MAX_PREFETCHED = 4  # batches whose input dist may wait for their forward (a pipeline keeps one or two)
+_MAX_ID = (1 << 63) - 1  # raw ids are only checked to be non-negative
 
 
 class _Begun(NamedTuple):
@@ -41,9 +43,13 @@ class _Begun(NamedTuple):
 
     kjt: KeyedJaggedTensor
     pending: dists.PendingInputDist | None
+    on_received: Callable[[Received], Received] | None = None  # managed collision: remap on the owner
 
     def wait(self) -> Received | None:
-        return None if self.pending is None else self.pending.wait()
+        if self.pending is None:
+            return None
+        recv = self.pending.wait()
+        return recv if self.on_received is None else self.on_received(recv)
 
 
 def _versions(kjt: KeyedJaggedTensor) -> tuple[int, ...]:
@@ -173,6 +179,10 @@ class ShardedCollection(nn.Module):
         self._build_lookups()
         self._register_state_dict_hook(state.sharded_state_dict_hook)
         self._register_load_state_dict_pre_hook(self._load_hook)
+        # raw-id tables (managed collision, see route_raw_ids): unset unless a wrapper is driving this forward
+        self._row_keys: dict[int, dists.RowKey] | None = None
+        self._on_received: Callable[[Received], Received] | None = None
+        self._raw_id_layout: FeatureLayout | None = None
 
     # -- read-only accessors for the rest of the library --------------------------------------------
     @property
@@ -310,7 +320,7 @@ class ShardedCollection(nn.Module):
     def _checked_input(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor | None, Exception | None]:
         """This rank's input in config order, or the error that rejects it (raised once every rank knows)."""
         try:
-            kjt = self._layout.select(features)
+            kjt = (self._raw_id_layout or self._layout).select(features)
             if kjt.device != self._device:
                 raise ValueError(f"the KeyedJaggedTensor is on {kjt.device} but this sharded collection is on "
                                  f"{self._device}; move the batch (or the module) with .to()")
@@ -347,12 +357,13 @@ class ShardedCollection(nn.Module):
             pending = dists.start_input_dist(
                 kjt, weights, self._routing, self._group, self._device, rejected=err is not None,
                 with_positions=self._attr == "embeddings", async_op=async_op, ranks=self._global_ranks,
+                row_keys=self._row_keys,
             )
         except dists.InputRejected:
             if err is not None:
                 raise err from None
             raise
-        return _Begun(kjt, pending)
+        return _Begun(kjt, pending, self._on_received)
 
     @torch.compiler.disable  # stage 1 is collectives (and host-side bookkeeping): eager, one graph break
     def _begin(self, features: KeyedJaggedTensor) -> _Begun:
@@ -446,8 +457,27 @@ class ShardedCollection(nn.Module):
         Every shard rank's batch size travels with the ids (``Received.batches``).
         """
         weights = self._wire_weights(kjt.weights_or_none()) if self._uses_weights() else None
-        return dists.input_dist(kjt, weights, self._routing, self._group, self._device,
-                                with_positions=self._attr == "embeddings")
+        recv = dists.input_dist(kjt, weights, self._routing, self._group, self._device,
+                                with_positions=self._attr == "embeddings", row_keys=self._row_keys)
+        return recv if self._on_received is None else self._on_received(recv)
+
+    def route_raw_ids(self, row_of: Mapping[str, dists.RowKey] | None,
+                      on_received: Callable[[Received], Received] | None) -> None:
+        """Let tables take raw ids (managed collision) until called again with ``None``.
+
+        ``row_of[table](ids)`` is, for each raw id, a global row of the row block that must receive it (the
+        bucket's rows); the input dist routes raw ids there unchanged, and ``on_received(recv)`` runs on
+        every rank right after it and returns ``recv`` with those ids made rows of the local shard. The ids
+        of these tables are only checked to be non-negative.
+        """
+        if row_of is None:
+            self._row_keys = self._on_received = self._raw_id_layout = None
+            return
+        self._row_keys = {f: row_of[t] for f, t in enumerate(self._layout.feature_table_names) if t in row_of}
+        self._on_received = on_received
+        layout = copy.copy(self._layout)
+        layout.rows = [_MAX_ID if t in row_of else r for t, r in zip(layout.feature_table_names, layout.rows)]
+        self._raw_id_layout = layout
 
     def _shard_weights(self, recv: Received) -> list[torch.Tensor]:
         """This rank's shards as the lookup sees them; under 2D replicas their backward sums over the replicas."""

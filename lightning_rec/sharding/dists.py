@@ -9,6 +9,7 @@ module's device, so the same code runs over gloo on CPU and over NCCL (or gloo) 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,8 @@ from lightning_rec.sharding import comm
 from lightning_rec.sharding.layout import offsets_of
 from lightning_rec.sharding.routing import KEY_SPAN, RoutingTable
 from lightning_rec.sparse import KeyedJaggedTensor, offsets_from_lengths, segment_gather_index
+
+RowKey = Callable[[torch.Tensor], torch.Tensor]  # raw ids -> a global row of the block that owns each id
 
 
 def regroup(x: torch.Tensor, seg_sizes: list[int], n_outer: int, n_inner: int) -> torch.Tensor:
@@ -117,8 +120,22 @@ def _route_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing
     ))
 
 
+def _keyed(kjt: KeyedJaggedTensor, row_keys: Mapping[int, RowKey]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What each id is bucketed by: the id itself, or for a raw-id feature (managed collision) the row of the
+    block that owns it, ``row_keys[feature](ids)``; plus which ids are raw (they travel unchanged), or None."""
+    values = kjt.values()
+    if not row_keys:
+        return values, None
+    keyed, raw = values.clone(), torch.zeros(values.numel(), dtype=torch.bool, device=values.device)
+    opk = kjt.offset_per_key()
+    for f, row_key in row_keys.items():
+        keyed[opk[f] : opk[f + 1]] = row_key(values[opk[f] : opk[f + 1]])
+        raw[opk[f] : opk[f + 1]] = True
+    return keyed, raw
+
+
 def _bucketed_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable,
-                      with_positions: bool) -> _Outgoing:
+                      with_positions: bool, row_keys: Mapping[int, RowKey]) -> _Outgoing:
     """Every route's payload, ids bucketed by row block and made local to it: the same few ops for all features.
 
     Each id's bucket (feature, row block) comes from one searchsorted in the key space of
@@ -129,11 +146,14 @@ def _bucketed_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, rout
     values, lengths = kjt.values(), kjt.lengths()
     dev, n = values.device, values.numel()
     if routing.bucket_route_rel is not None:
-        return _sorted_payload(kjt, weights, routing, with_positions)
+        return _sorted_payload(kjt, weights, routing, with_positions, row_keys)
+    keyed, raw = _keyed(kjt, row_keys)
     bag = torch.repeat_interleave(torch.arange(n_keys * b, device=dev), lengths, output_size=n)
     feature = torch.div(bag, b, rounding_mode="floor") if b else bag
-    bucket = torch.searchsorted(routing.bucket_bounds, feature * KEY_SPAN + values, right=True) - 1
-    local = values - routing.bucket_start[bucket]
+    bucket = torch.searchsorted(routing.bucket_bounds, feature * KEY_SPAN + keyed, right=True) - 1
+    local = keyed - routing.bucket_start[bucket]
+    if raw is not None:
+        local = torch.where(raw, values, local)
     n_buckets = routing.bucket_bounds.numel()
     counts = torch.bincount(bucket * b + (bag - feature * b), minlength=n_buckets * b).view(n_buckets, b)
     size = counts.sum(1)
@@ -153,7 +173,7 @@ def _bucketed_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, rout
 
 
 def _sorted_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable,
-                    with_positions: bool) -> _Outgoing:
+                    with_positions: bool, row_keys: Mapping[int, RowKey]) -> _Outgoing:
     """:func:`_bucketed_payload` when every row block is read by one route: one stable sort by (route, bag).
 
     Every id gets the slot ``route * b + bag within the feature`` (ids of unrouted features sort last); a
@@ -165,7 +185,8 @@ def _sorted_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routin
     n_routes = routing.route_row_start.numel()
     lpk = torch.tensor(kjt.length_per_key(), dtype=torch.long, device=dev)
     feature_key = torch.repeat_interleave(torch.arange(n_keys, device=dev) * KEY_SPAN, lpk, output_size=n)
-    place = torch.searchsorted(routing.bucket_bounds, feature_key + values, right=True)  # bucket + 1
+    keyed, raw = _keyed(kjt, row_keys)
+    place = torch.searchsorted(routing.bucket_bounds, feature_key + keyed, right=True)  # bucket + 1
     bag = torch.repeat_interleave(torch.arange(n_keys * b, device=dev), lengths, output_size=n)
     slot = (routing.bucket_route_rel * b).index_select(0, place) + bag
     counts = torch.bincount(slot, minlength=(n_routes + 1) * b)[: n_routes * b]
@@ -180,7 +201,10 @@ def _sorted_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routin
         route_first = feature_first[torch.tensor(routing.route_features, dtype=torch.long, device=dev)]
         positions = list(torch.split(order - torch.repeat_interleave(route_first, route_size, output_size=total),
                                      sent))
-    return _Outgoing(counts, values.index_select(0, order) - first_row,
+    local = keyed.index_select(0, order) - first_row
+    if raw is not None:
+        local = torch.where(raw.index_select(0, order), values.index_select(0, order), local)
+    return _Outgoing(counts, local,
                      None if weights is None else weights.index_select(0, order), sent, positions)
 
 
@@ -227,6 +251,7 @@ def start_input_dist(
     with_positions: bool = True,
     async_op: bool = True,
     ranks: list[int] | None = None,
+    row_keys: Mapping[int, RowKey] | None = None,
 ) -> PendingInputDist:
     """Send every route's ids (made local to the shard's row block) to the shard owner; the payload flies async.
 
@@ -239,7 +264,9 @@ def start_input_dist(
 
     Example, 2 ranks, one row-wise table of 10 rows (0-4 | 5-9), rank 0's batch ``[[3, 7], [8]]``: rank 0
     sends rank 1 the header ``[2, 0, 0, 2]`` and the payload ``[1, 1, 2, 3]`` (lengths, then ids 7-5, 8-5).
-    ``ranks``: the global rank of every group rank, to name them in errors.
+    ``ranks``: the global rank of every group rank, to name them in errors. ``row_keys``: for features fed
+    raw ids (managed collision), ``{feature: ids -> a row of the block that owns each id}``; those ids are
+    routed by that row and travel unchanged (their owner remaps them).
     """
     b = 0 if kjt is None else kjt.stride()
     n_ranks, n_mine, n_routes = routing.group_size, len(routing.my_routes), len(routing.route_features)
@@ -249,7 +276,7 @@ def start_input_dist(
     elif routing.single_block:
         out = _route_payload(kjt, weights, routing)
     else:
-        out = _bucketed_payload(kjt, weights, routing, with_positions)
+        out = _bucketed_payload(kjt, weights, routing, with_positions, row_keys or {})
     if n_ranks == 1:  # this rank is the whole shard group: nothing to exchange
         if rejected:
             raise InputRejected("this rank rejected its input")
@@ -343,10 +370,11 @@ def input_dist(
     device: torch.device,
     *,
     with_positions: bool = True,
+    row_keys: Mapping[int, RowKey] | None = None,
 ) -> Received:
     """:func:`start_input_dist` and wait for it: every route's ids at the shard owners, route-major."""
     return start_input_dist(kjt, weights, routing, group, device, with_positions=with_positions,
-                            async_op=False).wait()
+                            async_op=False, row_keys=row_keys).wait()
 
 
 @torch.compiler.disable

@@ -44,7 +44,7 @@ RESIZE_AT = {2: 16, 4: 4}  # step -> new bucket count (table "a": 8 -> 16 -> 4 b
 LR = 0.25  # a power of two: with a sum loss the updates are exact, whatever the order of the sum
 
 
-def _model() -> ManagedCollisionEmbeddingBagCollection:
+def _model(return_remapped: bool = True) -> ManagedCollisionEmbeddingBagCollection:
     torch.manual_seed(0)
     tables = [EmbeddingBagConfig(name="a", num_embeddings=64, embedding_dim=4, feature_names=["f", "g"]),
               EmbeddingBagConfig(name="b.x", num_embeddings=32, embedding_dim=4, feature_names=["h"], pooling="mean")]
@@ -54,7 +54,7 @@ def _model() -> ManagedCollisionEmbeddingBagCollection:
          "b.x": MCHManagedCollisionModule(32, num_buckets=8, eviction_policy=LFU_EvictionPolicy())},
         tables,
     )
-    return ManagedCollisionEmbeddingBagCollection(ebc, mcc, return_remapped_features=True)
+    return ManagedCollisionEmbeddingBagCollection(ebc, mcc, return_remapped_features=return_remapped)
 
 
 def _global_batch(step: int) -> dict[str, list[list[int]]]:
@@ -93,7 +93,7 @@ def _train(model, rank: int, ws: int, evictions: list | None = None) -> list[lis
         out, remapped = model(_kjt(_slice(_global_batch(step), rank, ws)))
         out.values().sum().backward()
         opt.step()
-        remaps.append(remapped.values().tolist())
+        remaps.append(remapped.values().tolist() if remapped is not None else [])
         if evictions is not None:
             evictions += [s["evicted"] for s in model.mc_stats().values()]
     return remaps
@@ -248,34 +248,37 @@ def test_fused_kernels_reset_rows_on_eviction():
     assert sum(r["stats"]["evicted"] for r in results) > 0
 
 
-def _ec_model() -> ManagedCollisionEmbeddingCollection:
+def _ec_model(return_remapped: bool = True) -> ManagedCollisionEmbeddingCollection:
     torch.manual_seed(0)
     tables = [EmbeddingConfig(name="s", num_embeddings=32, embedding_dim=4, feature_names=["f", "g", "h"])]
     mcc = ManagedCollisionCollection({"s": MCHManagedCollisionModule(32, num_buckets=8)}, tables)
-    return ManagedCollisionEmbeddingCollection(EmbeddingCollection(tables), mcc, return_remapped_features=True)
+    return ManagedCollisionEmbeddingCollection(EmbeddingCollection(tables), mcc,
+                                               return_remapped_features=return_remapped)
 
 
 def _ec_run(model, rank: int, ws: int):
     out = []
     for step in range(3):
         embs, remapped = model(_kjt(_slice(_global_batch(step), rank, ws)))
-        out.append((remapped.values().tolist(), torch.cat([embs[f].values() for f in FEATURES]).detach()))
+        out.append((remapped.values().tolist() if remapped is not None else None,
+                    torch.cat([embs[f].values() for f in FEATURES]).detach()))
     return out
 
 
-def _ec_job(rank: int, ws: int):
-    model = shard_modules(_ec_model(), ShardingPlan({"_embedding_module": {"s": row_wise([16, 16])}}))
+def _ec_job(rank: int, ws: int, return_remapped: bool = True):
+    model = shard_modules(_ec_model(return_remapped), ShardingPlan({"_embedding_module": {"s": row_wise([16, 16])}}))
     return _ec_run(model, rank, ws), _full_state(model)
 
 
-def test_sharded_embedding_collection_matches_single_process():
+@pytest.mark.parametrize("return_remapped", [True, False], ids=["separate", "folded"])
+def test_sharded_embedding_collection_matches_single_process(return_remapped):
     ref_model = _ec_model()
     ref = _ec_run(ref_model, 0, 1)
     ref_state = {k: v for k, v in ref_model.state_dict().items() if not k.endswith("_mch_generation")}
-    for rank, (steps, state) in enumerate(run_distributed(_ec_job, 2)):
+    for rank, (steps, state) in enumerate(run_distributed(_ec_job, 2, return_remapped)):
         for step, ((remap, embs), (ref_remap, ref_embs)) in enumerate(zip(steps, ref)):
             mine = _per_rank(ref_remap, step, rank, 2)
-            assert remap == mine
+            assert remap == (mine if return_remapped else None)
             # per-id embeddings: the single-process ones of this rank's bags, bit for bit
             pos = _per_rank(list(range(ref_embs.shape[0])), step, rank, 2)
             assert torch.equal(embs, ref_embs[torch.tensor(pos, dtype=torch.int64)])
@@ -283,10 +286,11 @@ def test_sharded_embedding_collection_matches_single_process():
             assert torch.equal(state[k], ref_state[k]), k
 
 
-def _errors_job(rank: int, ws: int) -> list[str]:
+def _errors_job(rank: int, ws: int, return_remapped: bool = True) -> list[str]:
     """Bad input on one rank, and plans managed collision cannot follow: every rank raises, none hangs."""
     msgs = []
-    model = shard_modules(_ec_model(), ShardingPlan({"_embedding_module": {"s": row_wise([16, 16])}}))
+    model = shard_modules(_ec_model(return_remapped),
+                          ShardingPlan({"_embedding_module": {"s": row_wise([16, 16])}}))
     bags = _slice(_global_batch(0), rank, ws)
     if rank == 1:
         bags["g"][0] = [-5]
@@ -306,11 +310,83 @@ def _errors_job(rank: int, ws: int) -> list[str]:
     return msgs
 
 
-def test_errors_reach_every_rank():
-    r0, r1 = run_distributed(_errors_job, 2)
-    assert "non-negative" in r1[0] and "rank(s) [1]" in r0[0]
+@pytest.mark.parametrize("return_remapped", [True, False], ids=["separate", "folded"])
+def test_errors_reach_every_rank(return_remapped):
+    r0, r1 = run_distributed(_errors_job, 2, return_remapped)
+    if return_remapped:
+        assert "non-negative" in r1[0] and "rank(s) [1]" in r0[0]
+    else:  # the collection's own input check: the feature, its table and the id
+        assert "feature 'g' (table 's') has id -5" in r1[0] and "ranks [1] rejected their input" in r0[0]
     assert r0[1] == r1[1] == "ok"  # the next step runs normally
     for msgs in (r0, r1):
         assert "split by columns" in msgs[2]
         assert "data-parallel" in msgs[3]
         assert "split a bucket of 4 rows" in msgs[4]
+
+
+# -- remapping folded into the collection's input dist (return_remapped_features=False) ---------------------
+
+
+def _count_all_to_all(monkeypatch_target):
+    calls = [0]
+    real = monkeypatch_target.all_to_all_single
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch_target.all_to_all_single = counting
+    return calls, real
+
+
+def _fold_job(rank: int, ws: int, kind: str, fold: bool = True, fused: bool = False):
+    model = shard_modules(_model(return_remapped=False), _plan(kind, ws),
+                          embedding_optimizer=FUSED if fused else None)
+    model._fold_remap = fold
+    calls, real = _count_all_to_all(torch.distributed)
+    try:
+        if fused:
+            opt = fused_optimizer(model)
+            for step in range(STEPS):
+                if step in RESIZE_AT:
+                    model.resize(RESIZE_AT[step])
+                out, _ = model(_kjt(_slice(_global_batch(step), rank, ws)))
+                out.values().sum().backward()
+                opt.step()
+        else:
+            _train(model, rank, ws)
+    finally:
+        torch.distributed.all_to_all_single = real
+    stats = [model.mc_stats()]
+    return _full_state(model), calls[0], stats
+
+
+@pytest.mark.parametrize("kind,ws", [("rw", 2), ("tw", 2),
+                                     pytest.param("mixed", 3, marks=pytest.mark.slow),
+                                     pytest.param("rw", 4, marks=pytest.mark.slow)])
+def test_folded_remap_matches_single_process_without_extra_all_to_all(kind, ws):
+    _, ref_state = _reference()
+    folded = run_distributed(_fold_job, ws, kind, True)
+    separate = run_distributed(_fold_job, ws, kind, False)
+    for (state, calls, _), (sep_state, sep_calls, _) in zip(folded, separate):
+        assert state.keys() == ref_state.keys()
+        for k in ref_state:
+            assert torch.equal(state[k], ref_state[k]), k
+            assert torch.equal(sep_state[k], ref_state[k]), k
+        # the separate remap costs 3 all-to-alls per step (counts, ids, rows back); the fold none
+        assert sep_calls - calls == 3 * STEPS, (sep_calls, calls)
+
+
+def _fused_fold_states(rank: int, ws: int, fold: bool):
+    state, _, stats = _fold_job(rank, ws, "rw", fold, fused=True)
+    return state, stats
+
+
+def test_folded_remap_with_fused_kernels_matches_separate_remap():
+    # the separate remap is checked against one process above; with fused kernels the fold must agree with it
+    folded = run_distributed(_fused_fold_states, 2, True)
+    separate = run_distributed(_fused_fold_states, 2, False)
+    for (state, stats), (sep_state, sep_stats) in zip(folded, separate):
+        assert stats == sep_stats
+        for k in sep_state:
+            assert torch.equal(state[k], sep_state[k]), k
