@@ -120,7 +120,7 @@ def _route_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing
     ))
 
 
-def _keyed(kjt: KeyedJaggedTensor, row_keys: Mapping[int, RowKey]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _keyed(kjt: KeyedJaggedTensor, row_keys: Mapping[int, RowKey] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What each id is bucketed by: the id itself, or for a raw-id feature (managed collision) the row of the
     block that owns it, ``row_keys[feature](ids)``; plus which ids are raw (they travel unchanged), or None."""
     values = kjt.values()
@@ -135,7 +135,7 @@ def _keyed(kjt: KeyedJaggedTensor, row_keys: Mapping[int, RowKey]) -> tuple[torc
 
 
 def _bucketed_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable,
-                      with_positions: bool, row_keys: Mapping[int, RowKey]) -> _Outgoing:
+                      with_positions: bool, row_keys: Mapping[int, RowKey] | None = None) -> _Outgoing:
     """Every route's payload, ids bucketed by row block and made local to it: the same few ops for all features.
 
     Each id's bucket (feature, row block) comes from one searchsorted in the key space of
@@ -173,7 +173,7 @@ def _bucketed_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, rout
 
 
 def _sorted_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable,
-                    with_positions: bool, row_keys: Mapping[int, RowKey]) -> _Outgoing:
+                    with_positions: bool, row_keys: Mapping[int, RowKey] | None = None) -> _Outgoing:
     """:func:`_bucketed_payload` when every row block is read by one route: one stable sort by (route, bag).
 
     Every id gets the slot ``route * b + bag within the feature`` (ids of unrouted features sort last); a
