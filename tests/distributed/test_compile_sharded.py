@@ -141,9 +141,11 @@ def test_compiled_training_matches_eager_for_every_sharding_type(backend: str) -
     for rank, r in enumerate(results):
         # the first step compiles, the next ones recompile what saw new sizes as dynamic. Sizes coming out of
         # the eager collectives into compiled code may be specialised once more (a size of 0 or 1, two sizes
-        # that happened to be equal), fewer frames than the first compile; the last step compiles nothing
+        # that happened to be equal), fewer frames than the first compile, and fewer each step: torch 2.13 compiles
+        # nothing in the last step, torch 2.11 still a little (measured [14, 4, 3, 2]); a recompile every step fails
         frames = r["frames"]
-        assert sum(frames[1:]) <= frames[0] and frames[-1] == 0, f"rank {rank}: frames compiled per step {frames}"
+        settled = frames[-1] == 0 or frames[-1] < frames[1]
+        assert sum(frames[1:]) <= frames[0] and settled, f"rank {rank}: frames compiled per step {frames}"
         assert r["frames"][0] > 0
         assert not r["frozen"], f"rank {rank}: {r['frozen']} never changed"
         assert r["keys"] == sorted(_Model(small=backend == "inductor").state_dict())
