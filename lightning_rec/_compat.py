@@ -11,6 +11,8 @@ import torch
 import torch.fx._pytree as _fx_pytree
 import torch.fx.experimental._config as _fx_shape_config
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard

@@ -192,7 +192,7 @@ class DistributedModelParallel(nn.Module):
             given = plan.get_plan_for_module(path) if plan is not None else None
             out[path] = {t.name: with_resolved_ranks(t, given[t.name] if given else placement_of(m.shards[t.name],
                                                                                                    gsize, local),
-                                                     gsize, local)
+                                                     gsize, local, self.device.type)
                          for t in m.tables}
         return ShardingPlan(out)
 

@@ -17,6 +17,7 @@ from typing import ClassVar, Protocol
 
 import numpy as np
 
+from lightning_rec._compat import EnumerableShardingSpec
 from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
 from lightning_rec.sharding.layout import ShardMeta, Tiling, even_blocks
 
@@ -30,7 +31,7 @@ COMPUTE_KERNELS = ("auto", "torch", "fbgemm", "dense", "fused", "fused_uvm", "fu
                    "quant_uvm", "quant_uvm_caching", "key_value", "customized_kernel")
 
 
-@dataclass
+@dataclass(eq=False)
 class ParameterSharding:
     """How one table is placed.
 
@@ -47,6 +48,13 @@ class ParameterSharding:
             embedding optimizer always uses its fused kernel.
         num_buckets: ROW_WISE only: TorchRec's bucketized row-wise: ``num_buckets`` equal buckets (they must
             divide ``num_embeddings``) spread over the ranks, the first ranks taking one more.
+        sharding_spec: TorchRec's description of the shards: torch's ``EnumerableShardingSpec`` of
+            ``ShardMetadata`` (offsets, sizes, placement ``"rank:N/cuda:M"`` or ``"rank:N/cpu"``), None for a
+            data-parallel table. ``construct_module_sharding_plan`` fills it in; a plan that gives one must
+            give the shards its other fields resolve to (checked at sharding time).
+
+    Two placements that both carry a ``sharding_spec`` are equal when their type, kernel, ranks and shards
+    are: the spec is the resolved layout, whichever fields (``row_sizes``, ``num_buckets``...) produced it.
     """
 
     sharding_type: ShardingType | str
@@ -56,6 +64,17 @@ class ParameterSharding:
     host_indexes: list[int] | None = None
     compute_kernel: str = "auto"
     num_buckets: int | None = None
+    sharding_spec: EnumerableShardingSpec | None = None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ParameterSharding):
+            return NotImplemented
+        key = ("sharding_type", "compute_kernel", "ranks", "sharding_spec")
+        if self.sharding_spec is None or other.sharding_spec is None:
+            key += (*PLACEMENT_FIELDS, "num_buckets")
+        return all(getattr(self, k) == getattr(other, k) for k in key)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as a dataclass with eq
 
     def __post_init__(self) -> None:
         if not isinstance(self.sharding_type, ShardingType):
@@ -75,6 +94,10 @@ class ParameterSharding:
             raise ValueError(f"num_buckets must be a positive integer, got {nb!r}")
         if nb is not None and self.sharding_type != ShardingType.ROW_WISE:
             raise ValueError(f"num_buckets applies to row_wise only, not {self.sharding_type.value}")
+        spec = self.sharding_spec
+        if spec is not None and not isinstance(spec, EnumerableShardingSpec):
+            raise TypeError(f"sharding_spec must be an EnumerableShardingSpec of ShardMetadata (TorchRec's), got "
+                            f"{type(spec).__name__}")
 
 
 def _as_ints(table: str, field_name: str, values: object) -> list[int] | None:

@@ -200,8 +200,12 @@ def test_construct_defaults_to_single_process() -> None:
     tables = _tables((10, 8), (7, 4))
     ebc = EmbeddingBagCollection(tables)
     plan = {"t0": table_wise(0), "t1": row_wise()}
-    out = construct_module_sharding_plan(ebc, plan)
-    assert out == {"t0": table_wise(0), "t1": ParameterSharding("row_wise", ranks=[0])}  # ranks filled in
+    out = construct_module_sharding_plan(ebc, plan, device_type="cpu")
+    # ranks, TorchRec's default kernel name and the shards filled in
+    assert [(k, ps.sharding_type, ps.ranks, ps.compute_kernel) for k, ps in out.items()] == [
+        ("t0", "table_wise", [0], "dense"), ("t1", "row_wise", [0], "dense")]
+    assert [(m.shard_offsets, m.shard_sizes, str(m.placement)) for m in out["t1"].sharding_spec.shards] == [
+        ([0, 0], [7, 4], "rank:0/cpu")]
     with pytest.raises(ValueError, match=r"table 't0': rank 1 is outside .*0\.\.0"):
         construct_module_sharding_plan(ebc, {"t0": table_wise(1), "t1": row_wise()})
 
@@ -350,7 +354,8 @@ def test_construct_module_sharding_plan_accepts_valid_plans(case) -> None:
     out = construct_module_sharding_plan(ebc, plan, local_size=local, world_size=world)
     assert out is not plan and out.keys() == plan.keys()
     for name, ps in plan.items():  # the same placement with its ranks filled in, and it resolves the same
-        assert out[name].ranks is not None and replace(out[name], ranks=ps.ranks) == ps
+        assert out[name].ranks is not None
+        assert replace(out[name], ranks=ps.ranks, sharding_spec=None, compute_kernel=ps.compute_kernel) == ps
         table = next(t for t in tables if t.name == name)
         assert resolve_table(table, out[name], world, local) == resolve_table(table, ps, world, local)
 
