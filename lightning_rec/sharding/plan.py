@@ -116,7 +116,33 @@ def grid_shard(host_indexes: list[int], size_per_shard: list[int] | None = None,
     )
 
 
-EmbeddingModuleShardingPlan = dict  # table name -> ParameterSharding
+def _tabulate(rows: list[list[object]], headers: list[str]) -> str:
+    # TorchRec's plain-text table: centred headers, left-aligned cells, " | " between columns
+    widths = [max([len(h), *(len(str(r[i])) for r in rows)]) for i, h in enumerate(headers)]
+    lines = [" | ".join(h.center(w) for h, w in zip(headers, widths)), " | ".join("-" * w for w in widths)]
+    lines += [" | ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+class EmbeddingModuleShardingPlan(dict):
+    """``{table name: ParameterSharding}`` of one collection; prints as TorchRec's tables (placements, then
+    shards), followed by the placement fields of entries not resolved yet (no ``sharding_spec``)."""
+
+    def __str__(self) -> str:
+        params, shards, fields = [], [], []
+        for name, ps in self.items():
+            kind = getattr(ps.sharding_type, "value", ps.sharding_type)
+            params.append([name, kind, ps.compute_kernel, ps.ranks])
+            spec = ps.sharding_spec
+            shards += [[name, m.shard_offsets, m.shard_sizes, m.placement] for m in (spec.shards if spec else [])]
+            extra = {k: getattr(ps, k) for k in (*PLACEMENT_FIELDS, "num_buckets") if getattr(ps, k) is not None}
+            if spec is None and set(extra) - {"ranks"}:
+                fields.append([name, ", ".join(f"{k}={v}" for k, v in extra.items())])
+        out = "\n\n" + _tabulate(params, ["param", "sharding type", "compute kernel", "ranks"])
+        out += "\n\n" + _tabulate(shards, ["param", "shard offsets", "shard sizes", "placement"])
+        if fields:
+            out += "\n\n" + _tabulate(fields, ["param", "placement fields"])
+        return out
 
 
 @dataclass
@@ -129,13 +155,8 @@ class ShardingPlan:
         return self.plan.get(module_path)
 
     def __str__(self) -> str:
-        lines = []
-        for path, tables in self.plan.items():
-            lines.append(f"module {path or '<root>'!r}:")
-            for t, ps in tables.items():
-                extra = {k: getattr(ps, k) for k in PLACEMENT_FIELDS if getattr(ps, k) is not None}
-                lines.append(f"  {t!r}: {ps.sharding_type.value} {extra if extra else ''}".rstrip())
-        return "\n".join(lines)
+        # TorchRec's format: "module: <path>" then the module plan's tables, modules separated by a blank line
+        return "\n\n".join(f"module: {path}{EmbeddingModuleShardingPlan(tables)}" for path, tables in self.plan.items())
 
 
 # -- TorchRec's shard descriptions ----------------------------------------------------------------------
@@ -273,7 +294,7 @@ def construct_module_sharding_plan(
     local_size: int | None = None,
     world_size: int | None = None,
     device_type: str | None = None,
-) -> dict[str, ParameterSharding]:
+) -> EmbeddingModuleShardingPlan:
     """Check ``{table: placement}`` against ``module``'s tables; return the module plan with ranks filled in.
 
     TorchRec's argument order. ``world_size`` is the model-parallel group size (default: the initialised
@@ -314,4 +335,5 @@ def construct_module_sharding_plan(
             ps = replace(ps, compute_kernel="fused" if fused else "dense")
         plan[name] = ps
     resolve_module_plan(tables, plan, world_size, local_size)
-    return {n: with_resolved_ranks(by_name[n], ps, world_size, local_size, device_type) for n, ps in plan.items()}
+    return EmbeddingModuleShardingPlan(
+        {n: with_resolved_ranks(by_name[n], ps, world_size, local_size, device_type) for n, ps in plan.items()})

@@ -227,7 +227,24 @@ def test_sharding_plan_container() -> None:
     assert plan.get_plan_for_module("a.b") == {"t1": column_wise([0, 1], [3, 5])}
     assert plan.get_plan_for_module("zzz") is None
     text = str(plan)
-    assert "module '<root>'" in text and "'t0': table_wise" in text and "col_sizes" in text
+    assert text.startswith("module: \n\nparam |") and "\n\nmodule: a.b\n\n" in text
+    assert "t0    | table_wise    | auto           | [1]" in text  # TorchRec's table
+    assert "t1    | ranks=[0, 1], col_sizes=[3, 5]" in text  # fields of a placement not resolved yet
+
+
+def test_sharding_plan_str_shows_resolved_shards() -> None:
+    ebc = EmbeddingBagCollection(_tables((10, 8), (6, 4)))
+    module_plan = construct_module_sharding_plan(ebc, {"t0": row_wise([4, 6]), "t1": column_wise([1, 0])},
+                                                 world_size=2, local_size=2, device_type="cuda")
+    lines = [ln.strip() for ln in str(ShardingPlan({"ebc": module_plan})).splitlines()]
+    assert lines == [
+        "module: ebc", "",
+        "param | sharding type | compute kernel | ranks", "----- | ------------- | -------------- | ------",
+        "t0    | row_wise      | dense          | [0, 1]", "t1    | column_wise   | dense          | [1, 0]", "",
+        "param | shard offsets | shard sizes |   placement", "----- | ------------- | ----------- | -------------",
+        "t0    | [0, 0]        | [4, 8]      | rank:0/cuda:0", "t0    | [4, 0]        | [6, 8]      | rank:1/cuda:1",
+        "t1    | [0, 0]        | [6, 2]      | rank:1/cuda:1", "t1    | [0, 2]        | [6, 2]      | rank:0/cuda:0",
+    ]
 
 
 # -- valid plans: shards tile the table -----------------------------------------------------------------
