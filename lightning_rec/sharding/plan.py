@@ -18,7 +18,7 @@ from lightning_rec._compat import EnumerableShardingSpec, ShardMetadata
 from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
 from lightning_rec.sharding.layout import ShardMeta, even_split, offsets_of
 from lightning_rec.sharding.mesh import default_local_size
-from lightning_rec.sharding.types import KINDS, PLACEMENT_FIELDS, ParameterSharding, resolved_ranks
+from lightning_rec.sharding.types import KINDS, PLACEMENT_FIELDS, ParameterSharding
 
 
 # -- helpers (TorchRec names and argument orders) ------------------------------------------------------
@@ -168,7 +168,8 @@ def shard_placement(rank: int, device_type: str, local_size: int) -> str:
     return f"rank:{rank}/{device_type}"
 
 
-def sharding_spec_of(shards: list[ShardMeta] | None, device_type: str, local_size: int) -> EnumerableShardingSpec | None:
+def sharding_spec_of(shards: list[ShardMeta] | None, device_type: str,
+                     local_size: int) -> EnumerableShardingSpec | None:
     """TorchRec's ``sharding_spec`` of resolved shards (None for a data-parallel table), in the shards' order."""
     if shards is None:
         return None
