@@ -11,10 +11,6 @@ import torch
 import torch.fx._pytree as _fx_pytree
 import torch.fx.experimental._config as _fx_shape_config
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-
-# TorchRec's plans describe shards with these (re-exported; constructing them does not warn, unlike ShardedTensor)
-from torch.distributed._shard.metadata import ShardMetadata as ShardMetadata
-from torch.distributed._shard.sharding_spec import EnumerableShardingSpec as EnumerableShardingSpec
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard

@@ -14,11 +14,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_rec._compat import EnumerableShardingSpec, ShardMetadata
 from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
 from lightning_rec.sharding.layout import ShardMeta, even_split, offsets_of
 from lightning_rec.sharding.mesh import default_local_size
-from lightning_rec.sharding.types import KINDS, PLACEMENT_FIELDS, ParameterSharding
+from lightning_rec.sharding.types import (
+    KINDS,
+    PLACEMENT_FIELDS,
+    EnumerableShardingSpec,
+    ParameterSharding,
+    ShardMetadata,
+)
 
 
 # -- helpers (TorchRec names and argument orders) ------------------------------------------------------

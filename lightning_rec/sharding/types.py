@@ -11,13 +11,14 @@ Ranks are ranks of the model-parallel group; a host is ``local_size`` consecutiv
 from __future__ import annotations
 
 import numbers
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import numpy as np
+import torch
 
-from lightning_rec._compat import EnumerableShardingSpec
 from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
 from lightning_rec.sharding.layout import ShardMeta, Tiling, even_blocks
 
@@ -29,6 +30,69 @@ PLACEMENT_FIELDS = ("ranks", "row_sizes", "col_sizes", "host_indexes")
 #: "fbgemm", and TorchRec's names pick "auto")
 COMPUTE_KERNELS = ("auto", "torch", "fbgemm", "dense", "fused", "fused_uvm", "fused_uvm_caching", "quant",
                    "quant_uvm", "quant_uvm_caching", "key_value", "customized_kernel")
+
+
+# -- TorchRec's shard descriptions (torch's ShardMetadata / EnumerableShardingSpec, which live in the deprecated
+# "_shard" package of torch.distributed, next to ShardedTensor: the same fields and equality, without it) ---
+class ShardPlacement:
+    """Where a shard lives, TorchRec's ``"rank:N/device"`` string: ``rank()`` and ``device()`` as torch's
+    ``_remote_device`` gives them."""
+
+    __slots__ = ("_device", "_rank")
+
+    def __init__(self, placement: str | ShardPlacement) -> None:
+        text = str(placement)
+        m = re.fullmatch(r"rank:(\d+)/(.+)", text)
+        try:
+            device = torch.device(m[2]) if m else None
+        except (RuntimeError, TypeError):
+            device = None
+        if m is None or device is None:
+            raise ValueError(f"shard placement {text!r} is not of the form 'rank:N/<device>', e.g. 'rank:1/cuda:1'")
+        self._rank, self._device = int(m[1]), device
+
+    def rank(self) -> int:
+        return self._rank
+
+    def device(self) -> torch.device:
+        return self._device
+
+    def __str__(self) -> str:
+        return f"rank:{self._rank}/{self._device}"
+
+    __repr__ = __str__
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            other = ShardPlacement(other)
+        return isinstance(other, ShardPlacement) and (self._rank, self._device) == (other._rank, other._device)
+
+    def __hash__(self) -> int:
+        return hash((self._rank, self._device))
+
+
+@dataclass
+class ShardMetadata:
+    """One shard of a table: ``shard_offsets`` ``[row, column]``, ``shard_sizes`` ``[rows, columns]`` and its
+    ``placement`` (a ``"rank:N/device"`` string is parsed into a :class:`ShardPlacement`)."""
+
+    shard_offsets: list[int]
+    shard_sizes: list[int]
+    placement: ShardPlacement | str | None = None
+
+    def __post_init__(self) -> None:
+        self.shard_offsets, self.shard_sizes = [int(x) for x in self.shard_offsets], [int(x) for x in self.shard_sizes]
+        if len(self.shard_offsets) != len(self.shard_sizes):
+            raise ValueError(f"shard_offsets {self.shard_offsets} and shard_sizes {self.shard_sizes} differ in rank")
+        if self.placement is not None:
+            self.placement = ShardPlacement(self.placement)
+
+
+@dataclass
+class EnumerableShardingSpec:
+    """TorchRec's ``sharding_spec``: the shards of a table, listed."""
+
+    shards: list[ShardMetadata]
 
 
 @dataclass(eq=False)
@@ -49,7 +113,8 @@ class ParameterSharding:
         num_buckets: ROW_WISE only: TorchRec's bucketized row-wise: ``num_buckets`` equal buckets (they must
             divide ``num_embeddings``) spread over the ranks, the first ranks taking one more.
         sharding_spec: TorchRec's description of the shards: torch's ``EnumerableShardingSpec`` of
-            ``ShardMetadata`` (offsets, sizes, placement ``"rank:N/cuda:M"`` or ``"rank:N/cpu"``), None for a
+            ``ShardMetadata`` (offsets, sizes, placement ``"rank:N/cuda:M"`` or ``"rank:N/cpu"``; this module's
+            classes, with the fields and equality of torch's), None for a
             data-parallel table. ``construct_module_sharding_plan`` fills it in; a plan that gives one must
             give the shards its other fields resolve to (checked at sharding time).
 

@@ -4,15 +4,12 @@ and ``get_module_to_default_sharders``. The shards are checked against the tilin
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import replace
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 
 from lightning_rec import (
     EmbeddingBagCollection,
@@ -33,6 +30,7 @@ from lightning_rec.distributed import (
     apply_optimizer_in_backward,
     get_module_to_default_sharders,
 )
+from lightning_rec.sharding import EnumerableShardingSpec, ShardMetadata, ShardPlacement
 from lightning_rec.sharding.plan import (
     _calculate_rw_shard_sizes_and_offsets,
     _calculate_uneven_rw_shard_sizes_and_offsets,
@@ -50,11 +48,21 @@ def _chunk(rows: int, parts: int) -> list[int]:
     return sizes + [0] * (parts - len(sizes))
 
 
-def test_spec_objects_do_not_warn() -> None:
-    # the project dropped ShardedTensor for its deprecation warning: these two must stay silent
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        EnumerableShardingSpec([ShardMetadata(shard_offsets=[0, 0], shard_sizes=[2, 2], placement="rank:0/cpu")])
+def test_spec_objects() -> None:
+    # the fields and equality of torch's ShardMetadata / EnumerableShardingSpec (TorchRec's sharding_spec)
+    m = ShardMetadata(shard_offsets=[0, 4], shard_sizes=[10, 4], placement="rank:3/cuda:1")
+    assert (m.placement.rank(), m.placement.device()) == (3, torch.device("cuda", 1))
+    assert str(m.placement) == "rank:3/cuda:1" and m.placement == "rank:3/cuda:1"
+    assert m == ShardMetadata([0, 4], [10, 4], ShardPlacement("rank:3/cuda:1"))
+    assert m != ShardMetadata([0, 4], [10, 4], "rank:3/cuda:0") and m != ShardMetadata([0, 0], [10, 4], "rank:3/cuda:1")
+    assert ShardMetadata([0, 0], [1, 1], "rank:0/cpu").placement.device() == torch.device("cpu")
+    assert EnumerableShardingSpec([m]) == EnumerableShardingSpec([replace(m)])
+    assert EnumerableShardingSpec([m]) != EnumerableShardingSpec([m, m])
+    for bad in ("cuda:1", "rank:x/cpu", "rank:1/warpdrive"):
+        with pytest.raises(ValueError, match=r"placement .* 'rank:N/<device>'"):
+            ShardMetadata([0, 0], [1, 1], bad)
+    with pytest.raises(ValueError, match="differ in rank"):
+        ShardMetadata([0], [1, 1])
 
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
