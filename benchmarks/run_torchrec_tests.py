@@ -64,8 +64,8 @@ Remaining failures, by reason:
   in tests/unit/test_nn_models.py).
 - Not built: `DLRMWrapper`, torchrec.ir serialization, an empty EmbeddingBagCollection in DLRM raising
   AssertionError (a ValueError here); `PositionWeightedModule` through fx then TorchScript.
-- Sharding plans (commit 89420a6: 0/16): `ParameterSharding.sharding_spec` (torch's `EnumerableShardingSpec` of
-  `ShardMetadata`, TorchRec's `"rank:N/cuda:M"` placements), TorchRec's default kernel names (`"dense"` /
+- Sharding plans (commit 89420a6: 0/16): `ParameterSharding.sharding_spec` (an `EnumerableShardingSpec` of
+  `ShardMetadata` with torch's fields, TorchRec's `"rank:N/cuda:M"` placements), TorchRec's default kernel names (`"dense"` /
   `"fused"`), its printed plan tables, the `_calculate_*rw_shard_sizes_and_offsets` helpers and
   `get_module_to_default_sharders` are built. Left: per-shard devices other than the collection's
   (`table_wise(device="cpu")` under `device_type="cuda"`, mixed CPU / CUDA `device_types`, `row_wise` sizes on
