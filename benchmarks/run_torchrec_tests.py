@@ -64,13 +64,19 @@ Remaining failures, by reason:
   in tests/unit/test_nn_models.py).
 - Not built: `DLRMWrapper`, torchrec.ir serialization, an empty EmbeddingBagCollection in DLRM raising
   AssertionError (a ValueError here); `PositionWeightedModule` through fx then TorchScript.
-- Sharding plans: `ParameterSharding.sharding_spec` (TorchRec's `EnumerableShardingSpec` of `ShardMetadata`,
-  compared field by field with `compute_kernel="dense"` and `"rank:N/cuda:N"` placements) is not built: the
-  shards are in `ranks` / `row_sizes` / `col_sizes`; 9 tests compare it. The private `_calculate_*_rw_shard_sizes`
-  helpers (5), `get_module_to_default_sharders` (quantized / managed-collision / feature-processed sharders),
-  mixed CPU / CUDA `device_types` (refused: the shards of a collection share its device), uneven row sizes given
-  for more ranks than the world, and TorchRec's exact error texts are the rest. The multi-process
-  `ConstructParameterShardingAndShardTest` needs CUDA and TorchRec's process harness (not collected here).
+- Sharding plans (commit 89420a6: 0/16): `ParameterSharding.sharding_spec` (an `EnumerableShardingSpec` of
+  `ShardMetadata` with torch's fields, TorchRec's `"rank:N/cuda:M"` placements), TorchRec's default kernel names (`"dense"` /
+  `"fused"`), its printed plan tables, the `_calculate_*rw_shard_sizes_and_offsets` helpers and
+  `get_module_to_default_sharders` are built. Left: per-shard devices other than the collection's
+  (`table_wise(device="cpu")` under `device_type="cuda"`, mixed CPU / CUDA `device_types`, `row_wise` sizes on
+  CPU and CUDA): TorchRec places those shards on the host (an inference layout); here every shard lives on its
+  collection's device, so they are refused or, for `table_wise(device=)`, checked and the collection's device
+  used (3 tests + `test_row_wise_set_heterogenous_device`, which also gives 3 row sizes for a world of 2);
+  `get_module_to_default_sharders` maps only `EmbeddingBagCollection` / `EmbeddingCollection` (no quantized,
+  fused-collection or feature-processed types; managed-collision collections are sharded through the collection
+  they wrap); TorchRec's exact error texts (2 tests: the same cases raise a ValueError naming the table and the
+  sizes). The multi-process `ConstructParameterShardingAndShardTest` needs CUDA and TorchRec's process harness (not
+  collected here).
 """
 
 CONFTEST = '''

@@ -19,8 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch.fx
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 
 from lightning_rec.sparse import KeyedTensor
 
@@ -46,7 +44,8 @@ _SOURCES: dict[str, list[str]] = {
     "torchrec.datasets.criteo": ["lightning_rec.data"],
     "torchrec.distributed": ["lightning_rec.distributed", "lightning_rec.sharding"],
     "torchrec.distributed.types": ["lightning_rec.sharding", "lightning_rec.distributed", "lightning_rec.configs"],
-    "torchrec.distributed.sharding_plan": ["lightning_rec.sharding", "lightning_rec.distributed"],
+    "torchrec.distributed.sharding_plan": ["lightning_rec.sharding", "lightning_rec.sharding.plan",
+                                           "lightning_rec.distributed"],
     "torchrec.distributed.planner": ["lightning_rec.sharding"],
     "torchrec.distributed.model_parallel": ["lightning_rec.distributed"],
     "torchrec.distributed.embeddingbag": ["lightning_rec.distributed"],
@@ -98,8 +97,6 @@ _EXTRA: dict[str, dict[str, Any]] = {
         KeyedTensor.regroup,
     ),
     "torchrec.fx": {"symbolic_trace": torch.fx.symbolic_trace, "Tracer": torch.fx.Tracer},
-    # torch's own classes, which TorchRec re-exports
-    "torchrec.distributed.types": {"ShardMetadata": ShardMetadata, "EnumerableShardingSpec": EnumerableShardingSpec},
     "torchrec.test_utils": {"skip_if_asan_class": _skip_if_asan_class, "skip_if_asan": _skip_if_asan},
 }
 

@@ -8,6 +8,7 @@ from lightning_rec.distributed.model_parallel import (
     ModuleSharder,
     ShardingEnv,
     get_default_sharders,
+    get_module_to_default_sharders,
 )
 from lightning_rec.distributed.optimizers import (
     KeyedOptimizerWrapper,
@@ -30,6 +31,7 @@ __all__ = [
     "TrainPipelineSparseDist",
     "apply_optimizer_in_backward",
     "get_default_sharders",
+    "get_module_to_default_sharders",
     "in_backward_optimizer_filter",
     "spec_from_fused_params",
     "spec_from_optimizer",

@@ -93,6 +93,13 @@ def get_default_sharders() -> list[ModuleSharder]:
     return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
 
 
+def get_module_to_default_sharders() -> dict[type[nn.Module], ModuleSharder]:
+    """TorchRec's ``{module type: default sharder}``. Only the collections sharded through a sharder here
+    (``EmbeddingBagCollection``, ``EmbeddingCollection``); managed-collision collections are sharded by
+    ``shard_modules`` through the collection they wrap, and there are no quantized or fused-collection types."""
+    return {s.module_type: s for s in get_default_sharders()}
+
+
 def _embedding_optimizer(module: nn.Module, sharders: list[ModuleSharder]) -> FusedOptimizerSpec | None:
     """The one fused spec for the model's collections, from the sharders' fused_params or in-backward optimizers."""
     by_type = {s.module_type: s for s in sharders}
@@ -192,7 +199,7 @@ class DistributedModelParallel(nn.Module):
             given = plan.get_plan_for_module(path) if plan is not None else None
             out[path] = {t.name: with_resolved_ranks(t, given[t.name] if given else placement_of(m.shards[t.name],
                                                                                                    gsize, local),
-                                                     gsize, local)
+                                                     gsize, local, self.device.type)
                          for t in m.tables}
         return ShardingPlan(out)
 

@@ -24,14 +24,18 @@ from lightning_rec.sharding.sharded import (
     shard_modules,
     sharded_collections,
 )
+from lightning_rec.sharding.types import EnumerableShardingSpec, ShardMetadata, ShardPlacement
 
 __all__ = [
     "EmbeddingModuleShardingPlan",
+    "EnumerableShardingSpec",
     "Hardware",
     "ParameterSharding",
     "PlanReport",
     "Planner",
     "PlannerError",
+    "ShardMetadata",
+    "ShardPlacement",
     "ShardedCollection",
     "ShardedEmbeddingBagCollection",
     "ShardedEmbeddingCollection",

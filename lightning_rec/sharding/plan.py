@@ -15,9 +15,15 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
-from lightning_rec.sharding.layout import ShardMeta
+from lightning_rec.sharding.layout import ShardMeta, even_split, offsets_of
 from lightning_rec.sharding.mesh import default_local_size
-from lightning_rec.sharding.types import KINDS, PLACEMENT_FIELDS, ParameterSharding, resolved_ranks
+from lightning_rec.sharding.types import (
+    KINDS,
+    PLACEMENT_FIELDS,
+    EnumerableShardingSpec,
+    ParameterSharding,
+    ShardMetadata,
+)
 
 
 # -- helpers (TorchRec names and argument orders) ------------------------------------------------------
@@ -115,7 +121,33 @@ def grid_shard(host_indexes: list[int], size_per_shard: list[int] | None = None,
     )
 
 
-EmbeddingModuleShardingPlan = dict  # table name -> ParameterSharding
+def _tabulate(rows: list[list[object]], headers: list[str]) -> str:
+    # TorchRec's plain-text table: centred headers, left-aligned cells, " | " between columns
+    widths = [max([len(h), *(len(str(r[i])) for r in rows)]) for i, h in enumerate(headers)]
+    lines = [" | ".join(h.center(w) for h, w in zip(headers, widths)), " | ".join("-" * w for w in widths)]
+    lines += [" | ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+class EmbeddingModuleShardingPlan(dict):
+    """``{table name: ParameterSharding}`` of one collection; prints as TorchRec's tables (placements, then
+    shards), followed by the placement fields of entries not resolved yet (no ``sharding_spec``)."""
+
+    def __str__(self) -> str:
+        params, shards, fields = [], [], []
+        for name, ps in self.items():
+            kind = getattr(ps.sharding_type, "value", ps.sharding_type)
+            params.append([name, kind, ps.compute_kernel, ps.ranks])
+            spec = ps.sharding_spec
+            shards += [[name, m.shard_offsets, m.shard_sizes, m.placement] for m in (spec.shards if spec else [])]
+            extra = {k: getattr(ps, k) for k in (*PLACEMENT_FIELDS, "num_buckets") if getattr(ps, k) is not None}
+            if spec is None and set(extra) - {"ranks"}:
+                fields.append([name, ", ".join(f"{k}={v}" for k, v in extra.items())])
+        out = "\n\n" + _tabulate(params, ["param", "sharding type", "compute kernel", "ranks"])
+        out += "\n\n" + _tabulate(shards, ["param", "shard offsets", "shard sizes", "placement"])
+        if fields:
+            out += "\n\n" + _tabulate(fields, ["param", "placement fields"])
+        return out
 
 
 @dataclass
@@ -128,13 +160,64 @@ class ShardingPlan:
         return self.plan.get(module_path)
 
     def __str__(self) -> str:
-        lines = []
-        for path, tables in self.plan.items():
-            lines.append(f"module {path or '<root>'!r}:")
-            for t, ps in tables.items():
-                extra = {k: getattr(ps, k) for k in PLACEMENT_FIELDS if getattr(ps, k) is not None}
-                lines.append(f"  {t!r}: {ps.sharding_type.value} {extra if extra else ''}".rstrip())
-        return "\n".join(lines)
+        # TorchRec's format: "module: <path>" then the module plan's tables, modules separated by a blank line
+        return "\n\n".join(f"module: {path}{EmbeddingModuleShardingPlan(tables)}" for path, tables in self.plan.items())
+
+
+# -- TorchRec's shard descriptions ----------------------------------------------------------------------
+def shard_placement(rank: int, device_type: str, local_size: int) -> str:
+    """TorchRec's placement string of a shard: ``"rank:5/cuda:1"`` (device index ``rank % local_size``) for an
+    accelerator, ``"rank:5/cpu"`` for the CPU."""
+    if device_type in ("cuda", "mtia"):
+        return f"rank:{rank}/{torch.device(device_type, rank % local_size)}"
+    return f"rank:{rank}/{device_type}"
+
+
+def sharding_spec_of(shards: list[ShardMeta] | None, device_type: str,
+                     local_size: int) -> EnumerableShardingSpec | None:
+    """TorchRec's ``sharding_spec`` of resolved shards (None for a data-parallel table), in the shards' order."""
+    if shards is None:
+        return None
+    return EnumerableShardingSpec([
+        ShardMetadata(shard_offsets=[s.row_offset, s.col_offset], shard_sizes=[s.rows, s.cols],
+                      placement=shard_placement(s.rank, device_type, local_size))
+        for s in shards
+    ])
+
+
+def _rw_sizes_offsets(row_sizes: list[int], columns: int) -> tuple[list[list[int]], list[list[int]]]:
+    return [[r, columns] for r in row_sizes], [[o, 0] for o in offsets_of(row_sizes)[:-1]]
+
+
+def _calculate_rw_shard_sizes_and_offsets(
+    hash_size: int, num_devices: int, columns: int, num_buckets: int | None = None
+) -> tuple[list[list[int]], list[list[int]]]:
+    """TorchRec's row-wise shard ``[rows, columns]`` sizes and ``[row, 0]`` offsets per rank: ``ceil(hash_size /
+    num_devices)`` rows each, the tail short or empty; with ``num_buckets``, equal buckets, the first
+    ``num_buckets % num_devices`` ranks one more (the tiling ``row_wise()`` / ``row_wise(num_buckets=)`` give)."""
+    if num_buckets:
+        assert hash_size % num_buckets == 0, "hash_size must be divisible by num_buckets"
+        size, per_rank, extra = hash_size // num_buckets, num_buckets // num_devices, num_buckets % num_devices
+        rows = [size * (per_rank + (r < extra)) for r in range(num_devices)]
+    else:
+        rows = even_split(hash_size, num_devices)
+    return _rw_sizes_offsets(rows, columns)
+
+
+def _calculate_uneven_rw_shard_sizes_and_offsets(
+    hash_size: int, num_devices: int, columns: int, device_memory_sizes: list[int], num_buckets: int | None = None
+) -> tuple[list[list[int]], list[list[int]]]:
+    """TorchRec's row-wise split in proportion to ``device_memory_sizes`` (whole buckets of ``hash_size //
+    num_buckets`` rows, rounded down; the last rank takes the rest)."""
+    assert num_devices == len(device_memory_sizes), "must provide all the memory size"
+    if num_buckets is None:
+        num_buckets, bucket = hash_size, 1
+    else:
+        assert hash_size % num_buckets == 0, "hash_size must be divisible by num_buckets"
+        bucket = hash_size // num_buckets
+    total = sum(device_memory_sizes)
+    rows = [int(num_buckets * (m / total)) * bucket for m in device_memory_sizes[:-1]]
+    return _rw_sizes_offsets([*rows, hash_size - sum(rows)], columns)
 
 
 # -- resolution and validation ----------------------------------------------------------------------
@@ -148,7 +231,21 @@ def resolve_table(
     if kind is None:  # a sharding_type overwritten after construction
         raise ValueError(f"table {table.name!r}: unsupported sharding type {ps.sharding_type!r}")
     tiling = kind.tiling(table, ps, group_size, local_size)
-    return None if tiling is None else tiling.shards()
+    shards = None if tiling is None else tiling.shards()
+    if ps.sharding_spec is not None:
+        _check_spec(table, ps.sharding_spec, shards)
+    return shards
+
+
+def _check_spec(table: BaseEmbeddingConfig, spec: EnumerableShardingSpec, shards: list[ShardMeta] | None) -> None:
+    # a TorchRec plan carries the shards it means; ours are computed from the fields, so they must agree
+    given = [(list(m.shard_offsets), list(m.shard_sizes)) for m in spec.shards]
+    derived = [([s.row_offset, s.col_offset], [s.rows, s.cols]) for s in shards or []]
+    if given != derived:
+        raise ValueError(
+            f"table {table.name!r}: sharding_spec gives shards (offsets, sizes) {given}, but the placement's "
+            f"fields resolve to {derived}; give row_sizes / col_sizes that produce the spec's shards, or drop the spec"
+        )
 
 
 def resolve_module_plan(
@@ -187,13 +284,13 @@ def embedding_tables(module: nn.Module) -> list[BaseEmbeddingConfig]:
 
 
 def with_resolved_ranks(
-    table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int, local_size: int
+    table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int, local_size: int, device_type: str = "cpu"
 ) -> ParameterSharding:
-    """A copy of ``ps`` (checked) with ``ranks`` filled in, in TorchRec's order (see ``types.resolved_ranks``)."""
-    if not isinstance(ps, ParameterSharding):
-        raise TypeError(f"table {table.name!r}: expected a ParameterSharding, got {type(ps).__name__}")
-    kind = KINDS[ps.sharding_type]  # type: ignore[index]
-    return replace(ps, ranks=resolved_ranks(kind.tiling(table, ps, group_size, local_size), group_size))
+    """A copy of ``ps`` (checked) with ``ranks`` filled in, in TorchRec's order (see ``types.resolved_ranks``),
+    and TorchRec's ``sharding_spec`` of its shards on ``device_type``."""
+    shards = resolve_table(table, ps, group_size, local_size)
+    ranks = list(range(group_size)) if shards is None else [s.rank for s in shards]
+    return replace(ps, ranks=ranks, sharding_spec=sharding_spec_of(shards, device_type, local_size))
 
 
 def construct_module_sharding_plan(
@@ -203,14 +300,17 @@ def construct_module_sharding_plan(
     local_size: int | None = None,
     world_size: int | None = None,
     device_type: str | None = None,
-) -> dict[str, ParameterSharding]:
+) -> EmbeddingModuleShardingPlan:
     """Check ``{table: placement}`` against ``module``'s tables; return the module plan with ranks filled in.
 
     TorchRec's argument order. ``world_size`` is the model-parallel group size (default: the initialised
     world, else 1) and ``local_size`` the ranks per host (default: LOCAL_WORLD_SIZE, else the whole group).
     A placement may also be TorchRec-style generator ``(param, local_size, world_size, device_type, sharder)
-    -> ParameterSharding``. ``sharder`` (optional) must be a sharder of ``module``'s type; ``device_type`` is
-    checked.
+    -> ParameterSharding``. ``sharder`` (optional) must be a sharder of ``module``'s type. ``device_type``
+    (default ``"cuda"`` where CUDA is available, else ``"cpu"``) names the device in each shard's
+    ``sharding_spec`` placement. A placement's ``compute_kernel="auto"`` becomes TorchRec's default name:
+    ``"fused"`` for a sharded table whose weight has an optimizer applied in backward, else ``"dense"`` (both
+    run the collection's own kernel choice here).
     """
     if isinstance(sharder, int) and not isinstance(sharder, bool):
         raise TypeError("construct_module_sharding_plan(module, per_param_sharding, sharder, local_size, "
@@ -220,6 +320,8 @@ def construct_module_sharding_plan(
     if sharder is not None and (module_type is None or not isinstance(module, module_type)):
         raise ValueError(f"sharder {type(sharder).__name__} does not shard a {type(module).__name__}")
     _check_device(device_type, "device_type")
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if local_size is None:
@@ -232,7 +334,12 @@ def construct_module_sharding_plan(
     for name, ps in per_param_sharding.items():
         if callable(ps) and not isinstance(ps, ParameterSharding):  # TorchRec's generator form
             weight = getattr(modules.get(name), "weight", None)
-            ps = ps(weight, local_size, world_size, device_type or "cpu", sharder)
+            ps = ps(weight, local_size, world_size, device_type, sharder)
+        if isinstance(ps, ParameterSharding) and ps.compute_kernel == "auto":
+            fused = (ps.sharding_type != ShardingType.DATA_PARALLEL
+                     and hasattr(getattr(modules.get(name), "weight", None), "_in_backward_optimizers"))
+            ps = replace(ps, compute_kernel="fused" if fused else "dense")
         plan[name] = ps
     resolve_module_plan(tables, plan, world_size, local_size)
-    return {n: with_resolved_ranks(by_name[n], ps, world_size, local_size) for n, ps in plan.items()}
+    return EmbeddingModuleShardingPlan(
+        {n: with_resolved_ranks(by_name[n], ps, world_size, local_size, device_type) for n, ps in plan.items()})

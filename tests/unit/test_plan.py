@@ -200,8 +200,12 @@ def test_construct_defaults_to_single_process() -> None:
     tables = _tables((10, 8), (7, 4))
     ebc = EmbeddingBagCollection(tables)
     plan = {"t0": table_wise(0), "t1": row_wise()}
-    out = construct_module_sharding_plan(ebc, plan)
-    assert out == {"t0": table_wise(0), "t1": ParameterSharding("row_wise", ranks=[0])}  # ranks filled in
+    out = construct_module_sharding_plan(ebc, plan, device_type="cpu")
+    # ranks, TorchRec's default kernel name and the shards filled in
+    assert [(k, ps.sharding_type, ps.ranks, ps.compute_kernel) for k, ps in out.items()] == [
+        ("t0", "table_wise", [0], "dense"), ("t1", "row_wise", [0], "dense")]
+    assert [(m.shard_offsets, m.shard_sizes, str(m.placement)) for m in out["t1"].sharding_spec.shards] == [
+        ([0, 0], [7, 4], "rank:0/cpu")]
     with pytest.raises(ValueError, match=r"table 't0': rank 1 is outside .*0\.\.0"):
         construct_module_sharding_plan(ebc, {"t0": table_wise(1), "t1": row_wise()})
 
@@ -223,7 +227,24 @@ def test_sharding_plan_container() -> None:
     assert plan.get_plan_for_module("a.b") == {"t1": column_wise([0, 1], [3, 5])}
     assert plan.get_plan_for_module("zzz") is None
     text = str(plan)
-    assert "module '<root>'" in text and "'t0': table_wise" in text and "col_sizes" in text
+    assert text.startswith("module: \n\nparam |") and "\n\nmodule: a.b\n\n" in text
+    assert "t0    | table_wise    | auto           | [1]" in text  # TorchRec's table
+    assert "t1    | ranks=[0, 1], col_sizes=[3, 5]" in text  # fields of a placement not resolved yet
+
+
+def test_sharding_plan_str_shows_resolved_shards() -> None:
+    ebc = EmbeddingBagCollection(_tables((10, 8), (6, 4)))
+    module_plan = construct_module_sharding_plan(ebc, {"t0": row_wise([4, 6]), "t1": column_wise([1, 0])},
+                                                 world_size=2, local_size=2, device_type="cuda")
+    lines = [ln.strip() for ln in str(ShardingPlan({"ebc": module_plan})).splitlines()]
+    assert lines == [
+        "module: ebc", "",
+        "param | sharding type | compute kernel | ranks", "----- | ------------- | -------------- | ------",
+        "t0    | row_wise      | dense          | [0, 1]", "t1    | column_wise   | dense          | [1, 0]", "",
+        "param | shard offsets | shard sizes |   placement", "----- | ------------- | ----------- | -------------",
+        "t0    | [0, 0]        | [4, 8]      | rank:0/cuda:0", "t0    | [4, 0]        | [6, 8]      | rank:1/cuda:1",
+        "t1    | [0, 0]        | [6, 2]      | rank:1/cuda:1", "t1    | [0, 2]        | [6, 2]      | rank:0/cuda:0",
+    ]
 
 
 # -- valid plans: shards tile the table -----------------------------------------------------------------
@@ -350,7 +371,8 @@ def test_construct_module_sharding_plan_accepts_valid_plans(case) -> None:
     out = construct_module_sharding_plan(ebc, plan, local_size=local, world_size=world)
     assert out is not plan and out.keys() == plan.keys()
     for name, ps in plan.items():  # the same placement with its ranks filled in, and it resolves the same
-        assert out[name].ranks is not None and replace(out[name], ranks=ps.ranks) == ps
+        assert out[name].ranks is not None
+        assert replace(out[name], ranks=ps.ranks, sharding_spec=None, compute_kernel=ps.compute_kernel) == ps
         table = next(t for t in tables if t.name == name)
         assert resolve_table(table, out[name], world, local) == resolve_table(table, ps, world, local)
 
