@@ -9,7 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from lightning_rec import (
+    CombinedOptimizer,
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    KeyedJaggedTensor,
+)
 from lightning_rec.sharding import ShardingPlan, data_parallel, shard_modules, use_sparse_grads_where_possible
 from lightning_rec.testing import run_distributed
 
@@ -110,3 +117,91 @@ def test_explicit_dense_or_clipping_stays_dense(sparse_grad, clip: bool, why: st
         assert why in r["decided"][""]
         for got, ref in zip(r["weights"], want):
             torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
+def _decisions_job(rank: int, ws: int) -> dict:
+    """Which optimizers, options and collections keep the data-parallel tables dense."""
+    def fresh(**kw):
+        torch.manual_seed(0)
+        return shard_modules(EmbeddingBagCollection(_configs(), **kw), ShardingPlan({"": {"a": data_parallel(),
+                                                                                           "b": data_parallel()}}))
+
+    class MySGD(torch.optim.SGD):
+        pass
+
+    out = {}
+    cases = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+        "sgd_wd": lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.01),
+        "adagrad_wd": lambda p: torch.optim.Adagrad(p, lr=0.1, weight_decay=0.01),
+        "subclass": lambda p: MySGD(p, lr=0.1),
+        "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.1),
+        "combined": lambda p: CombinedOptimizer([torch.optim.Adagrad(p, lr=0.1)]),
+    }
+    for name, make in cases.items():
+        ebc = fresh()
+        out[name] = use_sparse_grads_where_possible(ebc, make(ebc.parameters()))[""]
+    ebc = fresh()
+    one = [p for n, p in ebc.named_parameters() if n.endswith("a.weight")]
+    out["partial"] = use_sparse_grads_where_possible(ebc, torch.optim.SGD(one, lr=0.1))[""]
+    ebc = fresh()
+    out["scaler"] = use_sparse_grads_where_possible(ebc, torch.optim.SGD(ebc.parameters(), lr=0.1),
+                                                    grad_scaler=object())[""]
+    ebc = fresh(sparse_grad=True)  # explicit True: sparse already, not switched
+    out["explicit_true"] = use_sparse_grads_where_possible(ebc, torch.optim.SGD(ebc.parameters(), lr=0.1))[""]
+    ebc = fresh()
+    use_sparse_grads_where_possible(ebc, torch.optim.SGD(ebc.parameters(), lr=0.1))
+    out["switch_back"] = use_sparse_grads_where_possible(ebc, torch.optim.Adam(ebc.parameters(), lr=0.1))[""]
+    kjt = KeyedJaggedTensor(["f_a", "f_b"], torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1]))
+    ebc(kjt).values().sum().backward()
+    out["switched_back_dense"] = not any(p.grad.is_sparse for p in ebc.parameters())
+    return out
+
+
+def test_decision_rules() -> None:
+    (r,) = run_distributed(_decisions_job, 1)
+    assert r["sgd"] is None and r["combined"] is None
+    assert "weight_decay" in r["sgd_wd"] and "weight_decay" in r["adagrad_wd"]
+    assert "MySGD" in r["subclass"] and "RMSprop" in r["rmsprop"]
+    assert "'b' is in no optimizer" in r["partial"]
+    assert "GradScaler" in r["scaler"]
+    assert "sparse_grad=True" in r["explicit_true"]
+    assert "Adam" in r["switch_back"] and r["switched_back_dense"]
+
+
+def _sequence_job(rank: int, ws: int) -> dict:
+    torch.manual_seed(0)
+    ec = EmbeddingCollection([EmbeddingConfig(name="s", num_embeddings=20, embedding_dim=3, feature_names=["f"])])
+    ec = shard_modules(ec, ShardingPlan({"": {"s": data_parallel()}}))
+    opt = torch.optim.Adagrad(ec.parameters(), lr=0.3)
+    decided = use_sparse_grads_where_possible(ec, opt)[""]
+    sparse = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        ids, lengths, target = _seq_batch(step, rank)
+        (ec(KeyedJaggedTensor(["f"], ids, lengths=lengths))["f"].values() * target).sum().backward()
+        sparse.append(next(ec.parameters()).grad.is_sparse)
+        opt.step()
+    return {"w": next(ec.parameters()).detach().clone(), "sparse": sparse, "decided": decided}
+
+
+def _seq_batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(77 * step + rank)
+    lengths = torch.randint(0, 4, (3,), generator=g)
+    ids = torch.randint(0, 7, (int(lengths.sum()),), generator=g)
+    return ids, lengths, torch.randn(len(ids), 3, generator=g)
+
+
+def test_sequence_data_parallel_table_sparse_under_adagrad() -> None:
+    results = run_distributed(_sequence_job, 2)
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(next(EmbeddingCollection(
+        [EmbeddingConfig(name="s", num_embeddings=20, embedding_dim=3, feature_names=["f"])]).parameters()).detach())
+    opt = torch.optim.Adagrad([w], lr=0.3)
+    for step in range(STEPS):
+        opt.zero_grad()
+        sum((F.embedding(ids, w) * t).sum() for ids, _, t in (_seq_batch(step, r) for r in range(2))).backward()
+        opt.step()
+    for r in results:
+        assert r["decided"] is None and all(r["sparse"])
+        torch.testing.assert_close(r["w"], w.detach(), rtol=1e-6, atol=1e-6)
