@@ -10,6 +10,8 @@ as unbacked symbols, recompiling or breaking the graph at every read; eager, the
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -235,7 +237,7 @@ def _sum_touched_rows_sparse(
     of the one all-reduce buffer (no coalesce, no concatenation) and come back as coalesced sparse gradients."""
     dtype, dev = grads[0].dtype, grads[0].device
     wire = _wire_dtype(torch.empty(0, dtype=dtype, device=dev), group)
-    sizes = [u.numel() * _row_numel(shape) for u, shape in zip(unions, shapes)]
+    sizes = [u.numel() * math.prod(shape[1:]) for u, shape in zip(unions, shapes)]
     buf = torch.zeros(sum(sizes), dtype=dtype, device=dev)
     pieces = [part.view(u.numel(), *shape[1:]) for part, u, shape in zip(torch.split(buf, sizes), unions, shapes)]
     for g, u, part in zip(grads, unions, pieces):
@@ -248,13 +250,6 @@ def _sum_touched_rows_sparse(
         buf.copy_(wire_buf)
     return [torch.sparse_coo_tensor(u.unsqueeze(0), part, g.shape, check_invariants=False, is_coalesced=True)
             for g, u, part in zip(grads, unions, pieces)]
-
-
-def _row_numel(shape: torch.Size) -> int:
-    n = 1
-    for d in shape[1:]:
-        n *= d
-    return n
 
 
 class _EmbeddingGrad(torch.autograd.Function):
