@@ -61,7 +61,9 @@ class RecShardedStrategy(DDPStrategy):
         model_parallel_size: ranks per model-parallel group (default: processes per node).
         data_parallel_size: number of replica groups (default: number of nodes).
         embedding_grad: ``"sum"`` (default) or ``"mean"``.
-        embedding_optimizer: None (tables are ordinary parameters for ``configure_optimizers``), or a fused
+        embedding_optimizer: None (tables are ordinary parameters for ``configure_optimizers``; data-parallel
+            tables of collections left at ``sparse_grad=None`` then take sparse gradients where those optimizers
+            make that exact, see ``use_sparse_grads_where_possible``), or a fused
             optimizer spec such as ``{"kind": "rowwise_adagrad", "lr": 0.05}``: sharded tables then update
             inside backward (fbgemm). Its optimizer joins the module's: combine ``self.fused_optimizer()``
             into ``configure_optimizers`` (``CombinedOptimizer``) so LR schedulers drive it, or the strategy
