@@ -22,6 +22,7 @@ from lightning_rec.modules import FeatureLayout, Table
 from lightning_rec.sharding import comm, dists, state
 from lightning_rec.sharding.dists import Received
 from lightning_rec.sharding.fused import build_kernels, check_fused, union_lookup
+from lightning_rec.sharding.grad_mode import DataParallelGradMode
 from lightning_rec.sharding.layout import ShardMeta
 from lightning_rec.sharding.materialize import (
     broadcast_from_first,
@@ -58,7 +59,7 @@ def _versions(kjt: KeyedJaggedTensor) -> tuple[int, ...]:
                  if t is not None)
 
 
-class ShardedCollection(nn.Module):
+class ShardedCollection(DataParallelGradMode, nn.Module):
     """Shared machinery of the sharded pooled and sequence collections.
 
     ``forward`` is three stages, :meth:`input_dist` -> :meth:`lookup` -> :meth:`output_dist`, driven by a
@@ -104,8 +105,7 @@ class ShardedCollection(nn.Module):
         self.embedding_grad = embedding_grad
         self._scale = comm.grad_scale(embedding_grad, self._num_dp_ranks)
         self.sparse_grad = module.sparse_grad if sparse_grad is None else sparse_grad
-        # data-parallel tables of a collection left on sparse_grad=None may switch to sparse gradients once
-        # the optimizers are known (set_data_parallel_sparse_grad); until then they follow sparse_grad
+        # sparse_grad=None: data-parallel tables may switch to sparse gradients later (grad_mode.py)
         self._dp_sparse_auto = sparse_grad is None and getattr(module, "_sparse_grad_auto", False)
         self._dp_sparse = False
         self._table_dtypes = [t.dtype for t in tables]
@@ -259,47 +259,6 @@ class ShardedCollection(nn.Module):
         return [kernels.resolve_table_kernel(req, t.name, d, device, self._dp_sparse_grad if ti in dp else
                                              self.sparse_grad, pooled)
                 for ti, (t, req, d) in enumerate(zip(self._layout.tables, self._requested_kernels, dtypes))]
-
-    @property
-    def _dp_sparse_grad(self) -> bool:
-        """Whether the data-parallel tables' lookups make sparse gradients now."""
-        return self.sparse_grad or self._dp_sparse
-
-    def data_parallel_sparse_grad_allowed(self) -> str | None:
-        """Why the data-parallel tables here cannot switch to sparse gradients by themselves (None: they can)."""
-        if not self._routing.dp_tables:
-            return "no data-parallel table"
-        if self._fused_spec is not None:
-            return "fused: updated inside backward"
-        if not self._dp_sparse_auto:
-            return f"sparse_grad={self.sparse_grad} was given explicitly"
-        explicit = [self._layout.tables[ti].name for ti in self._routing.dp_tables
-                    if self._requested_kernels[ti] == "fbgemm"]
-        if explicit:
-            return f"tables {explicit} ask for compute_kernel='fbgemm', which makes dense gradients"
-        return None
-
-    def data_parallel_weights(self) -> dict[str, torch.Tensor]:
-        """``{table: weight}`` of the data-parallel (replicated) tables held as plain parameters."""
-        if self._fused_spec is not None:
-            return {}
-        return {self._layout.tables[ti].name: self._table_param(ti) for ti in self._routing.dp_tables}
-
-    def set_data_parallel_sparse_grad(self, sparse: bool) -> None:
-        """Make the data-parallel tables' lookups produce sparse (or dense) gradients from the next forward.
-
-        Only for a collection whose ``sparse_grad`` was left at ``None`` (auto); see
-        ``lightning_rec.sharding.use_sparse_grads_where_possible``, which decides it from the optimizers.
-        """
-        reason = self.data_parallel_sparse_grad_allowed()
-        if sparse and reason is not None:
-            raise ValueError(f"cannot switch the data-parallel tables to sparse gradients: {reason}")
-        if sparse == self._dp_sparse:
-            return
-        self._dp_sparse = sparse
-        if self._fused_spec is None:
-            self._table_kernels = self._resolve_kernels(self._table_dtypes, self._device)
-            self._build_lookups()
 
     def _build_lookups(self) -> None:
         """The pooled lookups of this rank's shards and of the data-parallel tables, grouped by kernel."""
