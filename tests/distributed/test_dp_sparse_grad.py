@@ -74,10 +74,10 @@ def _reference(kind: str, ws: int) -> list[torch.Tensor]:
     return [w.detach() for w in weights]
 
 
-def _job(rank: int, ws: int, kind: str, sparse_grad, clip: bool) -> dict:
+def _job(rank: int, ws: int, kind: str, sparse_grad, clip: bool, device: str = "cpu") -> dict:
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(_configs(), **({} if sparse_grad == "default" else {"sparse_grad": sparse_grad}))
-    ebc = shard_modules(ebc, ShardingPlan({"": {n: data_parallel() for n, *_ in TABLES}}))
+    ebc = shard_modules(ebc, ShardingPlan({"": {n: data_parallel() for n, *_ in TABLES}}), device=device)
     opt = _opt(kind, ebc.parameters())
     decided = use_sparse_grads_where_possible(ebc, opt, gradient_clipping=clip)
     sparse = []
@@ -85,14 +85,15 @@ def _job(rank: int, ws: int, kind: str, sparse_grad, clip: bool) -> dict:
         opt.zero_grad()
         batch = _batch(step, rank)
         kjt = KeyedJaggedTensor([f"f_{n}" for n, *_ in TABLES], torch.cat([b[0] for b in batch]),
-                                lengths=torch.cat([b[1] for b in batch]))
+                                lengths=torch.cat([b[1] for b in batch])).to(device)
         kt = ebc(kjt)
-        _loss([kt[f"f_{n}"] for n, *_ in TABLES], batch).backward()
+        _loss([kt[f"f_{n}"].cpu() for n, *_ in TABLES], batch).backward()
         sparse.append([p.grad.is_sparse for p in ebc.parameters()])
         if clip:
             torch.nn.utils.clip_grad_norm_(ebc.parameters(), 1e6)  # a no-op bound: it must only run
         opt.step()
-    return {"weights": [p.detach().clone() for p in ebc.parameters()], "sparse": sparse, "decided": decided}
+    return {"weights": [p.detach().cpu() for p in ebc.parameters()], "sparse": sparse, "decided": decided,
+            "kernels": ebc.lookup_kernels}
 
 
 @pytest.mark.parametrize("kind, sparse", [("sgd", True), ("adagrad", True), ("sparse_adam", True), ("adam", False),
@@ -205,3 +206,15 @@ def test_sequence_data_parallel_table_sparse_under_adagrad() -> None:
     for r in results:
         assert r["decided"] is None and all(r["sparse"])
         torch.testing.assert_close(r["w"], w.detach(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_auto_kernel_switches_to_sparse_torch_lookup() -> None:
+    # on CUDA "auto" is fbgemm, whose autograd kernel is dense: the switch re-resolves the replicas to torch
+    results = run_distributed(_job, 2, "adagrad", "default", False, "cuda")
+    want = _reference("adagrad", 2)
+    for r in results:
+        assert all(s == [True, True] for s in r["sparse"]) and set(r["kernels"].values()) == {"torch"}
+        for got, ref in zip(r["weights"], want):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
