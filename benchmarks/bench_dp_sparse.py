@@ -20,16 +20,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_sharding import load, machine, make_batches  # noqa: E402
+from bench_sharding import load, machine, make_batches
 
-from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig  # noqa: E402
-from lightning_rec.sharding import (  # noqa: E402
+from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig
+from lightning_rec.sharding import (
     ShardingPlan,
     data_parallel,
     shard_modules,
     use_sparse_grads_where_possible,
 )
-from lightning_rec.testing import run_distributed  # noqa: E402
+from lightning_rec.testing import run_distributed
 
 MODES = ("dense (sparse_grad=False)", "default (auto: sparse)")
 
