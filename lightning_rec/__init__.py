@@ -59,6 +59,7 @@ from lightning_rec.sharding import (  # noqa: E402
     table_column_wise,
     table_row_wise,
     table_wise,
+    use_sparse_grads_where_possible,
 )
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor  # noqa: E402
 from lightning_rec.strategy import RecShardedStrategy  # noqa: E402
@@ -125,4 +126,5 @@ __all__ = [
     "table_column_wise",
     "table_row_wise",
     "table_wise",
+    "use_sparse_grads_where_possible",
 ]

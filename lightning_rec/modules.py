@@ -247,7 +247,9 @@ class EmbeddingBagCollection(_CollectionBase):
         kernel: ``"auto"`` (default), ``"fbgemm"`` (one table-batched fbgemm call) or ``"torch"``
             (``F.embedding_bag``; the reference).
         sparse_grad: produce sparse gradients (for torch's SGD, Adagrad, SparseAdam), so a step costs
-            what the batch touched, not the table size.
+            what the batch touched, not the table size. ``None`` (default) means dense here; once sharded,
+            data-parallel tables then switch to sparse gradients where the optimizer allows it
+            (``use_sparse_grads_where_possible``). ``False`` keeps them dense.
         strict_features: raise when the input has keys no table reads.
     """
 
@@ -257,7 +259,7 @@ class EmbeddingBagCollection(_CollectionBase):
         is_weighted: bool = False,
         device: torch.device | str | None = None,
         kernel: str = "auto",
-        sparse_grad: bool = False,
+        sparse_grad: bool | None = None,
         strict_features: bool = False,
     ) -> None:
         super().__init__()
@@ -266,7 +268,8 @@ class EmbeddingBagCollection(_CollectionBase):
         self._is_mean: list[bool] = list(self._layout.is_mean)
         self._is_weighted = is_weighted
         self.kernel = kernels.validate_kernel(kernel)
-        self.sparse_grad = sparse_grad
+        self.sparse_grad = bool(sparse_grad)
+        self._sparse_grad_auto = sparse_grad is None  # sharded data-parallel tables may pick sparse themselves
         self.embedding_bags = _make_tables(tables, device)
         self._fbgemm: kernels.FbgemmPooledKernel | None = None
 
@@ -378,14 +381,15 @@ class EmbeddingCollection(_CollectionBase):
         tables: Sequence[EmbeddingConfig],
         device: torch.device | str | None = None,
         need_indices: bool = False,
-        sparse_grad: bool = False,
+        sparse_grad: bool | None = None,
         strict_features: bool = False,
     ) -> None:
         super().__init__()
         check_tables(tables, EmbeddingConfig, allow_shared=True)
         self._set_layout(FeatureLayout(tables, strict=strict_features, allow_shared=True))
         self._need_indices = need_indices
-        self.sparse_grad = sparse_grad
+        self.sparse_grad = bool(sparse_grad)
+        self._sparse_grad_auto = sparse_grad is None  # sharded data-parallel tables may pick sparse themselves
         self.embeddings = _make_tables(tables, device)
 
     def _table_modules(self) -> kernels.TableContainer:

@@ -13,6 +13,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -29,6 +30,7 @@ from lightning_rec.fused_kinds import as_spec
 from lightning_rec.mc.modules import MCHManagedCollisionModule
 from lightning_rec.optim import CombinedOptimizer
 from lightning_rec.sharding.comm import grad_scale
+from lightning_rec.sharding.grad_mode import use_sparse_grads_where_possible
 from lightning_rec.sharding.mesh import MeshInfo, check_layout, init_2d_mesh
 from lightning_rec.sharding.plan import ShardingPlan
 from lightning_rec.sharding.planner import automatic_plan
@@ -59,7 +61,9 @@ class RecShardedStrategy(DDPStrategy):
         model_parallel_size: ranks per model-parallel group (default: processes per node).
         data_parallel_size: number of replica groups (default: number of nodes).
         embedding_grad: ``"sum"`` (default) or ``"mean"``.
-        embedding_optimizer: None (tables are ordinary parameters for ``configure_optimizers``), or a fused
+        embedding_optimizer: None (tables are ordinary parameters for ``configure_optimizers``; data-parallel
+            tables of collections left at ``sparse_grad=None`` then take sparse gradients where those optimizers
+            make that exact, see ``use_sparse_grads_where_possible``), or a fused
             optimizer spec such as ``{"kind": "rowwise_adagrad", "lr": 0.05}``: sharded tables then update
             inside backward (fbgemm). Its optimizer joins the module's: combine ``self.fused_optimizer()``
             into ``configure_optimizers`` (``CombinedOptimizer``) so LR schedulers drive it, or the strategy
@@ -204,12 +208,22 @@ class RecShardedStrategy(DDPStrategy):
             self.configure_ddp()
             self.setup_optimizers(trainer)
             self._add_fused_optimizer()
+            self._choose_dp_gradients(trainer)
         else:
             self._sync_dense_states()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
             self._sync_grad_scaler()
+
+    def _choose_dp_gradients(self, trainer: L.Trainer) -> None:
+        # data-parallel tables take sparse gradients where the optimizers make that exact (grad_mode.py);
+        # clipping (Lightning's or the module's own hook), loss scaling and manual optimization keep them dense
+        module = self.lightning_module
+        clipping = bool(trainer.gradient_clip_val) or not module.automatic_optimization or is_overridden(
+            "configure_gradient_clipping", module, L.LightningModule)
+        use_sparse_grads_where_possible(module, self.optimizers, gradient_clipping=clipping,
+                                        grad_scaler=getattr(self.precision_plugin, "scaler", None))
 
     def _sync_grad_scaler(self) -> None:
         # Each rank sees only its own shards' gradients: a rank whose shards overflowed would skip the step

@@ -1,6 +1,7 @@
 """Sharding plans and sharded embedding collections."""
 
 from lightning_rec.configs import ShardingType
+from lightning_rec.sharding.grad_mode import use_sparse_grads_where_possible
 from lightning_rec.sharding.plan import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,
@@ -55,4 +56,5 @@ __all__ = [
     "table_column_wise",
     "table_row_wise",
     "table_wise",
+    "use_sparse_grads_where_possible",
 ]

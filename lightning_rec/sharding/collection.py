@@ -22,6 +22,7 @@ from lightning_rec.modules import FeatureLayout, Table
 from lightning_rec.sharding import comm, dists, state
 from lightning_rec.sharding.dists import Received
 from lightning_rec.sharding.fused import build_kernels, check_fused, union_lookup
+from lightning_rec.sharding.grad_mode import DataParallelGradMode
 from lightning_rec.sharding.layout import ShardMeta
 from lightning_rec.sharding.materialize import (
     broadcast_from_first,
@@ -58,7 +59,7 @@ def _versions(kjt: KeyedJaggedTensor) -> tuple[int, ...]:
                  if t is not None)
 
 
-class ShardedCollection(nn.Module):
+class ShardedCollection(DataParallelGradMode, nn.Module):
     """Shared machinery of the sharded pooled and sequence collections.
 
     ``forward`` is three stages, :meth:`input_dist` -> :meth:`lookup` -> :meth:`output_dist`, driven by a
@@ -104,6 +105,9 @@ class ShardedCollection(nn.Module):
         self.embedding_grad = embedding_grad
         self._scale = comm.grad_scale(embedding_grad, self._num_dp_ranks)
         self.sparse_grad = module.sparse_grad if sparse_grad is None else sparse_grad
+        # sparse_grad=None: data-parallel tables may switch to sparse gradients later (grad_mode.py)
+        self._dp_sparse_auto = sparse_grad is None and getattr(module, "_sparse_grad_auto", False)
+        self._dp_sparse = False
         self._table_dtypes = [t.dtype for t in tables]
         self._keep_table_dtypes = False
         self._output_dtype: torch.dtype | None = None
@@ -251,8 +255,10 @@ class ShardedCollection(nn.Module):
         if self._fused_spec is not None:  # fused optimizers keep their fused kernel whatever the plan says
             return ["fused"] * len(dtypes)
         pooled = self._attr == "embedding_bags"
-        return [kernels.resolve_table_kernel(req, t.name, d, device, self.sparse_grad, pooled)
-                for t, req, d in zip(self._layout.tables, self._requested_kernels, dtypes)]
+        dp = {ti for ti, t in enumerate(self._layout.tables) if self._shards[t.name] is None}
+        return [kernels.resolve_table_kernel(req, t.name, d, device, self._dp_sparse_grad if ti in dp else
+                                             self.sparse_grad, pooled)
+                for ti, (t, req, d) in enumerate(zip(self._layout.tables, self._requested_kernels, dtypes))]
 
     def _build_lookups(self) -> None:
         """The pooled lookups of this rank's shards and of the data-parallel tables, grouped by kernel."""

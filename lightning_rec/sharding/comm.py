@@ -10,6 +10,8 @@ as unbacked symbols, recompiling or breaking the graph at every read; eager, the
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -201,6 +203,8 @@ def _sum_touched_rows(
     All tables travel in one all-reduce of the touched rows, flattened side by side.
     """
     unions = _union_of_touched_rows(ids, [s[0] for s in shapes], group)
+    if all(g.is_sparse for g in grads) and len({g.dtype for g in grads}) == 1:
+        return _sum_touched_rows_sparse(grads, unions, shapes, group)
     rows = []
     for g, u, shape in zip(grads, unions, shapes):
         if g.is_sparse:
@@ -224,6 +228,28 @@ def _sum_touched_rows(
         out.append(torch.sparse_coo_tensor(u.unsqueeze(0), summed, g.shape, check_invariants=False) if g.is_sparse
                    else g.index_copy(0, u, summed))
     return out
+
+
+def _sum_touched_rows_sparse(
+    grads: list[torch.Tensor], unions: list[torch.Tensor], shapes: list[torch.Size], group: dist.ProcessGroup
+) -> list[torch.Tensor]:
+    """:func:`_sum_touched_rows` for sparse gradients of one dtype: each table's rows are added into its piece
+    of the one all-reduce buffer (no coalesce, no concatenation) and come back as coalesced sparse gradients."""
+    dtype, dev = grads[0].dtype, grads[0].device
+    wire = _wire_dtype(torch.empty(0, dtype=dtype, device=dev), group)
+    sizes = [u.numel() * math.prod(shape[1:]) for u, shape in zip(unions, shapes)]
+    buf = torch.zeros(sum(sizes), dtype=dtype, device=dev)
+    pieces = [part.view(u.numel(), *shape[1:]) for part, u, shape in zip(torch.split(buf, sizes), unions, shapes)]
+    for g, u, part in zip(grads, unions, pieces):
+        # every id this rank looked up is in the union; duplicates add up, as coalescing would sum them
+        part.index_add_(0, torch.searchsorted(u, g._indices()[0]), g._values())
+    wire_buf = buf.to(wire)
+    for piece in torch.split(wire_buf, _BUCKET_ELEMENTS):
+        dist.all_reduce(piece, group=group)
+    if wire_buf is not buf:
+        buf.copy_(wire_buf)
+    return [torch.sparse_coo_tensor(u.unsqueeze(0), part, g.shape, check_invariants=False, is_coalesced=True)
+            for g, u, part in zip(grads, unions, pieces)]
 
 
 class _EmbeddingGrad(torch.autograd.Function):

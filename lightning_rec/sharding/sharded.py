@@ -94,7 +94,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             group = self._dp_group if dist.get_world_size(self._dp_group) > 1 else None
             return self._fused_lookup(self._dp_fused, sub.lengths(), sub.values(), psw, sub.length_per_key(), b,
                                       group).to(dtype)
-        return self._dp_table_lookup(self._dp_weights(kjt), sub.values(), sub.offsets(), b, psw, self.sparse_grad,
+        return self._dp_table_lookup(self._dp_weights(kjt), sub.values(), sub.offsets(), b, psw, self._dp_sparse_grad,
                                      storage=self._dp_params()).to(dtype)
 
     def lookup(self, recv: Received, batches: list[int]) -> torch.Tensor:
@@ -196,7 +196,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         if routing.dp_tables:
             sub = kjt.permute(list(routing.dp_features))
             embs = kernels.torch_sequence(self._dp_weights(kjt), self._dp_feature_tables(), sub.values(),
-                                          sub.length_per_key(), self.sparse_grad)
+                                          sub.length_per_key(), self._dp_sparse_grad)
             results.update(zip(routing.dp_features, embs))
         pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in layout.feature_names]
         recv = begun.wait()
