@@ -31,6 +31,7 @@ from lightning_rec.mc.modules import MCHManagedCollisionModule
 from lightning_rec.optim import CombinedOptimizer
 from lightning_rec.sharding.comm import grad_scale
 from lightning_rec.sharding.grad_mode import use_sparse_grads_where_possible
+from lightning_rec.sharding.grad_norm import clip_grad_norm_
 from lightning_rec.sharding.mesh import MeshInfo, check_layout, init_2d_mesh
 from lightning_rec.sharding.plan import ShardingPlan
 from lightning_rec.sharding.planner import automatic_plan
@@ -213,8 +214,19 @@ class RecShardedStrategy(DDPStrategy):
             self._sync_dense_states()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
+            self._clip_by_global_norm()
             _compat.optimizers_to_device(self.optimizers, self.root_device)
             self._sync_grad_scaler()
+
+    def _clip_by_global_norm(self) -> None:
+        # Lightning's norm clipping calls torch's clip_grad_norm_, which would see only this rank's shards:
+        # each rank would scale by its own factor. The norm over every table once keeps the one-process answer.
+        plugin, model = self.precision_plugin, self.lightning_module
+
+        def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+            clip_grad_norm_(model, plugin.main_params(optimizer), clip_val)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
     def _choose_dp_gradients(self, trainer: L.Trainer) -> None:
         # data-parallel tables take sparse gradients where the optimizers make that exact (grad_mode.py);

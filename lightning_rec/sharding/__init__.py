@@ -2,6 +2,7 @@
 
 from lightning_rec.configs import ShardingType
 from lightning_rec.sharding.grad_mode import use_sparse_grads_where_possible
+from lightning_rec.sharding.grad_norm import clip_grad_norm_
 from lightning_rec.sharding.plan import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,
@@ -44,6 +45,7 @@ __all__ = [
     "ShardingType",
     "TableConstraint",
     "Topology",
+    "clip_grad_norm_",
     "column_wise",
     "construct_module_sharding_plan",
     "data_parallel",

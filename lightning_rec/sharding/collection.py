@@ -425,6 +425,10 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
     def _uses_weights(self) -> bool:
         return False
 
+    def shard_weights(self) -> list[torch.Tensor]:
+        """This rank's pieces of the model-parallel tables (plain parameters; none when fused)."""
+        return [] if self._fused is not None else self._shard_params()
+
     def _shard_params(self) -> list[torch.Tensor]:
         return [self._table_param(ti) for ti, _ in self._local_shards]
 
