@@ -1,0 +1,172 @@
+"""One remapping pass over every table of a collection (the per-table rules of ``_remap.remap_step``).
+
+Remapping one table costs a few dozen small tensor ops whatever the batch, so a collection of 26 tables paid
+that fixed cost 26 times per step. Here the tables share one global row space (table ``t``'s rows start at
+``row_offset[t]``) and one global bucket space (``bucket_offset[t]``); the admission pass (order the new ids,
+order the candidate rows, pair them, check LFU's rule) runs once over all tables. Only what is stored per
+table is touched per table: the unique ids and the sorted index probe, the hits' metadata, the admitted
+rows. Decisions are those of ``remap_step`` table by table, bit for bit: every sort key starts with the
+global bucket, which orders tables first, and the remaining keys and tie-breaks are the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightning_rec.mc._remap import _SAT, SlotIndex, StepResult, _rank_in_group, _srl, splitmix64
+
+_HASH_BITS = 40
+
+
+@dataclass
+class TableState:
+    """One table's remap state (tensors are updated in place)."""
+
+    raw_ids: torch.Tensor
+    last_access: torch.Tensor
+    counts: torch.Tensor
+    index: SlotIndex
+    num_buckets: int
+    step: int
+    lfu: bool
+
+
+def _segments(sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(segment of each element, first element of each segment)`` for consecutive segments of ``sizes``."""
+    n = torch.tensor(sizes, dtype=torch.int64)
+    starts = torch.cumsum(n, 0) - n
+    return torch.repeat_interleave(torch.arange(len(sizes)), n), starts
+
+
+def remap_batch(ids: list[torch.Tensor], tables: list[TableState], update: bool = True) -> list[StepResult]:
+    """``[remap_step(ids[t], *tables[t]) for t]`` in one pass: the same slots, admissions and state."""
+    nt = len(tables)
+    empty = torch.zeros(0, dtype=torch.int64)
+    if nt == 0:
+        return []
+    zch = [s.raw_ids.numel() for s in tables]
+    nbs = [s.num_buckets for s in tables]
+    bss = [z // b for z, b in zip(zch, nbs)]
+    row_off = [0] * nt
+    bucket_off = [0] * nt
+    for t in range(1, nt):
+        row_off[t] = row_off[t - 1] + zch[t - 1]
+        bucket_off[t] = bucket_off[t - 1] + nbs[t - 1]
+    if sum(nbs) >= _SAT:
+        raise ValueError(f"managed collision: {sum(nbs)} buckets over all tables (at most {_SAT - 1})")
+    # per table: unique ids, index probe, hits' metadata (state lives per table)
+    uniqs, inverses, occs, slots = [], [], [], []
+    hits = [0] * nt
+    for t, (v, s) in enumerate(zip(ids, tables)):
+        if v.numel() == 0:
+            uniqs.append(empty), inverses.append(empty), occs.append(empty), slots.append(empty)
+            continue
+        u, inv, occ = torch.unique(v, return_inverse=True, return_counts=True)
+        sl = s.index.find(u)
+        hit = sl >= 0
+        hits[t] = int(occ[hit].sum())
+        if update:
+            hs = sl[hit]
+            s.last_access[hs] = s.step
+            s.counts[hs] += occ[hit]
+        uniqs.append(u), inverses.append(inv), occs.append(occ), slots.append(sl)
+    uniq = torch.cat(uniqs)
+    slot = torch.cat(slots)
+    occ = torch.cat(occs)
+    tab, _ = _segments([u.numel() for u in uniqs])
+    ro = torch.tensor(row_off, dtype=torch.int64)
+    bo = torch.tensor(bucket_off, dtype=torch.int64)
+    nb_t = torch.tensor(nbs, dtype=torch.int64)
+    bs_t = torch.tensor(bss, dtype=torch.int64)
+    miss_mask = slot < 0
+    miss_pos = miss_mask.nonzero().flatten()
+    miss, miss_occ, mtab = uniq[miss_pos], occ[miss_pos], tab[miss_pos]
+    hmix = splitmix64(miss)
+    mbl = (_srl(hmix, 64 - _HASH_BITS) * nb_t[mtab]) >> _HASH_BITS  # bucket within its table
+    mbs = bs_t[mtab]
+    mstart = ro[mtab] + mbl * mbs  # global first row of the id's bucket
+    fallback = mstart + hmix.remainder(mbs)
+    gslot = torch.where(miss_mask, -1, slot + ro[tab])
+    adm_rows_g = adm_ids = adm_occ = adm_tab = empty
+    evicted = [0] * nt
+    unadmitted = torch.bincount(mtab, minlength=nt).tolist()
+    if update and miss.numel():
+        mb = bo[mtab] + mbl  # global bucket
+        morder = torch.sort(mb * _SAT + (_SAT - 1 - miss_occ.clamp(max=_SAT - 1)), stable=True).indices
+        miss, miss_occ, mb, mtab, mbs = miss[morder], miss_occ[morder], mb[morder], mtab[morder], mbs[morder]
+        miss_pos, fallback, mstart = miss_pos[morder], fallback[morder], mstart[morder]
+        mrank = _rank_in_group(mb)
+        # candidate rows: every row of the buckets with new ids, minus the rows hit this step, gathered per table
+        buckets = torch.unique(mb)
+        btab = torch.searchsorted(bo, buckets, right=True) - 1
+        bsize = bs_t[btab]
+        bstart = ro[btab] + (buckets - bo[btab]) * bsize
+        seg, first = _segments(bsize.tolist())
+        rows = bstart[seg] + torch.arange(seg.numel()) - first[seg]  # global, ascending
+        touched = torch.zeros(sum(zch), dtype=torch.bool)
+        touched[gslot[gslot >= 0]] = True
+        kp = ~touched[rows]
+        seg, rows = seg[kp], rows[kp]
+        rtab, rb, rstart = btab[seg], buckets[seg], bstart[seg]
+        per_tab = torch.bincount(rtab, minlength=nt).tolist()
+        occupied, la, cnt = [], [], []
+        for t, (r, s) in enumerate(zip(torch.split(rows, per_tab), tables)):
+            if r.numel() == 0:
+                continue
+            loc = r - row_off[t]
+            occupied.append(s.raw_ids[loc] >= 0), la.append(s.last_access[loc])
+            cnt.append(s.counts[loc] if s.lfu else torch.zeros_like(loc))
+        occupied = torch.cat(occupied or [empty.bool()]).to(torch.int64)
+        la, cnt = torch.cat(la or [empty]), torch.cat(cnt or [empty])
+        # LRU: (bucket, occupied, last access, row); LFU: (bucket, occupied, count, last access, row)
+        inner = torch.sort(cnt.clamp(max=_SAT - 1) * _SAT + la, stable=True).indices
+        rorder = inner[torch.sort((rb * 2 + occupied)[inner], stable=True).indices]
+        rows, rb, rstart, occupied, cnt = rows[rorder], rb[rorder], rstart[rorder], occupied[rorder], cnt[rorder]
+        rrank = _rank_in_group(rb)
+        # pair the k-th new id of a bucket with the k-th candidate row of that bucket (keys: global rows)
+        rkey = rstart + rrank
+        mkey = mstart + torch.minimum(mrank, mbs - 1)
+        paired = mrank < mbs
+        if rkey.numel():
+            pos = torch.searchsorted(rkey, mkey).clamp(max=rkey.numel() - 1)
+            paired &= rkey[pos] == mkey
+            target = torch.where(paired, rows[pos], -1)
+            lfu_t = torch.tensor([s.lfu for s in tables], dtype=torch.bool)[mtab]
+            paired &= ~lfu_t | (occupied[pos] == 0) | (miss_occ > cnt[pos])
+        else:
+            paired &= False
+            target = torch.full_like(mkey, -1)
+        adm_rows_g, adm_ids, adm_occ, adm_tab = target[paired], miss[paired], miss_occ[paired], mtab[paired]
+        gslot[miss_pos] = torch.where(paired, target, fallback)
+        unadmitted = (torch.bincount(mtab, minlength=nt) - torch.bincount(adm_tab, minlength=nt)).tolist()
+    elif miss.numel():
+        gslot[miss_pos] = fallback
+    # write the admissions per table (only tables that admitted)
+    adm_per_tab = torch.bincount(adm_tab, minlength=nt).tolist() if adm_tab.numel() else [0] * nt
+    adm_order = torch.sort(adm_tab, stable=True).indices if adm_tab.numel() else empty
+    adm_rows_l, adm_ids_l, adm_occ_l = (torch.split(x[adm_order], adm_per_tab) for x in (adm_rows_g, adm_ids, adm_occ))
+    out = []
+    for t, (s, sl, inv, n) in enumerate(zip(tables, torch.split(gslot, [u.numel() for u in uniqs]), inverses,
+                                           adm_per_tab)):
+        a_slots, a_ids = empty, empty
+        if n:
+            a_slots, a_ids = adm_rows_l[t] - row_off[t], adm_ids_l[t]
+            old = s.raw_ids[a_slots]
+            gone = old >= 0
+            evicted[t] = int(gone.sum())
+            s.index.update(a_slots[gone], a_ids, a_slots)
+            s.raw_ids[a_slots] = a_ids
+            s.last_access[a_slots] = s.step
+            s.counts[a_slots] = adm_occ_l[t]
+        out.append(StepResult(
+            slots=(sl - row_off[t])[inv] if inv.numel() else empty,
+            admitted_slots=a_slots,
+            admitted_ids=a_ids,
+            lookups=ids[t].numel(),
+            hits=hits[t],
+            evicted=evicted[t],
+            unadmitted=unadmitted[t],
+        ))
+    return out
