@@ -51,6 +51,7 @@ class _ManagedCollisionWrapper(nn.Module):
         self._return_remapped_features = return_remapped_features
         self._row_init = row_init
         self._seed = int(seed)
+        self._table_seeds: dict[str, int] = {}
         self._configs = configs
         self._optimizers: list[weakref.ref] = []
         self._owner_cache: dict[tuple, _dist.Ownership] = {}
@@ -89,8 +90,11 @@ class _ManagedCollisionWrapper(nn.Module):
                 out[t] = (tables[t].weight, offset)
         return out
 
-    def _state_tensors(self, table: str, weight: torch.Tensor) -> list[torch.Tensor]:
-        """Per-row optimizer state of ``table``: registered torch optimizers and fused kernels."""
+    def _state_tensors(self, table: str, weight: torch.Tensor, fused: dict | None = None) -> list[torch.Tensor]:
+        """Per-row optimizer state of ``table``: registered torch optimizers and fused kernels.
+
+        ``fused``: ``_fused_states()`` when the caller already read it (once per step).
+        """
         found = []
         for ref in self._optimizers:
             opt = ref()
@@ -99,18 +103,40 @@ class _ManagedCollisionWrapper(nn.Module):
             for v in opt.state.get(weight, {}).values():
                 if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == weight.shape[0]:
                     found.append(v)
-        coll = self._embedding_module
-        if isinstance(coll, ShardedCollection):
-            for k in coll.fused_kernels():
-                found += list(k.optimizer_states().get(table, {}).values())
+        if fused is None:
+            fused = self._fused_states()
+        found += fused.get(table, [])
         return found
 
-    def _reinit_rows(self, table: str, rows: torch.Tensor, ids: torch.Tensor) -> None:
+    def _fused_states(self) -> dict[str, list[torch.Tensor]]:
+        """``{table: fused kernels' per-row state tensors}`` (views of the live state)."""
+        coll = self._embedding_module
+        out: dict[str, list[torch.Tensor]] = {}
+        if isinstance(coll, ShardedCollection):
+            for k in coll.fused_kernels():
+                for t, st in k.optimizer_states().items():
+                    out.setdefault(t, []).extend(st.values())
+        return out
+
+    def _reinit_all(self, results: dict[str, _remap.StepResult]) -> None:
+        """Re-initialise the rows new ids took in every table (weights and optimizer state), one pass per step."""
+        admitted = {t: r for t, r in results.items() if r.admitted_slots.numel()}
+        if not admitted:
+            return
+        held = self._table_weights()
+        fused = self._fused_states()
+        for t, r in admitted.items():
+            if t in held:
+                self._reinit_rows(t, r.admitted_slots, r.admitted_ids, held[t], fused)
+
+    def _reinit_rows(self, table: str, rows: torch.Tensor, ids: torch.Tensor,
+                     held: tuple[torch.Tensor, int] | None = None, fused: dict | None = None) -> None:
         if rows.numel() == 0:
             return
-        held = self._table_weights(table).get(table)
         if held is None:
-            return
+            held = self._table_weights(table).get(table)
+            if held is None:
+                return
         weight, offset = held
         local = (rows - offset).to(weight.device)
         with torch.no_grad():
@@ -121,12 +147,14 @@ class _ManagedCollisionWrapper(nn.Module):
                 weight[local] = 0
             elif callable(self._row_init):
                 weight[local] = self._row_init(weight[local], ids).to(weight.device, weight.dtype)
-            for v in self._state_tensors(table, weight):
+            for v in self._state_tensors(table, weight, fused):
                 v[local] = 0
 
     def _reinit_values(self, table: str, ids: torch.Tensor, cfg) -> torch.Tensor:
         # a pure function of (seed, table, id): every rank and layout re-initialises a row identically
-        seed = int(_remap.splitmix64(torch.tensor([self._seed])).item()) ^ hash_name(table)
+        seed = self._table_seeds.get(table)
+        if seed is None:
+            seed = self._table_seeds[table] = int(_remap.splitmix64(torch.tensor([self._seed])).item()) ^ hash_name(table)
         return _remap.hashed_uniform(ids, cfg.embedding_dim, seed, cfg.weight_init_min, cfg.weight_init_max)
 
     def _move_rows(self, table: str, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -193,8 +221,7 @@ class _ManagedCollisionWrapper(nn.Module):
         else:
             kjt, results = _dist.remap_sharded(self._managed_collision_collection, features,
                                                self._embedding_module, owners)
-        for t, res in results.items():
-            self._reinit_rows(t, res.admitted_slots, res.admitted_ids)
+        self._reinit_all(results)
         return kjt
 
     def _lookup(self, features: KeyedJaggedTensor):
@@ -215,8 +242,7 @@ class _ManagedCollisionWrapper(nn.Module):
 
         def on_received(recv):
             recv, results = _dist.remap_received(coll, mods, recv)
-            for t, res in results.items():
-                self._reinit_rows(t, res.admitted_slots, res.admitted_ids)
+            self._reinit_all(results)
             return recv
 
         coll.route_raw_ids({t: _dist.row_key(m) for t, m in mods.items()}, on_received)
