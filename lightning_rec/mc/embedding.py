@@ -10,7 +10,8 @@ exchange before the lookup (``_dist.remap_sharded``).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from fractions import Fraction
 
 import torch
 from torch import nn
@@ -197,21 +198,44 @@ class _ManagedCollisionWrapper(nn.Module):
         self._move_rows(t, src[moving], dst[moving])
         return evicted
 
-    def resize(self, num_buckets: int) -> dict[str, int]:
-        """Change every managed table's bucket count; ids, rows and optimizer state move with the ids.
+    def resize(self, num_buckets: int | Mapping[str, int]) -> dict[str, int]:
+        """Change managed tables' bucket counts; ids, rows and optimizer state move with the ids.
 
-        ``num_buckets`` must divide each table and be a multiple or divisor of the current count. Returns
+        ``num_buckets``: one count for every managed table, or ``{table: count}`` (tables left out keep
+        theirs). A count must divide its table and be a multiple or divisor of the current count. Returns
         ``{table: ids evicted}`` (only a split can evict: a half-bucket with more ids than rows keeps the
         ones its policy ranks first). Sharded: every rank calls it (no communication is needed, since a new
         bucket's rows lie on the rank that owned the old rows); shard boundaries must fall on new buckets.
         """
-        owners = self._prepare()
         mods = self._managed_collision_collection.modules_by_table()
-        for t, m in mods.items():
-            m.check_num_buckets(num_buckets, int(m._mch_num_buckets))
+        if isinstance(num_buckets, Mapping):
+            unknown = sorted(set(num_buckets) - set(mods))
+            if unknown:
+                raise ValueError(f"resize: tables {unknown} are not managed tables of this module ({sorted(mods)})")
+            counts = {t: int(n) for t, n in num_buckets.items()}
+        else:
+            counts = dict.fromkeys(mods, int(num_buckets))
+        owners = self._prepare()
+        for t, n in counts.items():
+            m = mods[t]
+            m.check_num_buckets(n, int(m._mch_num_buckets))
             if owners is not None:
-                _dist.check_alignment(self._embedding_module, t, m.zch_size, num_buckets)
-        return {t: self._resize_table(t, m, num_buckets, owners) for t, m in mods.items()}
+                _dist.check_alignment(self._embedding_module, t, m.zch_size, n)
+        return {t: self._resize_table(t, mods[t], n, owners) for t, n in counts.items()}
+
+    def scaled_num_buckets(self, factor: float) -> dict[str, int]:
+        """``{table: current bucket count x factor}`` (e.g. 2 or 0.5); raises where that is not a whole count."""
+        f = Fraction(factor).limit_denominator(1 << 20)
+        if f <= 0:
+            raise ValueError(f"resize factor must be positive, got {factor}")
+        out = {}
+        for t, m in self._managed_collision_collection.modules_by_table().items():
+            n = m.num_buckets * f
+            if n.denominator != 1:
+                raise ValueError(f"managed collision table {t!r}: {m.num_buckets} buckets x {factor} is not a whole "
+                                 "bucket count")
+            out[t] = int(n)
+        return out
 
     def remap(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Remap ``features`` (advancing the step, admitting and evicting ids); collective when sharded."""

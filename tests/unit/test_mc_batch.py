@@ -1,12 +1,23 @@
-"""The one-pass remap over all tables (``_batch.remap_batch``) equals ``_remap.remap_step`` table by table."""
+"""The one-pass remap over all tables (``_batch.remap_batch``) equals ``_remap.remap_step`` table by table;
+resize with per-table bucket counts or a factor."""
 
 import copy
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_rec.mc import _batch, _remap
+from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from lightning_rec.mc import (
+    LFU_EvictionPolicy,
+    ManagedCollisionCallback,
+    ManagedCollisionCollection,
+    ManagedCollisionEmbeddingBagCollection,
+    MCHManagedCollisionModule,
+    _batch,
+    _remap,
+)
 
 
 def _state(zch: int, nb: int, lfu: bool) -> _batch.TableState:
@@ -50,3 +61,51 @@ def test_batched_remap_equals_per_table_reference(specs, steps, seed, evals):
             assert torch.equal(s.last_access, r.last_access)
             assert torch.equal(s.counts, r.counts)
             assert torch.equal(s.index.keys, r.index.keys) and torch.equal(s.index.slots, r.index.slots)
+
+
+# -- resize with per-table counts or a factor (tables whose bucket counts differ) -----------------------------------
+
+
+def _two_table_mc(nb_a: int, nb_b: int) -> ManagedCollisionEmbeddingBagCollection:
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(name=n, num_embeddings=64, embedding_dim=4, feature_names=[f"f{n}"])
+              for n in ("a", "b")]
+    mcc = ManagedCollisionCollection({"a": MCHManagedCollisionModule(64, num_buckets=nb_a),
+                                      "b": MCHManagedCollisionModule(64, num_buckets=nb_b,
+                                                                     eviction_policy=LFU_EvictionPolicy())}, tables)
+    return ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables=tables), mcc)
+
+
+def _feed(m, steps: int = 4) -> None:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        ids = torch.randint(0, 400, (60,), generator=g)
+        m(KeyedJaggedTensor(["fa", "fb"], ids, lengths=torch.ones(60, dtype=torch.int64)))
+
+
+def _mc_state(m) -> dict:
+    return {k: v for k, v in m.state_dict().items() if not k.endswith("_mch_generation")}
+
+
+def test_resize_by_factor_equals_per_table_counts_and_one_table_at_a_time():
+    by_factor, by_counts, one_by_one = _two_table_mc(8, 2), _two_table_mc(8, 2), _two_table_mc(8, 2)
+    for m in (by_factor, by_counts, one_by_one):
+        _feed(m)
+    with pytest.raises(ValueError, match="divisor of zch_size=64"):
+        by_factor.resize(128)  # one count for both tables: 8 -> 128 is refused, and nothing moved
+    assert by_factor.scaled_num_buckets(2) == {"a": 16, "b": 4}
+    ev = by_factor.resize(by_factor.scaled_num_buckets(2))
+    assert ev == by_counts.resize({"a": 16, "b": 4})
+    one_by_one.resize({"a": 16})
+    one_by_one.resize({"b": 4})
+    assert [m.num_buckets for m in by_factor._managed_collision_collection.modules_by_table().values()] == [16, 4]
+    for other in (by_counts, one_by_one):
+        s, o = _mc_state(by_factor), _mc_state(other)
+        assert s.keys() == o.keys() and all(torch.equal(s[k], o[k]) for k in s)
+    assert by_factor.scaled_num_buckets(0.25) == {"a": 4, "b": 1}
+    with pytest.raises(ValueError, match=r"table 'b': 4 buckets x 0.125 is not a whole bucket count"):
+        by_factor.scaled_num_buckets(0.125)
+    with pytest.raises(ValueError, match=r"tables \['c'\] are not managed tables"):
+        by_factor.resize({"c": 2})
+    with pytest.raises(ValueError, match="in both resize_at and resize_by"):
+        ManagedCollisionCallback(resize_at={1: 2}, resize_by={1: 2.0})
