@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_rec.mc.embedding import _ManagedCollisionWrapper
 
@@ -24,7 +25,8 @@ class ManagedCollisionCallback(L.Callback):
             ``resize``). Works sharded: every rank resizes its own buckets.
         resize_by: ``{epoch: factor}``; at the start of that epoch every managed table's bucket count is
             multiplied by ``factor`` (``2`` doubles, ``0.5`` halves), so tables with different bucket counts
-            (the DLRM job caps them by table size) resize together.
+            (the DLRM job caps them by table size) resize together. A table the product does not fit (a
+            3-row table cannot take 2 buckets) keeps its count, with a warning naming it.
         log_stats: log ``mc/<path>/<table>/hit_rate`` and ``.../evicted`` per epoch (summed over ranks), and
             over every managed table ``mc/hit_rate`` and ``mc/evicted``. A hit is an id (counted with
             repeats) that already held a row; evictions are ids that lost their row to a new id.
@@ -51,7 +53,13 @@ class ManagedCollisionCallback(L.Callback):
             if n is not None:
                 m.resize(n)
             elif factor is not None:
-                m.resize(m.scaled_num_buckets(factor))
+                counts = m.scaled_num_buckets(factor, skip_unfit=True)
+                kept = sorted(set(m.mc_stats()) - set(counts))
+                if kept:
+                    rank_zero_warn(f"ManagedCollisionCallback: resize_by={factor} at epoch {trainer.current_epoch} "
+                                   f"does not fit tables {kept} (their rows do not split into that many buckets); "
+                                   "they keep their bucket counts")
+                m.resize(counts)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
         for path, m in managed_collision_modules(pl_module):

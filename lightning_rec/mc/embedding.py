@@ -155,7 +155,8 @@ class _ManagedCollisionWrapper(nn.Module):
         # a pure function of (seed, table, id): every rank and layout re-initialises a row identically
         seed = self._table_seeds.get(table)
         if seed is None:
-            seed = self._table_seeds[table] = int(_remap.splitmix64(torch.tensor([self._seed])).item()) ^ hash_name(table)
+            seed = int(_remap.splitmix64(torch.tensor([self._seed])).item()) ^ hash_name(table)
+            self._table_seeds[table] = seed
         return _remap.hashed_uniform(ids, cfg.embedding_dim, seed, cfg.weight_init_min, cfg.weight_init_max)
 
     def _move_rows(self, table: str, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -223,17 +224,27 @@ class _ManagedCollisionWrapper(nn.Module):
                 _dist.check_alignment(self._embedding_module, t, m.zch_size, n)
         return {t: self._resize_table(t, mods[t], n, owners) for t, n in counts.items()}
 
-    def scaled_num_buckets(self, factor: float) -> dict[str, int]:
-        """``{table: current bucket count x factor}`` (e.g. 2 or 0.5); raises where that is not a whole count."""
+    def scaled_num_buckets(self, factor: float, skip_unfit: bool = False) -> dict[str, int]:
+        """``{table: current bucket count x factor}`` (e.g. 2 or 0.5) for ``resize``.
+
+        Raises where the product is not a bucket count the table takes (a whole divisor of its rows); with
+        ``skip_unfit=True`` such tables are left out instead (they keep their count).
+        """
         f = Fraction(factor).limit_denominator(1 << 20)
         if f <= 0:
             raise ValueError(f"resize factor must be positive, got {factor}")
         out = {}
         for t, m in self._managed_collision_collection.modules_by_table().items():
             n = m.num_buckets * f
-            if n.denominator != 1:
-                raise ValueError(f"managed collision table {t!r}: {m.num_buckets} buckets x {factor} is not a whole "
-                                 "bucket count")
+            try:
+                if n.denominator != 1:
+                    raise ValueError(f"managed collision table {t!r}: {m.num_buckets} buckets x {factor} is not a "
+                                     "whole bucket count")
+                m.check_num_buckets(int(n), m.num_buckets)
+            except ValueError:
+                if skip_unfit:
+                    continue
+                raise
             out[t] = int(n)
         return out
 

@@ -105,6 +105,10 @@ def test_resize_by_factor_equals_per_table_counts_and_one_table_at_a_time():
     assert by_factor.scaled_num_buckets(0.25) == {"a": 4, "b": 1}
     with pytest.raises(ValueError, match=r"table 'b': 4 buckets x 0.125 is not a whole bucket count"):
         by_factor.scaled_num_buckets(0.125)
+    assert by_factor.scaled_num_buckets(0.125, skip_unfit=True) == {"a": 2}
+    with pytest.raises(ValueError, match=r"table 'a': num_buckets=128 must be a positive divisor of zch_size=64"):
+        by_factor.scaled_num_buckets(8)
+    assert by_factor.scaled_num_buckets(4, skip_unfit=True) == {"a": 64, "b": 16}
     with pytest.raises(ValueError, match=r"tables \['c'\] are not managed tables"):
         by_factor.resize({"c": 2})
     with pytest.raises(ValueError, match="in both resize_at and resize_by"):
