@@ -126,12 +126,35 @@ class _ManagedCollisionWrapper(nn.Module):
             return
         held = self._table_weights()
         fused = self._fused_states()
+        admitted = {t: r for t, r in admitted.items() if t in held}
+        values = self._uniform_values(admitted) if self._row_init == "uniform" else {}
         for t, r in admitted.items():
-            if t in held:
-                self._reinit_rows(t, r.admitted_slots, r.admitted_ids, held[t], fused)
+            self._reinit_rows(t, r.admitted_slots, r.admitted_ids, held[t], fused, values.get(t))
+
+    def _uniform_values(self, admitted: dict[str, _remap.StepResult]) -> dict[str, torch.Tensor]:
+        """``_reinit_values`` of every table's admitted ids, one hash pass per embedding width."""
+        by_dim: dict[int, list[str]] = {}
+        for t in admitted:
+            by_dim.setdefault(self._configs[t].embedding_dim, []).append(t)
+        out = {}
+        for dim, tables in by_dim.items():
+            n = torch.tensor([admitted[t].admitted_ids.numel() for t in tables])
+            cfgs = [self._configs[t] for t in tables]
+
+            def per_row(xs, dtype, n=n):
+                return torch.repeat_interleave(torch.tensor(xs, dtype=dtype), n)
+
+            vals = _remap.hashed_uniform_rows(
+                torch.cat([admitted[t].admitted_ids for t in tables]), dim,
+                per_row([self._table_seed(t) for t in tables], torch.int64),
+                per_row([c.weight_init_min for c in cfgs], torch.float64),
+                per_row([c.weight_init_max for c in cfgs], torch.float64))
+            out.update(zip(tables, torch.split(vals, n.tolist())))
+        return out
 
     def _reinit_rows(self, table: str, rows: torch.Tensor, ids: torch.Tensor,
-                     held: tuple[torch.Tensor, int] | None = None, fused: dict | None = None) -> None:
+                     held: tuple[torch.Tensor, int] | None = None, fused: dict | None = None,
+                     values: torch.Tensor | None = None) -> None:
         if rows.numel() == 0:
             return
         if held is None:
@@ -143,7 +166,9 @@ class _ManagedCollisionWrapper(nn.Module):
         with torch.no_grad():
             cfg = self._configs[table]
             if self._row_init == "uniform":
-                weight[local] = self._reinit_values(table, ids, cfg).to(weight.device, weight.dtype)
+                if values is None:
+                    values = self._reinit_values(table, ids, cfg)
+                weight[local] = values.to(weight.device, weight.dtype)
             elif self._row_init == "zeros":
                 weight[local] = 0
             elif callable(self._row_init):
@@ -153,11 +178,15 @@ class _ManagedCollisionWrapper(nn.Module):
 
     def _reinit_values(self, table: str, ids: torch.Tensor, cfg) -> torch.Tensor:
         # a pure function of (seed, table, id): every rank and layout re-initialises a row identically
+        return _remap.hashed_uniform(ids, cfg.embedding_dim, self._table_seed(table), cfg.weight_init_min,
+                                     cfg.weight_init_max)
+
+    def _table_seed(self, table: str) -> int:
         seed = self._table_seeds.get(table)
         if seed is None:
             seed = int(_remap.splitmix64(torch.tensor([self._seed])).item()) ^ hash_name(table)
             self._table_seeds[table] = seed
-        return _remap.hashed_uniform(ids, cfg.embedding_dim, seed, cfg.weight_init_min, cfg.weight_init_max)
+        return seed
 
     def _move_rows(self, table: str, src: torch.Tensor, dst: torch.Tensor) -> None:
         if src.numel() == 0:

@@ -113,3 +113,26 @@ def test_resize_by_factor_equals_per_table_counts_and_one_table_at_a_time():
         by_factor.resize({"c": 2})
     with pytest.raises(ValueError, match="in both resize_at and resize_by"):
         ManagedCollisionCallback(resize_at={1: 2}, resize_by={1: 2.0})
+
+
+@settings(max_examples=40, deadline=None)
+@given(dim=st.integers(1, 70), sizes=st.lists(st.integers(0, 20), min_size=1, max_size=4),
+       tables=st.lists(st.tuples(st.integers(1, 10**7), st.integers(0, 2**62), st.booleans()), min_size=4, max_size=4),
+       seed=st.integers(0, 2**31))
+def test_hashed_uniform_rows_equals_per_table_values(dim, sizes, tables, seed):
+    """Re-initialised rows of several tables in one pass == each table's ``hashed_uniform``, bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, 2**62, (n,), generator=g) for n in sizes]
+    # the default init range of a table of `rows` rows (±sqrt(1/rows)), or an asymmetric one
+    ranges = [(-(rows**-0.5), rows**-0.5) if sym else (-(rows**-0.5), 3.0) for rows, _, sym in tables]
+    want = torch.cat([_remap.hashed_uniform(v, dim, s, lo, hi)
+                      for v, (_, s, _), (lo, hi) in zip(ids, tables, ranges)])
+    n = torch.tensor(sizes)
+
+    def rows(xs, dtype):
+        return torch.repeat_interleave(torch.tensor(xs[: len(sizes)], dtype=dtype), n)
+
+    got = _remap.hashed_uniform_rows(torch.cat(ids), dim, rows([s for _, s, _ in tables], torch.int64),
+                                     rows([lo for lo, _ in ranges], torch.float64),
+                                     rows([hi for _, hi in ranges], torch.float64))
+    assert torch.equal(got, want)
