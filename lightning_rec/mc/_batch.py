@@ -33,11 +33,14 @@ class TableState:
     lfu: bool
 
 
-def _segments(sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(segment of each element, first element of each segment)`` for consecutive segments of ``sizes``."""
-    n = torch.tensor(sizes, dtype=torch.int64)
-    starts = torch.cumsum(n, 0) - n
-    return torch.repeat_interleave(torch.arange(len(sizes)), n), starts
+def _segments(sizes: list[int]) -> torch.Tensor:
+    """The segment of each element, for consecutive segments of ``sizes``."""
+    return torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.int64))
+
+
+def _cat(pieces: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
+    # one piece (one table): no copy
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces else empty
 
 
 def remap_batch(ids: list[torch.Tensor], tables: list[TableState], update: bool = True) -> list[StepResult]:
@@ -54,8 +57,10 @@ def remap_batch(ids: list[torch.Tensor], tables: list[TableState], update: bool 
     for t in range(1, nt):
         row_off[t] = row_off[t - 1] + zch[t - 1]
         bucket_off[t] = bucket_off[t - 1] + nbs[t - 1]
-    if sum(nbs) >= _SAT:
-        raise ValueError(f"managed collision: {sum(nbs)} buckets over all tables (at most {_SAT - 1})")
+    if sum(nbs) >= _SAT or sum(nbs) * max(bss) >= 1 << 62:
+        # packed sort keys: (global bucket, flags, step) and (global bucket, rank) must fit in int64
+        raise ValueError(f"managed collision: {sum(nbs)} buckets of up to {max(bss)} rows over all tables in one "
+                         "collection are too many to remap together")
     # per table: unique ids, index probe, hits' metadata (state lives per table)
     uniqs, inverses, occs, slots = [], [], [], []
     hits = [0] * nt
@@ -72,10 +77,8 @@ def remap_batch(ids: list[torch.Tensor], tables: list[TableState], update: bool 
             s.last_access[hs] = s.step
             s.counts[hs] += occ[hit]
         uniqs.append(u), inverses.append(inv), occs.append(occ), slots.append(sl)
-    uniq = torch.cat(uniqs)
-    slot = torch.cat(slots)
-    occ = torch.cat(occs)
-    tab, _ = _segments([u.numel() for u in uniqs])
+    uniq, slot, occ = _cat(uniqs, empty), _cat(slots, empty), _cat(occs, empty)
+    tab = _segments([u.numel() for u in uniqs])
     ro = torch.tensor(row_off, dtype=torch.int64)
     bo = torch.tensor(bucket_off, dtype=torch.int64)
     nb_t = torch.tensor(nbs, dtype=torch.int64)
@@ -86,8 +89,7 @@ def remap_batch(ids: list[torch.Tensor], tables: list[TableState], update: bool 
     hmix = splitmix64(miss)
     mbl = (_srl(hmix, 64 - _HASH_BITS) * nb_t[mtab]) >> _HASH_BITS  # bucket within its table
     mbs = bs_t[mtab]
-    mstart = ro[mtab] + mbl * mbs  # global first row of the id's bucket
-    fallback = mstart + hmix.remainder(mbs)
+    fallback = ro[mtab] + mbl * mbs + hmix.remainder(mbs)  # global row
     gslot = torch.where(miss_mask, -1, slot + ro[tab])
     adm_rows_g = adm_ids = adm_occ = adm_tab = empty
     evicted = [0] * nt
@@ -96,45 +98,59 @@ def remap_batch(ids: list[torch.Tensor], tables: list[TableState], update: bool 
         mb = bo[mtab] + mbl  # global bucket
         morder = torch.sort(mb * _SAT + (_SAT - 1 - miss_occ.clamp(max=_SAT - 1)), stable=True).indices
         miss, miss_occ, mb, mtab, mbs = miss[morder], miss_occ[morder], mb[morder], mtab[morder], mbs[morder]
-        miss_pos, fallback, mstart = miss_pos[morder], fallback[morder], mstart[morder]
+        miss_pos, fallback = miss_pos[morder], fallback[morder]
         mrank = _rank_in_group(mb)
         # candidate rows: every row of the buckets with new ids, minus the rows hit this step, gathered per table
         buckets = torch.unique(mb)
         btab = torch.searchsorted(bo, buckets, right=True) - 1
         bsize = bs_t[btab]
         bstart = ro[btab] + (buckets - bo[btab]) * bsize
-        seg, first = _segments(bsize.tolist())
-        rows = bstart[seg] + torch.arange(seg.numel()) - first[seg]  # global, ascending
+        if len(set(bss)) == 1:  # one bucket size: broadcast (cheaper than repeat_interleave)
+            rows = (bstart[:, None] + torch.arange(bss[0])).flatten()  # global, ascending
+            rb = buckets[:, None].expand(-1, bss[0]).flatten()
+        else:
+            first = torch.cumsum(bsize, 0) - bsize
+            rows = torch.repeat_interleave(bstart - first, bsize) + torch.arange(int(bsize.sum()))
+            rb = torch.repeat_interleave(buckets, bsize)
         touched = torch.zeros(sum(zch), dtype=torch.bool)
         touched[gslot[gslot >= 0]] = True
         kp = ~touched[rows]
-        seg, rows = seg[kp], rows[kp]
-        rtab, rb, rstart = btab[seg], buckets[seg], bstart[seg]
-        per_tab = torch.bincount(rtab, minlength=nt).tolist()
+        rows, rb = rows[kp], rb[kp]
+        per_tab = torch.diff(torch.searchsorted(rows, torch.tensor([*row_off, sum(zch)]))).tolist()
+        any_lfu = any(s.lfu for s in tables)
         occupied, la, cnt = [], [], []
         for t, (r, s) in enumerate(zip(torch.split(rows, per_tab), tables)):
             if r.numel() == 0:
                 continue
-            loc = r - row_off[t]
+            loc = r - row_off[t] if row_off[t] else r
             occupied.append(s.raw_ids[loc] >= 0), la.append(s.last_access[loc])
-            cnt.append(s.counts[loc] if s.lfu else torch.zeros_like(loc))
-        occupied = torch.cat(occupied or [empty.bool()]).to(torch.int64)
-        la, cnt = torch.cat(la or [empty]), torch.cat(cnt or [empty])
-        # LRU: (bucket, occupied, last access, row); LFU: (bucket, occupied, count, last access, row)
-        inner = torch.sort(cnt.clamp(max=_SAT - 1) * _SAT + la, stable=True).indices
-        rorder = inner[torch.sort((rb * 2 + occupied)[inner], stable=True).indices]
-        rows, rb, rstart, occupied, cnt = rows[rorder], rb[rorder], rstart[rorder], occupied[rorder], cnt[rorder]
+            if any_lfu:
+                cnt.append(s.counts[loc] if s.lfu else torch.zeros_like(loc))
+        occupied = _cat(occupied, empty.bool()).to(torch.int64)
+        la = _cat(la, empty)
+        # LRU: (bucket, occupied, last access, row); LFU: (bucket, occupied, count, last access, row); the
+        # rows are ascending, so stable sorts leave ties to the lower row
+        if any_lfu:
+            cnt = _cat(cnt, empty)
+            inner = torch.sort(cnt.clamp(max=_SAT - 1) * _SAT + la, stable=True).indices
+            rorder = inner[torch.sort((rb * 2 + occupied)[inner], stable=True).indices]
+            cnt = cnt[rorder]
+        else:
+            rorder = torch.sort((rb * 2 + occupied) * _SAT + la, stable=True).indices
+        rows, rb, occupied = rows[rorder], rb[rorder], occupied[rorder]
         rrank = _rank_in_group(rb)
-        # pair the k-th new id of a bucket with the k-th candidate row of that bucket (keys: global rows)
-        rkey = rstart + rrank
-        mkey = mstart + torch.minimum(mrank, mbs - 1)
+        # pair the k-th new id of a bucket with the k-th candidate row of that bucket (keys: bucket x widest)
+        width = max(bss)
+        rkey = rb * width + rrank
+        mkey = mb * width + torch.minimum(mrank, mbs - 1)
         paired = mrank < mbs
         if rkey.numel():
             pos = torch.searchsorted(rkey, mkey).clamp(max=rkey.numel() - 1)
             paired &= rkey[pos] == mkey
             target = torch.where(paired, rows[pos], -1)
-            lfu_t = torch.tensor([s.lfu for s in tables], dtype=torch.bool)[mtab]
-            paired &= ~lfu_t | (occupied[pos] == 0) | (miss_occ > cnt[pos])
+            lfu_t = torch.tensor([s.lfu for s in tables], dtype=torch.bool)[mtab] if any_lfu else None
+            if any_lfu:
+                paired &= ~lfu_t | (occupied[pos] == 0) | (miss_occ > cnt[pos])
         else:
             paired &= False
             target = torch.full_like(mkey, -1)

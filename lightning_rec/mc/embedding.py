@@ -144,11 +144,13 @@ class _ManagedCollisionWrapper(nn.Module):
             def per_row(xs, dtype, n=n):
                 return torch.repeat_interleave(torch.tensor(xs, dtype=dtype), n)
 
+            lows, highs = [c.weight_init_min for c in cfgs], [c.weight_init_max for c in cfgs]
+            one_range = len(set(lows)) == 1 and len(set(highs)) == 1  # scalars: cheaper than per-row tensors
             vals = _remap.hashed_uniform_rows(
                 torch.cat([admitted[t].admitted_ids for t in tables]), dim,
                 per_row([self._table_seed(t) for t in tables], torch.int64),
-                per_row([c.weight_init_min for c in cfgs], torch.float64),
-                per_row([c.weight_init_max for c in cfgs], torch.float64))
+                lows[0] if one_range else per_row(lows, torch.float64),
+                highs[0] if one_range else per_row(highs, torch.float64))
             out.update(zip(tables, torch.split(vals, n.tolist())))
         return out
 

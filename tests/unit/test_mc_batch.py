@@ -136,3 +136,7 @@ def test_hashed_uniform_rows_equals_per_table_values(dim, sizes, tables, seed):
                                      rows([lo for lo, _ in ranges], torch.float64),
                                      rows([hi for _, hi in ranges], torch.float64))
     assert torch.equal(got, want)
+    lo, hi = ranges[0]  # one range for every table: plain floats
+    want = torch.cat([_remap.hashed_uniform(v, dim, s, lo, hi) for v, (_, s, _) in zip(ids, tables)])
+    assert torch.equal(_remap.hashed_uniform_rows(torch.cat(ids), dim, rows([s for _, s, _ in tables], torch.int64),
+                                                  lo, hi), want)
