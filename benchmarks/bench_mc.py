@@ -89,6 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--main-job", action="store_true", help="also run the DLRM main job on hashed and raw ids")
     p.add_argument("--job-rows", type=int, default=200_000, help="main job: training rows per epoch")
     p.add_argument("--job-epochs", type=int, default=2)
+    p.add_argument("--job-repeats", type=int, default=1, help="main job: run the jobs this many times, in turn")
     p.add_argument("--tables", type=int, default=26, help="many-table section: tables (0: skip it)")
     p.add_argument("--table-rows", type=int, default=4096, help="many-table section: rows per table")
     p.add_argument("--table-buckets", type=int, default=256, help="many-table section: buckets per table")
@@ -312,14 +313,26 @@ def main_job_section(args) -> list[str]:
     jobs = [("hashed ids", [], ROOT), ("raw ids, managed collision", ["--data.raw_ids", "true"], ROOT)]
     if args.job_before:
         jobs.append(("raw ids, managed collision, code before", ["--data.raw_ids", "true"], args.job_before))
-    for name, extra, code in jobs:
-        with tempfile.TemporaryDirectory() as root:
-            runs[name] = run_job(common + extra, root, code)
-            print(f"{name}: {runs[name][0]:.0f}s", flush=True)
-    lines += ["| job | wall s | final line |", "| --- | --- | --- |"]
-    for name, (secs, out) in runs.items():
+    walls: dict[str, list[float]] = {name: [] for name, _, _ in jobs}
+    for _ in range(args.job_repeats):  # the jobs in turn, so a change of load hits each
+        for name, extra, code in jobs:
+            with tempfile.TemporaryDirectory() as root:
+                secs, out = run_job(common + extra, root, code)
+            runs[name] = (secs, out)
+            walls[name].append(secs)
+            print(f"{name}: {secs:.0f}s", flush=True)
+    lines += ["| job | wall s (median) | each run | final line |", "| --- | --- | --- | --- |"]
+    for name, (_, out) in runs.items():
         final = [ln for ln in out.splitlines() if ln.startswith("final: ")]
-        lines.append(f"| {name} | {secs:.0f} | `{final[-1] if final else '?'}` |")
+        lines.append(f"| {name} | {statistics.median(walls[name]):.0f} | {', '.join(f'{w:.0f}' for w in walls[name])} "
+                     f"| `{final[-1] if final else '?'}` |")
+    if args.job_before:
+        after, before = walls["raw ids, managed collision"], walls["raw ids, managed collision, code before"]
+        hashed = walls["hashed ids"]
+        lines += ["", f"Paired ratios (median over repeats): raw ids / hashed ids = "
+                      f"{statistics.median(a / h for a, h in zip(after, hashed)):.2f} (code before: "
+                      f"{statistics.median(b / h for b, h in zip(before, hashed)):.2f}); raw ids, now / before = "
+                      f"{statistics.median(a / b for a, b in zip(after, before)):.2f}."]
     per_epoch = [ln for ln in runs["raw ids, managed collision"][1].splitlines()
                  if re.match(r"managed collision, epoch", ln)]
     lines += ["", "Per epoch (printed by the job):", "", *[f"    {ln}" for ln in per_epoch]]
