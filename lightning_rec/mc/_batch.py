@@ -38,6 +38,11 @@ def _segments(sizes: list[int]) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.int64))
 
 
+def _per(values: list[int], table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | int:
+    """``table[idx]`` (a per-table constant for each element), or the constant itself when all tables share it."""
+    return values[0] if len(set(values)) == 1 else table[idx]
+
+
 def _cat(pieces: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
     # one piece (one table): no copy
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces else empty
@@ -85,19 +90,24 @@ def remap_batch(ids: list[torch.Tensor], tables: list[TableState], update: bool 
     bs_t = torch.tensor(bss, dtype=torch.int64)
     miss_mask = slot < 0
     miss_pos = miss_mask.nonzero().flatten()
-    miss, miss_occ, mtab = uniq[miss_pos], occ[miss_pos], tab[miss_pos]
+    miss, miss_occ, mtab = uniq[miss_pos], occ[miss_pos], (tab[miss_pos] if nt > 1 else tab[: miss_pos.numel()])
     hmix = splitmix64(miss)
-    mbl = (_srl(hmix, 64 - _HASH_BITS) * nb_t[mtab]) >> _HASH_BITS  # bucket within its table
-    mbs = bs_t[mtab]
-    fallback = ro[mtab] + mbl * mbs + hmix.remainder(mbs)  # global row
-    gslot = torch.where(miss_mask, -1, slot + ro[tab])
+    # per-table constants per id: a plain int where every table has the same (one table: no gathers)
+    mbl = (_srl(hmix, 64 - _HASH_BITS) * _per(nbs, nb_t, mtab)) >> _HASH_BITS  # bucket within its table
+    mbs = _per(bss, bs_t, mtab)
+    fallback = _per(row_off, ro, mtab) + mbl * mbs + hmix.remainder(mbs)  # global row
+    gslot = torch.where(miss_mask, -1, slot + _per(row_off, ro, tab))
     adm_rows_g = adm_ids = adm_occ = adm_tab = empty
     evicted = [0] * nt
     unadmitted = torch.bincount(mtab, minlength=nt).tolist()
     if update and miss.numel():
-        mb = bo[mtab] + mbl  # global bucket
+        mb = _per(bucket_off, bo, mtab) + mbl  # global bucket
         morder = torch.sort(mb * _SAT + (_SAT - 1 - miss_occ.clamp(max=_SAT - 1)), stable=True).indices
-        miss, miss_occ, mb, mtab, mbs = miss[morder], miss_occ[morder], mb[morder], mtab[morder], mbs[morder]
+        miss, miss_occ, mb = miss[morder], miss_occ[morder], mb[morder]
+        if nt > 1:
+            mtab = mtab[morder]
+        if torch.is_tensor(mbs):
+            mbs = mbs[morder]
         miss_pos, fallback = miss_pos[morder], fallback[morder]
         mrank = _rank_in_group(mb)
         # candidate rows: every row of the buckets with new ids, minus the rows hit this step, gathered per table
@@ -142,7 +152,7 @@ def remap_batch(ids: list[torch.Tensor], tables: list[TableState], update: bool 
         # pair the k-th new id of a bucket with the k-th candidate row of that bucket (keys: bucket x widest)
         width = max(bss)
         rkey = rb * width + rrank
-        mkey = mb * width + torch.minimum(mrank, mbs - 1)
+        mkey = mb * width + (torch.minimum(mrank, mbs - 1) if torch.is_tensor(mbs) else mrank.clamp(max=mbs - 1))
         paired = mrank < mbs
         if rkey.numel():
             pos = torch.searchsorted(rkey, mkey).clamp(max=rkey.numel() - 1)
@@ -161,8 +171,10 @@ def remap_batch(ids: list[torch.Tensor], tables: list[TableState], update: bool 
         gslot[miss_pos] = fallback
     # write the admissions per table (only tables that admitted)
     adm_per_tab = torch.bincount(adm_tab, minlength=nt).tolist() if adm_tab.numel() else [0] * nt
-    adm_order = torch.sort(adm_tab, stable=True).indices if adm_tab.numel() else empty
-    adm_rows_l, adm_ids_l, adm_occ_l = (torch.split(x[adm_order], adm_per_tab) for x in (adm_rows_g, adm_ids, adm_occ))
+    if nt > 1 and adm_tab.numel():
+        adm_order = torch.sort(adm_tab, stable=True).indices
+        adm_rows_g, adm_ids, adm_occ = adm_rows_g[adm_order], adm_ids[adm_order], adm_occ[adm_order]
+    adm_rows_l, adm_ids_l, adm_occ_l = (torch.split(x, adm_per_tab) for x in (adm_rows_g, adm_ids, adm_occ))
     out = []
     for t, (s, sl, inv, n) in enumerate(zip(tables, torch.split(gslot, [u.numel() for u in uniqs]), inverses,
                                            adm_per_tab)):
