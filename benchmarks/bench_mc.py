@@ -62,7 +62,9 @@ from lightning_rec import (
     ManagedCollisionEmbeddingBagCollection,
     MCHManagedCollisionModule,
 )
+from lightning_rec.mc import _remap
 from lightning_rec.mc._remap import splitmix64
+from lightning_rec.mc.modules import split_by_table
 from lightning_rec.sharding import ShardingPlan, row_wise, shard_modules
 from lightning_rec.testing import run_distributed
 
@@ -87,6 +89,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--main-job", action="store_true", help="also run the DLRM main job on hashed and raw ids")
     p.add_argument("--job-rows", type=int, default=200_000, help="main job: training rows per epoch")
     p.add_argument("--job-epochs", type=int, default=2)
+    p.add_argument("--job-repeats", type=int, default=1, help="main job: run the jobs this many times, in turn")
+    p.add_argument("--tables", type=int, default=26, help="many-table section: tables (0: skip it)")
+    p.add_argument("--table-rows", type=int, default=4096, help="many-table section: rows per table")
+    p.add_argument("--table-buckets", type=int, default=256, help="many-table section: buckets per table")
+    p.add_argument("--job-before", type=str, default=None,
+                   help="main job: also run the raw-id job with lightning_rec imported from this directory (a "
+                        "checkout of the code before a change, e.g. `git archive <rev> lightning_rec | tar -x -C DIR`)")
     p.add_argument("--out", type=str, default=None, help="write the markdown report here")
     return p.parse_args(argv)
 
@@ -190,11 +199,96 @@ def sharded_section(args) -> list[str]:
     ]
 
 
-def run_job(extra: list[str], root: str) -> tuple[float, str]:
+def per_table_remap(model: ManagedCollisionEmbeddingBagCollection, kjt: KeyedJaggedTensor) -> None:
+    """The remap as it ran before the one-pass version: ``remap_step`` and the row re-initialisation per table."""
+    segs, by_table = split_by_table(model._managed_collision_collection, kjt)
+    for t, m in model._managed_collision_collection.modules_by_table().items():
+        m.prepare()
+        m.begin_step()
+        pos = by_table.get(t, [])
+        ids = torch.cat([segs[i] for i in pos]) if pos else torch.zeros(0, dtype=torch.int64)
+        if ids.numel() and int(ids.min()) < 0:
+            raise ValueError("negative id")
+        res = _remap.remap_step(ids, m._mch_raw_ids, m._mch_last_access, m._mch_counts, m._index,
+                                int(m._mch_num_buckets), int(m._mch_step), m.eviction_policy.name)
+        m._after_remap(res)
+        model._reinit_rows(t, res.admitted_slots, res.admitted_ids)
+
+
+def many_tables_section(args) -> list[str]:
+    """``--tables`` tables, one id per sample and feature (the DLRM's shape): one-pass remap vs per table."""
+    n, rows = args.tables, args.table_rows
+    names = [f"t{i}" for i in range(n)]
+
+    def build_many():
+        torch.manual_seed(0)
+        tables = [EmbeddingBagConfig(name=t, num_embeddings=rows, embedding_dim=args.dim, feature_names=[f"f{t}"])
+                  for t in names]
+        policy = LRU_EvictionPolicy if args.policy == "lru" else LFU_EvictionPolicy
+        mcc = ManagedCollisionCollection({t: MCHManagedCollisionModule(rows, num_buckets=args.table_buckets,
+                                                                       eviction_policy=policy()) for t in names},
+                                         tables)
+        return ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables, kernel="torch"), mcc)
+
+    rng = np.random.default_rng(1)
+    distinct = int(rows * args.distinct)
+
+    def take(k):
+        out = []
+        for _ in range(k):
+            ranks = np.minimum(rng.zipf(1.1, n * args.batch) - 1, distinct - 1)
+            raw = splitmix64(torch.from_numpy(ranks.astype(np.int64))) & ((1 << 62) - 1)
+            out.append(KeyedJaggedTensor([f"f{t}" for t in names], raw, lengths=torch.ones(n * args.batch,
+                                                                                             dtype=torch.int64)))
+        return out
+
+    one, per = build_many(), build_many()
+    for b in take(args.fill):
+        one.remap(b)
+        per_table_remap(per, b)
+    times: dict[str, list[float]] = {"one pass": [], "per table": []}
+    for r in range(args.warmup + args.rounds):
+        data = take(args.steps)
+        t0 = time.perf_counter()
+        for b in data:
+            one.remap(b)
+        t1 = time.perf_counter()
+        for b in data:
+            per_table_remap(per, b)
+        t2 = time.perf_counter()
+        if r >= args.warmup:
+            times["one pass"].append((t1 - t0) / args.steps)
+            times["per table"].append((t2 - t1) / args.steps)
+    # the same ids into the same state: the two ways must have taken the same decisions
+    sa, sb = one.state_dict(), per.state_dict()
+    same = all(torch.equal(sa[k], sb[k]) for k in sa if not k.endswith("_mch_generation"))
+    stats = list(one.mc_stats().values())
+    hits, looks, ev = (sum(s[k] for s in stats) for k in ("hits", "lookups", "evicted"))
+    med = {m: statistics.median(v) * 1e3 for m, v in times.items()}
+    ratio = statistics.median(a / b for a, b in zip(times["one pass"], times["per table"]))
+    return [
+        f"## {n} tables: one remap pass over all tables vs a remap per table",
+        "",
+        f"{n} tables of {rows:,} x {args.dim} ({args.table_buckets} buckets of {rows // args.table_buckets} rows), "
+        f"policy {args.policy}; batch {args.batch} samples x 1 id per table ({n * args.batch:,} ids/step), "
+        f"Zipf(1.1) over {distinct:,} values per table; the remap alone (find, admit, evict, re-initialise rows). "
+        "'per table' is the loop that ran before (`_remap.remap_step` and the row re-initialisation table by "
+        f"table), fed the same batches in the same round. Last step: {hits:,} of {looks:,} ids hit, {ev:,} "
+        f"evicted; both ways ended in the same state (remap tables, weights): {same}.",
+        "",
+        "| method | ms/step | ms/step/table |",
+        "| --- | --- | --- |",
+        *[f"| {m} | {med[m]:.1f} | {med[m] / n:.2f} |" for m in times],
+        "",
+        f"Paired ratio (median over rounds): one pass / per table = {ratio:.2f}.",
+    ]
+
+
+def run_job(extra: list[str], root: str, code: str | Path = ROOT) -> tuple[float, str]:
     # the job writes runs/dlrm (logs, checkpoint) under its working directory: a temporary one
     cmd = [sys.executable, str(ROOT / "examples" / "dlrm.py"), *extra]
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env={**os.environ, "PYTHONPATH": str(code)},
                          check=False)
     if out.returncode:
         raise RuntimeError(f"main job failed ({' '.join(cmd)}):\n{out.stderr[-3000:]}")
@@ -216,14 +310,29 @@ def main_job_section(args) -> list[str]:
         "",
     ]
     runs = {}
-    for name, extra in (("hashed ids", []), ("raw ids, managed collision", ["--data.raw_ids", "true"])):
-        with tempfile.TemporaryDirectory() as root:
-            runs[name] = run_job(common + extra, root)
-            print(f"{name}: {runs[name][0]:.0f}s", flush=True)
-    lines += ["| job | wall s | final line |", "| --- | --- | --- |"]
-    for name, (secs, out) in runs.items():
+    jobs = [("hashed ids", [], ROOT), ("raw ids, managed collision", ["--data.raw_ids", "true"], ROOT)]
+    if args.job_before:
+        jobs.append(("raw ids, managed collision, code before", ["--data.raw_ids", "true"], args.job_before))
+    walls: dict[str, list[float]] = {name: [] for name, _, _ in jobs}
+    for _ in range(args.job_repeats):  # the jobs in turn, so a change of load hits each
+        for name, extra, code in jobs:
+            with tempfile.TemporaryDirectory() as root:
+                secs, out = run_job(common + extra, root, code)
+            runs[name] = (secs, out)
+            walls[name].append(secs)
+            print(f"{name}: {secs:.0f}s", flush=True)
+    lines += ["| job | wall s (median) | each run | final line |", "| --- | --- | --- | --- |"]
+    for name, (_, out) in runs.items():
         final = [ln for ln in out.splitlines() if ln.startswith("final: ")]
-        lines.append(f"| {name} | {secs:.0f} | `{final[-1] if final else '?'}` |")
+        lines.append(f"| {name} | {statistics.median(walls[name]):.0f} | {', '.join(f'{w:.0f}' for w in walls[name])} "
+                     f"| `{final[-1] if final else '?'}` |")
+    if args.job_before:
+        after, before = walls["raw ids, managed collision"], walls["raw ids, managed collision, code before"]
+        hashed = walls["hashed ids"]
+        lines += ["", f"Paired ratios (median over repeats): raw ids / hashed ids = "
+                      f"{statistics.median(a / h for a, h in zip(after, hashed)):.2f} (code before: "
+                      f"{statistics.median(b / h for b, h in zip(before, hashed)):.2f}); raw ids, now / before = "
+                      f"{statistics.median(a / b for a, b in zip(after, before)):.2f}."]
     per_epoch = [ln for ln in runs["raw ids, managed collision"][1].splitlines()
                  if re.match(r"managed collision, epoch", ln)]
     lines += ["", "Per epoch (printed by the job):", "", *[f"    {ln}" for ln in per_epoch]]
@@ -294,6 +403,8 @@ def main(argv=None) -> None:
         f"Paired ratios (median over rounds): remap / lookup = {ratio['remap']:.2f}, "
         f"(remap + lookup) / lookup = {ratio['both']:.2f}.",
     ]
+    if args.tables:
+        lines += ["", *many_tables_section(args)]
     if args.world:
         lines += ["", *sharded_section(args)]
     if args.main_job:

@@ -22,7 +22,13 @@ import torch
 import torch.distributed as dist
 
 from lightning_rec.mc import _remap
-from lightning_rec.mc.modules import ManagedCollisionCollection, MCHManagedCollisionModule, rebuild, split_by_table
+from lightning_rec.mc.modules import (
+    ManagedCollisionCollection,
+    MCHManagedCollisionModule,
+    rebuild,
+    remap_tables,
+    split_by_table,
+)
 from lightning_rec.sharding import ShardedCollection
 from lightning_rec.sharding.dists import Received
 from lightning_rec.sparse import KeyedJaggedTensor
@@ -142,15 +148,16 @@ def remap_sharded(
     # owner side: recv_vals is [src rank][feature] segments; remap each table's ids together
     recv_segs = list(torch.split(recv_vals, recv_counts.flatten().tolist()))
     out_segs = list(recv_segs)
-    results = {}
+    idxs, ids = [], []
     for t, m in mods.items():
         m.begin_step()
         idx = [r * nf + j for r in range(world) for j in range(nf) if feats[j][0] == t]
-        ids = torch.cat([recv_segs[k] for k in idx]) if idx else torch.zeros(0, dtype=torch.int64)
-        res = m.remap(ids)
+        idxs.append(idx)
+        ids.append(torch.cat([recv_segs[k] for k in idx]) if idx else torch.zeros(0, dtype=torch.int64))
+    results = dict(zip(mods, remap_tables(list(mods.values()), ids)))
+    for idx, res in zip(idxs, results.values()):
         for k, o in zip(idx, torch.split(res.slots, [recv_segs[k].numel() for k in idx])):
             out_segs[k] = o
-        results[t] = res
     back = _all_to_all(torch.cat(out_segs) if out_segs else recv_vals, recv_split, send_split, group)
     # sender side: back is [dest rank][feature]; undo the sort by destination
     back_segs = torch.split(back, counts.flatten().tolist())
@@ -184,14 +191,17 @@ def remap_received(
     names = [t.name for t in coll.tables]
     mine = routing.my_routes
     segs = list(torch.split(recv.values, recv.ids_per_route())) if mine else []
-    results = {}
-    for t, m in mods.items():
-        ks = [k for k, r in enumerate(mine) if names[r.table] == t]
-        ids = torch.cat([segs[k] for k in ks]).cpu() if ks else torch.zeros(0, dtype=torch.int64)
-        res = m.remap(ids)
+    # one pass over every table (``remap_tables``): the fixed cost of a remap is paid once, not per table
+    routes_of: dict[str, list[int]] = {t: [] for t in mods}
+    for k, r in enumerate(mine):
+        if names[r.table] in routes_of:
+            routes_of[names[r.table]].append(k)
+    ids = [torch.cat([segs[k] for k in ks]).cpu() if ks else torch.zeros(0, dtype=torch.int64)
+           for ks in routes_of.values()]
+    results = dict(zip(mods, remap_tables(list(mods.values()), ids)))
+    for ks, res in zip(routes_of.values(), results.values()):
         for k, rows in zip(ks, torch.split(res.slots, [segs[k].numel() for k in ks])):
             segs[k] = (rows - mine[k].shard.row_offset).to(recv.values.device)
-        results[t] = res
     if not segs:
         return recv, results
     return dataclasses.replace(recv, values=torch.cat(segs)), results

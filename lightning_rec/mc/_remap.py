@@ -60,6 +60,22 @@ def hashed_uniform(ids: torch.Tensor, dim: int, seed: int, low: float, high: flo
     return low + (high - low) * u
 
 
+def hashed_uniform_rows(ids: torch.Tensor, dim: int, seeds: torch.Tensor, low: torch.Tensor | float,
+                        high: torch.Tensor | float) -> torch.Tensor:
+    """``hashed_uniform`` of several tables at once: row ``i`` uses ``seeds[i]``, ``low[i]``, ``high[i]`` (float64
+    tensors, or one float for every row).
+
+    Bit for bit what ``hashed_uniform`` gives each table: the float32 arithmetic on the same float32-rounded
+    ``low`` and ``high - low`` (torch rounds a Python scalar to the tensor's dtype).
+    """
+    base = splitmix64(ids.to(torch.int64) ^ seeds)
+    cols = torch.arange(dim, dtype=torch.int64) * _GOLDEN
+    u = _srl(splitmix64(base[:, None] + cols), 40).to(torch.float32) / float(1 << 24)
+    if not torch.is_tensor(low):
+        return low + (high - low) * u
+    return low.to(torch.float32)[:, None] + (high - low).to(torch.float32)[:, None] * u
+
+
 def _rank_in_group(sorted_groups: torch.Tensor) -> torch.Tensor:
     """Position of each element within its run of equal values (input sorted by group)."""
     n = sorted_groups.numel()
@@ -140,6 +156,9 @@ def remap_step(
     update: bool = True,
 ) -> StepResult:
     """Remap one step's ids in place of the state tensors (``raw_ids``, ``last_access``, ``counts``).
+
+    The modules run these rules for all tables at once (``_batch.remap_batch``); this one-table version is
+    their reference (tests, benchmarks).
 
     With ``update=False`` (evaluation) nothing changes: known ids get their rows, new ids the fallback row.
 

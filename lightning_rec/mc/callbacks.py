@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_rec.mc.embedding import _ManagedCollisionWrapper
 
@@ -19,18 +20,26 @@ class ManagedCollisionCallback(L.Callback):
     """Resize managed-collision tables at epoch boundaries and log each epoch's hit rate and evictions.
 
     Args:
-        resize_at: ``{epoch: num_buckets}``; at the start of that epoch every managed table is resized
-            (ids, rows and optimizer state migrate; see ``resize``). Works sharded: every rank resizes its
-            own buckets.
+        resize_at: ``{epoch: num_buckets}`` or ``{epoch: {table: num_buckets}}``; at the start of that epoch
+            every managed table (or each table named) is resized (ids, rows and optimizer state migrate; see
+            ``resize``). Works sharded: every rank resizes its own buckets.
+        resize_by: ``{epoch: factor}``; at the start of that epoch every managed table's bucket count is
+            multiplied by ``factor`` (``2`` doubles, ``0.5`` halves), so tables with different bucket counts
+            (the DLRM job caps them by table size) resize together. A table the product does not fit (a
+            3-row table cannot take 2 buckets) keeps its count, with a warning naming it.
         log_stats: log ``mc/<path>/<table>/hit_rate`` and ``.../evicted`` per epoch (summed over ranks), and
             over every managed table ``mc/hit_rate`` and ``mc/evicted``. A hit is an id (counted with
             repeats) that already held a row; evictions are ids that lost their row to a new id.
         print_stats: rank 0 also prints one line per epoch with those totals.
     """
 
-    def __init__(self, resize_at: Mapping[int, int] | None = None, log_stats: bool = True,
-                 print_stats: bool = False) -> None:
-        self.resize_at = {int(k): int(v) for k, v in (resize_at or {}).items()}
+    def __init__(self, resize_at: Mapping[int, int | Mapping[str, int]] | None = None, log_stats: bool = True,
+                 print_stats: bool = False, resize_by: Mapping[int, float] | None = None) -> None:
+        self.resize_at = {int(k): (dict(v) if isinstance(v, Mapping) else int(v)) for k, v in (resize_at or {}).items()}
+        self.resize_by = {int(k): float(v) for k, v in (resize_by or {}).items()}
+        both = sorted(set(self.resize_at) & set(self.resize_by))
+        if both:
+            raise ValueError(f"ManagedCollisionCallback: epochs {both} are in both resize_at and resize_by")
         self.log_stats = log_stats
         self.print_stats = print_stats
         self._totals: dict[str, list[int]] = {}
@@ -39,9 +48,18 @@ class ManagedCollisionCallback(L.Callback):
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._totals = {}
         n = self.resize_at.get(trainer.current_epoch)
-        if n is not None:
-            for _, m in managed_collision_modules(pl_module):
+        factor = self.resize_by.get(trainer.current_epoch)
+        for _, m in managed_collision_modules(pl_module):
+            if n is not None:
                 m.resize(n)
+            elif factor is not None:
+                counts = m.scaled_num_buckets(factor, skip_unfit=True)
+                kept = sorted(set(m.mc_stats()) - set(counts))
+                if kept:
+                    rank_zero_warn(f"ManagedCollisionCallback: resize_by={factor} at epoch {trainer.current_epoch} "
+                                   f"does not fit tables {kept} (their rows do not split into that many buckets); "
+                                   "they keep their bucket counts")
+                m.resize(counts)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
         for path, m in managed_collision_modules(pl_module):

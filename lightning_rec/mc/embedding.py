@@ -10,7 +10,8 @@ exchange before the lookup (``_dist.remap_sharded``).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from fractions import Fraction
 
 import torch
 from torch import nn
@@ -51,6 +52,7 @@ class _ManagedCollisionWrapper(nn.Module):
         self._return_remapped_features = return_remapped_features
         self._row_init = row_init
         self._seed = int(seed)
+        self._table_seeds: dict[str, int] = {}
         self._configs = configs
         self._optimizers: list[weakref.ref] = []
         self._owner_cache: dict[tuple, _dist.Ownership] = {}
@@ -89,8 +91,11 @@ class _ManagedCollisionWrapper(nn.Module):
                 out[t] = (tables[t].weight, offset)
         return out
 
-    def _state_tensors(self, table: str, weight: torch.Tensor) -> list[torch.Tensor]:
-        """Per-row optimizer state of ``table``: registered torch optimizers and fused kernels."""
+    def _state_tensors(self, table: str, weight: torch.Tensor, fused: dict | None = None) -> list[torch.Tensor]:
+        """Per-row optimizer state of ``table``: registered torch optimizers and fused kernels.
+
+        ``fused``: ``_fused_states()`` when the caller already read it (once per step).
+        """
         found = []
         for ref in self._optimizers:
             opt = ref()
@@ -99,35 +104,91 @@ class _ManagedCollisionWrapper(nn.Module):
             for v in opt.state.get(weight, {}).values():
                 if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == weight.shape[0]:
                     found.append(v)
-        coll = self._embedding_module
-        if isinstance(coll, ShardedCollection):
-            for k in coll.fused_kernels():
-                found += list(k.optimizer_states().get(table, {}).values())
+        if fused is None:
+            fused = self._fused_states()
+        found += fused.get(table, [])
         return found
 
-    def _reinit_rows(self, table: str, rows: torch.Tensor, ids: torch.Tensor) -> None:
+    def _fused_states(self) -> dict[str, list[torch.Tensor]]:
+        """``{table: fused kernels' per-row state tensors}`` (views of the live state)."""
+        coll = self._embedding_module
+        out: dict[str, list[torch.Tensor]] = {}
+        if isinstance(coll, ShardedCollection):
+            for k in coll.fused_kernels():
+                for t, st in k.optimizer_states().items():
+                    out.setdefault(t, []).extend(st.values())
+        return out
+
+    def _reinit_all(self, results: dict[str, _remap.StepResult]) -> None:
+        """Re-initialise the rows new ids took in every table (weights and optimizer state), one pass per step."""
+        admitted = {t: r for t, r in results.items() if r.admitted_slots.numel()}
+        if not admitted:
+            return
+        held = self._table_weights()
+        fused = self._fused_states()
+        admitted = {t: r for t, r in admitted.items() if t in held}
+        values = self._uniform_values(admitted) if self._row_init == "uniform" else {}
+        for t, r in admitted.items():
+            self._reinit_rows(t, r.admitted_slots, r.admitted_ids, held[t], fused, values.get(t))
+
+    def _uniform_values(self, admitted: dict[str, _remap.StepResult]) -> dict[str, torch.Tensor]:
+        """``_reinit_values`` of every table's admitted ids, one hash pass per embedding width."""
+        by_dim: dict[int, list[str]] = {}
+        for t in admitted:
+            by_dim.setdefault(self._configs[t].embedding_dim, []).append(t)
+        out = {}
+        for dim, tables in by_dim.items():
+            n = torch.tensor([admitted[t].admitted_ids.numel() for t in tables])
+            cfgs = [self._configs[t] for t in tables]
+
+            def per_row(xs, dtype, n=n):
+                return torch.repeat_interleave(torch.tensor(xs, dtype=dtype), n)
+
+            lows, highs = [c.weight_init_min for c in cfgs], [c.weight_init_max for c in cfgs]
+            one_range = len(set(lows)) == 1 and len(set(highs)) == 1  # scalars: cheaper than per-row tensors
+            vals = _remap.hashed_uniform_rows(
+                torch.cat([admitted[t].admitted_ids for t in tables]), dim,
+                per_row([self._table_seed(t) for t in tables], torch.int64),
+                lows[0] if one_range else per_row(lows, torch.float64),
+                highs[0] if one_range else per_row(highs, torch.float64))
+            out.update(zip(tables, torch.split(vals, n.tolist())))
+        return out
+
+    def _reinit_rows(self, table: str, rows: torch.Tensor, ids: torch.Tensor,
+                     held: tuple[torch.Tensor, int] | None = None, fused: dict | None = None,
+                     values: torch.Tensor | None = None) -> None:
         if rows.numel() == 0:
             return
-        held = self._table_weights(table).get(table)
         if held is None:
-            return
+            held = self._table_weights(table).get(table)
+            if held is None:
+                return
         weight, offset = held
         local = (rows - offset).to(weight.device)
         with torch.no_grad():
             cfg = self._configs[table]
             if self._row_init == "uniform":
-                weight[local] = self._reinit_values(table, ids, cfg).to(weight.device, weight.dtype)
+                if values is None:
+                    values = self._reinit_values(table, ids, cfg)
+                weight[local] = values.to(weight.device, weight.dtype)
             elif self._row_init == "zeros":
                 weight[local] = 0
             elif callable(self._row_init):
                 weight[local] = self._row_init(weight[local], ids).to(weight.device, weight.dtype)
-            for v in self._state_tensors(table, weight):
+            for v in self._state_tensors(table, weight, fused):
                 v[local] = 0
 
     def _reinit_values(self, table: str, ids: torch.Tensor, cfg) -> torch.Tensor:
         # a pure function of (seed, table, id): every rank and layout re-initialises a row identically
-        seed = int(_remap.splitmix64(torch.tensor([self._seed])).item()) ^ hash_name(table)
-        return _remap.hashed_uniform(ids, cfg.embedding_dim, seed, cfg.weight_init_min, cfg.weight_init_max)
+        return _remap.hashed_uniform(ids, cfg.embedding_dim, self._table_seed(table), cfg.weight_init_min,
+                                     cfg.weight_init_max)
+
+    def _table_seed(self, table: str) -> int:
+        seed = self._table_seeds.get(table)
+        if seed is None:
+            seed = int(_remap.splitmix64(torch.tensor([self._seed])).item()) ^ hash_name(table)
+            self._table_seeds[table] = seed
+        return seed
 
     def _move_rows(self, table: str, src: torch.Tensor, dst: torch.Tensor) -> None:
         if src.numel() == 0:
@@ -169,21 +230,54 @@ class _ManagedCollisionWrapper(nn.Module):
         self._move_rows(t, src[moving], dst[moving])
         return evicted
 
-    def resize(self, num_buckets: int) -> dict[str, int]:
-        """Change every managed table's bucket count; ids, rows and optimizer state move with the ids.
+    def resize(self, num_buckets: int | Mapping[str, int]) -> dict[str, int]:
+        """Change managed tables' bucket counts; ids, rows and optimizer state move with the ids.
 
-        ``num_buckets`` must divide each table and be a multiple or divisor of the current count. Returns
+        ``num_buckets``: one count for every managed table, or ``{table: count}`` (tables left out keep
+        theirs). A count must divide its table and be a multiple or divisor of the current count. Returns
         ``{table: ids evicted}`` (only a split can evict: a half-bucket with more ids than rows keeps the
         ones its policy ranks first). Sharded: every rank calls it (no communication is needed, since a new
         bucket's rows lie on the rank that owned the old rows); shard boundaries must fall on new buckets.
         """
-        owners = self._prepare()
         mods = self._managed_collision_collection.modules_by_table()
-        for t, m in mods.items():
-            m.check_num_buckets(num_buckets, int(m._mch_num_buckets))
+        if isinstance(num_buckets, Mapping):
+            unknown = sorted(set(num_buckets) - set(mods))
+            if unknown:
+                raise ValueError(f"resize: tables {unknown} are not managed tables of this module ({sorted(mods)})")
+            counts = {t: int(n) for t, n in num_buckets.items()}
+        else:
+            counts = dict.fromkeys(mods, int(num_buckets))
+        owners = self._prepare()
+        for t, n in counts.items():
+            m = mods[t]
+            m.check_num_buckets(n, int(m._mch_num_buckets))
             if owners is not None:
-                _dist.check_alignment(self._embedding_module, t, m.zch_size, num_buckets)
-        return {t: self._resize_table(t, m, num_buckets, owners) for t, m in mods.items()}
+                _dist.check_alignment(self._embedding_module, t, m.zch_size, n)
+        return {t: self._resize_table(t, mods[t], n, owners) for t, n in counts.items()}
+
+    def scaled_num_buckets(self, factor: float, skip_unfit: bool = False) -> dict[str, int]:
+        """``{table: current bucket count x factor}`` (e.g. 2 or 0.5) for ``resize``.
+
+        Raises where the product is not a bucket count the table takes (a whole divisor of its rows); with
+        ``skip_unfit=True`` such tables are left out instead (they keep their count).
+        """
+        f = Fraction(factor).limit_denominator(1 << 20)
+        if f <= 0:
+            raise ValueError(f"resize factor must be positive, got {factor}")
+        out = {}
+        for t, m in self._managed_collision_collection.modules_by_table().items():
+            n = m.num_buckets * f
+            try:
+                if n.denominator != 1:
+                    raise ValueError(f"managed collision table {t!r}: {m.num_buckets} buckets x {factor} is not a "
+                                     "whole bucket count")
+                m.check_num_buckets(int(n), m.num_buckets)
+            except ValueError:
+                if skip_unfit:
+                    continue
+                raise
+            out[t] = int(n)
+        return out
 
     def remap(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Remap ``features`` (advancing the step, admitting and evicting ids); collective when sharded."""
@@ -193,8 +287,7 @@ class _ManagedCollisionWrapper(nn.Module):
         else:
             kjt, results = _dist.remap_sharded(self._managed_collision_collection, features,
                                                self._embedding_module, owners)
-        for t, res in results.items():
-            self._reinit_rows(t, res.admitted_slots, res.admitted_ids)
+        self._reinit_all(results)
         return kjt
 
     def _lookup(self, features: KeyedJaggedTensor):
@@ -215,8 +308,7 @@ class _ManagedCollisionWrapper(nn.Module):
 
         def on_received(recv):
             recv, results = _dist.remap_received(coll, mods, recv)
-            for t, res in results.items():
-                self._reinit_rows(t, res.admitted_slots, res.admitted_ids)
+            self._reinit_all(results)
             return recv
 
         coll.route_raw_ids({t: _dist.row_key(m) for t, m in mods.items()}, on_received)

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_rec.configs import BaseEmbeddingConfig
 from lightning_rec.kernels import TableContainer
-from lightning_rec.mc import _remap
+from lightning_rec.mc import _batch, _remap
 from lightning_rec.sparse import KeyedJaggedTensor
 
 DEFAULT_NUM_BUCKETS = 768
@@ -134,8 +134,9 @@ class MCHManagedCollisionModule(nn.Module):
         ``group``: the shard group when sharded; ``state_dict`` then gathers every rank's rows (collective).
         """
         self._group = group
-        changed_owner = (owned is None) != (self._owned is None) or (
-            owned is not None and not torch.equal(owned, self._owned)
+        # the wrapper passes the same cached mask every step: skip the O(table) comparison then
+        changed_owner = owned is not self._owned and (
+            (owned is None) != (self._owned is None) or (owned is not None and not torch.equal(owned, self._owned))
         )
         if self._index is None or changed_owner or int(self._mch_generation) != self._index_generation:
             self._owned = owned
@@ -186,19 +187,19 @@ class MCHManagedCollisionModule(nn.Module):
 
         In eval mode (``module.eval()``) the state is only read: new ids get their bucket's fallback row.
         """
+        return remap_tables([self], [ids])[0]
+
+    def _table_state(self) -> _batch.TableState:
         if self._index is None:
             self.prepare()
-        if ids.numel() and int(ids.min()) < 0:
-            raise ValueError(f"managed collision {self._label()}: raw ids must be non-negative, got {int(ids.min())}")
-        res = _remap.remap_step(
-            ids.to(torch.int64), self._mch_raw_ids, self._mch_last_access, self._mch_counts, self._index,
-            int(self._mch_num_buckets), int(self._mch_step), self._eviction_policy.name, update=self.training,
-        )
+        return _batch.TableState(self._mch_raw_ids, self._mch_last_access, self._mch_counts, self._index,
+                                 int(self._mch_num_buckets), int(self._mch_step), self._eviction_policy.name == "lfu")
+
+    def _after_remap(self, res: _remap.StepResult) -> None:
         if res.admitted_slots.numel():
             self._touch()
         self.last_stats = {"lookups": res.lookups, "hits": res.hits, "evicted": res.evicted,
                            "admitted": int(res.admitted_slots.numel()), "unadmitted": res.unadmitted}
-        return res
 
     def resize_plan(self, num_buckets: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Move ids to ``num_buckets`` buckets; returns ``(src_rows, dst_rows, evicted)`` for the caller's rows."""
@@ -225,6 +226,26 @@ class MCHManagedCollisionModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"zch_size={self._zch_size}, num_buckets={self._target_num_buckets}, policy={self._eviction_policy}"
+
+
+def remap_tables(mods: Sequence[MCHManagedCollisionModule], ids: Sequence[torch.Tensor]) -> list[_remap.StepResult]:
+    """``[m.remap(v) for m, v in zip(mods, ids)]`` in one pass over all tables (``_batch.remap_batch``).
+
+    Modules in eval mode only read their state; training and eval modules are remapped in two passes.
+    """
+    vals = [v.to(torch.int64) for v in ids]
+    for m, v in zip(mods, vals):
+        if v.numel() and int(v.min()) < 0:
+            raise ValueError(f"managed collision {m._label()}: raw ids must be non-negative, got {int(v.min())}")
+    out: list[_remap.StepResult | None] = [None] * len(mods)
+    for training in (True, False):
+        pick = [i for i, m in enumerate(mods) if m.training == training]
+        if pick:
+            res = _batch.remap_batch([vals[i] for i in pick], [mods[i]._table_state() for i in pick], update=training)
+            for i, r in zip(pick, res):
+                mods[i]._after_remap(r)
+                out[i] = r
+    return out  # type: ignore[return-value]
 
 
 def _gather_state_hook(module: MCHManagedCollisionModule, state_dict, prefix, local_metadata):
@@ -331,15 +352,16 @@ def remap_local(
     if not isinstance(kjt, KeyedJaggedTensor):
         raise TypeError(f"expected a KeyedJaggedTensor, got {type(kjt).__name__}")
     segs, by_table = split_by_table(mcc, kjt)
-    results = {}
-    for t, m in mcc.modules_by_table().items():
+    mods = mcc.modules_by_table()
+    ids = []
+    for t, m in mods.items():
         m.prepare()
         m.begin_step()
         pos = by_table.get(t, [])
-        ids = torch.cat([segs[i] for i in pos]) if pos else torch.zeros(0, dtype=torch.int64)
-        res = m.remap(ids)
-        out = torch.split(res.slots, [segs[i].numel() for i in pos])
-        for i, o in zip(pos, out):
+        ids.append(torch.cat([segs[i] for i in pos]) if pos else torch.zeros(0, dtype=torch.int64))
+    results = dict(zip(mods, remap_tables(list(mods.values()), ids)))
+    for t, res in results.items():
+        pos = by_table.get(t, [])
+        for i, o in zip(pos, torch.split(res.slots, [segs[i].numel() for i in pos])):
             segs[i] = o
-        results[t] = res
     return rebuild(kjt, segs), results

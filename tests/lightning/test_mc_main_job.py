@@ -11,10 +11,16 @@ from __future__ import annotations
 import contextlib
 import io
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
 
+from lightning_rec.data import ClickDataModule
+from lightning_rec.models.lightning_dlrm import managed_tables, tables_from_cardinalities
 from lightning_rec.testing import run_distributed
 
 CONFIG = """
@@ -95,3 +101,53 @@ def test_main_job_raw_ids_two_processes_match_one_and_resume_on_one(tmp_path, po
     m = r0["metrics"]
     assert final and f"mc hit rate {m['mc/hit_rate']:.4f} evicted {int(m['mc/evicted']):,}" in final[-1]
     assert not [ln for ln in r1["stdout"].splitlines() if ln.startswith("final: ")]
+
+
+RESIZE_CALLBACK = """    - class_path: lightning_rec.ManagedCollisionCallback
+      init_args: {{print_stats: true, resize_by: {{1: 2}}}}
+"""
+
+
+def _bucket_counts(ckpt: Path) -> dict[str, int]:
+    """Each managed table's bucket count in a checkpoint directory (read with torch.distributed.checkpoint)."""
+    keys = [k for k in dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
+            if k.endswith("._mch_num_buckets")]
+    state = {k: torch.zeros((), dtype=torch.int64) for k in keys}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized": one process is meant
+        dcp.load(state, storage_reader=dcp.FileSystemReader(ckpt))
+    return {k.split("._managed_collision_modules.")[1].rsplit(".", 1)[0]: int(v) for k, v in state.items()}
+
+
+@pytest.mark.slow
+def test_main_job_resizes_tables_with_different_bucket_counts(tmp_path) -> None:
+    """``resize_by={1: 2}`` doubles every table's (capped, so differing) bucket count at epoch 1, from the CLI:
+    2 processes print the same per-epoch remap totals as 1, and every table ends with twice its buckets."""
+    configs = []
+    for name, batch in (("one", 128), ("two", 64)):
+        path = Path(_config(tmp_path, name, "lru", batch))
+        lines = path.read_text().splitlines(keepends=True)
+        at = next(i for i, ln in enumerate(lines) if "filename: dlrm-final" in ln) + 1
+        path.write_text("".join(lines[:at]) + RESIZE_CALLBACK.format() + "".join(lines[at:]))
+        configs.append(str(path))
+    (one,) = run_distributed(_job, 1, configs[0], [], init_process_group=False, timeout_s=300)
+    r0, _ = run_distributed(_job, 2, configs[1], [], init_process_group=False, timeout_s=300)
+    want = _epoch_lines(one["stdout"])
+    assert len(want) == 2 and _epoch_lines(r0["stdout"]) == want
+    before, rows = _bucket_counts_at_start(tmp_path)
+    after = _bucket_counts(tmp_path / "one" / "checkpoints" / "dlrm-final.ckpt")
+    assert len(set(before.values())) > 1  # the tables' counts differ: one count for all could not resize them
+    # doubled where the table's rows split into twice the buckets (tiny tables keep theirs, with a warning)
+    fits = {t: 2 * n if rows[t] % (2 * n) == 0 else n for t, n in before.items()}
+    assert after == fits and sum(after[t] != before[t] for t in after) >= 20
+    assert _bucket_counts(tmp_path / "two" / "checkpoints" / "dlrm-final.ckpt") == after
+
+
+def _bucket_counts_at_start(tmp_path) -> tuple[dict[str, int], dict[str, int]]:
+    """The bucket counts and rows the job's tables start with (the DLRM's managed_tables rule for this config)."""
+
+    cfg = yaml.safe_load(CONFIG.format(root=tmp_path, policy="lru", batch=64))
+    dm = ClickDataModule(**cfg["data"])
+    names = [f"cat_{i}" for i in range(26)]
+    _, mods = managed_tables(tables_from_cardinalities(names, dm.cardinalities, 8), cfg["model"]["managed_collision"])
+    return {t: m.num_buckets for t, m in mods.items()}, {t: m.zch_size for t, m in mods.items()}
