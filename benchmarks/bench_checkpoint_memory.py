@@ -19,7 +19,6 @@ import platform
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -27,16 +26,13 @@ import torch
 
 sys.path.insert(0, os.environ.get("BENCH_LIB", str(Path(__file__).resolve().parent.parent)))
 
+from _memory import peak_during, rss_mib
+
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, ShardingPlan
 from lightning_rec import checkpoint as ckpt
 from lightning_rec.sharding import fused_optimizer, row_wise, shard_modules
 from lightning_rec.sparse import KeyedJaggedTensor
 from lightning_rec.testing import run_distributed
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _model(rows: int, dim: int):
@@ -46,27 +42,11 @@ def _model(rows: int, dim: int):
     return model, fused_optimizer(model)
 
 
-def _peak_during(fn) -> float:
-    peak, done = [0.0], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], _rss_mb())
-            time.sleep(0.001)
-
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
-    fn()
-    done.set()
-    t.join()
-    return max(peak[0], _rss_mb())
-
-
 def _job(rank: int, ws: int, rows: int, dim: int, path: str, chunk: bool) -> dict:
     if hasattr(ckpt, "placement") and not chunk:
         ckpt.placement.CHUNK_BYTES = 1 << 62
     gc.collect()
-    base = _rss_mb()
+    base = rss_mib()
     model, opt = _model(rows, dim)
     ids = torch.arange(rank, rows, max(1, rows // 4096))
     kjt = KeyedJaggedTensor(["f"], ids, lengths=torch.ones(len(ids), dtype=torch.long))
@@ -80,10 +60,10 @@ def _job(rank: int, ws: int, rows: int, dim: int, path: str, chunk: bool) -> dic
     model, opt = _model(rows, dim)
     gc.collect()
     t0 = time.perf_counter()
-    peak = _peak_during(lambda: ckpt.load(path, model, [opt]))
+    _, peak = peak_during(lambda: ckpt.load(path, model, [opt]))
     load_s = time.perf_counter() - t0
     gc.collect()
-    steady = _rss_mb()
+    steady = rss_mib()
     return {"steady": steady - base, "peak": peak - base, "save_s": save_s, "load_s": load_s}
 
 

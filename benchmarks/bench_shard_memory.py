@@ -22,7 +22,6 @@ import gc
 import os
 import platform
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -31,39 +30,18 @@ import torch
 
 sys.path.insert(0, os.environ.get("BENCH_LIB", str(Path(__file__).resolve().parent.parent)))
 
+from _memory import peak_during, rss_mib
+
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, ShardingPlan
 from lightning_rec.sharding import fused_optimizer, row_wise, shard_modules
 from lightning_rec.sparse import KeyedJaggedTensor
 from lightning_rec.testing import run_distributed
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _peak_during(fn):
-    peak, done = [0.0], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], _rss_mib())
-            time.sleep(0.001)
-
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
-    try:
-        out = fn()
-    finally:
-        done.set()
-        t.join()
-    return out, max(peak[0], _rss_mib())
-
-
 def _job(rank: int, ws: int, rows: int, dim: int, build: str, fused: bool) -> dict:
     torch.set_num_threads(1)
     gc.collect()
-    base = _rss_mib()
+    base = rss_mib()
     tables = [EmbeddingBagConfig(name="t", num_embeddings=rows, embedding_dim=dim, feature_names=["f"])]
     optimizer = {"kind": "rowwise_adagrad", "lr": 0.1} if fused else None
 
@@ -74,7 +52,7 @@ def _job(rank: int, ws: int, rows: int, dim: int, build: str, fused: bool) -> di
                                  embedding_optimizer=optimizer)
 
     t0 = time.perf_counter()
-    model, peak = _peak_during(build_and_shard)
+    model, peak = peak_during(build_and_shard)
     shard_s = time.perf_counter() - t0
     ids = torch.arange(rank, rows, max(1, rows // 4096))
     kjt = KeyedJaggedTensor(["f"], ids, lengths=torch.ones(len(ids), dtype=torch.long))
@@ -82,7 +60,7 @@ def _job(rank: int, ws: int, rows: int, dim: int, build: str, fused: bool) -> di
     opt = fused_optimizer(model) if fused else torch.optim.SGD(model.parameters(), lr=0.1)
     opt.step()
     gc.collect()
-    steady = _rss_mib()
+    steady = rss_mib()
     return {"peak": peak - base, "steady": steady - base, "shard_s": shard_s}
 
 
