@@ -238,7 +238,7 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
 
     @property
     def peer_devices(self) -> list[torch.device]:
-        """The device each shard-group rank reported at sharding time (ShardedTensor placements)."""
+        """The device each shard-group rank reported at sharding time (the agreement check exchanges them)."""
         return list(self._peer_devices)
 
     @property
