@@ -7,8 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,10 @@ class ShardMeta:
     col_offset: int
     cols: int
     rank: int
+
+    def of(self, full: torch.Tensor) -> torch.Tensor:
+        """This piece of ``full`` (a view)."""
+        return full[self.row_offset : self.row_offset + self.rows, self.col_offset : self.col_offset + self.cols]
 
 
 def even_blocks(total: int, parts: int) -> np.ndarray:

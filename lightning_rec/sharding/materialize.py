@@ -61,7 +61,7 @@ def init_shard(table: BaseEmbeddingConfig, weight: torch.Tensor, shard: ShardMet
 
 
 def materialize(table: BaseEmbeddingConfig, full: torch.Tensor, shard: ShardMeta | None,
-                 device: torch.device) -> torch.Tensor:
+                device: torch.device) -> torch.Tensor:
     """This rank's piece of ``table`` on ``device``: from ``init_fn`` when the module is on the meta device,
     else cut from ``full`` with one copy (none when the piece is the whole table already on ``device``)."""
     shape = tuple(full.shape) if shard is None else (shard.rows, shard.cols)
@@ -71,8 +71,7 @@ def materialize(table: BaseEmbeddingConfig, full: torch.Tensor, shard: ShardMeta
         return w
     if shape == tuple(full.shape):
         return full.to(device)  # the same storage when already there
-    piece = full[shard.row_offset : shard.row_offset + shard.rows, shard.col_offset : shard.col_offset + shard.cols]
-    return torch.empty(shape, dtype=full.dtype, device=device).copy_(piece)
+    return torch.empty(shape, dtype=full.dtype, device=device).copy_(shard.of(full))
 
 
 def filler(table: BaseEmbeddingConfig, full: torch.Tensor, shard: ShardMeta | None):
@@ -80,13 +79,11 @@ def filler(table: BaseEmbeddingConfig, full: torch.Tensor, shard: ShardMeta | No
     the table's init applied to the kernel's own storage."""
     if full.is_meta:
         return lambda w: init_shard(table, w, shard)
-    if shard is None:
-        return full
-    return full[shard.row_offset : shard.row_offset + shard.rows, shard.col_offset : shard.col_offset + shard.cols]
+    return full if shard is None else shard.of(full)
 
 
 def warn_large_tables(tables: list[BaseEmbeddingConfig], weights: list[torch.Tensor],
-                       shards: Mapping[str, list[ShardMeta] | None], me: int) -> None:
+                      shards: Mapping[str, list[ShardMeta] | None], me: int) -> None:
     """Warn (once per table) when a large full table sits on this rank only to be cut into a smaller piece."""
     for t, w in zip(tables, weights):
         pieces = shards[t.name]

@@ -100,7 +100,7 @@ def load_hook(module: ShardedCollection, state_dict: dict, prefix: str) -> None:
                 )
             if mine:
                 (s,) = mine
-                state_dict[key] = value[s.row_offset : s.row_offset + s.rows, s.col_offset : s.col_offset + s.cols]
+                state_dict[key] = s.of(value)
 
 
 @runtime_checkable
