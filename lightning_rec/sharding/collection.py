@@ -363,7 +363,7 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
             pending = dists.start_input_dist(
                 kjt, weights, self._routing, self._group, self._device, rejected=err is not None,
                 with_positions=self._attr == "embeddings", async_op=async_op, ranks=self._global_ranks,
-                row_keys=self._row_keys,
+                row_keys=self._row_keys, ids_checked=checks_enabled(),
             )
         except dists.InputRejected:
             if err is not None:

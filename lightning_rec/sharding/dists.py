@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lightning_rec.kernels import has_fbgemm_op, load_fbgemm
 from lightning_rec.sharding import comm
 from lightning_rec.sharding.layout import offsets_of
 from lightning_rec.sharding.routing import KEY_SPAN, RoutingTable
@@ -134,30 +135,108 @@ def _keyed(kjt: KeyedJaggedTensor, row_keys: Mapping[int, RowKey] | None) -> tup
     return keyed, raw
 
 
+def _bucket_ids(kjt: KeyedJaggedTensor, keyed: torch.Tensor, routing: RoutingTable
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Every id's bag (counted over all features), feature, bucket (its feature's row block), and rank among
+    the earlier ids of its bag in the same bucket (None where a stable sort must find the order instead).
+
+    With at most two row blocks per feature (row-wise over two ranks) no search or sort is needed: an id's
+    block is whether it reaches its feature's cut, its rank a running count since its bag's start (ids of a
+    bag are contiguous). The torch path, for ids fbgemm's bucketize cannot take (:func:`_fbgemm_payload`).
+    """
+    b, n_keys = kjt.stride(), len(kjt.keys())
+    dev, n = keyed.device, keyed.numel()
+    bag = torch.repeat_interleave(torch.arange(n_keys * b, device=dev), kjt.lengths(), output_size=n)
+    feature = torch.div(bag, b, rounding_mode="floor") if b else bag
+    n_cuts = routing.block_cuts.shape[1]
+    if n_cuts > 1:
+        bucket = torch.searchsorted(routing.bucket_bounds, feature * KEY_SPAN + keyed, right=True) - 1
+        return bag, feature, bucket, None
+    bucket = routing.feature_bucket.index_select(0, feature)
+    in_bag = torch.arange(n, device=dev) - kjt.offsets().index_select(0, bag)
+    if n_cuts == 0:
+        return bag, feature, bucket, in_bag
+    block = (keyed >= routing.block_cuts.view(-1).index_select(0, feature)).long()
+    # rank among the bag's earlier ids of the same block: a running count of block-1 ids since the bag's start
+    ones = torch.cumsum(block, 0) - block
+    ones = ones - ones.index_select(0, torch.arange(n, device=dev) - in_bag)
+    return bag, feature, bucket + block, torch.where(block.bool(), ones, in_bag - ones)
+
+
+def _slot_order(slot: torch.Tensor, n_slots: int, rank: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """How many ids hold every slot, and the ids in stable slot order; ``rank``: each id's rank in its slot."""
+    counts = torch.bincount(slot, minlength=n_slots)
+    if rank is None:
+        return counts, torch.argsort(slot.to(torch.int32), stable=True)  # int32 sorts several times faster
+    dest = (torch.cumsum(counts, 0) - counts).index_select(0, slot) + rank
+    order = torch.empty_like(slot)
+    order[dest] = torch.arange(slot.numel(), device=slot.device)
+    return counts, order
+
+
+_BUCKETIZE = "fbgemm::block_bucketize_sparse_features"
+
+
+def _fbgemm_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable,
+                    with_positions: bool) -> _Outgoing:
+    """:func:`_bucketed_payload` in one pass of fbgemm's block bucketize kernel, for ids already checked.
+
+    Only for checked ids: fbgemm hashes an id outside its table into some block instead of keeping it out of
+    range. Its output is ``[block][feature][bag]``; every route's part is a slice of it. Weights are gathered
+    here (fbgemm's copy of them has no gradient, FBGEMM_CPU.md F13), by the order it reports.
+    """
+    b, n_keys = kjt.stride(), len(kjt.keys())
+    values = kjt.values()
+    n = values.numel()
+    n_blocks = routing.block_bounds[0].numel() - 1 if routing.block_bounds else 1
+    ordered = with_positions or weights is not None
+    load_fbgemm()
+    lengths, ids, _, _, where = torch.ops.fbgemm.block_bucketize_sparse_features(
+        kjt.lengths(), values, False, ordered, torch.ones(n_keys, dtype=values.dtype, device=values.device),
+        n_blocks, None, block_bucketize_pos=list(routing.block_bounds),
+    )
+    seg_ids = lengths.view(n_blocks * n_keys, b).sum(1).tolist() if b else [0] * (n_blocks * n_keys)
+    first = offsets_of(seg_ids)  # the one host sync of the send side: the all-to-all needs split sizes
+    segs = routing.route_segment
+    sent = [seg_ids[s] for s in segs]
+    order = None
+    if ordered:  # fbgemm gives every id's new place; the ids in their new order are its inverse
+        order = torch.empty_like(where)
+        order[where] = torch.arange(n, dtype=where.dtype, device=where.device)
+    ws = None if weights is None else weights.index_select(0, order)
+    positions: list[torch.Tensor | None] = []
+    if with_positions:
+        opk = kjt.offset_per_key()
+        positions = [order[first[s] : first[s + 1]] - opk[f] for s, f in zip(segs, routing.route_features)]
+    lengths = lengths.long()
+    return _Outgoing(None, None, None, sent, positions, pieces=(
+        [lengths[s * b : (s + 1) * b] for s in segs], [ids[first[s] : first[s + 1]] for s in segs],
+        None if ws is None else [ws[first[s] : first[s + 1]] for s in segs],
+    ))
+
+
 def _bucketed_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable,
                       with_positions: bool, row_keys: Mapping[int, RowKey] | None = None) -> _Outgoing:
     """Every route's payload, ids bucketed by row block and made local to it: the same few ops for all features.
 
-    Each id's bucket (feature, row block) comes from one searchsorted in the key space of
-    ``routing.bucket_bounds``; a stable sort by bucket keeps every bucket's ids in bag order; a route reads
-    its bucket's segment (a bucket read by several routes, i.e. column shards of one row block, is copied).
+    Ids are ordered by (bucket, bag) (:func:`_bucket_ids`), which keeps every bucket's ids in bag order; a
+    route reads its bucket's segment (a bucket read by several routes, i.e. column shards of one row block,
+    is copied).
     """
     b, n_keys = kjt.stride(), len(kjt.keys())
-    values, lengths = kjt.values(), kjt.lengths()
-    dev, n = values.device, values.numel()
+    values = kjt.values()
+    dev = values.device
     if routing.bucket_route_rel is not None:
         return _sorted_payload(kjt, weights, routing, with_positions, row_keys)
     keyed, raw = _keyed(kjt, row_keys)
-    bag = torch.repeat_interleave(torch.arange(n_keys * b, device=dev), lengths, output_size=n)
-    feature = torch.div(bag, b, rounding_mode="floor") if b else bag
-    bucket = torch.searchsorted(routing.bucket_bounds, feature * KEY_SPAN + keyed, right=True) - 1
+    bag, feature, bucket, rank = _bucket_ids(kjt, keyed, routing)
     local = keyed - routing.bucket_start[bucket]
     if raw is not None:
         local = torch.where(raw, values, local)
     n_buckets = routing.bucket_bounds.numel()
-    counts = torch.bincount(bucket * b + (bag - feature * b), minlength=n_buckets * b).view(n_buckets, b)
+    counts, order = _slot_order(bucket * b + (bag - feature * b), n_buckets * b, rank)
+    counts = counts.view(n_buckets, b)
     size = counts.sum(1)
-    order = torch.argsort(bucket.to(torch.int32), stable=True)  # int32 sorts several times faster than int64
     route_size = size[routing.route_bucket]
     sent = route_size.tolist()  # the one host sync of the send side: the all-to-all needs split sizes
     bucket_first = torch.cumsum(size, 0) - size
@@ -174,26 +253,24 @@ def _bucketed_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, rout
 
 def _sorted_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable,
                     with_positions: bool, row_keys: Mapping[int, RowKey] | None = None) -> _Outgoing:
-    """:func:`_bucketed_payload` when every row block is read by one route: one stable sort by (route, bag).
+    """:func:`_bucketed_payload` when every row block is read by one route: ids ordered by (route, bag).
 
-    Every id gets the slot ``route * b + bag within the feature`` (ids of unrouted features sort last); a
-    stable sort by slot is the payload's order, and the slots' histogram the routes' bag lengths.
+    Every id gets the slot ``route * b + bag within the feature`` (ids of unrouted features after all
+    routes' slots); the ids in stable slot order are the payload, the slots' histogram the routes' bag lengths.
     """
     b, n_keys = kjt.stride(), len(kjt.keys())
-    values, lengths = kjt.values(), kjt.lengths()
-    dev, n = values.device, values.numel()
+    values = kjt.values()
+    dev = values.device
     n_routes = routing.route_row_start.numel()
-    lpk = torch.tensor(kjt.length_per_key(), dtype=torch.long, device=dev)
-    feature_key = torch.repeat_interleave(torch.arange(n_keys, device=dev) * KEY_SPAN, lpk, output_size=n)
     keyed, raw = _keyed(kjt, row_keys)
-    place = torch.searchsorted(routing.bucket_bounds, feature_key + keyed, right=True)  # bucket + 1
-    bag = torch.repeat_interleave(torch.arange(n_keys * b, device=dev), lengths, output_size=n)
-    slot = (routing.bucket_route_rel * b).index_select(0, place) + bag
-    counts = torch.bincount(slot, minlength=(n_routes + 1) * b)[: n_routes * b]
+    bag, _, bucket, rank = _bucket_ids(kjt, keyed, routing)
+    slot = (routing.bucket_route_rel * b).index_select(0, bucket) + bag
+    counts, order = _slot_order(slot, (n_routes + n_keys) * b, rank)
+    counts = counts[: n_routes * b]
     route_size = counts.view(n_routes, b).sum(1)
     sent = route_size.tolist()  # the one host sync of the send side: the all-to-all needs split sizes
     total = sum(sent)
-    order = torch.argsort(slot.to(torch.int32), stable=True)[:total]  # int32 sorts several times faster
+    order = order[:total]
     first_row = torch.repeat_interleave(routing.route_row_start, route_size, output_size=total)
     positions: list[torch.Tensor | None] = []
     if with_positions:
@@ -252,6 +329,7 @@ def start_input_dist(
     async_op: bool = True,
     ranks: list[int] | None = None,
     row_keys: Mapping[int, RowKey] | None = None,
+    ids_checked: bool = False,
 ) -> PendingInputDist:
     """Send every route's ids (made local to the shard's row block) to the shard owner; the payload flies async.
 
@@ -266,7 +344,8 @@ def start_input_dist(
     sends rank 1 the header ``[2, 0, 0, 2]`` and the payload ``[1, 1, 2, 3]`` (lengths, then ids 7-5, 8-5).
     ``ranks``: the global rank of every group rank, to name them in errors. ``row_keys``: for features fed
     raw ids (managed collision), ``{feature: ids -> a row of the block that owns each id}``; those ids are
-    routed by that row and travel unchanged (their owner remaps them).
+    routed by that row and travel unchanged (their owner remaps them). ``ids_checked``: every id is known to
+    lie in its table (checked by the caller), so fbgemm's bucketize kernel may split them by row block.
     """
     b = 0 if kjt is None else kjt.stride()
     n_ranks, n_mine, n_routes = routing.group_size, len(routing.my_routes), len(routing.route_features)
@@ -275,6 +354,8 @@ def start_input_dist(
                         torch.zeros(0, dtype=torch.long, device=device), None, [0] * n_routes, [])
     elif routing.single_block:
         out = _route_payload(kjt, weights, routing)
+    elif ids_checked and not row_keys and has_fbgemm_op(_BUCKETIZE, device.type):
+        out = _fbgemm_payload(kjt, weights, routing, with_positions)
     else:
         out = _bucketed_payload(kjt, weights, routing, with_positions, row_keys or {})
     if n_ranks == 1:  # this rank is the whole shard group: nothing to exchange

@@ -19,6 +19,7 @@ from lightning_rec.sharding.layout import ShardMeta, offsets_of
 # buckets the ids of all features at once. An id outside its table (only possible with checks off) keeps
 # an out-of-range local id wherever it lands, so the owner's kernel still refuses it.
 KEY_SPAN = 1 << 42
+_NO_END = (1 << 63) - 1  # the block end of a feature no route reads: every id lands in its first block
 
 
 def _empty_long() -> torch.Tensor:
@@ -65,9 +66,17 @@ class RoutingTable:
     bucket_start: torch.Tensor = field(default_factory=_empty_long)  # first row of every bucket's block
     route_bucket: torch.Tensor = field(default_factory=_empty_long)  # the bucket of every route of all_routes
     route_row_start: torch.Tensor = field(default_factory=_empty_long)  # first row of every route's block
-    # when no bucket is read by two routes (no column shards of a row block): indexed by searchsorted's
-    # right-side position (bucket + 1), the bucket's route minus its feature (unread buckets: number of routes
-    # minus the feature), so that ``value * batch + bag`` is the (route, bag) slot of an id
+    feature_bucket: torch.Tensor = field(default_factory=_empty_long)  # first bucket of every feature
+    # [features, most row blocks of a feature - 1]: the first row of every block after a feature's first,
+    # padded with KEY_SPAN: an id's block within its feature is how many of its row's cuts it reaches
+    block_cuts: torch.Tensor = field(default_factory=_empty_long)
+    # fbgemm's block bucketize: per feature, its blocks' first rows and end (as many entries for every feature:
+    # fewer blocks end in empty ones), and per route the (block, feature) segment of its output it reads
+    block_bounds: tuple[torch.Tensor, ...] = ()
+    route_segment: tuple[int, ...] = ()
+    # when no bucket is read by two routes (no column shards of a row block): per bucket, its route minus its
+    # feature (unread buckets: the number of routes), so that ``value * batch + bag`` (bag counted over all
+    # features) is an id's (route, bag) slot, every unread feature's slots after all routes' ones
     bucket_route_rel: torch.Tensor | None = None
     routes_in_order: bool = False  # the routes read every feature once, in order: the payload is the KJT itself
 
@@ -96,6 +105,9 @@ class RoutingTable:
                                    bucket_start=self.bucket_start.to(device),
                                    route_bucket=self.route_bucket.to(device),
                                    route_row_start=self.route_row_start.to(device),
+                                   feature_bucket=self.feature_bucket.to(device),
+                                   block_cuts=self.block_cuts.to(device),
+                                   block_bounds=tuple(t.to(device) for t in self.block_bounds),
                                    bucket_route_rel=None if self.bucket_route_rel is None
                                    else self.bucket_route_rel.to(device))
 
@@ -166,9 +178,19 @@ def build_routing(
     route_bucket = [first_bucket[r.feature] + block_of[(r.table, r.shard.row_offset)] for r in all_routes]
     bucket_feature = [f for f in range(len(feature_table))
                       for _ in range((first_bucket + [len(bounds)])[f + 1] - first_bucket[f])]
-    rel = [len(all_routes) - f for f in bucket_feature]
+    rel = [len(all_routes)] * len(bucket_feature)
     for i, bk in enumerate(route_bucket):
         rel[bk] = i - bucket_feature[bk]
+    per_feature = [[start for bf, start in zip(bucket_feature, starts_of_buckets) if bf == f][1:]
+                   for f in range(len(feature_table))]
+    n_cuts = max((len(c) for c in per_feature), default=0)
+    cuts = [c + [KEY_SPAN] * (n_cuts - len(c)) for c in per_feature]
+    ends = [max((s.row_offset + s.rows for s in table_shards[ti] or []), default=_NO_END) for ti in feature_table]
+    ends = [e if ti in routed_tables else _NO_END for e, ti in zip(ends, feature_table)]
+    block_bounds = tuple(torch.tensor([0, *c, *[e] * (1 + n_cuts - len(c))], dtype=torch.long, device=device)
+                         for c, e in zip(per_feature, ends))
+    route_segment = tuple((bk - first_bucket[r.feature]) * len(feature_table) + r.feature
+                          for bk, r in zip(route_bucket, all_routes))
     unique = len(set(route_bucket)) == len(route_bucket)
     if len(feature_table) >= (1 << 62) // KEY_SPAN or any(s.row_offset + s.rows > KEY_SPAN for shards in table_shards
                                                            for s in shards or []):
@@ -192,6 +214,10 @@ def build_routing(
         bucket_start=torch.tensor(starts_of_buckets, dtype=torch.long, device=device),
         route_bucket=torch.tensor(route_bucket, dtype=torch.long, device=device),
         route_row_start=torch.tensor([r.shard.row_offset for r in all_routes], dtype=torch.long, device=device),
-        bucket_route_rel=torch.tensor(rel[:1] + rel, dtype=torch.long, device=device) if unique and rel else None,
+        feature_bucket=torch.tensor(first_bucket, dtype=torch.long, device=device),
+        block_bounds=block_bounds,
+        route_segment=route_segment,
+        block_cuts=torch.tensor(cuts, dtype=torch.long, device=device).view(len(feature_table), n_cuts),
+        bucket_route_rel=torch.tensor(rel, dtype=torch.long, device=device) if unique and rel else None,
         routes_in_order=[r.feature for r in all_routes] == list(range(len(feature_table))),
     )

@@ -71,14 +71,19 @@ def _case(seed: int):
 def test_payload_matches_a_loop_over_routes_and_bags(seed: int) -> None:
     kjt, weights, routing = _case(seed)
     want = _expected(kjt, weights, routing)
-    paths = [routing]
-    if routing.bucket_route_rel is not None:  # the one-sort path and the general one must agree
-        paths.append(dataclasses.replace(routing, bucket_route_rel=None))
-    for rt in paths:
-        if rt.single_block:
-            out = dists._route_payload(kjt, weights, rt)
-        else:
-            out = dists._bucketed_payload(kjt, weights, rt, with_positions=True)
+    if routing.single_block:
+        outs = [dists._route_payload(kjt, weights, routing)]
+    else:  # torch's one-sort path, its general one and fbgemm's bucketize must all agree
+        outs = [dists._bucketed_payload(kjt, weights, routing, with_positions=True),
+                dists._fbgemm_payload(kjt, weights, routing, with_positions=True)]
+        if routing.bucket_route_rel is not None:
+            outs.append(dists._bucketed_payload(kjt, weights, dataclasses.replace(routing, bucket_route_rel=None),
+                                                with_positions=True))
+        # unweighted and without positions, fbgemm's kernel skips the order: the same ids and lengths
+        bare = dists._fbgemm_payload(kjt, None, routing, with_positions=False)
+        assert [x.tolist() for x in bare.per_route(kjt.stride())[1]] == [w[1] for w in want]
+        assert [x.tolist() for x in bare.per_route(kjt.stride())[0]] == [w[0] for w in want]
+    for out in outs:
         assert out.sent == [len(w[1]) for w in want]
         lengths, values, ws = out.flat(kjt.stride(), torch.device("cpu"))
         assert lengths.tolist() == [n for w in want for n in w[0]]
@@ -89,6 +94,19 @@ def test_payload_matches_a_loop_over_routes_and_bags(seed: int) -> None:
         assert [x.tolist() for x in by_route[0]] == [w[0] for w in want]
         for pos, w in zip(out.positions, want):
             assert (list(range(len(w[3]))) if pos is None else pos.tolist()) == w[3]
+
+
+def test_fbgemm_bucketize_keeps_the_weights_gradient() -> None:
+    # fbgemm's own bucketized weights have no gradient (FBGEMM_CPU.md F13): ours are gathered by its order
+    shards = [[ShardMeta(0, 3, 0, 4, 0), ShardMeta(3, 4, 0, 4, 1)]]
+    routing = build_routing([0], [4], shards, [0], 0, 2)
+    kjt = KeyedJaggedTensor(["a"], torch.tensor([5, 1, 6, 2]), lengths=torch.tensor([3, 1]))
+    w = torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
+    out = dists._fbgemm_payload(kjt, w, routing, with_positions=False)
+    assert [x.tolist() for x in out.pieces[2]] == [[2.0, 4.0], [1.0, 3.0]]
+    assert [x.tolist() for x in out.pieces[1]] == [[1, 2], [2, 3]]
+    sum(p.sum() * (k + 1) for k, p in enumerate(out.pieces[2])).backward()
+    assert w.grad.tolist() == [2.0, 1.0, 2.0, 1.0]
 
 
 def test_weights_travel_as_their_bits_exactly() -> None:
