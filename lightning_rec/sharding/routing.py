@@ -59,7 +59,9 @@ class RoutingTable:
     route_features: tuple[int, ...] = ()  # the feature of every route of ``all_routes``, in that order
     single_block: bool = False  # every routed table is one row block from row 0: ids need no bucketing
     colmap_kind: str = "sum"  # "identity" (output = the block), "permutation" (each column once) or "sum"
-    colmap_parts: tuple[torch.Tensor, ...] = ()  # colmap split by part: data-parallel block, then each rank's
+    # colmap by part (data-parallel block, then each rank's) as runs of adjacent columns: per part
+    # ``(first column in the part, first column in the output, width)``
+    colmap_runs: tuple[tuple[tuple[int, int, int], ...], ...] = ()
     # vectorised bucketing (row blocks): a *bucket* is one row block of one feature, feature-major; a feature
     # of a data-parallel table is one bucket no route reads
     bucket_bounds: torch.Tensor = field(default_factory=_empty_long)  # first key of every bucket, ascending
@@ -100,7 +102,6 @@ class RoutingTable:
 
     def to(self, device: torch.device | str) -> RoutingTable:
         return dataclasses.replace(self, colmap=self.colmap.to(device),
-                                   colmap_parts=tuple(c.to(device) for c in self.colmap_parts),
                                    bucket_bounds=self.bucket_bounds.to(device),
                                    bucket_start=self.bucket_start.to(device),
                                    route_bucket=self.route_bucket.to(device),
@@ -209,7 +210,7 @@ def build_routing(
         route_features=tuple(r.feature for lst in routes_to for r in lst),
         single_block=single_block,
         colmap_kind=colmap_kind,
-        colmap_parts=tuple(torch.split(colmap, sizes)),
+        colmap_runs=tuple(_runs(flat_cols[a : a + n]) for a, n in zip(offsets_of(sizes), sizes)),
         bucket_bounds=torch.tensor(bounds, dtype=torch.long, device=device),
         bucket_start=torch.tensor(starts_of_buckets, dtype=torch.long, device=device),
         route_bucket=torch.tensor(route_bucket, dtype=torch.long, device=device),
@@ -221,3 +222,14 @@ def build_routing(
         bucket_route_rel=torch.tensor(rel, dtype=torch.long, device=device) if unique and rel else None,
         routes_in_order=[r.feature for r in all_routes] == list(range(len(feature_table))),
     )
+
+
+def _runs(cols: list[int]) -> tuple[tuple[int, int, int], ...]:
+    """``cols[i]`` (where column ``i`` of a part goes) as runs ``(first i, first cols[i], length)``."""
+    runs: list[list[int]] = []
+    for i, c in enumerate(cols):
+        if runs and runs[-1][1] + runs[-1][2] == c:
+            runs[-1][2] += 1
+        else:
+            runs.append([i, c, 1])
+    return tuple((a, c, n) for a, c, n in runs)

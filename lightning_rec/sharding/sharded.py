@@ -121,49 +121,69 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         b = kjt.stride()
         dtype = self._out_dtype()
         parts: list[torch.Tensor] = []
-        maps: list[torch.Tensor] = []
+        runs: list[tuple[tuple[int, int, int], ...]] = []
         if routing.dp_tables:
             # (results go to a local first: a graph break inside a call whose caller holds a fresh bound method
             # on its stack makes torch.compile recompile the resumed code at every step)
             dp_pooled = self._dp_lookup(kjt)
             parts.append(dp_pooled)
-            maps.append(routing.colmap_parts[0])
+            runs.append(routing.colmap_runs[0])
         recv = begun.wait()  # the ids travelled while the data-parallel tables looked up
         if recv is not None:
             batches = list(recv.batches)
             pooled = self.lookup(recv, batches)
             blocks = self.output_dist(pooled, batches, b)
             parts.extend(blocks)
-            maps.extend(routing.colmap_parts[1:])
-        out = _place_columns(parts, maps, routing.colmap_kind, b, routing.feat_off[-1], dtype, self._device)
+            runs.extend(routing.colmap_runs[1:])
+        out = _place_columns(parts, runs, routing.colmap_kind, b, routing.feat_off[-1], dtype, self._device)
         out = layout.apply_mean(out, kjt.lengths(), b)
         if self._output_dtype is not None and out.dtype != self._output_dtype:
             out = out.to(self._output_dtype)
         return KeyedTensor(layout.feature_names, layout.dims, out)
 
 
-def _place_columns(parts: list[torch.Tensor], maps: list[torch.Tensor], kind: str, b: int, width: int,
-                   dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The ``[b, width]`` output from blocks whose columns land at ``maps[i]`` (routing's ``colmap``).
+def _place_columns(parts: list[torch.Tensor], runs: tuple[tuple[tuple[int, int, int], ...], ...], kind: str,
+                   b: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The ``[b, width]`` output from blocks whose columns land as ``runs[i]`` say (routing's ``colmap_runs``).
 
-    Already in order: the block itself. Each column once: copied into one preallocated output. Row
-    blocks of a table: added up into place.
+    Already in order: the block itself, or the blocks side by side. Otherwise every run of adjacent columns
+    is copied (each column once) or, for row blocks of a table, added into place.
     """
-    parts = [p for p, cols in zip(parts, maps) if cols.numel()]
-    maps = [cols for cols in maps if cols.numel()]
-    if not parts:
+    kept = [(p, r) for p, r in zip(parts, runs) if r]
+    if not kept:
         return torch.zeros(b, width, dtype=dtype, device=device)
     if kind == "identity":
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    if kind == "sum":
-        out = torch.zeros(b, width, dtype=dtype, device=device)
-        for part, cols in zip(parts, maps):
-            out.index_add_(1, cols, part)
+        return kept[0][0] if len(kept) == 1 else torch.cat([p for p, _ in kept], dim=1)
+    return _PlaceColumns.apply(tuple(r for _, r in kept), kind == "sum", width, *(p for p, _ in kept))
+
+
+class _PlaceColumns(torch.autograd.Function):
+    """Runs of columns copied (or added) into one output; backward gathers each block's runs back.
+
+    In place of ``index_copy_`` / ``index_add_`` over single columns: a run is one strided block copy, and
+    the backward needs neither an ``index_fill`` of the output's gradient nor a gather per column.
+    """
+
+    @staticmethod
+    def forward(ctx, runs, add: bool, width: int, *parts: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        first = parts[0]
+        out = (torch.zeros if add else torch.empty)(first.shape[0], width, dtype=first.dtype, device=first.device)
+        for part, part_runs in zip(parts, runs):
+            for src, dst, n in part_runs:
+                if add:
+                    out[:, dst : dst + n] += part[:, src : src + n]
+                else:
+                    out[:, dst : dst + n].copy_(part[:, src : src + n])
+        ctx.runs = runs
         return out
-    out = torch.empty(b, width, dtype=dtype, device=device)
-    for part, cols in zip(parts, maps):
-        out.index_copy_(1, cols, part)
-    return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        blocks = []
+        for part_runs in ctx.runs:
+            pieces = [grad[:, dst : dst + n] for _, dst, n in part_runs]  # runs are in the part's column order
+            blocks.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1))
+        return None, None, None, *blocks
 
 
 class ShardedEmbeddingCollection(ShardedCollection):

@@ -31,6 +31,7 @@ def test_row_wise_routes_blocks_and_columns() -> None:
     assert rt.dp_tables == () and rt.dp_features == ()
     # both row blocks land on the same 4 output columns: their partial sums add up
     assert rt.colmap.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert rt.colmap_runs == ((), ((0, 0, 4),), ((0, 0, 4),))
     assert rt.has_model_parallel and rt.group_size == 2
 
 
@@ -48,6 +49,8 @@ def test_data_parallel_and_column_shards_map_onto_output_columns() -> None:
     assert rt.colmap.tolist() == want
     # every output column is covered exactly once when no table is row-split
     assert sorted(want) == list(range(14))
+    # the same map as runs of adjacent columns, per part (data-parallel block, rank 0's, rank 1's)
+    assert rt.colmap_runs == (((0, 0, 2),), ((0, 4, 4), (4, 10, 4)), ((0, 2, 2), (2, 8, 2)))
 
 
 def test_zero_row_shards_get_no_route_and_routes_sort_by_table() -> None:
