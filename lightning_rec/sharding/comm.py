@@ -104,16 +104,27 @@ def all_gather_ints(
     return out.view(n, len(values)).tolist()
 
 
-def _all_gather_rows(x: torch.Tensor, counts: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """Every rank's ``x`` (``counts[i]`` rows on rank i of ``group``) stacked in group-rank order."""
+def all_gather_padded(x: torch.Tensor, counts: list[int], group: dist.ProcessGroup) -> tuple[torch.Tensor, int]:
+    """Every rank's ``x`` (``counts[i]`` rows on rank i of ``group``), each padded to the most rows: the
+    gathered ``[ranks * stride, ...]`` tensor and ``stride``, where rank i's rows start (in x's dtype)."""
     wire = _wire_dtype(x, group)
     width = max(counts)
-    padded = torch.zeros(width, *x.shape[1:], dtype=wire, device=x.device)
-    padded[: x.shape[0]] = x
+    if x.shape[0] == width and x.dtype == wire:
+        padded = x.contiguous()
+    else:
+        padded = torch.zeros(width, *x.shape[1:], dtype=wire, device=x.device)
+        padded[: x.shape[0]] = x
     gathered = torch.empty(width * len(counts), *x.shape[1:], dtype=wire, device=x.device)
     _all_gather_single(gathered, padded, group=group)
-    pieces = [gathered[i * width : i * width + n] for i, n in enumerate(counts)]
-    return torch.cat(pieces).to(x.dtype)
+    return gathered.to(x.dtype), width
+
+
+def _all_gather_rows(x: torch.Tensor, counts: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``x`` (``counts[i]`` rows on rank i of ``group``) stacked in group-rank order."""
+    gathered, width = all_gather_padded(x, counts, group)
+    if all(c == width for c in counts):  # no padding to drop
+        return gathered
+    return torch.cat([gathered[i * width : i * width + n] for i, n in enumerate(counts)])
 
 
 def _own_rows(counts: list[int], group: dist.ProcessGroup) -> slice:

@@ -288,13 +288,13 @@ def _sorted_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routin
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _as_int64(w: torch.Tensor) -> torch.Tensor:
-    """Float weights as int64 words holding their bits (exact, reversible by :func:`_from_int64`)."""
+def as_int64(w: torch.Tensor) -> torch.Tensor:
+    """Float weights as int64 words holding their bits (exact, reversible by :func:`from_int64`)."""
     bits = w.contiguous().view(_BITS[w.element_size()])
     return bits if bits.dtype == torch.long else bits.to(torch.long)
 
 
-def _from_int64(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def from_int64(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     bits = _BITS[torch.empty(0, dtype=dtype).element_size()]
     return (x if bits == torch.long else x.to(bits)).view(dtype)
 
@@ -393,7 +393,7 @@ def start_input_dist(
         pieces += route_lengths[i0:i1] + route_values[i0:i1]
         if packed:
             assert route_weights is not None
-            pieces += [_as_int64(w) for w in route_weights[i0:i1]]
+            pieces += [as_int64(w) for w in route_weights[i0:i1]]
         send_splits.append(per_dest[r] * b + words * value_counts[r])
     recv_splits = [n_mine * batches[s] + words * sum(ids_from[s]) for s in range(n_ranks)]
     send = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
@@ -435,7 +435,7 @@ def _unpack(work, buf, batches, ids_from, sent, positions, packed_dtype, separat
         return torch.cat(parts) if parts else buf[:0]
 
     lengths, values = route_major(order_l), route_major(order_v)
-    weights = _from_int64(route_major(order_w), packed_dtype) if packed_dtype is not None else None
+    weights = from_int64(route_major(order_w), packed_dtype) if packed_dtype is not None else None
     if separate_weights is not None:
         weights = regroup(separate_weights, [c for row in ids_from for c in row], n_ranks, n_mine)
     return Received(lengths=lengths, values=values, weights=weights, ids_from=ids_from, positions=positions,

@@ -15,7 +15,7 @@ from lightning_rec.fused_kinds import FusedOptimizerSpec
 from lightning_rec.sharding import comm, dists
 from lightning_rec.sharding.layout import ShardMeta
 from lightning_rec.sharding.routing import RoutingTable
-from lightning_rec.sparse import offsets_from_lengths
+from lightning_rec.sparse import offsets_from_lengths, segment_gather_index
 
 
 def check_fused(
@@ -111,10 +111,10 @@ def union_lookup(
     group order), keeps its own rows of the output, and in backward all-gathers the rows' gradients
     into the union's gradient (``comm.own_rows_of_union``). Every copy then applies the same update
     (bitwise: same inputs, same kernel) and holds the same optimizer state. Cost: ``|group|`` x the
-    lookup and its backward, plus an all-gather of lengths, ids (and weights) in forward and of the
-    pooled gradient in backward. Without autograd (evaluation) only the local batch is looked up.
-    ``scale`` (the ``embedding_grad`` rule) scales the update once, in the kernel. ``ids_checked``: every
-    rank checked its ids against the tables (``FusedPooledKernel.forward``).
+    lookup and its backward, plus two all-gathers in forward (sizes, then lengths, ids and weight bits in
+    one buffer) and one of the pooled gradient in backward. Without autograd (evaluation) only the local
+    batch is looked up. ``scale`` (the ``embedding_grad`` rule) scales the update once, in the kernel.
+    ``ids_checked``: every rank checked its ids against the tables (``FusedPooledKernel.forward``).
     """
     if group is None or not torch.is_grad_enabled():
         return kernel(values, offsets_from_lengths(lengths), weights, grad_scale=scale, ids_checked=ids_checked)
@@ -122,12 +122,35 @@ def union_lookup(
     info = comm.all_gather_ints([batch, *ids_per_feature], group, device=device)
     batches = [row[0] for row in info]
     id_counts = [row[1:] for row in info]
-    lengths = dists.regroup(comm.gather_union(lengths, [n * b for b in batches], group),
-                            [b for b in batches for _ in range(n)], len(batches), n)
-    seg = [c for row in id_counts for c in row]
-    totals = [sum(row) for row in id_counts]
-    values = dists.regroup(comm.gather_union(values, totals, group), seg, len(batches), n)
-    if weights is not None:
-        weights = dists.regroup(comm.gather_union(weights, totals, group), seg, len(batches), n)
-    union = kernel(values, offsets_from_lengths(lengths), weights, grad_scale=scale, ids_checked=ids_checked)
+    # weights that need a gradient travel in their own differentiable gather; others as bits in the buffer
+    w_bits = weights is not None and not (weights.requires_grad and torch.is_grad_enabled())
+    parts = [lengths.long(), values.long()] + ([dists.as_int64(weights)] if w_bits else [])
+    sizes = [n * b + (2 if w_bits else 1) * sum(c) for b, c in zip(batches, id_counts)]
+    buf, stride = comm.all_gather_padded(torch.cat(parts), sizes, group)
+    # regroup [rank][lengths | ids | weights][feature] into [feature][rank] pieces with one index
+    starts, lens = [], []
+    for what in ("lengths", "ids", "weights")[: 3 if w_bits else 2]:
+        for f in range(n):
+            for r, (b, counts) in enumerate(zip(batches, id_counts)):
+                total = sum(counts)
+                if what == "lengths":
+                    starts.append(r * stride + f * b)
+                    lens.append(b)
+                else:
+                    base = r * stride + n * b + (total if what == "weights" else 0)
+                    starts.append(base + sum(counts[:f]))
+                    lens.append(counts[f])
+    index = segment_gather_index(torch.tensor(starts, device=device), torch.tensor(lens, device=device))
+    n_lengths, n_ids = n * sum(batches), sum(map(sum, id_counts))
+    pieces = torch.split(buf.index_select(0, index), [n_lengths, n_ids, n_ids if w_bits else 0])
+    union_lengths, union_values = pieces[0], pieces[1]
+    if w_bits:
+        assert weights is not None
+        weights = dists.from_int64(pieces[2], weights.dtype)
+    elif weights is not None:
+        seg = [c for row in id_counts for c in row]
+        weights = dists.regroup(comm.gather_union(weights, [sum(c) for c in id_counts], group), seg,
+                                len(batches), n)
+    union = kernel(union_values, offsets_from_lengths(union_lengths), weights, grad_scale=scale,
+                   ids_checked=ids_checked)
     return comm.own_rows_of_union(union, batches, group)

@@ -112,7 +112,7 @@ def test_fbgemm_bucketize_keeps_the_weights_gradient() -> None:
 def test_weights_travel_as_their_bits_exactly() -> None:
     for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         w = torch.tensor([0.1, -3.5, float("inf"), 1e-30, float("nan")]).to(dtype)
-        back = dists._from_int64(dists._as_int64(w), dtype)
+        back = dists.from_int64(dists.as_int64(w), dtype)
         assert back.dtype == dtype and torch.equal(back.view(torch.uint8), w.view(torch.uint8))
 
 
