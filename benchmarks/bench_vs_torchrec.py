@@ -571,6 +571,16 @@ def summarize(res: list[dict], cfg: dict, world: int) -> dict:
     }
 
 
+def median_round(rounds: list[dict]) -> dict:
+    """Of one library's rounds of a configuration, the one with the median samples/s (the lower middle of an
+    even count); a failed round stands for all (failures repeat). Its ``sps_rounds`` lists every round's."""
+    failed = [r for r in rounds if "error" in r]
+    if failed:
+        return failed[0]
+    ranked = sorted(rounds, key=lambda r: r["sps"])
+    return {**ranked[(len(ranked) - 1) // 2], "sps_rounds": [r["sps"] for r in rounds]}
+
+
 def machine() -> str:
     model = "unknown"
     try:
@@ -592,7 +602,9 @@ def fmt_cell(s: dict | None) -> str:
     if "error" in s:
         return f"fails: {s['error'][:90]}"
     noise = "?" if s["others"] is None else f"{s['others']:.2f}"
-    return f"{s['sps'] / 1e3:.1f}k (med {s['med_sps'] / 1e3:.1f}k; others {noise})"
+    rounds = s.get("sps_rounds", [])
+    every = f"; rounds {'/'.join(f'{x / 1e3:.1f}' for x in rounds)}" if len(rounds) > 1 else ""
+    return f"{s['sps'] / 1e3:.1f}k (med {s['med_sps'] / 1e3:.1f}k; others {noise}{every})"
 
 
 def ok(s: dict | None) -> bool:
@@ -627,7 +639,9 @@ def write_report(path: Path, rows: list[dict], cfg: dict, args: argparse.Namespa
         "others = cores other processes used on average meanwhile (0.00 = quiet; machine total busy from "
         "/proc/stat minus our workers' CPU time). ratio = lightning_rec / TorchRec samples/s. fused = "
         "update inside backward (fbgemm EXACT_SGD); dense = dense table gradients + torch.optim.SGD. "
-        "`table_wise` at world 1 is the single-process row. first = which library ran first for that row. "
+        "`table_wise` at world 1 is the single-process row. first = which library ran first for that row "
+        f"(in its first round; {args.rounds} round(s) per library and row, the order alternating between "
+        "rounds; each cell is that library's median round, its samples/s in every round after 'rounds'). "
         "scaling = samples/s / (world x the best single-process samples/s of that job and variant), "
         "TorchRec / lightning_rec.",
         "",
@@ -748,6 +762,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--distinct", type=int, default=4, help="distinct batches per rank, cycled")
     ap.add_argument("--small", action="store_true", help="smoke test: tiny tables and batches, few steps")
+    ap.add_argument(
+        "--rounds", type=int, default=1,
+        help="run every configuration this many times per library, alternating which goes first (A B, B A, "
+        "...), and report each library's median round: less sensitive to the machine drifting between runs",
+    )
     ap.add_argument("--nice", type=int, default=0, help="run the workers under nice -n N (shared machines)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one configuration may take")
     ap.add_argument(
@@ -816,21 +835,28 @@ def main(argv: list[str] | None = None) -> int:
                 cmd["bare"] = True
             if args.profile:
                 cmd["profile"] = f"{args.profile}-{job}-w{world}-{plan}-{variant}"
-            for lib in order:
-                key = (lib, world)
-                if key not in groups:
-                    groups[key] = Group(lib, world, pythons[lib], log_dir, args.nice)
-                res = groups[key].run(cmd, args.timeout)
-                if not all(r.get("ok") for r in res):  # a failed group may be stuck: start a fresh one next time
-                    groups.pop(key).close(kill=True)
-                row[lib] = summarize(res, cfg, world)
-                raw.append(
-                    {
-                        "lib": lib,
-                        **{k: v for k, v in row.items() if k in ("job", "world", "plan", "variant")},
-                        "ranks": res,
-                    }
-                )
+            rounds: dict[str, list[dict]] = {lib: [] for lib in LIBS}
+            for rnd in range(args.rounds):
+                for lib in order if rnd % 2 == 0 else order[::-1]:  # A B, B A, A B, ...
+                    if rounds[lib] and "error" in rounds[lib][-1]:
+                        continue  # a configuration that failed once fails again: no second timeout
+                    key = (lib, world)
+                    if key not in groups:
+                        groups[key] = Group(lib, world, pythons[lib], log_dir, args.nice)
+                    res = groups[key].run(cmd, args.timeout)
+                    if not all(r.get("ok") for r in res):  # a failed group may be stuck: a fresh one next time
+                        groups.pop(key).close(kill=True)
+                    rounds[lib].append(summarize(res, cfg, world))
+                    raw.append(
+                        {
+                            "lib": lib,
+                            "round": rnd,
+                            **{k: v for k, v in row.items() if k in ("job", "world", "plan", "variant")},
+                            "ranks": res,
+                        }
+                    )
+            for lib in LIBS:
+                row[lib] = median_round(rounds[lib])
             tr, lr = row["torchrec"], row["lightning_rec"]
             if "checksum" in tr and "checksum" in lr and tr["checksum"] != lr["checksum"]:
                 raise SystemExit(f"the two libraries saw different ids for {row}: a bug in this benchmark")
