@@ -322,7 +322,53 @@ def build_lightning_rec(tables, plan: str, variant: str, world: int, lr: float):
 
 
 # -- worker ---------------------------------------------------------------------------------------------------
+def kernel_only(rank: int, world: int, cmd: dict) -> dict:
+    """The bare fbgemm kernel (EXACT_SGD, every table of the job) on this rank's own batches, timed like a
+    library's step with no communication but the barriers: what the cores do with no sharding overhead."""
+    # both environments have fbgemm-gpu-cpu 1.8.0
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        EmbeddingLocation,
+        OptimType,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    cfg = cmd["cfg"]
+    tables = job_tables(cmd["job"], cfg)
+    batches = make_batches(tables, cfg, seed=1000 + rank)
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(r, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for _, r, d in tables],
+        optimizer=OptimType.EXACT_SGD,
+        learning_rate=cfg["lr"],
+    )
+    tbe.init_embedding_weights_uniform(-0.01, 0.01)
+    inputs = [(v, torch.cat([lg.new_zeros(1), lg.cumsum(0)]), y) for lg, v, y in batches]
+
+    def step(i: int) -> None:
+        values, offsets, labels = inputs[i % len(inputs)]
+        F.binary_cross_entropy_with_logits(tbe(values, offsets).mean(1), labels).backward()
+
+    for i in range(cfg["warmup"]):
+        step(i)
+    dist.barrier()
+    busy0, cpu0, t0 = busy_seconds(), time.process_time(), time.perf_counter()
+    step_times = []
+    for i in range(cfg["steps"]):
+        s0 = time.perf_counter()
+        step(i)
+        step_times.append(time.perf_counter() - s0)
+    dist.barrier()
+    elapsed, busy1 = time.perf_counter() - t0, busy_seconds()
+    return {
+        "elapsed": elapsed, "step_times": step_times, "own_cpu": time.process_time() - cpu0,
+        "busy": None if busy0 is None or busy1 is None else busy1 - busy0, "setup_s": 0.0, "checksum": 0,
+        "last_loss": None, "losses": [], "trained": None, "opt_numel": None, "bare": None,
+    }
+
+
 def run_config(lib: str, rank: int, world: int, cmd: dict) -> dict:
+    if cmd.get("kernel_only"):
+        return kernel_only(rank, world, cmd)
     cfg, job, plan, variant = cmd["cfg"], cmd["job"], cmd["plan"], cmd["variant"]
     tables = job_tables(job, cfg)
     batches = make_batches(tables, cfg, seed=1000 + rank)
@@ -611,7 +657,8 @@ def ok(s: dict | None) -> bool:
     return bool(s) and "error" not in s
 
 
-def write_report(path: Path, rows: list[dict], cfg: dict, args: argparse.Namespace, total_s: float) -> None:
+def write_report(path: Path, rows: list[dict], cfg: dict, args: argparse.Namespace, total_s: float,
+                 limits: dict[tuple[str, int], dict] | None = None) -> None:
     dlrm_rows = [r for _, r, _ in job_tables("dlrm", cfg)]
     # perfect scaling: world x the best single-process figure of that job and variant (either library)
     single: dict[tuple[str, str], float] = {}
@@ -645,8 +692,12 @@ def write_report(path: Path, rows: list[dict], cfg: dict, args: argparse.Namespa
         "scaling = samples/s / (world x the best single-process samples/s of that job and variant), "
         "TorchRec / lightning_rec.",
         "",
-        "| job | world | plan | variant | first | TorchRec 1.8 | lightning_rec | ratio | scaling |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "of limit = samples/s / the bare kernel's samples/s at that world size, every process on its own batches "
+        "with no communication (the table below), TorchRec / lightning_rec: the fraction of what the cores do "
+        "with no sharding at all.",
+        "",
+        "| job | world | plan | variant | first | TorchRec 1.8 | lightning_rec | ratio | scaling | of limit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     ratios = []
     for row in rows:
@@ -658,9 +709,13 @@ def write_report(path: Path, rows: list[dict], cfg: dict, args: argparse.Namespa
         scaling = "-"
         if row["world"] > 1 and limit:
             scaling = " / ".join(f"{row[lib]['sps'] / limit:.0%}" if ok(row[lib]) else "-" for lib in LIBS)
+        bound = (limits or {}).get((row["job"], row["world"]))
+        of_limit = "-"
+        if bound is not None and ok(bound):
+            of_limit = " / ".join(f"{row[lib]['sps'] / bound['sps']:.0%}" if ok(row[lib]) else "-" for lib in LIBS)
         lines.append(
             f"| {row['job']} | {row['world']} | {row['plan']} | {row['variant']} | {row['first']} | "
-            f"{fmt_cell(tr)} | {fmt_cell(lr)} | {ratio} | {scaling} |"
+            f"{fmt_cell(tr)} | {fmt_cell(lr)} | {ratio} | {scaling} | {of_limit} |"
         )
     # data_parallel: TorchRec's fused kernel does not build for it, so compare our fused with its best
     for row in rows:
@@ -700,6 +755,20 @@ def write_report(path: Path, rows: list[dict], cfg: dict, args: argparse.Namespa
             "|---|---|---|---|",
             *bare_lines,
         ]
+    if limits:
+        lines += [
+            "",
+            "Bare kernel, no communication: every process runs fbgemm's EXACT_SGD kernel over all the job's tables "
+            "on its own batches (same ids and loss as above), timed the same way. At 2 processes the two cores share "
+            "the memory system; 'x one' = samples/s over the one-process figure (2.00x would be perfect scaling).",
+            "",
+            "| job | world | samples/s | x one |",
+            "|---|---|---|---|",
+        ]
+        for (job, world), cell in sorted(limits.items()):
+            one = limits.get((job, 1))
+            x = f"{cell['sps'] / one['sps']:.2f}x" if one and ok(one) and ok(cell) else "-"
+            lines.append(f"| {job} | {world} | {fmt_cell(cell)} | {x} |")
     noise = [row[lib]["others"] for row in rows for lib in LIBS if ok(row[lib]) and row[lib]["others"] is not None]
     lines += [
         "",
@@ -767,6 +836,11 @@ def main(argv: list[str] | None = None) -> int:
         help="run every configuration this many times per library, alternating which goes first (A B, B A, "
         "...), and report each library's median round: less sensitive to the machine drifting between runs",
     )
+    ap.add_argument(
+        "--kernel-limit", action=argparse.BooleanOptionalAction, default=True,
+        help="also time the bare fbgemm kernel on every rank's own batches at each world size, with no "
+        "communication: what the cores reach with no sharding at all (the denominator of 'of limit')",
+    )
     ap.add_argument("--nice", type=int, default=0, help="run the workers under nice -n N (shared machines)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one configuration may take")
     ap.add_argument(
@@ -821,6 +895,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     groups: dict[tuple[str, int], Group] = {}
     rows, raw = [], []
+    limits: dict[tuple[str, int], dict] = {}
     t_start = time.perf_counter()
     try:
         seen: dict[str, int] = {}
@@ -867,11 +942,21 @@ def main(argv: list[str] | None = None) -> int:
                 f"{job} w{world} {plan} {variant}: TorchRec {fmt_cell(tr)} | lightning_rec {fmt_cell(lr)}", flush=True
             )
             rows.append(row)
+        if args.kernel_limit:
+            for job in args.jobs:
+                for world in args.world_sizes:
+                    key = ("lightning_rec", world)
+                    if key not in groups:
+                        groups[key] = Group("lightning_rec", world, pythons["lightning_rec"], log_dir, args.nice)
+                    got = [summarize(groups[key].run({"cfg": cfg, "job": job, "kernel_only": True}, args.timeout),
+                                     cfg, world) for _ in range(args.rounds)]
+                    limits[(job, world)] = median_round(got)
+                    print(f"{job} w{world} bare kernel, no communication: {fmt_cell(limits[(job, world)])}", flush=True)
     finally:
         for g in groups.values():
             g.close()
     total = time.perf_counter() - t_start
-    write_report(out, rows, cfg, args, total)
+    write_report(out, rows, cfg, args, total, limits)
     out.with_suffix(".json").write_text(json.dumps({"cfg": cfg, "rows": rows, "raw": raw}, indent=1))
     print(f"wrote {out} ({total / 60:.1f} min)")
     return 0
