@@ -155,6 +155,27 @@ class _OwnRowsOfUnion(torch.autograd.Function):
         return (union if ctx.union_grad else None), None, None, None
 
 
+class _Tie(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, other):  # type: ignore[override]
+        ctx.other = (other.shape, other.dtype, other.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        shape, dtype, device = ctx.other
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
+
+
+def tie_backward(x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``x`` unchanged; its backward also sends ``other`` a zero gradient.
+
+    For a collective's output this rank does not use (per-sample weights received for shards it does not
+    hold): every rank must run the collective's backward, so its output must be in every rank's graph.
+    """
+    return _Tie.apply(x, other)
+
+
 @torch.compiler.disable
 def gather_union(x: torch.Tensor, counts: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     """The rows of every rank of ``group`` stacked in group-rank order (rank i holds ``counts[i]`` rows).

@@ -136,6 +136,10 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             parts.extend(blocks)
             runs.extend(routing.colmap_runs[1:])
         out = _place_columns(parts, runs, routing.colmap_kind, b, routing.feat_off[-1], dtype, self._device)
+        if recv is not None and not routing.my_routes and recv.weights is not None and recv.weights.requires_grad:
+            # weights received for no shard still came by a differentiable all-to-all that every rank must run
+            # backward: keep it in this rank's graph, or the ranks holding shards wait for it forever
+            out = comm.tie_backward(out, recv.weights)
         out = layout.apply_mean(out, kjt.lengths(), b)
         if self._output_dtype is not None and out.dtype != self._output_dtype:
             out = out.to(self._output_dtype)
