@@ -322,9 +322,9 @@ def build_lightning_rec(tables, plan: str, variant: str, world: int, lr: float):
 
 
 # -- worker ---------------------------------------------------------------------------------------------------
-def kernel_only(rank: int, world: int, cmd: dict) -> dict:
-    """The bare fbgemm kernel (EXACT_SGD, every table of the job) on this rank's own batches, timed like a
-    library's step with no communication but the barriers: what the cores do with no sharding overhead."""
+def bare_kernel(tables, batches: list, cfg: dict) -> tuple[nn.Module, list[tuple[torch.Tensor, ...]]]:
+    """fbgemm's split table-batched kernel over the job's tables (EXACT_SGD at the job's rate) and the batches as
+    its (ids, offsets, labels) inputs."""
     # both environments have fbgemm-gpu-cpu 1.8.0
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         ComputeDevice,
@@ -333,16 +333,21 @@ def kernel_only(rank: int, world: int, cmd: dict) -> dict:
         SplitTableBatchedEmbeddingBagsCodegen,
     )
 
-    cfg = cmd["cfg"]
-    tables = job_tables(cmd["job"], cfg)
-    batches = make_batches(tables, cfg, seed=1000 + rank)
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         embedding_specs=[(r, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for _, r, d in tables],
         optimizer=OptimType.EXACT_SGD,
         learning_rate=cfg["lr"],
     )
-    tbe.init_embedding_weights_uniform(-0.01, 0.01)
-    inputs = [(v, torch.cat([lg.new_zeros(1), lg.cumsum(0)]), y) for lg, v, y in batches]
+    tbe.init_embedding_weights_uniform(-0.01, 0.01)  # zeros otherwise
+    return tbe, [(v, torch.cat([lg.new_zeros(1), lg.cumsum(0)]), y) for lg, v, y in batches]
+
+
+def kernel_only(rank: int, world: int, cmd: dict) -> dict:
+    """The bare fbgemm kernel (EXACT_SGD, every table of the job) on this rank's own batches, timed like a
+    library's step with no communication but the barriers: what the cores do with no sharding overhead."""
+    cfg = cmd["cfg"]
+    tables = job_tables(cmd["job"], cfg)
+    tbe, inputs = bare_kernel(tables, make_batches(tables, cfg, seed=1000 + rank), cfg)
 
     def step(i: int) -> None:
         values, offsets, labels = inputs[i % len(inputs)]
@@ -433,21 +438,7 @@ def run_config(lib: str, rank: int, world: int, cmd: dict) -> dict:
 def versus_bare_kernel(step, kjts: list, tables, batches: list, cfg: dict) -> dict:
     """Median ms of the library's step and of the bare fbgemm kernel's step (same tables, ids, loss, EXACT_SGD),
     alternated in this one process so that both see the same machine: the library's own overhead."""
-    # both environments have fbgemm-gpu-cpu 1.8.0
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice,
-        EmbeddingLocation,
-        OptimType,
-        SplitTableBatchedEmbeddingBagsCodegen,
-    )
-
-    tbe = SplitTableBatchedEmbeddingBagsCodegen(
-        embedding_specs=[(r, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for _, r, d in tables],
-        optimizer=OptimType.EXACT_SGD,
-        learning_rate=cfg["lr"],
-    )
-    tbe.init_embedding_weights_uniform(-0.01, 0.01)  # zeros otherwise
-    inputs = [(v, torch.cat([lg.new_zeros(1), lg.cumsum(0)]), y) for lg, v, y in batches]
+    tbe, inputs = bare_kernel(tables, batches, cfg)
 
     def bare_step(batch) -> None:
         values, offsets, labels = batch
