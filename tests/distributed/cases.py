@@ -91,6 +91,8 @@ def random_case(
         embedding_grad=rng.choice(["sum", "mean"]),
         sparse_grad=rng.random() < 0.3,
         batch_sizes=[rng.choice([0, 1, 2, 3, 5]) for _ in range(world or ws)],
+        # learned per-sample weights (a feature processor's) take their own differentiable paths
+        weights_grad=rng.random() < 0.5,
         seed=seed,
     )
 
@@ -108,6 +110,8 @@ def batch(case: dict, rank: int, step: int) -> KeyedJaggedTensor:
             values.append(torch.randint(0, t.num_embeddings, (int(lens.sum()),), generator=g))
     lengths_t, values_t = torch.cat(lengths), torch.cat(values)
     weights = torch.rand(values_t.numel(), generator=g) if case["weighted"] else None
+    if weights is not None and case.get("weights_grad"):
+        weights.requires_grad_()
     # hand the features over in a shuffled key order: the collection must reorder them
     kjt = KeyedJaggedTensor(keys, values_t, weights=weights, lengths=lengths_t, stride=b)
     perm = list(range(len(keys)))
