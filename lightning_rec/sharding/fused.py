@@ -119,11 +119,13 @@ def union_lookup(
     if group is None or not torch.is_grad_enabled():
         return kernel(values, offsets_from_lengths(lengths), weights, grad_scale=scale, ids_checked=ids_checked)
     n = len(ids_per_feature)
-    info = comm.all_gather_ints([batch, *ids_per_feature], group, device=device)
+    w_grad = weights is not None and weights.requires_grad
+    info = comm.all_gather_ints([batch, int(w_grad), *ids_per_feature], group, device=device)
     batches = [row[0] for row in info]
-    id_counts = [row[1:] for row in info]
-    # weights that need a gradient travel in their own differentiable gather; others as bits in the buffer
-    w_bits = weights is not None and not (weights.requires_grad and torch.is_grad_enabled())
+    id_counts = [row[2:] for row in info]
+    # weights that need a gradient (on any rank: all must pack alike) travel in their own differentiable
+    # gather; others as bits in the buffer
+    w_bits = weights is not None and not any(row[1] for row in info)
     parts = [lengths.long(), values.long()] + ([dists.as_int64(weights)] if w_bits else [])
     sizes = [n * b + (2 if w_bits else 1) * sum(c) for b, c in zip(batches, id_counts)]
     buf, stride = comm.all_gather_padded(torch.cat(parts), sizes, group)
