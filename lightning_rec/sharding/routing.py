@@ -40,9 +40,9 @@ class RoutingTable:
     """Everything the pipeline needs to know about routes, for one rank of the shard group.
 
     ``routes_to[r]`` are the routes whose shard rank ``r`` owns, sorted by (table, feature): the order of
-    the all-to-all payloads to (and back from) rank ``r``. ``colmap`` maps the columns of the concatenated
-    ``[data-parallel features | pooled rows back from rank 0 | ... from rank n-1]`` block onto the columns
-    of the collection's output; it is the one tensor here and lives on the module's device.
+    the all-to-all payloads to (and back from) rank ``r``. ``colmap_runs`` maps the columns of the blocks
+    ``[data-parallel features], [pooled rows back from rank 0], ..., [... from rank n-1]`` onto the columns
+    of the collection's output. Its tensors live on the module's device (:meth:`to`).
     """
 
     group_rank: int
@@ -54,13 +54,12 @@ class RoutingTable:
     dp_tables: tuple[int, ...]  # data-parallel tables, config order
     dp_features: tuple[int, ...]  # features of data-parallel tables, config order
     feat_off: tuple[int, ...]  # first output column of each feature, plus the total width
-    colmap: torch.Tensor
     # static maps of the hot path, computed here once rather than per step:
     route_features: tuple[int, ...] = ()  # the feature of every route of ``all_routes``, in that order
     single_block: bool = False  # every routed table is one row block from row 0: ids need no bucketing
     colmap_kind: str = "sum"  # "identity" (output = the block), "permutation" (each column once) or "sum"
-    # colmap by part (data-parallel block, then each rank's) as runs of adjacent columns: per part
-    # ``(first column in the part, first column in the output, width)``
+    # where each block's columns land in the output (data-parallel block, then each rank's), as runs of
+    # adjacent columns: per block ``(first column in the block, first column in the output, width)``
     colmap_runs: tuple[tuple[tuple[int, int, int], ...], ...] = ()
     # vectorised bucketing (row blocks): a *bucket* is one row block of one feature, feature-major; a feature
     # of a data-parallel table is one bucket no route reads
@@ -101,8 +100,7 @@ class RoutingTable:
         return [r for lst in self.routes_to for r in lst]
 
     def to(self, device: torch.device | str) -> RoutingTable:
-        return dataclasses.replace(self, colmap=self.colmap.to(device),
-                                   bucket_bounds=self.bucket_bounds.to(device),
+        return dataclasses.replace(self, bucket_bounds=self.bucket_bounds.to(device),
                                    bucket_start=self.bucket_start.to(device),
                                    route_bucket=self.route_bucket.to(device),
                                    route_row_start=self.route_row_start.to(device),
@@ -157,7 +155,6 @@ def build_routing(
             first = feat_off[r.feature] + r.shard.col_offset
             cols.append(list(range(first, first + r.shard.cols)))
     flat_cols = [c for block in cols for c in block]
-    colmap = torch.tensor(flat_cols, dtype=torch.long, device=device)
     width = feat_off[-1]
     if flat_cols == list(range(width)):
         colmap_kind = "identity"
@@ -206,7 +203,6 @@ def build_routing(
         dp_tables=dp_tables,
         dp_features=dp_features,
         feat_off=feat_off,
-        colmap=colmap,
         route_features=tuple(r.feature for lst in routes_to for r in lst),
         single_block=single_block,
         colmap_kind=colmap_kind,

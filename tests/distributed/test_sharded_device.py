@@ -73,7 +73,7 @@ def _move_job(rank: int, ws: int) -> dict:
     pieces = [t for v in sd.values() if _compat.is_sharded(v) for _, t in _compat.local_pieces(v)]
     placements = [v.device_mesh.device_type for v in sd.values() if _compat.is_sharded(v)]
     return dict(
-        device=str(sharded.device), colmap=str(sharded.routing.colmap.device),
+        device=str(sharded.device), routing=str(sharded.routing.bucket_start.device),
         params={str(p.device) for p in sharded.parameters()},
         pieces={str(t.device) for t in pieces}, placements=placements,
         half=str(sharded.half().device),
@@ -82,7 +82,7 @@ def _move_job(rank: int, ws: int) -> dict:
 
 def test_to_after_sharding_moves_routing_and_state_dict_placements() -> None:
     for res in run_distributed(_move_job, 2):
-        assert res["device"] == "meta" and res["colmap"] == "meta" and res["half"] == "meta"
+        assert res["device"] == "meta" and res["routing"] == "meta" and res["half"] == "meta"
         assert res["params"] <= {"meta"} and res["pieces"] <= {"meta"}
         assert res["placements"] and all(p == "meta" for p in res["placements"])
 
