@@ -129,20 +129,20 @@ def union_lookup(
     parts = [lengths.long(), values.long()] + ([dists.as_int64(weights)] if w_bits else [])
     sizes = [n * b + (2 if w_bits else 1) * sum(c) for b, c in zip(batches, id_counts)]
     buf, stride = comm.all_gather_padded(torch.cat(parts), sizes, group)
-    # regroup [rank][lengths | ids | weights][feature] into [feature][rank] pieces with one index
-    starts, lens = [], []
-    for what in ("lengths", "ids", "weights")[: 3 if w_bits else 2]:
-        for f in range(n):
-            for r, (b, counts) in enumerate(zip(batches, id_counts)):
-                total = sum(counts)
-                if what == "lengths":
-                    starts.append(r * stride + f * b)
-                    lens.append(b)
-                else:
-                    base = r * stride + n * b + (total if what == "weights" else 0)
-                    starts.append(base + sum(counts[:f]))
-                    lens.append(counts[f])
-    index = segment_gather_index(torch.tensor(starts, device=device), torch.tensor(lens, device=device))
+    # regroup [rank][lengths | ids | weights][feature] into [feature][rank] pieces with one index (rank r's
+    # part starts at r * stride; its ids after its n * b_r lengths, its weight bits after its ids)
+    b_of = torch.tensor(batches, dtype=torch.long, device=device)
+    counts = torch.tensor(id_counts, dtype=torch.long, device=device).view(len(batches), n)
+    rank = torch.arange(len(batches), device=device).repeat(n)  # [feature][rank] order
+    feat = torch.arange(n, device=device).repeat_interleave(len(batches))
+    first_id = torch.arange(len(batches), device=device) * stride + n * b_of
+    id_starts = first_id[rank] + (torch.cumsum(counts, 1) - counts)[rank, feat]
+    starts = [rank * stride + feat * b_of[rank], id_starts]
+    lens = [b_of[rank], counts[rank, feat]]
+    if w_bits:
+        starts.append(id_starts + counts.sum(1)[rank])
+        lens.append(lens[1])
+    index = segment_gather_index(torch.cat(starts), torch.cat(lens))
     n_lengths, n_ids = n * sum(batches), sum(map(sum, id_counts))
     pieces = torch.split(buf.index_select(0, index), [n_lengths, n_ids, n_ids if w_bits else 0])
     union_lengths, union_values = pieces[0], pieces[1]
