@@ -353,22 +353,29 @@ def kernel_only(rank: int, world: int, cmd: dict) -> dict:
         values, offsets, labels = inputs[i % len(inputs)]
         F.binary_cross_entropy_with_logits(tbe(values, offsets).mean(1), labels).backward()
 
+    timing, _ = timed_steps(step, cfg)
+    return {**timing, "setup_s": 0.0, "checksum": 0, "last_loss": None, "losses": [], "trained": None,
+            "opt_numel": None, "bare": None}
+
+
+def timed_steps(step, cfg: dict) -> tuple[dict, list]:
+    """``cfg['warmup']`` untimed calls of ``step(i)``, then ``cfg['steps']`` timed ones between two barriers:
+    the timing fields of a result (wall time, per-step times, own CPU time, machine busy time) and the timed
+    calls' return values."""
     for i in range(cfg["warmup"]):
         step(i)
     dist.barrier()
     busy0, cpu0, t0 = busy_seconds(), time.process_time(), time.perf_counter()
-    step_times = []
+    step_times, results = [], []
     for i in range(cfg["steps"]):
         s0 = time.perf_counter()
-        step(i)
+        results.append(step(i))
         step_times.append(time.perf_counter() - s0)
     dist.barrier()
-    elapsed, busy1 = time.perf_counter() - t0, busy_seconds()
-    return {
-        "elapsed": elapsed, "step_times": step_times, "own_cpu": time.process_time() - cpu0,
-        "busy": None if busy0 is None or busy1 is None else busy1 - busy0, "setup_s": 0.0, "checksum": 0,
-        "last_loss": None, "losses": [], "trained": None, "opt_numel": None, "bare": None,
-    }
+    elapsed = time.perf_counter() - t0
+    cpu, busy1 = time.process_time() - cpu0, busy_seconds()
+    return {"elapsed": elapsed, "step_times": step_times, "own_cpu": cpu,
+            "busy": None if busy0 is None or busy1 is None else busy1 - busy0}, results
 
 
 def run_config(lib: str, rank: int, world: int, cmd: dict) -> dict:
@@ -385,7 +392,6 @@ def run_config(lib: str, rank: int, world: int, cmd: dict) -> dict:
     model, make_kjt, opt = build(tables, plan, variant, world, cfg["lr"])
     setup_s = time.perf_counter() - t0
     kjts = [(make_kjt(lg, v), y) for lg, v, y in batches]
-    losses: list[float] = []
 
     def step(batch) -> torch.Tensor:
         kjt, labels = batch
@@ -397,18 +403,7 @@ def run_config(lib: str, rank: int, world: int, cmd: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    for i in range(cfg["warmup"]):
-        step(kjts[i % len(kjts)])
-    dist.barrier()
-    busy0, cpu0, t0 = busy_seconds(), time.process_time(), time.perf_counter()
-    step_times = []
-    for i in range(cfg["steps"]):
-        s0 = time.perf_counter()
-        losses.append(step(kjts[i % len(kjts)]))
-        step_times.append(time.perf_counter() - s0)
-    dist.barrier()
-    elapsed = time.perf_counter() - t0
-    cpu, busy1 = time.process_time() - cpu0, busy_seconds()
+    timing, losses = timed_steps(lambda i: step(kjts[i % len(kjts)]), cfg)
     if cmd.get("profile"):
         profile_steps(step, kjts, cfg, f"{cmd['profile']}-{lib}.txt" if rank == 0 else None)
     bare = None
@@ -421,10 +416,7 @@ def run_config(lib: str, rank: int, world: int, cmd: dict) -> dict:
     trained = bool(sum(last) < sum(first)) if last else None
     opt_numel = sum(p.numel() for g in opt.param_groups for p in g["params"]) if variant == "dense" else None
     return {
-        "elapsed": elapsed,
-        "step_times": step_times,
-        "own_cpu": cpu,
-        "busy": None if busy0 is None or busy1 is None else busy1 - busy0,
+        **timing,
         "setup_s": setup_s,
         "checksum": checksum,
         "last_loss": float(losses[-1]) if losses else None,
