@@ -99,6 +99,33 @@ def _reference(tables, weights: dict[str, torch.Tensor], kjt: KeyedJaggedTensor)
     return torch.cat(outs, dim=1)
 
 
+def _train_beside_reference(sharded, tables, ref_w: dict[str, torch.Tensor], rank: int, ws: int,
+                            weighted: bool) -> tuple[float, dict[str, float]]:
+    """STEPS of SGD on the sharded collection (this rank's loss) and on the fp32 reference tables (every rank's
+    loss): the largest forward gap on this rank's batches, and each table's largest gap after training."""
+    opt = torch.optim.SGD(sharded.parameters(), lr=LR)
+    ref_opt = torch.optim.SGD(ref_w.values(), lr=LR)
+    worst = 0.0
+    for step in range(STEPS):
+        out = sharded(_batch(tables, rank, step, weighted)).values()
+        ref_total = 0.0
+        for r in range(ws):
+            ref = _reference(tables, ref_w, _batch(tables, r, step, weighted))
+            if r == rank:
+                worst = max(worst, float((out.detach().float() - ref.detach()).abs().max()))
+            ref_total = ref_total + (ref * _coeff(r, step, ref.shape)).sum()
+        (out.float() * _coeff(rank, step, out.shape)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ref_total.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    state = full_state_dict(sharded)
+    diffs = {t.name: float((state[f"embedding_bags.{t.name}.weight"].float() - ref_w[t.name].detach()).abs().max())
+             for t in tables}
+    return worst, diffs
+
+
 def _equivalence_job(rank: int, ws: int, kinds: list[str], kernel: str) -> dict:
     worst, calls = {}, 0
     op_name = "dense_embedding_codegen_lookup_function"
@@ -123,27 +150,8 @@ def _equivalence_job(rank: int, ws: int, kinds: list[str], kernel: str) -> dict:
                 plan = ShardingPlan({"": {t.name: place(i, kernel) for i, t in enumerate(tables)}})
                 sharded = shard_modules(ebc, plan, local_size=local)
                 assert set(sharded.lookup_kernels.values()) == {kernel}
-                opt = torch.optim.SGD(sharded.parameters(), lr=LR)
-                ref_opt = torch.optim.SGD(ref_w.values(), lr=LR)
-                err = 0.0
-                for step in range(STEPS):
-                    out = sharded(_batch(tables, rank, step, weighted)).values()
-                    ref_total = 0.0
-                    for r in range(ws):
-                        ref = _reference(tables, ref_w, _batch(tables, r, step, weighted))
-                        if r == rank:
-                            err = max(err, float((out.detach() - ref.detach()).abs().max()))
-                        ref_total = ref_total + (ref * _coeff(r, step, ref.shape)).sum()
-                    (out * _coeff(rank, step, out.shape)).sum().backward()
-                    opt.step()
-                    opt.zero_grad()
-                    ref_total.backward()
-                    ref_opt.step()
-                    ref_opt.zero_grad()
-                state = full_state_dict(sharded)
-                for t in tables:
-                    err = max(err, float((state[f"embedding_bags.{t.name}.weight"] - ref_w[t.name].detach()).abs().max()))
-                worst[(kind, weighted)] = err
+                forward, tables_err = _train_beside_reference(sharded, tables, ref_w, rank, ws, weighted)
+                worst[(kind, weighted)] = max(forward, *tables_err.values())
     finally:
         setattr(torch.ops.fbgemm, op_name, real_op)
     return dict(worst=worst, calls=calls)
@@ -227,27 +235,8 @@ def _mixed_job(rank: int, ws: int) -> dict:
     sharded = shard_modules(ebc, plan)
     assert sharded.lookup_kernels == {"a": "fbgemm", "b": "torch", "c": "fbgemm", "d": "fbgemm", "e": "fbgemm",
                                       "f": "torch"}
-    opt = torch.optim.SGD(sharded.parameters(), lr=LR)
-    ref_opt = torch.optim.SGD(ref_w.values(), lr=LR)
-    worst = 0.0
-    for step in range(STEPS):
-        out = sharded(_batch(tables, rank, step, True)).values()
-        ref_total = 0.0
-        for r in range(ws):
-            ref = _reference(tables, ref_w, _batch(tables, r, step, True))
-            if r == rank:
-                worst = max(worst, float((out.detach().float() - ref.detach()).abs().max()))
-            ref_total = ref_total + (ref * _coeff(r, step, ref.shape)).sum()
-        (out.float() * _coeff(rank, step, out.shape)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        ref_total.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    state = full_state_dict(sharded)
-    diffs = {t.name: float((state[f"embedding_bags.{t.name}.weight"].float() - ref_w[t.name].detach()).abs().max())
-             for t in tables}
-    return dict(forward=worst, tables=diffs)
+    forward, diffs = _train_beside_reference(sharded, tables, ref_w, rank, ws, True)
+    return dict(forward=forward, tables=diffs)
 
 
 def test_mixed_kernels_on_one_rank_match_reference() -> None:
