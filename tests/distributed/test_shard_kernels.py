@@ -100,9 +100,10 @@ def _reference(tables, weights: dict[str, torch.Tensor], kjt: KeyedJaggedTensor)
 
 
 def _train_beside_reference(sharded, tables, ref_w: dict[str, torch.Tensor], rank: int, ws: int,
-                            weighted: bool) -> tuple[float, dict[str, float]]:
+                            weighted: bool, rank_weight: float = 1.0) -> tuple[float, dict[str, float]]:
     """STEPS of SGD on the sharded collection (this rank's loss) and on the fp32 reference tables (every rank's
-    loss): the largest forward gap on this rank's batches, and each table's largest gap after training."""
+    loss, times ``rank_weight``): the largest forward gap on this rank's batches, and each table's largest gap
+    after training."""
     opt = torch.optim.SGD(sharded.parameters(), lr=LR)
     ref_opt = torch.optim.SGD(ref_w.values(), lr=LR)
     worst = 0.0
@@ -113,7 +114,7 @@ def _train_beside_reference(sharded, tables, ref_w: dict[str, torch.Tensor], ran
             ref = _reference(tables, ref_w, _batch(tables, r, step, weighted))
             if r == rank:
                 worst = max(worst, float((out.detach().float() - ref.detach()).abs().max()))
-            ref_total = ref_total + (ref * _coeff(r, step, ref.shape)).sum()
+            ref_total = ref_total + rank_weight * (ref * _coeff(r, step, ref.shape)).sum()
         (out.float() * _coeff(rank, step, out.shape)).sum().backward()
         opt.step()
         opt.zero_grad()
@@ -340,28 +341,9 @@ def _two_d_job(rank: int, ws: int, embedding_grad: str) -> float:
     sharded = shard_modules(ebc, plan, process_group=mesh.shard_group, replica_group=mesh.replica_group,
                             embedding_grad=embedding_grad)
     assert set(sharded.lookup_kernels.values()) == {"fbgemm"}
-    opt = torch.optim.SGD(sharded.parameters(), lr=LR)
-    ref_opt = torch.optim.SGD(ref_w.values(), lr=LR)
     rank_weight = 1.0 if embedding_grad == "sum" else 1.0 / ws
-    worst = 0.0
-    for step in range(STEPS):
-        out = sharded(_batch(tables, rank, step, True)).values()
-        ref_total = 0.0
-        for r in range(ws):
-            ref = _reference(tables, ref_w, _batch(tables, r, step, True))
-            if r == rank:
-                worst = max(worst, float((out.detach() - ref.detach()).abs().max()))
-            ref_total = ref_total + rank_weight * (ref * _coeff(r, step, ref.shape)).sum()
-        (out * _coeff(rank, step, out.shape)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        ref_total.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    state = full_state_dict(sharded)
-    for t in tables:
-        worst = max(worst, float((state[f"embedding_bags.{t.name}.weight"] - ref_w[t.name].detach()).abs().max()))
-    return worst
+    forward, diffs = _train_beside_reference(sharded, tables, ref_w, rank, ws, True, rank_weight)
+    return max(forward, *diffs.values())
 
 
 def test_fbgemm_kernel_under_2d_replicas_matches_reference() -> None:
