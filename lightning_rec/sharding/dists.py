@@ -461,21 +461,21 @@ def input_dist(
 @torch.compiler.disable
 def pooled_output_dist(
     pooled: torch.Tensor, routing: RoutingTable, batches: list[int], b: int, group: dist.ProcessGroup
-) -> list[torch.Tensor]:
-    """Send each source rank its samples' pooled rows; return one ``[b, cols_from[r]]`` block per rank ``r``.
+) -> torch.Tensor:
+    """Send each source rank its samples' pooled rows; return what came back, flat: the ``[b, cols_from[r]]``
+    block of every rank ``r`` in rank order (kept flat, so that its gradient is one buffer, not a cat).
 
     ``pooled`` is ``[sum(batches), this rank's route columns]`` (the lookup's output). Backward is the
     reverse all-to-all, run on every rank (see ``comm.all_to_all``).
     """
     cols_from = routing.cols_from
     if routing.group_size == 1:
-        return [pooled]
+        return pooled.reshape(-1)
     width = cols_from[routing.group_rank]
-    flat = comm.all_to_all(
+    return comm.all_to_all(
         pooled.reshape(-1), [b * w for w in cols_from], [bs * width for bs in batches], group,
         differentiable=torch.is_grad_enabled(),
     )
-    return [blk.view(b, w) for blk, w in zip(torch.split(flat, [b * w for w in cols_from]), cols_from)]
 
 
 @torch.compiler.disable

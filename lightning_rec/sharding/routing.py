@@ -58,9 +58,11 @@ class RoutingTable:
     route_features: tuple[int, ...] = ()  # the feature of every route of ``all_routes``, in that order
     single_block: bool = False  # every routed table is one row block from row 0: ids need no bucketing
     colmap_kind: str = "sum"  # "identity" (output = the block), "permutation" (each column once) or "sum"
-    # where each block's columns land in the output (data-parallel block, then each rank's), as runs of
-    # adjacent columns: per block ``(first column in the block, first column in the output, width)``
-    colmap_runs: tuple[tuple[tuple[int, int, int], ...], ...] = ()
+    # where each block's columns land in the output (data-parallel block, then each rank's): per block,
+    # groups ``(first column in the block, first column in the output, n, count, step)``: ``count`` runs of
+    # ``n`` adjacent columns, consecutive in the block, landing ``step`` columns apart (tables interleaved
+    # over ranks make one group of many runs: one strided copy)
+    colmap_runs: tuple[tuple[tuple[int, int, int, int, int], ...], ...] = ()
     # vectorised bucketing (row blocks): a *bucket* is one row block of one feature, feature-major; a feature
     # of a data-parallel table is one bucket no route reads
     bucket_bounds: torch.Tensor = field(default_factory=_empty_long)  # first key of every bucket, ascending
@@ -220,12 +222,24 @@ def build_routing(
     )
 
 
-def _runs(cols: list[int]) -> tuple[tuple[int, int, int], ...]:
-    """``cols[i]`` (where column ``i`` of a part goes) as runs ``(first i, first cols[i], length)``."""
+def _runs(cols: list[int]) -> tuple[tuple[int, int, int, int, int], ...]:
+    """``cols[i]`` (where column ``i`` of a part goes) as groups ``(first i, first cols[i], n, count, step)``
+    of ``count`` equal runs of adjacent columns whose starts lie ``step`` apart in the output."""
     runs: list[list[int]] = []
     for i, c in enumerate(cols):
         if runs and runs[-1][1] + runs[-1][2] == c:
             runs[-1][2] += 1
         else:
             runs.append([i, c, 1])
-    return tuple((a, c, n) for a, c, n in runs)
+    groups: list[list[int]] = []
+    for a, c, n in runs:
+        g = groups[-1] if groups else None
+        # a run joins the group before it if it has the group's width and lands one step further (a group
+        # of one run takes its step from the second)
+        if g is not None and g[2] == n and ((g[3] == 1 and c > g[1] + n) or c == g[1] + g[3] * g[4]):
+            if g[3] == 1:
+                g[4] = c - g[1]
+            g[3] += 1
+        else:
+            groups.append([a, c, n, 1, n])
+    return tuple((a, c, n, k, step) for a, c, n, k, step in groups)

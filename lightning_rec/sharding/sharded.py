@@ -40,6 +40,7 @@ from lightning_rec.sharding import comm, dists
 from lightning_rec.sharding.agreement import check_agreement, describe_table
 from lightning_rec.sharding.collection import ShardedCollection
 from lightning_rec.sharding.dists import Received
+from lightning_rec.sharding.layout import offsets_of
 from lightning_rec.sharding.materialize import target_device
 from lightning_rec.sharding.plan import ShardingPlan, default_local_size, resolve_module_plan
 from lightning_rec.sharding.planner import automatic_plan
@@ -110,8 +111,9 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             self.sparse_grad, storage=self._shard_params(),
         ).to(dtype)
 
-    def output_dist(self, pooled: torch.Tensor, batches: list[int], b: int) -> list[torch.Tensor]:
-        """Stage 3: each sample's pooled partial rows back to its rank: one ``[b, columns]`` block per shard rank."""
+    def output_dist(self, pooled: torch.Tensor, batches: list[int], b: int) -> torch.Tensor:
+        """Stage 3: each sample's pooled partial rows back to its rank, flat: rank ``r``'s ``[b, columns]``
+        block after rank ``r - 1``'s."""
         return dists.pooled_output_dist(pooled, self._routing, batches, b, self._group)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -120,22 +122,20 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         kjt = begun.kjt
         b = kjt.stride()
         dtype = self._out_dtype()
-        parts: list[torch.Tensor] = []
-        runs: list[tuple[tuple[int, int, int], ...]] = []
+        parts: list[Part] = []
         if routing.dp_tables:
             # (results go to a local first: a graph break inside a call whose caller holds a fresh bound method
             # on its stack makes torch.compile recompile the resumed code at every step)
             dp_pooled = self._dp_lookup(kjt)
-            parts.append(dp_pooled)
-            runs.append(routing.colmap_runs[0])
+            parts.append((dp_pooled, 0, dp_pooled.shape[1], routing.colmap_runs[0]))
         recv = begun.wait()  # the ids travelled while the data-parallel tables looked up
         if recv is not None:
             batches = list(recv.batches)
             pooled = self.lookup(recv, batches)
-            blocks = self.output_dist(pooled, batches, b)
-            parts.extend(blocks)
-            runs.extend(routing.colmap_runs[1:])
-        out = _place_columns(parts, runs, routing.colmap_kind, b, routing.feat_off[-1], dtype, self._device)
+            flat = self.output_dist(pooled, batches, b)
+            starts = offsets_of([b * w for w in routing.cols_from])
+            parts += [(flat, s, w, g) for s, w, g in zip(starts, routing.cols_from, routing.colmap_runs[1:])]
+        out = _place_columns(parts, routing.colmap_kind, b, routing.feat_off[-1], dtype, self._device)
         if recv is not None and not routing.my_routes and recv.weights is not None and recv.weights.requires_grad:
             # weights received for no shard still came by a differentiable all-to-all that every rank must run
             # backward: keep it in this rank's graph, or the ranks holding shards wait for it forever
@@ -146,48 +146,81 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         return KeyedTensor(layout.feature_names, layout.dims, out)
 
 
-def _place_columns(parts: list[torch.Tensor], runs: tuple[tuple[tuple[int, int, int], ...], ...], kind: str,
-                   b: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The ``[b, width]`` output from blocks whose columns land as ``runs[i]`` say (routing's ``colmap_runs``).
+Part = tuple  # (source tensor, first element in it, width, column groups): one [b, width] block of the output
 
-    Already in order: the block itself, or the blocks side by side. Otherwise every run of adjacent columns
-    is copied (each column once) or, for row blocks of a table, added into place.
+
+def _place_columns(parts: list[Part], kind: str, b: int, width: int, dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+    """The ``[b, width]`` output from blocks that land as their column groups (routing's ``colmap_runs``) say.
+
+    A part is ``(source, offset, w, groups)``: the block is ``source`` itself (2-D) or ``source[offset :
+    offset + b * w]`` viewed ``[b, w]`` (1-D: the flat buffer the output all-to-all received, so that the
+    gradient goes straight into one flat buffer for the backward all-to-all, with no split and no cat).
+    One block in order is returned as is; otherwise every group of runs is one strided copy (or, for row
+    blocks of a table, add) into place.
     """
-    kept = [(p, r) for p, r in zip(parts, runs) if r]
+    kept = [p for p in parts if p[3]]
     if not kept:
         return torch.zeros(b, width, dtype=dtype, device=device)
-    if kind == "identity":
-        return kept[0][0] if len(kept) == 1 else torch.cat([p for p, _ in kept], dim=1)
-    return _PlaceColumns.apply(tuple(r for _, r in kept), kind == "sum", width, *(p for p, _ in kept))
+    if kind == "identity" and len(kept) == 1:
+        return _block(kept[0][0], kept[0][1], kept[0][2], b)
+    sources: list[torch.Tensor] = []
+    layout = []
+    for source, offset, w, groups in kept:
+        i = next((k for k, t in enumerate(sources) if t is source), None)
+        if i is None:
+            i = len(sources)
+            sources.append(source)
+        layout.append((i, offset, w, groups))
+    return _PlaceColumns.apply(tuple(layout), kind == "sum", b, width, *sources)
+
+
+def _block(source: torch.Tensor, offset: int, w: int, b: int) -> torch.Tensor:
+    return source if source.dim() == 2 else source[offset : offset + b * w].view(b, w)
+
+
+def _group_view(t: torch.Tensor, first: int, n: int, count: int, step: int) -> torch.Tensor:
+    """``[rows, count, n]`` view of ``count`` runs of ``n`` columns of the 2-D ``t``, ``step`` columns apart."""
+    s0, s1 = t.stride()
+    return t.as_strided((t.shape[0], count, n), (s0, step * s1, s1), t.storage_offset() + first * s1)
 
 
 class _PlaceColumns(torch.autograd.Function):
-    """Runs of columns copied (or added) into one output; backward gathers each block's runs back.
+    """Groups of column runs copied (or added) into one output; backward gathers them back into each source.
 
-    In place of ``index_copy_`` / ``index_add_`` over single columns: a run is one strided block copy, and
-    the backward needs neither an ``index_fill`` of the output's gradient nor a gather per column.
+    In place of ``index_copy_`` / ``index_add_`` over single columns: a group is one strided copy, and the
+    gradient of a flat source is written into one flat buffer, ready for the backward all-to-all.
     """
 
     @staticmethod
-    def forward(ctx, runs, add: bool, width: int, *parts: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        first = parts[0]
-        out = (torch.zeros if add else torch.empty)(first.shape[0], width, dtype=first.dtype, device=first.device)
-        for part, part_runs in zip(parts, runs):
-            for src, dst, n in part_runs:
+    def forward(ctx, layout, add: bool, b: int, width: int, *sources: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        first = sources[0]
+        out = (torch.zeros if add else torch.empty)(b, width, dtype=first.dtype, device=first.device)
+        for i, offset, w, groups in layout:
+            block = _block(sources[i], offset, w, b)
+            for src, dst, n, count, step in groups:
+                place = _group_view(out, dst, n, count, step)
+                piece = _group_view(block, src, n, count, n)
                 if add:
-                    out[:, dst : dst + n] += part[:, src : src + n]
+                    place += piece
                 else:
-                    out[:, dst : dst + n].copy_(part[:, src : src + n])
-        ctx.runs = runs
+                    place.copy_(piece)
+        ctx.layout, ctx.b = layout, b
+        ctx.shapes = [(t.shape, t.numel()) for t in sources]
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        blocks = []
-        for part_runs in ctx.runs:
-            pieces = [grad[:, dst : dst + n] for _, dst, n in part_runs]  # runs are in the part's column order
-            blocks.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1))
-        return None, None, None, *blocks
+        covered = [0] * len(ctx.shapes)
+        for i, _, _, groups in ctx.layout:
+            covered[i] += ctx.b * sum(n * count for _, _, n, count, _ in groups)
+        grads = [(torch.empty if c == numel else torch.zeros)(shape, dtype=grad.dtype, device=grad.device)
+                 for (shape, numel), c in zip(ctx.shapes, covered)]
+        for i, offset, w, groups in ctx.layout:
+            block = _block(grads[i], offset, w, ctx.b)
+            for src, dst, n, count, step in groups:
+                _group_view(block, src, n, count, n).copy_(_group_view(grad, dst, n, count, step))
+        return None, None, None, None, *grads
 
 
 class ShardedEmbeddingCollection(ShardedCollection):

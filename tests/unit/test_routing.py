@@ -12,13 +12,14 @@ from lightning_rec import _compat
 from lightning_rec.sharding.agreement import _mismatch_message, describe_table
 from lightning_rec.sharding.dists import Received, regroup
 from lightning_rec.sharding.layout import ShardMeta
-from lightning_rec.sharding.routing import Route, build_routing
+from lightning_rec.sharding.routing import Route, _runs, build_routing
 from lightning_rec.sharding.sharded import _place_columns
 
 
 def _colmap(rt) -> list[int]:
     """The output column of every column of the concatenated blocks, from the routing's runs."""
-    return [dst + i for runs in rt.colmap_runs for _, dst, n in runs for i in range(n)]
+    return [dst + j * step + i for groups in rt.colmap_runs for _, dst, n, count, step in groups
+            for j in range(count) for i in range(n)]
 
 
 def _row_wise_10() -> list[ShardMeta]:
@@ -38,7 +39,7 @@ def test_row_wise_routes_blocks_and_columns() -> None:
     assert rt.dp_tables == () and rt.dp_features == ()
     # both row blocks land on the same 4 output columns: their partial sums add up
     assert _colmap(rt) == [0, 1, 2, 3, 0, 1, 2, 3]
-    assert rt.colmap_runs == ((), ((0, 0, 4),), ((0, 0, 4),))
+    assert rt.colmap_runs == ((), ((0, 0, 4, 1, 4),), ((0, 0, 4, 1, 4),))
     assert rt.has_model_parallel and rt.group_size == 2
 
 
@@ -57,7 +58,8 @@ def test_data_parallel_and_column_shards_map_onto_output_columns() -> None:
     # every output column is covered exactly once when no table is row-split
     assert sorted(want) == list(range(14))
     # the same map as runs of adjacent columns, per part (data-parallel block, rank 0's, rank 1's)
-    assert rt.colmap_runs == (((0, 0, 2),), ((0, 4, 4), (4, 10, 4)), ((0, 2, 2), (2, 8, 2)))
+    # (each rank's two runs land 6 columns apart: one strided group)
+    assert rt.colmap_runs == (((0, 0, 2, 1, 2),), ((0, 4, 4, 2, 6),), ((0, 2, 2, 2, 6),))
 
 
 def test_zero_row_shards_get_no_route_and_routes_sort_by_table() -> None:
@@ -159,21 +161,52 @@ def test_place_columns_cases_cover_every_kind() -> None:
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_place_columns_by_runs_matches_index_add(seed: int) -> None:
-    # the output placement (runs of adjacent columns) against a per-column reference, values and gradients
+    # the output placement (groups of column runs) against a per-column reference, values and gradients; the
+    # data-parallel block is its own 2-D tensor, the ranks' blocks lie in one flat buffer as the all-to-all
+    # delivers them
     rt, width = _random_routing(seed)
     b = 5
-    widths = [sum(n for _, _, n in runs) for runs in rt.colmap_runs]
-    parts = [torch.randn(b, w, dtype=torch.float64, requires_grad=True) for w in widths]
-    out = _place_columns(parts, rt.colmap_runs, rt.colmap_kind, b, width, torch.float64, torch.device("cpu"))
+    widths = [sum(n * count for _, _, n, count, _ in groups) for groups in rt.colmap_runs]
+    dp = torch.randn(b, widths[0], dtype=torch.float64, requires_grad=True)
+    flat = torch.randn(b * sum(widths[1:]), dtype=torch.float64, requires_grad=True)
+    starts = [b * sum(widths[1:k]) for k in range(1, len(widths))]
+    parts = [(dp, 0, widths[0], rt.colmap_runs[0])]
+    parts += [(flat, s, w, g) for s, w, g in zip(starts, widths[1:], rt.colmap_runs[1:])]
+    out = _place_columns(parts, rt.colmap_kind, b, width, torch.float64, torch.device("cpu"))
     ref = torch.zeros(b, width, dtype=torch.float64)
-    for part, runs in zip(parts, rt.colmap_runs):
-        cols = [dst + i for _, dst, n in runs for i in range(n)]
+    blocks = [dp] + [flat[s : s + b * w].view(b, w) for s, w in zip(starts, widths[1:])]
+    for block, groups in zip(blocks, rt.colmap_runs):
+        cols = [dst + j * step + i for _, dst, n, count, step in groups for j in range(count) for i in range(n)]
         if cols:
-            ref = ref.index_add(1, torch.tensor(cols), part)
+            ref = ref.index_add(1, torch.tensor(cols), block)
     assert torch.allclose(out, ref)
     coef = torch.randn(b, width, dtype=torch.float64)
-    used = [p for p in parts if p.shape[1]]
-    got = torch.autograd.grad((out * coef).sum(), used)
-    want = torch.autograd.grad((ref * coef).sum(), used)
+    used = [t for t in (dp, flat) if t.numel()]
+    got = torch.autograd.grad((out * coef).sum(), used, allow_unused=True)
+    want = torch.autograd.grad((ref * coef).sum(), used, allow_unused=True)
     for g, w in zip(got, want):
-        assert torch.allclose(g, w)
+        assert (g is None and w is None) or torch.allclose(g, w)
+
+
+def test_column_runs_group_interleaved_tables() -> None:
+    # tables alternating over two ranks: each rank's block lands as one group of equal runs, one step apart
+    assert _runs([0, 1, 4, 5, 8, 9]) == ((0, 0, 2, 3, 4),)
+    assert _runs([0, 1, 2, 3]) == ((0, 0, 4, 1, 4),)
+    assert _runs([4, 5, 0, 1]) == ((0, 4, 2, 1, 2), (2, 0, 2, 1, 2))  # backwards: two groups
+    assert _runs([0, 1, 4, 5, 8, 9, 10, 11]) == ((0, 0, 2, 2, 4), (4, 8, 4, 1, 4))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_column_run_groups_expand_to_the_columns(seed: int) -> None:
+    # random block layouts (runs of random widths, shuffled): the groups give back every column's place
+    rng = random.Random(seed)
+    widths = [rng.choice([1, 2, 2, 3]) for _ in range(rng.randint(1, 8))]
+    firsts = [sum(widths[:i]) for i in range(len(widths))]
+    order = list(range(len(widths)))
+    rng.shuffle(order)
+    cols = [firsts[k] + i for k in order for i in range(widths[k])]
+    groups = _runs(cols)
+    assert [dst + j * step + i for _, dst, n, count, step in groups for j in range(count) for i in range(n)] == cols
+    assert [src + j * n + i for src, _, n, count, _ in groups for j in range(count) for i in range(n)] == list(
+        range(len(cols)))
+    assert all(step >= n for _, _, n, _, step in groups)
