@@ -57,12 +57,15 @@ class RoutingTable:
     # static maps of the hot path, computed here once rather than per step:
     route_features: tuple[int, ...] = ()  # the feature of every route of ``all_routes``, in that order
     single_block: bool = False  # every routed table is one row block from row 0: ids need no bucketing
-    colmap_kind: str = "sum"  # "identity" (output = the block), "permutation" (each column once) or "sum"
+    # "identity" (output = the block), "permutation" (each column once), "overlay" (every column written by
+    # one group first, the groups marked in ``colmap_add`` then add onto it) or "sum" (added onto zeros)
+    colmap_kind: str = "sum"
     # where each block's columns land in the output (data-parallel block, then each rank's): per block,
     # groups ``(first column in the block, first column in the output, n, count, step)``: ``count`` runs of
     # ``n`` adjacent columns, consecutive in the block, landing ``step`` columns apart (tables interleaved
     # over ranks make one group of many runs: one strided copy)
     colmap_runs: tuple[tuple[tuple[int, int, int, int, int], ...], ...] = ()
+    colmap_add: tuple[tuple[bool, ...], ...] = ()  # per group of ``colmap_runs``: adds onto written columns
     # vectorised bucketing (row blocks): a *bucket* is one row block of one feature, feature-major; a feature
     # of a data-parallel table is one bucket no route reads
     bucket_bounds: torch.Tensor = field(default_factory=_empty_long)  # first key of every bucket, ascending
@@ -166,6 +169,10 @@ def build_routing(
         colmap_kind = "sum"  # row blocks of one table add up
     part_widths = [feat_off[f + 1] - feat_off[f] for f in dp_features]
     sizes = [sum(part_widths)] + [sum(r.shard.cols for r in lst) for lst in routes_to]
+    colmap_runs = tuple(_runs(flat_cols[a : a + n]) for a, n in zip(offsets_of(sizes), sizes))
+    colmap_add, clean, covered = _adds(colmap_runs)
+    if colmap_kind == "sum" and clean and covered == width:
+        colmap_kind = "overlay"  # row blocks: the first block's groups are copied, no zero fill, one add fewer
     routed_tables = {r.table for lst in routes_to for r in lst}
     single_block = all(row_starts[t] == (0,) for t in routed_tables)
     bounds, starts_of_buckets, first_bucket = [], [], []
@@ -208,7 +215,8 @@ def build_routing(
         route_features=tuple(r.feature for lst in routes_to for r in lst),
         single_block=single_block,
         colmap_kind=colmap_kind,
-        colmap_runs=tuple(_runs(flat_cols[a : a + n]) for a, n in zip(offsets_of(sizes), sizes)),
+        colmap_runs=colmap_runs,
+        colmap_add=colmap_add,
         bucket_bounds=torch.tensor(bounds, dtype=torch.long, device=device),
         bucket_start=torch.tensor(starts_of_buckets, dtype=torch.long, device=device),
         route_bucket=torch.tensor(route_bucket, dtype=torch.long, device=device),
@@ -243,3 +251,22 @@ def _runs(cols: list[int]) -> tuple[tuple[int, int, int, int, int], ...]:
         else:
             groups.append([a, c, n, 1, n])
     return tuple((a, c, n, k, step) for a, c, n, k, step in groups)
+
+
+def _adds(groups_per_part: tuple[tuple[tuple[int, int, int, int, int], ...], ...]
+          ) -> tuple[tuple[tuple[bool, ...], ...], bool, int]:
+    """Per group, whether its columns were written by an earlier group (in part order): it must add. Also
+    whether every group's columns were either all written or all fresh, and how many columns the groups
+    cover: with both, the output needs no zero fill (fresh groups copy, the others add)."""
+    written: set[int] = set()
+    adds, clean = [], True
+    for groups in groups_per_part:
+        part = []
+        for _, dst, n, count, step in groups:
+            cols = {dst + j * step + i for j in range(count) for i in range(n)}
+            hit = len(cols & written)
+            clean = clean and hit in (0, len(cols))
+            part.append(hit > 0)
+            written |= cols
+        adds.append(tuple(part))
+    return tuple(adds), clean, len(written)

@@ -127,14 +127,15 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             # (results go to a local first: a graph break inside a call whose caller holds a fresh bound method
             # on its stack makes torch.compile recompile the resumed code at every step)
             dp_pooled = self._dp_lookup(kjt)
-            parts.append((dp_pooled, 0, dp_pooled.shape[1], routing.colmap_runs[0]))
+            parts.append((dp_pooled, 0, dp_pooled.shape[1], routing.colmap_runs[0], routing.colmap_add[0]))
         recv = begun.wait()  # the ids travelled while the data-parallel tables looked up
         if recv is not None:
             batches = list(recv.batches)
             pooled = self.lookup(recv, batches)
             flat = self.output_dist(pooled, batches, b)
             starts = offsets_of([b * w for w in routing.cols_from])
-            parts += [(flat, s, w, g) for s, w, g in zip(starts, routing.cols_from, routing.colmap_runs[1:])]
+            parts += [(flat, s, w, g, a) for s, w, g, a in zip(starts, routing.cols_from, routing.colmap_runs[1:],
+                                                                routing.colmap_add[1:])]
         out = _place_columns(parts, routing.colmap_kind, b, routing.feat_off[-1], dtype, self._device)
         if recv is not None and not routing.my_routes and recv.weights is not None and recv.weights.requires_grad:
             # weights received for no shard still came by a differentiable all-to-all that every rank must run
@@ -146,18 +147,19 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         return KeyedTensor(layout.feature_names, layout.dims, out)
 
 
-Part = tuple  # (source tensor, first element in it, width, column groups): one [b, width] block of the output
+Part = tuple  # (source, first element in it, width, column groups, adds): one [b, width] block of the output
 
 
 def _place_columns(parts: list[Part], kind: str, b: int, width: int, dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor:
     """The ``[b, width]`` output from blocks that land as their column groups (routing's ``colmap_runs``) say.
 
-    A part is ``(source, offset, w, groups)``: the block is ``source`` itself (2-D) or ``source[offset :
+    A part is ``(source, offset, w, groups, adds)``: the block is ``source`` itself (2-D) or ``source[offset :
     offset + b * w]`` viewed ``[b, w]`` (1-D: the flat buffer the output all-to-all received, so that the
-    gradient goes straight into one flat buffer for the backward all-to-all, with no split and no cat).
-    One block in order is returned as is; otherwise every group of runs is one strided copy (or, for row
-    blocks of a table, add) into place.
+    gradient goes straight into one flat buffer for the backward all-to-all, with no split and no cat);
+    ``adds[i]``: group ``i`` adds onto columns an earlier group wrote (routing's ``colmap_add``). One block in
+    order is returned as is; otherwise every group of runs is one strided copy or add. ``kind`` "sum": every
+    group adds onto zeros.
     """
     kept = [p for p in parts if p[3]]
     if not kept:
@@ -166,12 +168,12 @@ def _place_columns(parts: list[Part], kind: str, b: int, width: int, dtype: torc
         return _block(kept[0][0], kept[0][1], kept[0][2], b)
     sources: list[torch.Tensor] = []
     layout = []
-    for source, offset, w, groups in kept:
+    for source, offset, w, groups, adds in kept:
         i = next((k for k, t in enumerate(sources) if t is source), None)
         if i is None:
             i = len(sources)
             sources.append(source)
-        layout.append((i, offset, w, groups))
+        layout.append((i, offset, w, groups, (True,) * len(groups) if kind == "sum" else adds))
     return _PlaceColumns.apply(tuple(layout), kind == "sum", b, width, *sources)
 
 
@@ -193,12 +195,12 @@ class _PlaceColumns(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, layout, add: bool, b: int, width: int, *sources: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, layout, zero: bool, b: int, width: int, *sources: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         first = sources[0]
-        out = (torch.zeros if add else torch.empty)(b, width, dtype=first.dtype, device=first.device)
-        for i, offset, w, groups in layout:
+        out = (torch.zeros if zero else torch.empty)(b, width, dtype=first.dtype, device=first.device)
+        for i, offset, w, groups, adds in layout:
             block = _block(sources[i], offset, w, b)
-            for src, dst, n, count, step in groups:
+            for (src, dst, n, count, step), add in zip(groups, adds):
                 place = _group_view(out, dst, n, count, step)
                 piece = _group_view(block, src, n, count, n)
                 if add:
@@ -212,11 +214,11 @@ class _PlaceColumns(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         covered = [0] * len(ctx.shapes)
-        for i, _, _, groups in ctx.layout:
+        for i, _, _, groups, _ in ctx.layout:
             covered[i] += ctx.b * sum(n * count for _, _, n, count, _ in groups)
         grads = [(torch.empty if c == numel else torch.zeros)(shape, dtype=grad.dtype, device=grad.device)
                  for (shape, numel), c in zip(ctx.shapes, covered)]
-        for i, offset, w, groups in ctx.layout:
+        for i, offset, w, groups, _ in ctx.layout:
             block = _block(grads[i], offset, w, ctx.b)
             for src, dst, n, count, step in groups:
                 _group_view(block, src, n, count, n).copy_(_group_view(grad, dst, n, count, step))

@@ -40,6 +40,8 @@ def test_row_wise_routes_blocks_and_columns() -> None:
     # both row blocks land on the same 4 output columns: their partial sums add up
     assert _colmap(rt) == [0, 1, 2, 3, 0, 1, 2, 3]
     assert rt.colmap_runs == ((), ((0, 0, 4, 1, 4),), ((0, 0, 4, 1, 4),))
+    # the first row block is copied into place, the second adds onto it: no zero fill
+    assert rt.colmap_kind == "overlay" and rt.colmap_add == ((), (False,), (True,))
     assert rt.has_model_parallel and rt.group_size == 2
 
 
@@ -156,7 +158,7 @@ SEEDS = range(12)
 
 
 def test_place_columns_cases_cover_every_kind() -> None:
-    assert {_random_routing(seed)[0].colmap_kind for seed in SEEDS} == {"identity", "permutation", "sum"}
+    assert {_random_routing(seed)[0].colmap_kind for seed in SEEDS} == {"identity", "permutation", "overlay", "sum"}
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -170,8 +172,8 @@ def test_place_columns_by_runs_matches_index_add(seed: int) -> None:
     dp = torch.randn(b, widths[0], dtype=torch.float64, requires_grad=True)
     flat = torch.randn(b * sum(widths[1:]), dtype=torch.float64, requires_grad=True)
     starts = [b * sum(widths[1:k]) for k in range(1, len(widths))]
-    parts = [(dp, 0, widths[0], rt.colmap_runs[0])]
-    parts += [(flat, s, w, g) for s, w, g in zip(starts, widths[1:], rt.colmap_runs[1:])]
+    parts = [(dp, 0, widths[0], rt.colmap_runs[0], rt.colmap_add[0])]
+    parts += [(flat, s, w, g, a) for s, w, g, a in zip(starts, widths[1:], rt.colmap_runs[1:], rt.colmap_add[1:])]
     out = _place_columns(parts, rt.colmap_kind, b, width, torch.float64, torch.device("cpu"))
     ref = torch.zeros(b, width, dtype=torch.float64)
     blocks = [dp] + [flat[s : s + b * w].view(b, w) for s, w in zip(starts, widths[1:])]
