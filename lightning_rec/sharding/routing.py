@@ -65,7 +65,7 @@ class RoutingTable:
     # ``n`` adjacent columns, consecutive in the block, landing ``step`` columns apart (tables interleaved
     # over ranks make one group of many runs: one strided copy)
     colmap_runs: tuple[tuple[tuple[int, int, int, int, int], ...], ...] = ()
-    colmap_add: tuple[tuple[bool, ...], ...] = ()  # per group of ``colmap_runs``: adds onto written columns
+    colmap_add: tuple[tuple[bool, ...], ...] = ()  # per group of ``colmap_runs``: adds (else copies)
     # vectorised bucketing (row blocks): a *bucket* is one row block of one feature, feature-major; a feature
     # of a data-parallel table is one bucket no route reads
     bucket_bounds: torch.Tensor = field(default_factory=_empty_long)  # first key of every bucket, ascending
@@ -173,6 +173,8 @@ def build_routing(
     colmap_add, clean, covered = _adds(colmap_runs)
     if colmap_kind == "sum" and clean and covered == width:
         colmap_kind = "overlay"  # row blocks: the first block's groups are copied, no zero fill, one add fewer
+    elif colmap_kind == "sum":
+        colmap_add = tuple((True,) * len(groups) for groups in colmap_runs)  # all add onto zeros
     routed_tables = {r.table for lst in routes_to for r in lst}
     single_block = all(row_starts[t] == (0,) for t in routed_tables)
     bounds, starts_of_buckets, first_bucket = [], [], []

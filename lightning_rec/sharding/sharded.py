@@ -157,9 +157,9 @@ def _place_columns(parts: list[Part], kind: str, b: int, width: int, dtype: torc
     A part is ``(source, offset, w, groups, adds)``: the block is ``source`` itself (2-D) or ``source[offset :
     offset + b * w]`` viewed ``[b, w]`` (1-D: the flat buffer the output all-to-all received, so that the
     gradient goes straight into one flat buffer for the backward all-to-all, with no split and no cat);
-    ``adds[i]``: group ``i`` adds onto columns an earlier group wrote (routing's ``colmap_add``). One block in
-    order is returned as is; otherwise every group of runs is one strided copy or add. ``kind`` "sum": every
-    group adds onto zeros.
+    ``adds[i]``: group ``i`` adds onto the output rather than copying into it (routing's ``colmap_add``). One
+    block in order is returned as is; otherwise every group of runs is one strided copy or add, onto zeros
+    for ``kind`` "sum".
     """
     kept = [p for p in parts if p[3]]
     if not kept:
@@ -173,7 +173,7 @@ def _place_columns(parts: list[Part], kind: str, b: int, width: int, dtype: torc
         if i is None:
             i = len(sources)
             sources.append(source)
-        layout.append((i, offset, w, groups, (True,) * len(groups) if kind == "sum" else adds))
+        layout.append((i, offset, w, groups, adds))
     return _PlaceColumns.apply(tuple(layout), kind == "sum", b, width, *sources)
 
 
