@@ -465,11 +465,11 @@ def split_step(step, kjts: list, cfg: dict, opt) -> dict:
     step is the library's own work (routing, copies, Python) plus whatever waits the two do not overlap.
     """
     from lightning_rec.kernels._fused import FusedPooledKernel
-    from lightning_rec.sharding import comm as lr_comm
+    from lightning_rec.sharding import transport
 
     kernel_calls: list[list] = []
     coll_calls: list[list] = []
-    real_forward, real_a2a, real_gather = FusedPooledKernel.forward, dist.all_to_all_single, lr_comm._all_gather_single
+    real_forward, real_a2a, real_gather = FusedPooledKernel.forward, transport.all_to_all_single, transport.all_gather_single
 
     def forward(self, *a, **kw):
         out = real_forward(self, *a, **kw)
@@ -477,24 +477,23 @@ def split_step(step, kjts: list, cfg: dict, opt) -> dict:
             kernel_calls[-1].append((self, a, kw, torch.randn(out.shape, dtype=out.dtype) / out.numel()))
         return out
 
-    def a2a(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    def a2a(output, input, output_split_sizes, input_split_sizes, group, async_op=False):
         coll_calls[-1].append(("a2a", torch.empty_like(output), torch.empty_like(input),
-                               output_split_sizes and list(output_split_sizes),
-                               input_split_sizes and list(input_split_sizes), group))
-        return real_a2a(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+                               list(output_split_sizes), list(input_split_sizes), group))
+        return real_a2a(output, input, output_split_sizes, input_split_sizes, group, async_op=async_op)
 
-    def gather(output, input, group=None, async_op=False):
+    def gather(output, input, group):
         coll_calls[-1].append(("gather", torch.empty_like(output), torch.empty_like(input), None, None, group))
-        return real_gather(output, input, group=group, async_op=async_op)
+        return real_gather(output, input, group)
 
-    FusedPooledKernel.forward, dist.all_to_all_single, lr_comm._all_gather_single = forward, a2a, gather
+    FusedPooledKernel.forward, transport.all_to_all_single, transport.all_gather_single = forward, a2a, gather
     try:
         for i in range(cfg["distinct"]):
             kernel_calls.append([])
             coll_calls.append([])
             step(kjts[i])
     finally:
-        FusedPooledKernel.forward, dist.all_to_all_single, lr_comm._all_gather_single = (
+        FusedPooledKernel.forward, transport.all_to_all_single, transport.all_gather_single = (
             real_forward, real_a2a, real_gather)
 
     def kernels_alone(i: int) -> None:
@@ -505,9 +504,11 @@ def split_step(step, kjts: list, cfg: dict, opt) -> dict:
     def collectives_alone(i: int) -> None:
         for kind, out, inp, out_splits, in_splits, group in coll_calls[i % len(coll_calls)]:
             if kind == "a2a":
-                real_a2a(out, inp, out_splits, in_splits, group=group)
+                work = real_a2a(out, inp, out_splits, in_splits, group)
+                if work is not None:
+                    work.wait()
             else:
-                real_gather(out, inp, group=group)
+                real_gather(out, inp, group)
 
     kernel_timing, _ = timed_steps(kernels_alone, cfg)
     comm_timing, _ = timed_steps(collectives_alone, cfg)

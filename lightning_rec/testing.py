@@ -16,6 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_rec.sharding import transport
+
+# what a rank reports when a peer failed first (gloo's closed connections, the shared-memory transport)
+_FOLLOWER_ERRORS = ("Connection closed", "remote worker", "left the group")
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -37,6 +42,7 @@ def _run_job(fn, rank: int, world_size: int, port: int, args: tuple, timeout_s: 
     except BaseException:
         return rank, False, traceback.format_exc()
     finally:
+        transport.close_all()  # peers waiting in a shared-memory collective raise now, as gloo's would
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -130,7 +136,7 @@ def run_distributed(
         pool.close()
     if errors:
         # a rank that crashed first makes its peers fail with "connection closed": show the cause first
-        order = sorted(errors, key=lambda r: ("Connection closed" in errors[r] or "remote worker" in errors[r], r))
+        order = sorted(errors, key=lambda r: (any(m in errors[r] for m in _FOLLOWER_ERRORS), r))
         text = "\n".join(f"--- rank {r} of {world_size} ---\n{errors[r]}" for r in order)
         raise RuntimeError(f"ranks {order} failed:\n{text}")
     missing = [r for r in range(world_size) if r not in results]

@@ -29,7 +29,7 @@ from lightning_rec.mc.modules import (
     remap_tables,
     split_by_table,
 )
-from lightning_rec.sharding import ShardedCollection
+from lightning_rec.sharding import ShardedCollection, transport
 from lightning_rec.sharding.dists import Received
 from lightning_rec.sparse import KeyedJaggedTensor
 
@@ -86,7 +86,7 @@ def check_alignment(coll: ShardedCollection, table: str, zch: int, num_buckets: 
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
     out = torch.empty(sum(recv), dtype=x.dtype)
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    transport.all_to_all_single(out, x.contiguous(), recv, send, group)
     return out
 
 

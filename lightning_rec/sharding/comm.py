@@ -15,11 +15,10 @@ import math
 import torch
 import torch.distributed as dist
 
+from lightning_rec.sharding import transport
+
 EMBEDDING_GRAD_MODES = ("sum", "mean")
 _BUCKET_ELEMENTS = 4_000_000
-
-# torch 2.13 renamed all_gather_into_tensor (the old name warns); both exist there.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _wire_dtype(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.dtype:
@@ -34,7 +33,7 @@ def _all_to_all(
 ) -> torch.Tensor:
     wire = _wire_dtype(x, group)
     out = torch.empty(sum(out_splits), dtype=wire, device=x.device)
-    dist.all_to_all_single(out, x.to(wire).contiguous(), out_splits, in_splits, group=group)
+    transport.all_to_all_single(out, x.to(wire).contiguous(), out_splits, in_splits, group)
     return out.to(x.dtype)
 
 
@@ -100,7 +99,7 @@ def all_gather_ints(
     dev = collective_device(group) if device is None else device
     local = torch.tensor(values, dtype=torch.long, device=dev)
     out = torch.empty(n * len(values), dtype=torch.long, device=dev)
-    _all_gather_single(out, local, group=group)
+    transport.all_gather_single(out, local, group)
     return out.view(n, len(values)).tolist()
 
 
@@ -115,7 +114,7 @@ def all_gather_padded(x: torch.Tensor, counts: list[int], group: dist.ProcessGro
         padded = torch.zeros(width, *x.shape[1:], dtype=wire, device=x.device)
         padded[: x.shape[0]] = x
     gathered = torch.empty(width * len(counts), *x.shape[1:], dtype=wire, device=x.device)
-    _all_gather_single(gathered, padded, group=group)
+    transport.all_gather_single(gathered, padded, group)
     return gathered.to(x.dtype), width
 
 
@@ -221,7 +220,7 @@ def _union_of_touched_rows(ids: list[torch.Tensor], rows: list[int], group: dist
     padded = torch.full((width,), -1, dtype=torch.long, device=dev)
     padded[: local.numel()] = local
     gathered = torch.empty(width * len(counts), dtype=torch.long, device=dev)
-    _all_gather_single(gathered, padded, group=group)
+    transport.all_gather_single(gathered, padded, group)
     union = torch.unique(gathered[gathered >= 0])
     bounds = torch.searchsorted(union, torch.tensor(offsets, dtype=torch.long, device=dev)).tolist()
     return [union[bounds[t] : bounds[t + 1]] - offsets[t] for t in range(len(rows))]
@@ -253,7 +252,7 @@ def _sum_touched_rows(
     buf = torch.cat([r.to(wire).reshape(-1) for r in rows])
     # moderate buckets: gloo's all-reduce of one buffer of hundreds of MB is slower than of its pieces
     for piece in torch.split(buf, _BUCKET_ELEMENTS):
-        dist.all_reduce(piece, group=group)
+        transport.all_reduce_sum(piece, group)
     out = []
     for g, u, r, part in zip(grads, unions, rows, torch.split(buf, [r.numel() for r in rows])):
         summed = part.view(r.shape).to(r.dtype)
@@ -277,7 +276,7 @@ def _sum_touched_rows_sparse(
         part.index_add_(0, torch.searchsorted(u, g._indices()[0]), g._values())
     wire_buf = buf.to(wire)
     for piece in torch.split(wire_buf, _BUCKET_ELEMENTS):
-        dist.all_reduce(piece, group=group)
+        transport.all_reduce_sum(piece, group)
     if wire_buf is not buf:
         buf.copy_(wire_buf)
     return [torch.sparse_coo_tensor(u.unsqueeze(0), part, g.shape, check_invariants=False, is_coalesced=True)

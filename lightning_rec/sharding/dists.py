@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_rec.kernels import has_fbgemm_op, load_fbgemm
-from lightning_rec.sharding import comm
+from lightning_rec.sharding import comm, transport
 from lightning_rec.sharding.layout import offsets_of
 from lightning_rec.sharding.routing import KEY_SPAN, RoutingTable
 from lightning_rec.sparse import KeyedJaggedTensor, offsets_from_lengths, segment_gather_index
@@ -398,7 +398,7 @@ def start_input_dist(
     recv_splits = [n_mine * batches[s] + words * sum(ids_from[s]) for s in range(n_ranks)]
     send = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
     buf = torch.empty(sum(recv_splits), dtype=torch.long, device=device)
-    work = dist.all_to_all_single(buf, send, recv_splits, send_splits, group=group, async_op=async_op)
+    work = transport.all_to_all_single(buf, send, recv_splits, send_splits, group, async_op=async_op)
     separate = None
     if w_apart:
         w = out.flat(b, device)[2] if weighted else None

@@ -34,6 +34,7 @@ from lightning_rec.sharding import (
     row_wise,
     shard_modules,
     table_wise,
+    transport,
 )
 from lightning_rec.testing import run_distributed
 
@@ -343,7 +344,7 @@ def _fold_job(rank: int, ws: int, kind: str, fold: bool = True, fused: bool = Fa
     model = shard_modules(_model(return_remapped=False), _plan(kind, ws),
                           embedding_optimizer=FUSED if fused else None)
     model._fold_remap = fold
-    calls, real = _count_all_to_all(torch.distributed)
+    calls, real = _count_all_to_all(transport)
     try:
         if fused:
             opt = fused_optimizer(model)
@@ -356,7 +357,7 @@ def _fold_job(rank: int, ws: int, kind: str, fold: bool = True, fused: bool = Fa
         else:
             _train(model, rank, ws)
     finally:
-        torch.distributed.all_to_all_single = real
+        transport.all_to_all_single = real
     stats = [model.mc_stats()]
     return _full_state(model), calls[0], stats
 

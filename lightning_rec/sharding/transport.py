@@ -1,0 +1,409 @@
+"""How the hot-path collectives move bytes: through torch.distributed, or through shared memory on one host.
+
+Gloo moves tensors between processes through loopback TCP and its own threads. On the 2-core machine of
+``benchmarks/results/vs_torchrec.md`` that is about 1 GB/s (2 MB each way: 2.1 ms), while two processes
+writing and reading a shared page move the same 2 MB in about 0.1 ms. So, when every rank of a gloo group
+runs on one host (same boot, same ``/dev/shm``, same pid namespace: checked once per group, collectively),
+the three collectives of the sharded step (variable all-to-all, all-gather, sum all-reduce of CPU tensors)
+go through per-rank shared segments instead; everything else, and every other group, stays on
+torch.distributed. ``LIGHTNING_REC_SHM=0`` (on any rank) keeps a group on torch.distributed.
+
+Protocol, per group and per collective number ``k`` (every rank issues the same collectives in the same
+order, as torch.distributed requires):
+
+1. Rank r writes its payload into buffer ``k % 2`` of its own segment, with the byte range each
+   destination reads, then publishes ``k`` in its control word.
+2. It waits until every rank published ``k``, then reads its part of every rank's buffer.
+
+Every collective completes on its rank before the next starts, so a rank that published ``k - 1`` has
+read everything of ``k - 2``: buffer ``k % 2`` is free again without a second flag. A segment that is too
+small is replaced by a bigger one (a new file; the control word says which file holds each buffer). A rank
+that cannot get the space says so in its control word and then every rank runs that collective through
+torch.distributed instead, so the choice is the same everywhere. x86-64 only: its stores become visible in
+program order, which makes "data, then control word" safe without explicit fences.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import mmap
+import os
+import platform
+import socket
+import time
+import uuid
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+_ENV = "LIGHTNING_REC_SHM"
+_DIR = "/dev/shm"
+_PREFIX = "lightning_rec-shm"
+_ALIGN = 64
+# one rank's control words: [last collective published, its status, pid, magic, left the group]
+_READY, _STATUS, _PID, _MAGIC, _LEFT = 0, 1, 2, 3, 4
+_CTRL_BYTES = 64
+_OK, _FALLBACK = 0, 1
+_MIN_CAPACITY = 1 << 20
+_SPIN = 2000  # busy polls before yielding the core
+_LIVENESS_S = 0.5  # how often a waiting rank checks that the ranks it waits for are alive
+
+
+def _identity() -> tuple[str, str, int, int]:
+    """What two processes must share to see one /dev/shm and one pid space."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return socket.gethostname(), boot, os.stat("/proc/self/ns/pid").st_ino, os.stat(_DIR).st_dev
+    except OSError:
+        return socket.gethostname(), "", -1, -1
+
+
+def _wanted() -> bool:
+    return (os.environ.get(_ENV, "1") != "0" and platform.system() == "Linux"
+            and platform.machine() in ("x86_64", "AMD64") and os.path.isdir(_DIR))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _File:
+    """A shared file held open by descriptor (its name is removed once every rank opened it) and mapped."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.view = torch.empty(0, dtype=torch.uint8, device="cpu")
+        self.remap()
+
+    def remap(self) -> None:
+        size = os.fstat(self.fd).st_size
+        if size != self.view.numel():
+            self.view = torch.frombuffer(mmap.mmap(self.fd, size), dtype=torch.uint8) if size else self.view
+
+    def grow(self, nbytes: int) -> None:
+        """Room for ``nbytes``, reserved now: a full tmpfs fails here (OSError), not with a fault on a write."""
+        os.posix_fallocate(self.fd, 0, nbytes)
+        self.remap()
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+@dataclass
+class _Rank:
+    ctrl: np.ndarray  # its control words (int64), polled: numpy indexing is the cheapest read of shared memory
+    buffers: tuple[_File, _File]  # one per collective parity
+    pid: int
+    keep: _File
+
+
+class _SharedGroup:
+    """Shared-memory collectives among the ranks of one same-host group (see the module docstring)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, tag: str) -> None:
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.size))
+        self.timeout_s = _timeout_s(group)
+        self.tag = tag
+        self.magic = int(uuid.UUID(tag).int % (1 << 62))
+        self.seq = 0
+        self.peers: list[_Rank] = []
+        self.names: list[str] = []
+        files = []
+        try:
+            for what in ("ctrl", "buf0", "buf1"):
+                name = self._name(self.rank, what)
+                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                self.names.append(name)
+                files.append(_File(fd))
+                files[-1].grow(_CTRL_BYTES if what == "ctrl" else _header_bytes(self.size) + _MIN_CAPACITY)
+        except OSError:
+            self.unlink()
+            raise
+        ctrl = files[0].view.numpy().view(np.int64)
+        ctrl[_PID], ctrl[_MAGIC] = os.getpid(), self.magic
+        self.me = _Rank(ctrl=ctrl, buffers=(files[1], files[2]), pid=os.getpid(), keep=files[0])
+
+    def _name(self, rank: int, what: str) -> str:
+        return os.path.join(_DIR, f"{_PREFIX}-{self.tag}-{rank}-{what}")
+
+    def connect(self) -> None:
+        """Open every other rank's files (each rank created its own) and check they hold what it wrote."""
+        for r in range(self.size):
+            if r == self.rank:
+                self.peers.append(self.me)
+                continue
+            files = [_File(os.open(self._name(r, what), os.O_RDWR)) for what in ("ctrl", "buf0", "buf1")]
+            ctrl = files[0].view.numpy().view(np.int64)
+            if int(ctrl[_MAGIC]) != self.magic:
+                raise OSError(f"rank {self.ranks[r]}'s shared segment is not the one it wrote")
+            self.peers.append(_Rank(ctrl=ctrl, buffers=(files[1], files[2]), pid=int(ctrl[_PID]), keep=files[0]))
+
+    def unlink(self) -> None:
+        """Remove this rank's names: every rank holds the files open, and nothing is left behind on a crash."""
+        for name in self.names:
+            with contextlib.suppress(OSError):
+                os.unlink(name)
+        self.names = []
+
+    def close(self) -> None:
+        """Leave the group: ranks waiting for this one raise instead of waiting out the timeout."""
+        self.me.ctrl[_LEFT] = 1
+        self.unlink()
+
+    # one collective -------------------------------------------------------------------------------
+
+    def _publish(self, pieces: list[torch.Tensor], ranges: list[tuple[int, int]]) -> None:
+        """Step 1: this rank's bytes (``pieces``, back to back) and, per destination, the byte range it reads."""
+        self.seq += 1
+        buf = self.me.buffers[self.seq % 2]
+        header = _header_bytes(self.size)
+        nbytes = header + sum(p.numel() for p in pieces)
+        status = _OK
+        if nbytes > buf.view.numel():
+            try:
+                buf.grow(max(nbytes, 2 * buf.view.numel()))
+            except OSError:
+                status = _FALLBACK
+        if status == _OK:
+            buf.view[: 16 * self.size].view(torch.int64).copy_(
+                torch.tensor([v for r in ranges for v in r], dtype=torch.int64, device="cpu"))
+            at = header
+            for p in pieces:
+                buf.view[at : at + p.numel()].copy_(p)
+                at += p.numel()
+        ctrl = self.me.ctrl
+        ctrl[_STATUS] = status
+        ctrl[_READY] = self.seq  # last: the data above is visible before this word (x86-64 store order)
+
+    def _wait_all(self) -> bool:
+        """Step 2's wait: until every rank published this collective; False if one could not (fall back)."""
+        ok = True
+        for r, peer in enumerate(self.peers):
+            if r != self.rank:
+                self._wait(r, peer)
+            ok = ok and int(peer.ctrl[_STATUS]) == _OK
+        return ok
+
+    def _wait(self, r: int, peer: _Rank) -> None:
+        ctrl, seq = peer.ctrl, self.seq
+        spins = 0
+        next_check = deadline = 0.0
+        while ctrl[_READY] < seq:
+            spins += 1
+            if spins < _SPIN:
+                continue
+            now = time.monotonic()
+            if not deadline:
+                deadline, next_check = now + self.timeout_s, now + _LIVENESS_S
+            elif now >= next_check:
+                next_check = now + _LIVENESS_S
+                if ctrl[_READY] >= seq:
+                    break
+                if ctrl[_LEFT] or not _pid_alive(peer.pid):
+                    raise RuntimeError(
+                        f"rank {self.ranks[r]} (pid {peer.pid}) left the group (it exited or destroyed its process "
+                        f"group) while rank {self.ranks[self.rank]} waited for it in collective #{seq} "
+                        "(shared-memory transport)")
+                if now >= deadline:
+                    raise RuntimeError(
+                        f"rank {self.ranks[self.rank]} waited {self.timeout_s:.0f} s (the group's timeout) for rank "
+                        f"{self.ranks[r]} in collective #{seq} of their group (shared-memory transport): the ranks "
+                        "issued different collectives, or one is stuck")
+            time.sleep(0 if spins < 4 * _SPIN else 5e-5)
+
+    def _part(self, r: int) -> torch.Tensor:
+        """This rank's byte range of rank r's buffer of the current collective."""
+        buf = self.peers[r].buffers[self.seq % 2]
+        lo, hi = buf.view[16 * self.rank : 16 * self.rank + 16].view(torch.int64).tolist()
+        header = _header_bytes(self.size)
+        if header + hi > buf.view.numel():  # the owner grew it since this rank last looked
+            buf.remap()
+        return buf.view[header + lo : header + hi]
+
+    def all_to_all(self, out: torch.Tensor, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> bool:
+        """``dist.all_to_all_single`` (splits in rows of dim 0); False: run it through torch.distributed."""
+        row = _row_bytes(x)
+        in_splits = list(in_splits) or [x.shape[0] // self.size] * self.size
+        out_splits = list(out_splits) or [out.shape[0] // self.size] * self.size
+        # this rank's own rows go straight from x to out, the rest through its buffer
+        sent = torch.split(_bytes(x), [n * row for n in in_splits])
+        ranges, at = [], 0
+        for r, piece in enumerate(sent):
+            n = 0 if r == self.rank else piece.numel()
+            ranges.append((at, at + n))
+            at += n
+        self._publish([p for r, p in enumerate(sent) if r != self.rank], ranges)
+        if not self._wait_all():
+            return False
+        into = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+        flat, at = _bytes(into), 0
+        for r in range(self.size):
+            part = sent[r] if r == self.rank else self._part(r)
+            if part.numel() != out_splits[r] * row:
+                raise RuntimeError(
+                    f"all_to_all: rank {self.ranks[self.rank]} expected {out_splits[r]} rows from rank "
+                    f"{self.ranks[r]}, which sent {part.numel() // max(row, 1)}")
+            flat[at : at + part.numel()].copy_(part)
+            at += part.numel()
+        if into is not out:
+            out.copy_(into)
+        return True
+
+    def all_gather(self, out: torch.Tensor, x: torch.Tensor) -> bool:
+        """``all_gather_into_tensor`` (every rank's ``x`` in rank order into ``out``)."""
+        payload = _bytes(x)
+        self._publish([payload], [(0, payload.numel())] * self.size)
+        if not self._wait_all():
+            return False
+        into = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+        flat, n = _bytes(into), payload.numel()
+        for r in range(self.size):
+            flat[r * n : (r + 1) * n].copy_(payload if r == self.rank else self._part(r))
+        if into is not out:
+            out.copy_(into)
+        return True
+
+    def all_reduce_sum(self, x: torch.Tensor) -> bool:
+        """In-place sum over the ranks, added in rank order on every rank, so every rank gets the same bits."""
+        payload = _bytes(x)
+        self._publish([payload], [(0, payload.numel())] * self.size)
+        if not self._wait_all():
+            return False
+        parts = [payload if r == self.rank else self._part(r) for r in range(self.size)]
+        total = parts[0].view(x.dtype).clone()
+        for part in parts[1:]:
+            total += part.view(x.dtype)
+        x.copy_(total.view(x.shape))
+        return True
+
+
+def _header_bytes(size: int) -> int:
+    return -(-(16 * size) // _ALIGN) * _ALIGN
+
+
+def _row_bytes(x: torch.Tensor) -> int:
+    n = x.element_size()
+    for s in x.shape[1:]:
+        n *= s
+    return n
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    return x.view(-1).view(torch.uint8) if x.numel() else torch.empty(0, dtype=torch.uint8, device="cpu")
+
+
+def _timeout_s(group: dist.ProcessGroup | None) -> float:
+    """The group's own timeout (what gloo would wait), else torch's default."""
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        return float(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    except (AttributeError, RuntimeError):
+        return float(dist.default_pg_timeout.total_seconds())
+
+
+_GROUPS: dict[int, tuple[weakref.ref, _SharedGroup | None]] = {}
+
+
+def shared_group(group: dist.ProcessGroup | None) -> _SharedGroup | None:
+    """The shared-memory transport of ``group``, set up on first use (collectively), or None to use gloo."""
+    pg = group if group is not None else dist.group.WORLD
+    cached = _GROUPS.get(id(pg))
+    if cached is not None and cached[0]() is pg:
+        return cached[1]
+    shared = _setup(group)
+    _GROUPS[id(pg)] = (weakref.ref(pg), shared)
+    if shared is not None:
+        weakref.finalize(pg, shared.close)
+    return shared
+
+
+def close_all() -> None:
+    """Leave every shared-memory group of this process (before ``destroy_process_group``): peers still
+    waiting in a collective raise at once, as they do when gloo's connections close."""
+    while _GROUPS:
+        shared = _GROUPS.popitem()[1][1]
+        if shared is not None:
+            shared.close()
+
+
+atexit.register(close_all)
+
+
+def _setup(group: dist.ProcessGroup | None) -> _SharedGroup | None:
+    if dist.get_world_size(group) == 1 or "gloo" not in str(dist.get_backend(group)).lower():
+        return None  # the same answer on every rank, without a collective
+    n = dist.get_world_size(group)
+    everyone: list = [None] * n
+    dist.all_gather_object(everyone, (_wanted(), _identity(), uuid.uuid4().hex), group=group)
+    if not all(want for want, _, _ in everyone) or len({ident for _, ident, _ in everyone}) != 1:
+        return None
+    shared, error = None, None
+    try:
+        shared = _SharedGroup(group, everyone[0][2])
+    except (OSError, RuntimeError) as e:
+        error = e
+    made: list = [None] * n
+    dist.all_gather_object(made, error is None, group=group)
+    if all(made):
+        try:
+            assert shared is not None
+            shared.connect()
+        except (OSError, RuntimeError) as e:
+            error = e
+    connected: list = [None] * n
+    dist.all_gather_object(connected, all(made) and error is None, group=group)
+    if shared is not None:
+        shared.unlink()  # every rank that will use the files has them open
+    if not all(connected):
+        if shared is not None:
+            shared.close()
+        return None
+    assert shared is not None
+    return shared
+
+
+def all_to_all_single(
+    out: torch.Tensor, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None,
+    async_op: bool = False,
+):
+    """``dist.all_to_all_single`` (splits in rows of dim 0); through shared memory where the group allows."""
+    if x.device.type == "cpu" and out.device.type == "cpu":
+        shared = shared_group(group)
+        if shared is not None and shared.all_to_all(out, x, out_splits, in_splits):
+            return None
+    return dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=async_op)
+
+
+def all_gather_single(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Every rank's ``x`` into ``out`` in group-rank order."""
+    if x.device.type == "cpu" and out.device.type == "cpu":
+        shared = shared_group(group)
+        if shared is not None and shared.all_gather(out, x):
+            return
+    _dist_all_gather_single(out, x, group=group)
+
+
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """In-place sum of ``x`` over ``group``."""
+    if x.device.type == "cpu":
+        shared = shared_group(group)
+        if shared is not None and shared.all_reduce_sum(x):
+            return
+    dist.all_reduce(x, group=group)
+
+
+# torch 2.13 renamed all_gather_into_tensor (the old name warns); both exist there.
+_dist_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

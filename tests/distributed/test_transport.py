@@ -1,0 +1,211 @@
+"""The shared-memory transport moves the same bytes as gloo: randomized against gloo's own collectives.
+
+Every collective here runs twice, once through ``transport`` (shared memory on this host) and once through
+torch.distributed's gloo, and the results are compared bit for bit (sums: same bits on every rank, and
+close to gloo's, which adds in another order).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, ShardingPlan
+from lightning_rec.sharding import (
+    column_wise,
+    data_parallel,
+    full_state_dict,
+    fused_optimizer,
+    row_wise,
+    shard_modules,
+    table_row_wise,
+    table_wise,
+    transport,
+)
+from lightning_rec.testing import run_distributed
+
+pytestmark = pytest.mark.skipif(transport._wanted() is False, reason="shared-memory transport needs Linux x86-64")
+
+DTYPES = (torch.float32, torch.int64, torch.bfloat16, torch.uint8, torch.float64)
+
+
+def _gloo_all_to_all(x, out_splits, in_splits, group):
+    out = torch.empty(sum(out_splits), *x.shape[1:], dtype=x.dtype)
+    wire = torch.float32 if x.dtype == torch.bfloat16 else x.dtype  # gloo has no bfloat16
+    got = torch.empty_like(out, dtype=wire)
+    dist.all_to_all_single(got, x.to(wire), out_splits, in_splits, group=group)
+    return got.to(x.dtype)
+
+
+def _random_job(rank: int, ws: int, seed: int) -> list[str]:
+    """Many collectives of random sizes (0 rows to several MB, growing the buffers) on the world and a subgroup."""
+    sub = dist.new_group([0, ws - 1])
+    assert transport.shared_group(None) is not None
+    rng = random.Random(seed)
+    checked = []
+    for step in range(40):
+        group = sub if step % 3 == 2 else None
+        n = 2 if group is not None else ws
+        # every rank draws the same numbers, also for a step it sits out; sizes[s][d]: rows rank s sends rank d
+        dtype = DTYPES[rng.randrange(len(DTYPES))]
+        width = rng.choice([1, 3, 64])
+        big = rng.random() < 0.2
+        sizes = [[rng.choice([0, 1, 7, 300] + ([40_000] if big else [])) for _ in range(n)] for _ in range(n)]
+        rows = rng.choice([0, 1, 5000])
+        if group is not None and rank not in (0, ws - 1):
+            continue
+        me = dist.get_rank(group)
+        x = (torch.randn(sum(sizes[me]), width) * 100 + me).to(dtype)
+        in_splits, out_splits = sizes[me], [sizes[s][me] for s in range(n)]
+        out = torch.full((sum(out_splits), width), 7, dtype=dtype)
+        assert transport.all_to_all_single(out, x, out_splits, in_splits, group) is None
+        ref = _gloo_all_to_all(x, out_splits, in_splits, group)
+        assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8)), (step, dtype, sizes)
+
+        y = (torch.randn(rows, width) + me).to(dtype)
+        gathered = torch.empty(n * rows, width, dtype=dtype)
+        transport.all_gather_single(gathered, y, group)
+        wire = torch.float32 if dtype == torch.bfloat16 else dtype
+        ref = torch.empty(n * rows, width, dtype=wire)
+        dist.all_gather_into_tensor(ref, y.to(wire), group=group)
+        assert torch.equal(gathered, ref.to(dtype)), (step, dtype)
+
+        if dtype in (torch.float32, torch.float64, torch.int64):
+            z = (torch.randn(rows, width) * 10 + me).to(dtype)
+            mine, theirs = z.clone(), z.clone()
+            transport.all_reduce_sum(mine, group)
+            dist.all_reduce(theirs, group=group)
+            same = torch.empty(n * mine.numel(), dtype=dtype)
+            dist.all_gather_into_tensor(same, mine.reshape(-1), group=group)
+            assert all(torch.equal(p, mine.reshape(-1)) for p in same.chunk(n)), "ranks disagree"
+            assert torch.allclose(mine, theirs, rtol=1e-5, atol=1e-4), (step, dtype)
+        checked.append(f"{step}:{dtype}")
+    return checked
+
+
+@pytest.mark.parametrize("ws", [2, 3, 4])
+def test_random_collectives_match_gloo(ws: int) -> None:
+    results = run_distributed(_random_job, ws, 11 + ws)
+    assert results[0] and all(len(r) > 0 for r in results)
+
+
+def _no_names_job(rank: int, ws: int) -> tuple[bool, list[str]]:
+    x = torch.arange(4.0) + rank
+    transport.all_reduce_sum(x, None)
+    dist.barrier()
+    shared = transport.shared_group(None)
+    assert shared is not None
+    return True, sorted(n for n in os.listdir(transport._DIR) if shared.tag in n)
+
+
+def test_segments_leave_no_names_behind() -> None:
+    for shared, names in run_distributed(_no_names_job, 2):
+        assert shared
+        assert names == []  # opened by every rank, then unlinked: nothing stays in /dev/shm, even on a crash
+
+
+def _opt_out_job(rank: int, ws: int) -> tuple[bool, list[float]]:
+    if rank == 1:
+        os.environ["LIGHTNING_REC_SHM"] = "0"  # one rank opting out keeps the whole group on gloo
+    x = torch.arange(3.0) + rank
+    transport.all_reduce_sum(x, None)
+    return transport.shared_group(None) is not None, x.tolist()
+
+
+def test_one_rank_opting_out_keeps_the_group_on_gloo() -> None:
+    (s0, x0), (s1, x1) = run_distributed(_opt_out_job, 2)
+    assert not s0 and not s1
+    assert x0 == x1 == [1.0, 3.0, 5.0]
+
+
+def _fallback_job(rank: int, ws: int) -> list[bool]:
+    """Rank 1 cannot grow its buffer (a full /dev/shm): that collective runs through gloo on every rank."""
+    shared = transport.shared_group(None)
+    assert shared is not None
+    real = transport._File.grow
+    if rank == 1:
+        def full(self, nbytes):
+            raise OSError(28, "No space left on device")
+        transport._File.grow = full
+    ok = []
+    try:
+        for rows in (10, 600_000, 10):  # 600k x 4 B: past the 1 MB a buffer starts with
+            x = torch.arange(ws * rows, dtype=torch.float32) + 1000 * rank
+            out = torch.empty_like(x)
+            transport.all_to_all_single(out, x, [rows] * ws, [rows] * ws, None)
+            ref = torch.empty_like(x)
+            dist.all_to_all_single(ref, x, [rows] * ws, [rows] * ws)
+            ok.append(torch.equal(out, ref))
+    finally:
+        transport._File.grow = real  # the process serves later tests
+    return ok
+
+
+def test_a_rank_without_room_sends_everyone_through_gloo() -> None:
+    for ok in run_distributed(_fallback_job, 2):
+        assert ok == [True, True, True]
+
+
+def _leave_job(rank: int, ws: int) -> str:
+    transport.all_reduce_sum(torch.ones(2), None)
+    if rank == 1:
+        transport.close_all()  # as after an exception: it will not join the next collective
+        return "left"
+    start = time.monotonic()
+    try:
+        transport.all_reduce_sum(torch.ones(2), None)
+    except RuntimeError as e:
+        return f"{time.monotonic() - start:.1f}s {e}"
+    return "no error"
+
+
+def test_a_rank_that_leaves_makes_its_peers_raise_not_hang() -> None:
+    r0, r1 = run_distributed(_leave_job, 2, timeout_s=60)
+    assert r1 == "left"
+    seconds, message = r0.split("s ", 1)
+    assert float(seconds) < 5 and "rank 1" in message and "left the group" in message
+
+
+def _model_job(rank: int, ws: int, shm: bool, kind: str, fused: bool) -> dict:
+    """A few steps of a sharded bag collection, through shared memory or gloo."""
+    os.environ["LIGHTNING_REC_SHM"] = "1" if shm else "0"
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=40, feature_names=[f"f{i}"])
+              for i in range(3)]
+    plans = {"table_wise": lambda i: table_wise(i % ws), "row_wise": lambda i: row_wise([20, 20]),
+             "column_wise": lambda i: column_wise([0, ws - 1]), "table_row_wise": lambda i: table_row_wise(0),
+             "data_parallel": lambda i: data_parallel()}
+    plan = ShardingPlan({"": {f"t{i}": plans[kind](i) for i in range(3)}})
+    model = shard_modules(EmbeddingBagCollection(tables), plan,
+                          embedding_optimizer={"kind": "sgd", "lr": 0.1} if fused else None)
+    opt = fused_optimizer(model) if fused else torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(4):
+        lengths = torch.randint(0, 4, (3 * 5,), generator=g)
+        values = torch.randint(0, 40, (int(lengths.sum()),), generator=g)
+        kjt = KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=values, lengths=lengths)
+        out = model(kjt).values()
+        (out * torch.arange(out.numel()).view_as(out)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert (transport.shared_group(model.shard_group) is not None) == shm
+    return {k: v.clone() for k, v in full_state_dict(model).items()}
+
+
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"])
+def test_training_is_the_same_through_either_transport(kind: str) -> None:
+    for fused in (False, True):
+        via_shm = run_distributed(_model_job, 2, True, kind, fused)
+        via_gloo = run_distributed(_model_job, 2, False, kind, fused)
+        for a, b in zip(via_shm, via_gloo):
+            assert a.keys() == b.keys() and a
+            for k in a:
+                if kind == "data_parallel" and not fused:  # a gradient all-reduce: sums in another order
+                    torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-6)
+                else:
+                    assert torch.equal(a[k], b[k]), (kind, fused, k)
