@@ -55,7 +55,7 @@ def _random_job(rank: int, ws: int, seed: int) -> list[str]:
         dtype = DTYPES[rng.randrange(len(DTYPES))]
         width = rng.choice([1, 3, 64])
         big = rng.random() < 0.2
-        sizes = [[rng.choice([0, 1, 7, 300] + ([40_000] if big else [])) for _ in range(n)] for _ in range(n)]
+        sizes = [[rng.choice([0, 1, 7, 300] + ([5_000] if big else [])) for _ in range(n)] for _ in range(n)]
         rows = rng.choice([0, 1, 5000])
         if group is not None and rank not in (0, ws - 1):
             continue
