@@ -540,6 +540,16 @@ def profile_steps(step, kjts: list, cfg: dict, path: str | None) -> None:
         Path(path).write_text(text.getvalue())
 
 
+def transport_line() -> str:
+    """How each library's ranks exchanged tensors in this run (the workers inherit this environment)."""
+    if os.environ.get("LIGHTNING_REC_SHM", "1") == "0":
+        ours = "gloo (LIGHTNING_REC_SHM=0)"
+    else:
+        ours = ("shared memory between the processes of this host for its all-to-alls, all-gathers and "
+                "all-reduces (`lightning_rec/sharding/transport.py`, the default; LIGHTNING_REC_SHM=0 for gloo)")
+    return f"Collectives: TorchRec through gloo; lightning_rec through {ours}."
+
+
 def worker(lib: str, rank: int, world: int, port: int) -> None:
     """Run configurations read from stdin until EOF; one RESULT line of JSON each on stdout."""
     torch.set_num_threads(1)
@@ -734,6 +744,8 @@ def write_report(path: Path, rows: list[dict], cfg: dict, args: argparse.Namespa
         "",
         f"Machine: {machine()}. TorchRec 1.8.0 + fbgemm-gpu-cpu 1.8.0 in a side venv.",
         "",
+        transport_line(),
+        "",
         (
             f"Job: `big` = {cfg['big_tables']} tables x {cfg['rows']:,} rows x {cfg['dim']}; `dlrm` = 26 tables, "
             f"{min(dlrm_rows):,}..{max(dlrm_rows):,} rows x {cfg['dim']}; SUM, fp32, one feature per table; "
@@ -838,7 +850,7 @@ def write_report(path: Path, rows: list[dict], cfg: dict, args: argparse.Namespa
             "order, synchronous; their count per step in brackets), each recorded from real steps and replayed "
             "on every rank at once, timed like a step; rest = step - both (routing, copies, Python, and waits "
             "the two did not overlap). With both cores busy in the kernels, the collectives' CPU work "
-            "(gloo's TCP copies) cannot hide behind them, so kernels + collectives is close to a floor for this "
+            "(copies through shared memory or gloo's TCP) cannot hide behind them, so kernels + collectives is close to a floor for this "
             "data flow; the last column says whether 1.5x TorchRec's samples/s lies beyond it.",
             "",
             "| job | world | plan | step ms | kernels alone ms | collectives alone ms | rest ms | "
