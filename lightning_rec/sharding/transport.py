@@ -98,7 +98,12 @@ class _File:
         self.remap()
 
     def close(self) -> None:
-        os.close(self.fd)
+        """Release the descriptor and this view of the mapping (the mmap holds a descriptor of its own until
+        the last tensor viewing it goes)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.view = torch.empty(0, dtype=torch.uint8, device="cpu")
 
 
 @dataclass
@@ -145,10 +150,17 @@ class _SharedGroup:
             if r == self.rank:
                 self.peers.append(self.me)
                 continue
-            files = [_File(os.open(self._name(r, what), os.O_RDWR)) for what in ("ctrl", "buf0", "buf1")]
-            ctrl = files[0].view.numpy().view(np.int64)
-            if int(ctrl[_MAGIC]) != self.magic:
-                raise OSError(f"rank {self.ranks[r]}'s shared segment is not the one it wrote")
+            files: list[_File] = []
+            try:
+                for what in ("ctrl", "buf0", "buf1"):
+                    files.append(_File(os.open(self._name(r, what), os.O_RDWR)))
+                ctrl = files[0].view.numpy().view(np.int64)
+                if int(ctrl[_MAGIC]) != self.magic:
+                    raise OSError(f"rank {self.ranks[r]}'s shared segment is not the one it wrote")
+            except OSError:
+                for f in files:
+                    f.close()
+                raise
             self.peers.append(_Rank(ctrl=ctrl, buffers=(files[1], files[2]), pid=int(ctrl[_PID]), keep=files[0]))
 
     def unlink(self) -> None:
@@ -162,8 +174,14 @@ class _SharedGroup:
         """Leave the group: ranks waiting for this one raise instead of waiting out the timeout."""
         if os.getpid() != self.me.pid:  # a forked child (a DataLoader worker) never speaks for its parent
             return
+        _OPEN.discard(self)
         self.me.ctrl[_LEFT] = 1
         self.unlink()
+        for rank in [self.me] + [p for p in self.peers if p is not self.me]:
+            for f in (*rank.buffers, rank.keep):
+                f.close()
+            rank.ctrl = np.zeros(_CTRL_BYTES // 8, dtype=np.int64)  # its view kept the mapping alive
+        self.peers = []
 
     # one collective -------------------------------------------------------------------------------
 
@@ -318,17 +336,22 @@ def _timeout_s(group: dist.ProcessGroup | None) -> float:
 
 
 _GROUPS: dict[int, tuple[weakref.ref, _SharedGroup | None]] = {}
+_OPEN: set[_SharedGroup] = set()  # every group not yet closed, whatever became of its process group
 
 
 def shared_group(group: dist.ProcessGroup | None) -> _SharedGroup | None:
     """The shared-memory transport of ``group``, set up on first use (collectively), or None to use gloo."""
     pg = group if group is not None else dist.group.WORLD
     cached = _GROUPS.get(id(pg))
-    if cached is not None and cached[0]() is pg:
-        return cached[1]
+    if cached is not None:
+        if cached[0]() is pg:
+            return cached[1]
+        if cached[1] is not None:  # a dead group's entry, its id now reused
+            cached[1].close()
     shared = _setup(group)
     _GROUPS[id(pg)] = (weakref.ref(pg), shared)
     if shared is not None:
+        _OPEN.add(shared)
         weakref.finalize(pg, shared.close)
     return shared
 
@@ -336,10 +359,9 @@ def shared_group(group: dist.ProcessGroup | None) -> _SharedGroup | None:
 def close_all() -> None:
     """Leave every shared-memory group of this process (before ``destroy_process_group``): peers still
     waiting in a collective raise at once, as they do when gloo's connections close."""
-    while _GROUPS:
-        shared = _GROUPS.popitem()[1][1]
-        if shared is not None:
-            shared.close()
+    _GROUPS.clear()
+    for shared in list(_OPEN):
+        shared.close()
 
 
 atexit.register(close_all)

@@ -209,3 +209,21 @@ def test_training_is_the_same_through_either_transport(kind: str) -> None:
                     torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-6)
                 else:
                     assert torch.equal(a[k], b[k]), (kind, fused, k)
+
+
+def _fd_job(rank: int, ws: int, shm: str) -> int:
+    """Groups come and go (every shard_modules makes one): their descriptors go with them."""
+    os.environ["LIGHTNING_REC_SHM"] = shm
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        group = dist.new_group(list(range(ws)))
+        transport.all_reduce_sum(torch.ones(3), group)
+        dist.destroy_process_group(group)
+    transport.close_all()
+    return len(os.listdir("/proc/self/fd")) - before
+
+
+def test_closed_groups_release_their_descriptors() -> None:
+    gloo = run_distributed(_fd_job, 2, "0")  # gloo itself keeps a descriptor or so per group
+    for with_shm, without in zip(run_distributed(_fd_job, 2, "1"), gloo):
+        assert with_shm <= without, (with_shm, without)
