@@ -45,8 +45,9 @@ _ENV = "LIGHTNING_REC_SHM"
 _DIR = "/dev/shm"
 _PREFIX = "lightning_rec-shm"
 _ALIGN = 64
-# one rank's control words: [last collective published, its status, pid, magic, left the group]
-_READY, _STATUS, _PID, _MAGIC, _LEFT = 0, 1, 2, 3, 4
+# one rank's control words: [last collective published, status of the last even / odd one, pid, magic, left
+# the group]. Status per parity: a rank may publish k + 1 while a slower one still reads the status of k.
+_READY, _STATUS, _PID, _MAGIC, _LEFT = 0, 1, 3, 4, 5
 _CTRL_BYTES = 64
 _OK, _FALLBACK = 0, 1
 _MIN_CAPACITY = 1 << 20
@@ -205,7 +206,7 @@ class _SharedGroup:
                 buf.view[at : at + p.numel()].copy_(p)
                 at += p.numel()
         ctrl = self.me.ctrl
-        ctrl[_STATUS] = status
+        ctrl[_STATUS + self.seq % 2] = status
         ctrl[_READY] = self.seq  # last: the data above is visible before this word (x86-64 store order)
 
     def _wait_all(self) -> bool:
@@ -214,7 +215,7 @@ class _SharedGroup:
         for r, peer in enumerate(self.peers):
             if r != self.rank:
                 self._wait(r, peer)
-            ok = ok and int(peer.ctrl[_STATUS]) == _OK
+            ok = ok and int(peer.ctrl[_STATUS + self.seq % 2]) == _OK
         return ok
 
     def _wait(self, r: int, peer: _Rank) -> None:
