@@ -269,18 +269,13 @@ class _SharedGroup:
         self._publish([p for r, p in enumerate(sent) if r != self.rank], ranges)
         if not self._wait_all():
             return False
-        into = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
-        flat, at = _bytes(into), 0
-        for r in range(self.size):
-            part = sent[r] if r == self.rank else self._part(r)
+        parts = [sent[r] if r == self.rank else self._part(r) for r in range(self.size)]
+        for r, part in enumerate(parts):
             if part.numel() != out_splits[r] * row:
                 raise RuntimeError(
                     f"all_to_all: rank {self.ranks[self.rank]} expected {out_splits[r]} rows from rank "
                     f"{self.ranks[r]}, which sent {part.numel() // max(row, 1)}")
-            flat[at : at + part.numel()].copy_(part)
-            at += part.numel()
-        if into is not out:
-            out.copy_(into)
+        _write_back_to_back(out, parts)
         return True
 
     def all_gather(self, out: torch.Tensor, x: torch.Tensor) -> bool:
@@ -289,12 +284,7 @@ class _SharedGroup:
         self._publish([payload], [(0, payload.numel())] * self.size)
         if not self._wait_all():
             return False
-        into = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
-        flat, n = _bytes(into), payload.numel()
-        for r in range(self.size):
-            flat[r * n : (r + 1) * n].copy_(payload if r == self.rank else self._part(r))
-        if into is not out:
-            out.copy_(into)
+        _write_back_to_back(out, [payload if r == self.rank else self._part(r) for r in range(self.size)])
         return True
 
     def all_reduce_sum(self, x: torch.Tensor) -> bool:
@@ -309,6 +299,17 @@ class _SharedGroup:
             total += part.view(x.dtype)
         x.copy_(total.view(x.shape))
         return True
+
+
+def _write_back_to_back(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """The byte tensors ``parts``, one after the other, into ``out``."""
+    into = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+    flat, at = _bytes(into), 0
+    for part in parts:
+        flat[at : at + part.numel()].copy_(part)
+        at += part.numel()
+    if into is not out:
+        out.copy_(into)
 
 
 def _header_bytes(size: int) -> int:
