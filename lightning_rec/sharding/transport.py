@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import mmap
 import os
 import platform
@@ -53,6 +54,8 @@ _OK, _FALLBACK = 0, 1
 _MIN_CAPACITY = 1 << 20
 _SPIN = 2000  # busy polls before yielding the core
 _LIVENESS_S = 0.5  # how often a waiting rank checks that the ranks it waits for are alive
+# torch 2.13 renamed all_gather_into_tensor (the old name warns); both exist there.
+_dist_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _identity() -> tuple[str, str, int, int]:
@@ -278,22 +281,27 @@ class _SharedGroup:
         _write_back_to_back(out, parts)
         return True
 
-    def all_gather(self, out: torch.Tensor, x: torch.Tensor) -> bool:
-        """``all_gather_into_tensor`` (every rank's ``x`` in rank order into ``out``)."""
+    def _everyones(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's whole ``x`` as bytes, in rank order; None: run it through torch.distributed."""
         payload = _bytes(x)
         self._publish([payload], [(0, payload.numel())] * self.size)
         if not self._wait_all():
+            return None
+        return [payload if r == self.rank else self._part(r) for r in range(self.size)]
+
+    def all_gather(self, out: torch.Tensor, x: torch.Tensor) -> bool:
+        """``all_gather_into_tensor`` (every rank's ``x`` in rank order into ``out``)."""
+        parts = self._everyones(x)
+        if parts is None:
             return False
-        _write_back_to_back(out, [payload if r == self.rank else self._part(r) for r in range(self.size)])
+        _write_back_to_back(out, parts)
         return True
 
     def all_reduce_sum(self, x: torch.Tensor) -> bool:
         """In-place sum over the ranks, added in rank order on every rank, so every rank gets the same bits."""
-        payload = _bytes(x)
-        self._publish([payload], [(0, payload.numel())] * self.size)
-        if not self._wait_all():
+        parts = self._everyones(x)
+        if parts is None:
             return False
-        parts = [payload if r == self.rank else self._part(r) for r in range(self.size)]
         total = parts[0].view(x.dtype).clone()
         for part in parts[1:]:
             total += part.view(x.dtype)
@@ -317,10 +325,7 @@ def _header_bytes(size: int) -> int:
 
 
 def _row_bytes(x: torch.Tensor) -> int:
-    n = x.element_size()
-    for s in x.shape[1:]:
-        n *= s
-    return n
+    return x.element_size() * math.prod(x.shape[1:])
 
 
 def _bytes(x: torch.Tensor) -> torch.Tensor:
@@ -431,6 +436,3 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> None:
             return
     dist.all_reduce(x, group=group)
 
-
-# torch 2.13 renamed all_gather_into_tensor (the old name warns); both exist there.
-_dist_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
