@@ -18,6 +18,7 @@ import torch
 from lightning_rec.fused_kinds import as_spec
 from lightning_rec.kernels._capability import check_fused_available, fbgemm_training
 from lightning_rec.kernels._guards import _FusedBackwardGuard, _FusedStepCounter, _ScaleGrad
+from lightning_rec.kernels._hugepages import zero_into_huge_pages
 from lightning_rec.kernels._ids import check_ids, check_offsets
 from lightning_rec.kernels._tables import FusedTable, unexpected_table_keys
 
@@ -130,6 +131,9 @@ class FusedPooledKernel(torch.nn.Module):
         self._lr = float(spec.lr)  # the value last pushed into fbgemm (fbgemm keeps it as float32)
         self._owner: tuple | None = None  # (weakref to FusedOptimizer, group index)
 
+        host = getattr(tbe, "weights_host", None)
+        if on_cpu and isinstance(host, torch.Tensor):  # the fill below faults in 2 MiB pages (kernels/_hugepages.py)
+            zero_into_huge_pages(host.data)
         views = tbe.split_embedding_weights()
         with torch.no_grad():
             if weights is None:

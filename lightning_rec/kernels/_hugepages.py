@@ -1,0 +1,79 @@
+"""Transparent huge pages under the fused kernel's tables (Linux, THP in ``madvise`` mode).
+
+fbgemm's CPU backward updates one row per distinct id, scattered over tables far larger than the caches,
+one row after the other: with 4 KiB pages most of those rows also miss the TLB, and the page walk adds to
+the memory latency the update already waits for. 2 MiB pages take the walk out: the fused kernel's
+backward ran 5-6% faster (fwd + bwd per step, both cores busy; ``benchmarks/results/vs_torchrec.md``).
+
+With THP ``always`` the kernel already gets them, with ``never`` nobody does; only ``madvise`` (a common
+default) needs asking, which is what :func:`zero_into_huge_pages` does. ``LIGHTNING_REC_HUGE_PAGES=0``
+turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+
+import torch
+
+_ENV = "LIGHTNING_REC_HUGE_PAGES"
+_HUGE = 2 << 20
+_MADV_DONTNEED = 4
+_MADV_HUGEPAGE = 14
+_THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def thp_mode() -> str | None:
+    """The kernel's transparent huge page mode (``always`` / ``madvise`` / ``never``), None if unknown."""
+    try:
+        with open(_THP_ENABLED) as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else None
+
+
+@functools.cache
+def _madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def zero_into_huge_pages(t: torch.Tensor) -> bool:
+    """Zero the CPU tensor ``t`` and, where the system allows, back it with huge pages from then on.
+
+    For storage whose contents do not matter yet (the caller fills it next): the 2 MiB-aligned middle of
+    ``t`` is marked ``MADV_HUGEPAGE`` and its pages dropped, so that the caller's first write faults in
+    huge pages, zero-filled; the ends are zeroed in place. Returns whether huge pages were asked for (False:
+    ``t`` is only zeroed: too small, not on CPU, THP not in ``madvise`` mode, turned off, or refused).
+    """
+    done = False
+    # (shared storage is left alone: dropping a shared mapping's pages would not zero them)
+    wanted = t.device.type == "cpu" and t.is_contiguous() and not t.is_shared()
+    if wanted and os.environ.get(_ENV, "1") != "0" and thp_mode() == "madvise":
+        madvise = _madvise()
+        start = t.data_ptr()
+        first = -(-start // _HUGE) * _HUGE
+        last = (start + t.numel() * t.element_size()) // _HUGE * _HUGE
+        if madvise is not None and last > first:
+            span = ctypes.c_size_t(last - first)
+            # dropped pages read back as zeros: only once huge pages are granted, else the zeros are written
+            done = madvise(first, span, _MADV_HUGEPAGE) == 0 and madvise(first, span, _MADV_DONTNEED) == 0
+            if done:
+                flat = t.view(-1).view(torch.uint8)
+                flat[: first - start].zero_()
+                flat[last - start :].zero_()
+    if not done:
+        t.zero_()
+    return done
