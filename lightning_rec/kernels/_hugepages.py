@@ -69,7 +69,7 @@ def zero_into_huge_pages(t: torch.Tensor) -> bool:
         last = (start + t.numel() * t.element_size()) // _HUGE * _HUGE
         if madvise is not None and last > first:
             span = ctypes.c_size_t(last - first)
-            # dropped pages read back as zeros: only once huge pages are granted, else the zeros are written
+            # dropped pages read back as zeros; if either call fails, zero_() below writes them instead
             done = madvise(first, span, _MADV_HUGEPAGE) == 0 and madvise(first, span, _MADV_DONTNEED) == 0
             if done:
                 flat = t.view(-1).view(torch.uint8)
