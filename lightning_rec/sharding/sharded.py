@@ -178,7 +178,11 @@ def _place_columns(parts: list[Part], kind: str, b: int, width: int, dtype: torc
 
 
 def _block(source: torch.Tensor, offset: int, w: int, b: int) -> torch.Tensor:
-    return source if source.dim() == 2 else source[offset : offset + b * w].view(b, w)
+    if source.dim() == 2:
+        return source
+    if offset == 0 and b * w == source.numel():  # the whole buffer: a view, whose backward is free (a slice's
+        return source.view(b, w)  # allocates and zero-fills the whole buffer, then copies the gradient in)
+    return source[offset : offset + b * w].view(b, w)
 
 
 def _group_view(t: torch.Tensor, first: int, n: int, count: int, step: int) -> torch.Tensor:
