@@ -36,7 +36,7 @@ from lightning_rec import _compat, kernels
 from lightning_rec.fused_kinds import as_spec
 from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.optim import FusedOptimizer
-from lightning_rec.sharding import comm, dists
+from lightning_rec.sharding import comm, dists, transport
 from lightning_rec.sharding.agreement import check_agreement, describe_table
 from lightning_rec.sharding.collection import ShardedCollection
 from lightning_rec.sharding.dists import Received
@@ -129,14 +129,20 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             dp_pooled = self._dp_lookup(kjt)
             parts.append((dp_pooled, 0, dp_pooled.shape[1], routing.colmap_runs[0], routing.colmap_add[0]))
         recv = begun.wait()  # the ids travelled while the data-parallel tables looked up
+        out = None
         if recv is not None:
             batches = list(recv.batches)
             pooled = self.lookup(recv, batches)
-            flat = self.output_dist(pooled, batches, b)
-            starts = offsets_of([b * w for w in routing.cols_from])
-            parts += [(flat, s, w, g, a) for s, w, g, a in zip(starts, routing.cols_from, routing.colmap_runs[1:],
-                                                                routing.colmap_add[1:])]
-        out = _place_columns(parts, routing.colmap_kind, b, routing.feat_off[-1], dtype, self._device)
+            direct = _direct_groups(routing)
+            if direct is not None:  # every rank's pooled rows straight into their columns
+                out = _exchange_into_place(pooled, direct, batches, b, routing.feat_off[-1], self._group)
+            else:
+                flat = self.output_dist(pooled, batches, b)
+                starts = offsets_of([b * w for w in routing.cols_from])
+                parts += [(flat, s, w, g, a) for s, w, g, a in zip(starts, routing.cols_from,
+                                                                    routing.colmap_runs[1:], routing.colmap_add[1:])]
+        if out is None:
+            out = _place_columns(parts, routing.colmap_kind, b, routing.feat_off[-1], dtype, self._device)
         if recv is not None and not routing.my_routes and recv.weights is not None and recv.weights.requires_grad:
             # weights received for no shard still came by a differentiable all-to-all that every rank must run
             # backward: keep it in this rank's graph, or the ranks holding shards wait for it forever
@@ -227,6 +233,59 @@ class _PlaceColumns(torch.autograd.Function):
             for src, dst, n, count, step in groups:
                 _group_view(block, src, n, count, n).copy_(_group_view(grad, dst, n, count, step))
         return None, None, None, None, *grads
+
+
+def _direct_groups(routing) -> tuple | None:
+    """Per rank of the group, the one column group its pooled rows fill (None: it sends none), when the
+    output can be filled straight from the output exchange: more than one rank, every column written once,
+    no data-parallel columns, and each rank's block one group of runs. None otherwise (stage 3 then
+    receives into one flat buffer and :func:`_place_columns` moves it)."""
+    if routing.group_size == 1 or routing.colmap_kind != "permutation" or routing.colmap_runs[0]:
+        return None
+    groups = []
+    for groups_of_rank, width in zip(routing.colmap_runs[1:], routing.cols_from):
+        if not groups_of_rank:
+            groups.append(None)
+            continue
+        if len(groups_of_rank) > 1:
+            return None
+        first, _, n, count, _ = groups_of_rank[0]
+        if first != 0 or n * count != width:
+            return None
+        groups.append(groups_of_rank[0])
+    return tuple(groups)
+
+
+@torch.compiler.disable
+def _exchange_into_place(pooled: torch.Tensor, groups: tuple, batches: list[int], b: int, width: int,
+                         group: dist.ProcessGroup) -> torch.Tensor:
+    """Stage 3 and the placing in one exchange: the ``[b, width]`` output. Backward runs on every rank (the
+    anchor needs a gradient even where ``pooled`` does not), as :func:`comm.all_to_all`'s does."""
+    anchor = torch.zeros(0, device=pooled.device, requires_grad=torch.is_grad_enabled())
+    return _ExchangeIntoPlace.apply(pooled, anchor, groups, tuple(batches), b, width, group)
+
+
+class _ExchangeIntoPlace(torch.autograd.Function):
+    """Each rank's pooled rows for this rank's samples land in their columns of the output, one strided copy
+    out of the exchange (no flat buffer, no second copy); the gradient leaves from those columns the same way."""
+
+    @staticmethod
+    def forward(ctx, pooled, anchor, groups, batches, b: int, width: int, group):  # type: ignore[override]
+        out = torch.empty(b, width, dtype=pooled.dtype, device=pooled.device)
+        mine = pooled.shape[1]
+        sends = [[x] for x in torch.split(pooled.reshape(-1), [n * mine for n in batches])]
+        recvs = [[] if g is None else [_group_view(out, g[1], g[2], g[3], g[4])] for g in groups]
+        transport.all_to_all_views(sends, recvs, group)
+        ctx.groups, ctx.batches, ctx.group, ctx.shape = groups, batches, group, pooled.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grad_pooled = torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device)
+        sends = [[] if g is None else [_group_view(grad, g[1], g[2], g[3], g[4])] for g in ctx.groups]
+        recvs = [[x] for x in torch.split(grad_pooled.view(-1), [n * ctx.shape[1] for n in ctx.batches])]
+        transport.all_to_all_views(sends, recvs, ctx.group)
+        return (grad_pooled if ctx.needs_input_grad[0] else None), None, None, None, None, None, None
 
 
 class ShardedEmbeddingCollection(ShardedCollection):

@@ -194,7 +194,7 @@ class _SharedGroup:
         self.seq += 1
         buf = self.me.buffers[self.seq % 2]
         header = _header_bytes(self.size)
-        nbytes = header + sum(p.numel() for p in pieces)
+        nbytes = header + sum(_nbytes(p) for p in pieces)
         status = _OK
         if nbytes > buf.view.numel():
             try:
@@ -206,8 +206,9 @@ class _SharedGroup:
                 torch.tensor([v for r in ranges for v in r], dtype=torch.int64, device="cpu"))
             at = header
             for p in pieces:
-                buf.view[at : at + p.numel()].copy_(p)
-                at += p.numel()
+                n = _nbytes(p)
+                _put(buf.view[at : at + n], p)
+                at += n
         ctrl = self.me.ctrl
         ctrl[_STATUS + self.seq % 2] = status
         ctrl[_READY] = self.seq  # last: the data above is visible before this word (x86-64 store order)
@@ -281,6 +282,25 @@ class _SharedGroup:
         _write_back_to_back(out, parts)
         return True
 
+    def exchange(self, sends: list[list[torch.Tensor]], recvs: list[list[torch.Tensor]]) -> bool:
+        """:func:`all_to_all_views` through the buffers; False: run it through torch.distributed."""
+        pieces, ranges, at = [], [], 0
+        for r, lst in enumerate(sends):
+            n = 0 if r == self.rank else sum(_nbytes(t) for t in lst)
+            ranges.append((at, at + n))
+            at += n
+            if r != self.rank:
+                pieces += lst
+        self._publish(pieces, ranges)
+        if not self._wait_all():
+            return False
+        for r, dsts in enumerate(recvs):
+            if r == self.rank:
+                _copy_own(sends[r], dsts, self.ranks[r])
+            else:
+                _scatter(self._part(r), dsts, self.ranks[r], self.ranks[self.rank])
+        return True
+
     def _everyones(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's whole ``x`` as bytes, in rank order; None: run it through torch.distributed."""
         payload = _bytes(x)
@@ -320,6 +340,52 @@ def _write_back_to_back(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
         out.copy_(into)
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _put(dst: torch.Tensor, t: torch.Tensor) -> None:
+    """The elements of ``t`` (any layout), in row-major order, into the byte tensor ``dst``."""
+    if t.is_contiguous() or dst.storage_offset() % t.element_size():
+        dst.copy_(_bytes(t))
+    else:  # one strided copy straight into place
+        dst.view(t.dtype).view(t.shape).copy_(t)
+
+
+def _gather(ts: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' elements back to back, as bytes."""
+    return torch.cat([_bytes(t) for t in ts]) if ts else torch.empty(0, dtype=torch.uint8, device="cpu")
+
+
+def _copy_own(srcs: list[torch.Tensor], dsts: list[torch.Tensor], rank: int) -> None:
+    """What a rank sends itself: one copy when one tensor goes to one tensor and either side is contiguous."""
+    if len(srcs) == len(dsts) == 1 and srcs[0].dtype == dsts[0].dtype and srcs[0].numel() == dsts[0].numel():
+        src, dst = srcs[0], dsts[0]
+        if src.is_contiguous():
+            dst.copy_(src.view(dst.shape))
+            return
+        if dst.is_contiguous():
+            dst.view(src.shape).copy_(src)
+            return
+    _scatter(_gather(srcs), dsts, rank, rank)
+
+
+def _scatter(src: torch.Tensor, dsts: list[torch.Tensor], sender: int, receiver: int) -> None:
+    """The byte tensor ``src`` into ``dsts`` (any layout, row-major order), one after the other."""
+    want = sum(_nbytes(t) for t in dsts)
+    if src.numel() != want:
+        raise RuntimeError(f"all_to_all: rank {receiver} expected {want} bytes from rank {sender}, which sent "
+                           f"{src.numel()}")
+    at = 0
+    for t in dsts:
+        n = _nbytes(t)
+        part = src[at : at + n]
+        if part.storage_offset() % t.element_size():
+            part = part.clone()
+        t.copy_(part.view(t.dtype).view(t.shape))
+        at += n
+
+
 def _header_bytes(size: int) -> int:
     return -(-(16 * size) // _ALIGN) * _ALIGN
 
@@ -329,8 +395,12 @@ def _row_bytes(x: torch.Tensor) -> int:
 
 
 def _bytes(x: torch.Tensor) -> torch.Tensor:
-    x = x.contiguous()
-    return x.view(-1).view(torch.uint8) if x.numel() else torch.empty(0, dtype=torch.uint8, device="cpu")
+    if not x.numel():
+        return torch.empty(0, dtype=torch.uint8, device="cpu")
+    x = x.contiguous().view(-1)
+    if x.numel() == 1:  # a view of one element counts as contiguous whatever its stride
+        x = x.as_strided((1,), (1,))
+    return x.view(torch.uint8)
 
 
 def _timeout_s(group: dist.ProcessGroup | None) -> float:
@@ -417,6 +487,31 @@ def all_to_all_single(
         if shared is not None and shared.all_to_all(out, x, out_splits, in_splits):
             return None
     return dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=async_op)
+
+
+def all_to_all_views(sends: list[list[torch.Tensor]], recvs: list[list[torch.Tensor]],
+                     group: dist.ProcessGroup | None) -> None:
+    """Variable all-to-all between tensors of any layout (views into larger tensors, strided): the elements of
+    this rank's ``sends[r]`` (row-major, one tensor after the other) fill rank ``r``'s ``recvs[this rank]``.
+
+    Through shared memory a strided piece is one copy into or out of the buffer, with no contiguous copy on
+    either side. Sizes must agree in bytes (a mismatch raises, naming both ranks); dtypes may differ.
+    """
+    tensors = [t for lst in (*sends, *recvs) for t in lst]
+    if all(t.device.type == "cpu" for t in tensors):
+        shared = shared_group(group)
+        if shared is not None and shared.exchange(sends, recvs):
+            return
+    device = tensors[0].device if tensors else torch.device("cpu")
+    send = torch.cat([_bytes(t).to(device) for lst in sends for t in lst]) if any(sends) else \
+        torch.empty(0, dtype=torch.uint8, device=device)
+    in_splits = [sum(_nbytes(t) for t in lst) for lst in sends]
+    out_splits = [sum(_nbytes(t) for t in lst) for lst in recvs]
+    out = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(out, send, out_splits, in_splits, group=group)
+    me = dist.get_rank(group)
+    for r, (part, dsts) in enumerate(zip(torch.split(out, out_splits), recvs)):
+        _scatter(part, dsts, r, me)
 
 
 def all_gather_single(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None) -> None:

@@ -94,6 +94,65 @@ def test_random_collectives_match_gloo(ws: int) -> None:
     assert results[0] and all(len(r) > 0 for r in results)
 
 
+def _views_job(rank: int, ws: int, seed: int, shm: str) -> int:
+    """all_to_all_views between strided views, against gloo's all-to-all of the same bytes made contiguous."""
+    os.environ["LIGHTNING_REC_SHM"] = shm
+    group = dist.new_group(list(range(ws)))  # set up under this rank's LIGHTNING_REC_SHM
+    assert (transport.shared_group(group) is not None) == (shm == "1")
+    rng = random.Random(seed)
+    checked = 0
+    for step in range(25):
+        dtype = DTYPES[rng.randrange(len(DTYPES))]
+        # rows[s][d] x width[s][d]: the message from rank s to rank d, sent as one or two strided pieces
+        rows = [[rng.choice([0, 1, 5, 300, 20_000 if step % 7 == 3 else 2]) for _ in range(ws)] for _ in range(ws)]
+        width = [[rng.choice([1, 3, 8]) for _ in range(ws)] for _ in range(ws)]
+        split = [[rng.random() < 0.5 for _ in range(ws)] for _ in range(ws)]
+
+        def pieces(t: torch.Tensor, two: bool) -> list[torch.Tensor]:
+            return [t[: t.shape[0] // 2], t[t.shape[0] // 2 :]] if two else [t]
+
+        sends, expected = [], []
+        for d in range(ws):
+            r, w = rows[rank][d], width[rank][d]
+            base = (torch.randn(r, 2 * w + 1) * 100 + rank).to(dtype)
+            piece = base[:, 1 : 1 + 2 * w : 2]  # every other column: not contiguous
+            sends.append(pieces(piece, split[rank][d]))
+            expected.append(piece.clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8))
+        targets, recvs = [], []
+        for s in range(ws):
+            r, w = rows[s][rank], width[s][rank]
+            target = torch.full((3 * w, r), 7, dtype=dtype)
+            view = target[w : 2 * w].t()  # [r, w], transposed: strided the other way
+            targets.append(view)
+            recvs.append(pieces(view, split[s][rank] != (step % 2 == 0)))  # split differently than sent
+        transport.all_to_all_views(sends, recvs, group)
+        send = torch.cat(expected)
+        ref = torch.empty(sum(v.numel() * v.element_size() for v in targets), dtype=torch.uint8)
+        dist.all_to_all_single(ref, send, [v.numel() * v.element_size() for v in targets],
+                               [e.numel() for e in expected], group=group)
+        got = torch.cat([v.clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8) for v in targets])
+        assert torch.equal(got, ref), (step, dtype)
+        checked += 1
+    if shm == "0":  # (gloo itself has no size check of its own that would not hang a peer)
+        dist.destroy_process_group(group)
+        return checked
+    bad = [[torch.zeros(3)] for _ in range(ws)]
+    try:
+        transport.all_to_all_views(bad, [[torch.zeros(4 if rank == 0 else 3)] for _ in range(ws)], group)
+    except RuntimeError as e:
+        assert rank == 0 and "expected 16 bytes" in str(e), e
+    else:
+        assert rank != 0, "a size mismatch went unnoticed"
+    dist.destroy_process_group(group)
+    return checked
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_views_between_strided_tensors_match_gloo(ws: int, shm: str) -> None:
+    assert run_distributed(_views_job, ws, 5 + ws, shm) == [25] * ws
+
+
 def _no_names_job(rank: int, ws: int) -> tuple[bool, list[str]]:
     x = torch.arange(4.0) + rank
     transport.all_reduce_sum(x, None)
