@@ -489,6 +489,12 @@ def all_to_all_single(
     return dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=async_op)
 
 
+def through_shared_memory(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether this group's collectives of tensors on ``device`` go through shared memory (collective the
+    first time a group is asked)."""
+    return device.type == "cpu" and shared_group(group) is not None
+
+
 def all_to_all_views(sends: list[list[torch.Tensor]], recvs: list[list[torch.Tensor]],
                      group: dist.ProcessGroup | None) -> None:
     """Variable all-to-all between tensors of any layout (views into larger tensors, strided): the elements of

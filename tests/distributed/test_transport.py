@@ -230,7 +230,7 @@ def test_a_rank_that_leaves_makes_its_peers_raise_not_hang() -> None:
     assert float(seconds) < 5 and "rank 1" in message and "left the group" in message
 
 
-def _model_job(rank: int, ws: int, shm: bool, kind: str, fused: bool) -> dict:
+def _model_job(rank: int, ws: int, shm: bool, kind: str, fused: bool, ids: torch.dtype = torch.long) -> dict:
     """A few steps of a sharded bag collection, through shared memory or gloo."""
     os.environ["LIGHTNING_REC_SHM"] = "1" if shm else "0"
     torch.manual_seed(0)
@@ -247,7 +247,7 @@ def _model_job(rank: int, ws: int, shm: bool, kind: str, fused: bool) -> dict:
     for _ in range(4):
         lengths = torch.randint(0, 4, (3 * 5,), generator=g)
         values = torch.randint(0, 40, (int(lengths.sum()),), generator=g)
-        kjt = KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=values, lengths=lengths)
+        kjt = KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=values.to(ids), lengths=lengths.to(ids))
         out = model(kjt).values()
         (out * torch.arange(out.numel()).view_as(out)).sum().backward()
         opt.step()
@@ -268,6 +268,15 @@ def test_training_is_the_same_through_either_transport(kind: str) -> None:
                     torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-6)
                 else:
                     assert torch.equal(a[k], b[k]), (kind, fused, k)
+
+
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "column_wise", "table_row_wise"])
+def test_int32_ids_and_lengths_train_as_int64_ones(kind: str) -> None:
+    """The input dist moves raw bytes of int64 buffers: narrower ids must be widened on the way, not reinterpreted."""
+    for a, b in zip(run_distributed(_model_job, 2, True, kind, True, torch.int32),
+                    run_distributed(_model_job, 2, True, kind, True, torch.long)):
+        assert a.keys() == b.keys() and a
+        assert all(torch.equal(a[k], b[k]) for k in a), kind
 
 
 def _fd_job(rank: int, ws: int, shm: str) -> int:
