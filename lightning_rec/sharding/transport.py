@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import math
 import mmap
 import os
 import platform
@@ -41,6 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from lightning_rec.sharding import bytecopy
 
 _ENV = "LIGHTNING_REC_SHM"
 _DIR = "/dev/shm"
@@ -194,7 +195,7 @@ class _SharedGroup:
         self.seq += 1
         buf = self.me.buffers[self.seq % 2]
         header = _header_bytes(self.size)
-        nbytes = header + sum(_nbytes(p) for p in pieces)
+        nbytes = header + sum(bytecopy.nbytes(p) for p in pieces)
         status = _OK
         if nbytes > buf.view.numel():
             try:
@@ -206,8 +207,8 @@ class _SharedGroup:
                 torch.tensor([v for r in ranges for v in r], dtype=torch.int64, device="cpu"))
             at = header
             for p in pieces:
-                n = _nbytes(p)
-                _put(buf.view[at : at + n], p)
+                n = bytecopy.nbytes(p)
+                bytecopy.put(buf.view[at : at + n], p)
                 at += n
         ctrl = self.me.ctrl
         ctrl[_STATUS + self.seq % 2] = status
@@ -260,11 +261,11 @@ class _SharedGroup:
 
     def all_to_all(self, out: torch.Tensor, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> bool:
         """``dist.all_to_all_single`` (splits in rows of dim 0); False: run it through torch.distributed."""
-        row = _row_bytes(x)
+        row = bytecopy.row_bytes(x)
         in_splits = list(in_splits) or [x.shape[0] // self.size] * self.size
         out_splits = list(out_splits) or [out.shape[0] // self.size] * self.size
         # this rank's own rows go straight from x to out, the rest through its buffer
-        sent = torch.split(_bytes(x), [n * row for n in in_splits])
+        sent = torch.split(bytecopy.as_bytes(x), [n * row for n in in_splits])
         ranges, at = [], 0
         for r, piece in enumerate(sent):
             n = 0 if r == self.rank else piece.numel()
@@ -279,14 +280,14 @@ class _SharedGroup:
                 raise RuntimeError(
                     f"all_to_all: rank {self.ranks[self.rank]} expected {out_splits[r]} rows from rank "
                     f"{self.ranks[r]}, which sent {part.numel() // max(row, 1)}")
-        _write_back_to_back(out, parts)
+        bytecopy.write_back_to_back(out, parts)
         return True
 
     def exchange(self, sends: list[list[torch.Tensor]], recvs: list[list[torch.Tensor]]) -> bool:
         """:func:`all_to_all_views` through the buffers; False: run it through torch.distributed."""
         pieces, ranges, at = [], [], 0
         for r, lst in enumerate(sends):
-            n = 0 if r == self.rank else sum(_nbytes(t) for t in lst)
+            n = 0 if r == self.rank else sum(bytecopy.nbytes(t) for t in lst)
             ranges.append((at, at + n))
             at += n
             if r != self.rank:
@@ -296,14 +297,14 @@ class _SharedGroup:
             return False
         for r, dsts in enumerate(recvs):
             if r == self.rank:
-                _copy_own(sends[r], dsts, self.ranks[r])
+                bytecopy.copy_own(sends[r], dsts, self.ranks[r])
             else:
-                _scatter(self._part(r), dsts, self.ranks[r], self.ranks[self.rank])
+                bytecopy.scatter(self._part(r), dsts, self.ranks[r], self.ranks[self.rank])
         return True
 
     def _everyones(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's whole ``x`` as bytes, in rank order; None: run it through torch.distributed."""
-        payload = _bytes(x)
+        payload = bytecopy.as_bytes(x)
         self._publish([payload], [(0, payload.numel())] * self.size)
         if not self._wait_all():
             return None
@@ -314,7 +315,7 @@ class _SharedGroup:
         parts = self._everyones(x)
         if parts is None:
             return False
-        _write_back_to_back(out, parts)
+        bytecopy.write_back_to_back(out, parts)
         return True
 
     def all_reduce_sum(self, x: torch.Tensor) -> bool:
@@ -329,78 +330,8 @@ class _SharedGroup:
         return True
 
 
-def _write_back_to_back(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
-    """The byte tensors ``parts``, one after the other, into ``out``."""
-    into = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
-    flat, at = _bytes(into), 0
-    for part in parts:
-        flat[at : at + part.numel()].copy_(part)
-        at += part.numel()
-    if into is not out:
-        out.copy_(into)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _put(dst: torch.Tensor, t: torch.Tensor) -> None:
-    """The elements of ``t`` (any layout), in row-major order, into the byte tensor ``dst``."""
-    if t.is_contiguous() or dst.storage_offset() % t.element_size():
-        dst.copy_(_bytes(t))
-    else:  # one strided copy straight into place
-        dst.view(t.dtype).view(t.shape).copy_(t)
-
-
-def _gather(ts: list[torch.Tensor]) -> torch.Tensor:
-    """The tensors' elements back to back, as bytes."""
-    return torch.cat([_bytes(t) for t in ts]) if ts else torch.empty(0, dtype=torch.uint8, device="cpu")
-
-
-def _copy_own(srcs: list[torch.Tensor], dsts: list[torch.Tensor], rank: int) -> None:
-    """What a rank sends itself: one copy when one tensor goes to one tensor and either side is contiguous."""
-    if len(srcs) == len(dsts) == 1 and srcs[0].dtype == dsts[0].dtype and srcs[0].numel() == dsts[0].numel():
-        src, dst = srcs[0], dsts[0]
-        if src.is_contiguous():
-            dst.copy_(src.view(dst.shape))
-            return
-        if dst.is_contiguous():
-            dst.view(src.shape).copy_(src)
-            return
-    _scatter(_gather(srcs), dsts, rank, rank)
-
-
-def _scatter(src: torch.Tensor, dsts: list[torch.Tensor], sender: int, receiver: int) -> None:
-    """The byte tensor ``src`` into ``dsts`` (any layout, row-major order), one after the other."""
-    want = sum(_nbytes(t) for t in dsts)
-    if src.numel() != want:
-        raise RuntimeError(f"all_to_all: rank {receiver} expected {want} bytes from rank {sender}, which sent "
-                           f"{src.numel()}")
-    at = 0
-    for t in dsts:
-        n = _nbytes(t)
-        part = src[at : at + n]
-        if part.storage_offset() % t.element_size():
-            part = part.clone()
-        t.copy_(part.view(t.dtype).view(t.shape))
-        at += n
-
-
 def _header_bytes(size: int) -> int:
     return -(-(16 * size) // _ALIGN) * _ALIGN
-
-
-def _row_bytes(x: torch.Tensor) -> int:
-    return x.element_size() * math.prod(x.shape[1:])
-
-
-def _bytes(x: torch.Tensor) -> torch.Tensor:
-    if not x.numel():
-        return torch.empty(0, dtype=torch.uint8, device="cpu")
-    x = x.contiguous().view(-1)
-    if x.numel() == 1:  # a view of one element counts as contiguous whatever its stride
-        x = x.as_strided((1,), (1,))
-    return x.view(torch.uint8)
 
 
 def _timeout_s(group: dist.ProcessGroup | None) -> float:
@@ -489,10 +420,20 @@ def all_to_all_single(
     return dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=async_op)
 
 
-def through_shared_memory(group: dist.ProcessGroup | None, device: torch.device) -> bool:
-    """Whether this group's collectives of tensors on ``device`` go through shared memory (collective the
-    first time a group is asked)."""
-    return device.type == "cpu" and shared_group(group) is not None
+def all_to_all_pieces(out: torch.Tensor, pieces: list[list[torch.Tensor]], out_splits: list[int],
+                      group: dist.ProcessGroup | None, async_op: bool = False):
+    """:func:`all_to_all_single` of what would be ``torch.cat`` of the 1-D ``pieces`` (``pieces[r]`` for rank
+    ``r``, promoted to ``out``'s dtype) into ``out``; through shared memory the pieces go into the buffer as
+    they are, with no cat. Returns the work of an async torch.distributed call, else None."""
+    if out.device.type == "cpu" and shared_group(group) is not None:
+        # bytes move as they are: a piece of another dtype becomes out's first, as cat would promote it
+        pieces = [[p if p.dtype == out.dtype else p.to(out.dtype) for p in lst] for lst in pieces]
+        all_to_all_views(pieces, [[x] for x in torch.split(out, out_splits)], group)
+        return None
+    flat = [p for lst in pieces for p in lst]
+    send = torch.cat(flat).to(out.dtype) if flat else torch.zeros(0, dtype=out.dtype, device=out.device)
+    in_splits = [sum(p.numel() for p in lst) for lst in pieces]
+    return all_to_all_single(out, send, out_splits, in_splits, group, async_op=async_op)
 
 
 def all_to_all_views(sends: list[list[torch.Tensor]], recvs: list[list[torch.Tensor]],
@@ -509,15 +450,15 @@ def all_to_all_views(sends: list[list[torch.Tensor]], recvs: list[list[torch.Ten
         if shared is not None and shared.exchange(sends, recvs):
             return
     device = tensors[0].device if tensors else torch.device("cpu")
-    send = torch.cat([_bytes(t).to(device) for lst in sends for t in lst]) if any(sends) else \
+    send = torch.cat([bytecopy.as_bytes(t).to(device) for lst in sends for t in lst]) if any(sends) else \
         torch.empty(0, dtype=torch.uint8, device=device)
-    in_splits = [sum(_nbytes(t) for t in lst) for lst in sends]
-    out_splits = [sum(_nbytes(t) for t in lst) for lst in recvs]
+    in_splits = [sum(bytecopy.nbytes(t) for t in lst) for lst in sends]
+    out_splits = [sum(bytecopy.nbytes(t) for t in lst) for lst in recvs]
     out = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
     dist.all_to_all_single(out, send, out_splits, in_splits, group=group)
     me = dist.get_rank(group)
     for r, (part, dsts) in enumerate(zip(torch.split(out, out_splits), recvs)):
-        _scatter(part, dsts, r, me)
+        bytecopy.scatter(part, dsts, r, me)
 
 
 def all_gather_single(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None) -> None:

@@ -1,0 +1,85 @@
+"""Tensors in and out of byte buffers: what the shared-memory transport copies, and how.
+
+A tensor of any layout (a strided view into a larger tensor included) goes into a byte range in row-major
+order with one copy, and comes out of one the same way, so that the transport needs no contiguous
+intermediate on either side.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def write_back_to_back(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """The byte tensors ``parts``, one after the other, into ``out``."""
+    into = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+    flat, at = as_bytes(into), 0
+    for part in parts:
+        flat[at : at + part.numel()].copy_(part)
+        at += part.numel()
+    if into is not out:
+        out.copy_(into)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements."""
+    return t.numel() * t.element_size()
+
+
+def put(dst: torch.Tensor, t: torch.Tensor) -> None:
+    """The elements of ``t`` (any layout), in row-major order, into the byte tensor ``dst``."""
+    if t.is_contiguous() or dst.storage_offset() % t.element_size():
+        dst.copy_(as_bytes(t))
+    else:  # one strided copy straight into place
+        dst.view(t.dtype).view(t.shape).copy_(t)
+
+
+def gather(ts: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' elements back to back, as bytes."""
+    return torch.cat([as_bytes(t) for t in ts]) if ts else torch.empty(0, dtype=torch.uint8, device="cpu")
+
+
+def copy_own(srcs: list[torch.Tensor], dsts: list[torch.Tensor], rank: int) -> None:
+    """What a rank sends itself: one copy when one tensor goes to one tensor and either side is contiguous."""
+    if len(srcs) == len(dsts) == 1 and srcs[0].dtype == dsts[0].dtype and srcs[0].numel() == dsts[0].numel():
+        src, dst = srcs[0], dsts[0]
+        if src.is_contiguous():
+            dst.copy_(src.view(dst.shape))
+            return
+        if dst.is_contiguous():
+            dst.view(src.shape).copy_(src)
+            return
+    scatter(gather(srcs), dsts, rank, rank)
+
+
+def scatter(src: torch.Tensor, dsts: list[torch.Tensor], sender: int, receiver: int) -> None:
+    """The byte tensor ``src`` into ``dsts`` (any layout, row-major order), one after the other."""
+    want = sum(nbytes(t) for t in dsts)
+    if src.numel() != want:
+        raise RuntimeError(f"all_to_all: rank {receiver} expected {want} bytes from rank {sender}, which sent "
+                           f"{src.numel()}")
+    at = 0
+    for t in dsts:
+        n = nbytes(t)
+        part = src[at : at + n]
+        if part.storage_offset() % t.element_size():
+            part = part.clone()
+        t.copy_(part.view(t.dtype).view(t.shape))
+        at += n
+
+
+def row_bytes(x: torch.Tensor) -> int:
+    """Bytes of one index of ``x``'s first dimension."""
+    return x.element_size() * math.prod(x.shape[1:])
+
+
+def as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s elements in row-major order as a 1-D byte tensor (a view when ``x`` is contiguous)."""
+    if not x.numel():
+        return torch.empty(0, dtype=torch.uint8, device="cpu")
+    x = x.contiguous().view(-1)
+    if x.numel() == 1:  # a view of one element counts as contiguous whatever its stride
+        x = x.as_strided((1,), (1,))
+    return x.view(torch.uint8)
