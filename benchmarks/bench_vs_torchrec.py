@@ -406,6 +406,20 @@ def run_config(lib: str, rank: int, world: int, cmd: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
+    result = _run_steps(lib, rank, world, cmd, cfg, tables, batches, plan, variant, model, opt, kjts, step,
+                        setup_s, checksum)
+    if lib == "lightning_rec":  # this worker serves many configurations: give back each one's group
+        from lightning_rec.sharding import transport
+
+        dist.barrier()
+        transport.close_all()  # and its shared buffers, which would otherwise pile up, one set per configuration
+        if model.shard_group is not dist.group.WORLD:
+            dist.destroy_process_group(model.shard_group)
+    return result
+
+
+def _run_steps(lib, rank, world, cmd, cfg, tables, batches, plan, variant, model, opt, kjts, step, setup_s,
+               checksum) -> dict:
     timing, losses = timed_steps(lambda i: step(kjts[i % len(kjts)]), cfg)
     if cmd.get("profile"):
         profile_steps(step, kjts, cfg, f"{cmd['profile']}-{lib}-r{rank}.txt")

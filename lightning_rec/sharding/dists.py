@@ -385,17 +385,20 @@ def start_input_dist(
     words = 2 if packed else 1
     # one buffer: to each rank, its routes' lengths, then ids, then weight bits
     route_lengths, route_values, route_weights = out.per_route(b)
-    to_rank: list[list[torch.Tensor]] = []
+    pieces: list[torch.Tensor] = []
+    send_splits = []
     value_counts = [sum(out.sent[i0 : i0 + k]) for i0, k in zip(_starts(per_dest), per_dest)]
     for r, i0 in enumerate(_starts(per_dest)):
         i1 = i0 + per_dest[r]
-        to_rank.append(route_lengths[i0:i1] + route_values[i0:i1])
+        pieces += route_lengths[i0:i1] + route_values[i0:i1]
         if packed:
             assert route_weights is not None
-            to_rank[-1] += [as_int64(w) for w in route_weights[i0:i1]]
+            pieces += [as_int64(w) for w in route_weights[i0:i1]]
+        send_splits.append(per_dest[r] * b + words * value_counts[r])
     recv_splits = [n_mine * batches[s] + words * sum(ids_from[s]) for s in range(n_ranks)]
+    send = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
     buf = torch.empty(sum(recv_splits), dtype=torch.long, device=device)
-    work = transport.all_to_all_pieces(buf, to_rank, recv_splits, group, async_op=async_op)
+    work = transport.all_to_all_single(buf, send, recv_splits, send_splits, group, async_op=async_op)
     separate = None
     if w_apart:
         w = out.flat(b, device)[2] if weighted else None

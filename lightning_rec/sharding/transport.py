@@ -420,22 +420,6 @@ def all_to_all_single(
     return dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=async_op)
 
 
-def all_to_all_pieces(out: torch.Tensor, pieces: list[list[torch.Tensor]], out_splits: list[int],
-                      group: dist.ProcessGroup | None, async_op: bool = False):
-    """:func:`all_to_all_single` of what would be ``torch.cat`` of the 1-D ``pieces`` (``pieces[r]`` for rank
-    ``r``, promoted to ``out``'s dtype) into ``out``; through shared memory the pieces go into the buffer as
-    they are, with no cat. Returns the work of an async torch.distributed call, else None."""
-    if out.device.type == "cpu" and shared_group(group) is not None:
-        # bytes move as they are: a piece of another dtype becomes out's first, as cat would promote it
-        pieces = [[p if p.dtype == out.dtype else p.to(out.dtype) for p in lst] for lst in pieces]
-        all_to_all_views(pieces, [[x] for x in torch.split(out, out_splits)], group)
-        return None
-    flat = [p for lst in pieces for p in lst]
-    send = torch.cat(flat).to(out.dtype) if flat else torch.zeros(0, dtype=out.dtype, device=out.device)
-    in_splits = [sum(p.numel() for p in lst) for lst in pieces]
-    return all_to_all_single(out, send, out_splits, in_splits, group, async_op=async_op)
-
-
 def all_to_all_views(sends: list[list[torch.Tensor]], recvs: list[list[torch.Tensor]],
                      group: dist.ProcessGroup | None) -> None:
     """Variable all-to-all between tensors of any layout (views into larger tensors, strided): the elements of
