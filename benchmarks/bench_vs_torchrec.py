@@ -408,13 +408,11 @@ def run_config(lib: str, rank: int, world: int, cmd: dict) -> dict:
 
     result = _run_steps(lib, rank, world, cmd, cfg, tables, batches, plan, variant, model, opt, kjts, step,
                         setup_s, checksum)
-    if lib == "lightning_rec":  # this worker serves many configurations: give back each one's group
+    if lib == "lightning_rec":  # this worker serves many configurations: give back each one's buffers
         from lightning_rec.sharding import transport
 
         dist.barrier()
-        transport.close_all()  # and its shared buffers, which would otherwise pile up, one set per configuration
-        if model.shard_group is not dist.group.WORLD:
-            dist.destroy_process_group(model.shard_group)
+        transport.close_all()  # its shared buffers, which would otherwise pile up, one set per configuration
     return result
 
 
