@@ -637,8 +637,12 @@ class Group:
         that will never complete: the caller then kills the group)."""
         line = json.dumps(cmd) + "\n"
         for p in self.procs:
-            p.stdin.write(line)
-            p.stdin.flush()
+            try:
+                p.stdin.write(line)
+                p.stdin.flush()
+            except OSError:  # it died since the last configuration (killed for memory, say): a failed row
+                return [{"ok": False, "error": f"worker exited (code {p.poll()}) before this configuration"}
+                        for _ in self.procs]
         deadline = time.monotonic() + timeout_s
         out: list[dict | None] = [None] * len(self.procs)
         while any(r is None for r in out):
@@ -657,7 +661,8 @@ class Group:
             if kill:
                 p.kill()
             elif p.stdin:
-                p.stdin.close()
+                with contextlib.suppress(OSError):
+                    p.stdin.close()
         for p in self.procs:
             try:
                 p.wait(timeout=30)
