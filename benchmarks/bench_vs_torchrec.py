@@ -406,18 +406,6 @@ def run_config(lib: str, rank: int, world: int, cmd: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    result = _run_steps(lib, rank, world, cmd, cfg, tables, batches, plan, variant, model, opt, kjts, step,
-                        setup_s, checksum)
-    if lib == "lightning_rec":  # this worker serves many configurations: give back each one's buffers
-        from lightning_rec.sharding import transport
-
-        dist.barrier()
-        transport.close_all()  # its shared buffers, which would otherwise pile up, one set per configuration
-    return result
-
-
-def _run_steps(lib, rank, world, cmd, cfg, tables, batches, plan, variant, model, opt, kjts, step, setup_s,
-               checksum) -> dict:
     timing, losses = timed_steps(lambda i: step(kjts[i % len(kjts)]), cfg)
     if cmd.get("profile"):
         profile_steps(step, kjts, cfg, f"{cmd['profile']}-{lib}-r{rank}.txt")
@@ -433,6 +421,11 @@ def _run_steps(lib, rank, world, cmd, cfg, tables, batches, plan, variant, model
     first, last = losses[:d], losses[-d:] if len(losses) >= 2 * d else []
     trained = bool(sum(last) < sum(first)) if last else None
     opt_numel = sum(p.numel() for g in opt.param_groups for p in g["params"]) if variant == "dense" else None
+    if lib == "lightning_rec":  # this worker serves many configurations: give back each one's buffers
+        from lightning_rec.sharding import transport
+
+        dist.barrier()
+        transport.close_all()  # its shared buffers, which would otherwise pile up, one set per configuration
     return {
         **timing,
         "setup_s": setup_s,

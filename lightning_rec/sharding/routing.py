@@ -66,6 +66,10 @@ class RoutingTable:
     # over ranks make one group of many runs: one strided copy)
     colmap_runs: tuple[tuple[tuple[int, int, int, int, int], ...], ...] = ()
     colmap_add: tuple[tuple[bool, ...], ...] = ()  # per group of ``colmap_runs``: adds (else copies)
+    # when every rank's pooled rows fill one group of ``colmap_runs`` (more than one rank, each column written
+    # once, no data-parallel columns): that group per rank (None: it sends none), so the output exchange can
+    # land them straight in place; None otherwise
+    direct_groups: tuple | None = None
     # vectorised bucketing (row blocks): a *bucket* is one row block of one feature, feature-major; a feature
     # of a data-parallel table is one bucket no route reads
     bucket_bounds: torch.Tensor = field(default_factory=_empty_long)  # first key of every bucket, ascending
@@ -175,6 +179,7 @@ def build_routing(
         colmap_kind = "overlay"  # row blocks: the first block's groups are copied, no zero fill, one add fewer
     elif colmap_kind == "sum":
         colmap_add = tuple((True,) * len(groups) for groups in colmap_runs)  # all add onto zeros
+    cols_from = tuple(sum(r.shard.cols for r in lst) for lst in routes_to)
     routed_tables = {r.table for lst in routes_to for r in lst}
     single_block = all(row_starts[t] == (0,) for t in routed_tables)
     bounds, starts_of_buckets, first_bucket = [], [], []
@@ -210,7 +215,7 @@ def build_routing(
         row_starts=row_starts,
         block_of=block_of,
         my_route_table=tuple(local_index[r.table] for r in mine),
-        cols_from=tuple(sum(r.shard.cols for r in lst) for lst in routes_to),
+        cols_from=cols_from,
         dp_tables=dp_tables,
         dp_features=dp_features,
         feat_off=feat_off,
@@ -219,6 +224,7 @@ def build_routing(
         colmap_kind=colmap_kind,
         colmap_runs=colmap_runs,
         colmap_add=colmap_add,
+        direct_groups=_direct_groups(group_size, colmap_kind, colmap_runs, cols_from),
         bucket_bounds=torch.tensor(bounds, dtype=torch.long, device=device),
         bucket_start=torch.tensor(starts_of_buckets, dtype=torch.long, device=device),
         route_bucket=torch.tensor(route_bucket, dtype=torch.long, device=device),
@@ -272,3 +278,21 @@ def _adds(groups_per_part: tuple[tuple[tuple[int, int, int, int, int], ...], ...
             written |= cols
         adds.append(tuple(part))
     return tuple(adds), clean, len(written)
+
+
+def _direct_groups(group_size: int, kind: str, runs: tuple, cols_from: tuple[int, ...]) -> tuple | None:
+    """``RoutingTable.direct_groups``: each rank's block as one group of runs, or None where it is not."""
+    if group_size == 1 or kind != "permutation" or runs[0]:
+        return None
+    groups = []
+    for groups_of_rank, width in zip(runs[1:], cols_from):
+        if not groups_of_rank:
+            groups.append(None)
+            continue
+        if len(groups_of_rank) > 1:
+            return None
+        first, _, n, count, _ = groups_of_rank[0]
+        if first != 0 or n * count != width:
+            return None
+        groups.append(groups_of_rank[0])
+    return tuple(groups)

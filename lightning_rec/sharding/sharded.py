@@ -133,9 +133,9 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         if recv is not None:
             batches = list(recv.batches)
             pooled = self.lookup(recv, batches)
-            direct = _direct_groups(routing)
-            if direct is not None:  # every rank's pooled rows straight into their columns
-                out = _exchange_into_place(pooled, direct, batches, b, routing.feat_off[-1], self._group)
+            if routing.direct_groups is not None:  # every rank's pooled rows straight into their columns
+                out = _exchange_into_place(pooled, routing.direct_groups, batches, b, routing.feat_off[-1],
+                                           self._group)
             else:
                 flat = self.output_dist(pooled, batches, b)
                 starts = offsets_of([b * w for w in routing.cols_from])
@@ -233,27 +233,6 @@ class _PlaceColumns(torch.autograd.Function):
             for src, dst, n, count, step in groups:
                 _group_view(block, src, n, count, n).copy_(_group_view(grad, dst, n, count, step))
         return None, None, None, None, *grads
-
-
-def _direct_groups(routing) -> tuple | None:
-    """Per rank of the group, the one column group its pooled rows fill (None: it sends none), when the
-    output can be filled straight from the output exchange: more than one rank, every column written once,
-    no data-parallel columns, and each rank's block one group of runs. None otherwise (stage 3 then
-    receives into one flat buffer and :func:`_place_columns` moves it)."""
-    if routing.group_size == 1 or routing.colmap_kind != "permutation" or routing.colmap_runs[0]:
-        return None
-    groups = []
-    for groups_of_rank, width in zip(routing.colmap_runs[1:], routing.cols_from):
-        if not groups_of_rank:
-            groups.append(None)
-            continue
-        if len(groups_of_rank) > 1:
-            return None
-        first, _, n, count, _ = groups_of_rank[0]
-        if first != 0 or n * count != width:
-            return None
-        groups.append(groups_of_rank[0])
-    return tuple(groups)
 
 
 @torch.compiler.disable

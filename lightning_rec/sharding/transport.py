@@ -434,8 +434,7 @@ def all_to_all_views(sends: list[list[torch.Tensor]], recvs: list[list[torch.Ten
         if shared is not None and shared.exchange(sends, recvs):
             return
     device = tensors[0].device if tensors else torch.device("cpu")
-    send = torch.cat([bytecopy.as_bytes(t).to(device) for lst in sends for t in lst]) if any(sends) else \
-        torch.empty(0, dtype=torch.uint8, device=device)
+    send = bytecopy.gather([t for lst in sends for t in lst]).to(device)
     in_splits = [sum(bytecopy.nbytes(t) for t in lst) for lst in sends]
     out_splits = [sum(bytecopy.nbytes(t) for t in lst) for lst in recvs]
     out = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
