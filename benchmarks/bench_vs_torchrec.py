@@ -474,7 +474,9 @@ def split_step(step, kjts: list, cfg: dict, opt) -> dict:
 
     kernel_calls: list[list] = []
     coll_calls: list[list] = []
-    real_forward, real_a2a, real_gather = FusedPooledKernel.forward, transport.all_to_all_single, transport.all_gather_single
+    real = {name: getattr(transport, name) for name in
+            ("all_to_all_single", "all_gather_single", "all_to_all_views", "all_to_all_pieces")}
+    real_forward = FusedPooledKernel.forward
 
     def forward(self, *a, **kw):
         out = real_forward(self, *a, **kw)
@@ -482,24 +484,44 @@ def split_step(step, kjts: list, cfg: dict, opt) -> dict:
             kernel_calls[-1].append((self, a, kw, torch.randn(out.shape, dtype=out.dtype) / out.numel()))
         return out
 
+    def fresh(ts):
+        return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in ts]
+
     def a2a(output, input, output_split_sizes, input_split_sizes, group, async_op=False):
-        coll_calls[-1].append(("a2a", torch.empty_like(output), torch.empty_like(input),
-                               list(output_split_sizes), list(input_split_sizes), group))
-        return real_a2a(output, input, output_split_sizes, input_split_sizes, group, async_op=async_op)
+        coll_calls[-1].append(("all_to_all_single", (torch.empty_like(output), torch.empty_like(input),
+                               list(output_split_sizes), list(input_split_sizes), group)))
+        return real["all_to_all_single"](output, input, output_split_sizes, input_split_sizes, group,
+                                         async_op=async_op)
 
     def gather(output, input, group):
-        coll_calls[-1].append(("gather", torch.empty_like(output), torch.empty_like(input), None, None, group))
-        return real_gather(output, input, group)
+        coll_calls[-1].append(("all_gather_single", (torch.empty_like(output), torch.empty_like(input), group)))
+        return real["all_gather_single"](output, input, group)
 
-    FusedPooledKernel.forward, transport.all_to_all_single, transport.all_gather_single = forward, a2a, gather
+    def views(sends, recvs, group):
+        coll_calls[-1].append(("all_to_all_views", ([fresh(x) for x in sends], [fresh(x) for x in recvs], group)))
+        return real["all_to_all_views"](sends, recvs, group)
+
+    def pieces(sends, recv_sizes, consume, group, device, async_op=False):
+        # replayed with one copy out of what arrived, as the input dist's route-major cat does
+        coll_calls[-1].append(("all_to_all_pieces", ([fresh(x) for x in sends], recv_sizes,
+                                                     lambda got: torch.cat([t for x in got for t in x]), group,
+                                                     device)))
+        return real["all_to_all_pieces"](sends, recv_sizes, consume, group, device, async_op=async_op)
+
+    patched = {"all_to_all_single": a2a, "all_gather_single": gather, "all_to_all_views": views,
+               "all_to_all_pieces": pieces}
+    FusedPooledKernel.forward = forward
+    for name, fn in patched.items():
+        setattr(transport, name, fn)
     try:
         for i in range(cfg["distinct"]):
             kernel_calls.append([])
             coll_calls.append([])
             step(kjts[i])
     finally:
-        FusedPooledKernel.forward, transport.all_to_all_single, transport.all_gather_single = (
-            real_forward, real_a2a, real_gather)
+        FusedPooledKernel.forward = real_forward
+        for name, fn in real.items():
+            setattr(transport, name, fn)
 
     def kernels_alone(i: int) -> None:
         for k, a, kw, grad in kernel_calls[i % len(kernel_calls)]:
@@ -507,13 +529,10 @@ def split_step(step, kjts: list, cfg: dict, opt) -> dict:
         opt.step()
 
     def collectives_alone(i: int) -> None:
-        for kind, out, inp, out_splits, in_splits, group in coll_calls[i % len(coll_calls)]:
-            if kind == "a2a":
-                work = real_a2a(out, inp, out_splits, in_splits, group)
-                if work is not None:
-                    work.wait()
-            else:
-                real_gather(out, inp, group)
+        for name, args in coll_calls[i % len(coll_calls)]:
+            work = real[name](*args)
+            if work is not None:
+                work.wait()
 
     kernel_timing, _ = timed_steps(kernels_alone, cfg)
     comm_timing, _ = timed_steps(collectives_alone, cfg)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -84,9 +85,9 @@ class _Outgoing:
             return self.pieces
         assert self.lengths is not None and self.values is not None
         n = len(self.sent)
-        lengths = list(torch.split(self.lengths, [b] * n)) if n else []
+        lengths = list(torch.split(self.lengths.long(), [b] * n)) if n else []
         ws = None if self.weights is None else list(torch.split(self.weights, self.sent))
-        return lengths, list(torch.split(self.values, self.sent)), ws
+        return lengths, list(torch.split(self.values.long(), self.sent)), ws
 
     def flat(self, b: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if self.pieces is None:
@@ -104,7 +105,7 @@ def _route_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing
     """Every route's payload when no table needs bucketing: the KJT's features in route order.
 
     Ids stay as they are (every routed table is one row block from row 0): each route's part is a slice of
-    the input, copied once, into the send buffer.
+    the input, copied once on its way to another rank (not at all for this rank's own routes).
     """
     lpk = kjt.length_per_key()
     sent = [lpk[f] for f in routing.route_features]
@@ -112,8 +113,8 @@ def _route_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing
     if routing.routes_in_order:
         return _Outgoing(kjt.lengths(), kjt.values(), weights, sent, positions)
     opk = kjt.offset_per_key()
-    by_feature = kjt.lengths().view(len(kjt.keys()), kjt.stride())
-    values = kjt.values()
+    by_feature = kjt.lengths().long().view(len(kjt.keys()), kjt.stride())
+    values = kjt.values().long()
     order = routing.route_features
     return _Outgoing(None, None, None, sent, positions, pieces=(
         [by_feature[f] for f in order], [values[opk[f] : opk[f + 1]] for f in order],
@@ -382,62 +383,52 @@ def start_input_dist(
     ids_from = [got[s * h + 3 : (s + 1) * h] for s in range(n_ranks)]
     w_apart = any(got[s * h + 2] for s in range(n_ranks))  # every rank sends weights the same way
     packed = weighted and not w_apart
-    words = 2 if packed else 1
-    # one buffer: to each rank, its routes' lengths, then ids, then weight bits
+    # to each rank, its routes' lengths, then ids, then weight bits: pieces of one int64 all-to-all
     route_lengths, route_values, route_weights = out.per_route(b)
-    pieces: list[torch.Tensor] = []
-    send_splits = []
+    sends: list[list[torch.Tensor]] = []
     value_counts = [sum(out.sent[i0 : i0 + k]) for i0, k in zip(_starts(per_dest), per_dest)]
     for r, i0 in enumerate(_starts(per_dest)):
         i1 = i0 + per_dest[r]
-        pieces += route_lengths[i0:i1] + route_values[i0:i1]
+        sends.append(route_lengths[i0:i1] + route_values[i0:i1])
         if packed:
             assert route_weights is not None
-            pieces += [as_int64(w) for w in route_weights[i0:i1]]
-        send_splits.append(per_dest[r] * b + words * value_counts[r])
-    recv_splits = [n_mine * batches[s] + words * sum(ids_from[s]) for s in range(n_ranks)]
-    send = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
-    buf = torch.empty(sum(recv_splits), dtype=torch.long, device=device)
-    work = transport.all_to_all_single(buf, send, recv_splits, send_splits, group, async_op=async_op)
+            sends[-1] += [as_int64(w) for w in route_weights[i0:i1]]
+    recv_sizes = [[batches[s]] * n_mine + ids_from[s] + (ids_from[s] if packed else []) for s in range(n_ranks)]
+    consume = partial(_route_major, n_mine=n_mine, packed=packed, device=device)
+    work = transport.all_to_all_pieces(sends, recv_sizes, consume, group, device, async_op=async_op)
     separate = None
     if w_apart:
         w = out.flat(b, device)[2] if weighted else None
         w = w if w is not None else torch.zeros(0, device=device)
         separate = comm.all_to_all(w, [sum(x) for x in ids_from], value_counts, group, differentiable=True)
     return PendingInputDist(
-        work=work, buf=buf, batches=batches, ids_from=ids_from, sent=out.sent, positions=out.positions,
+        work=work, batches=batches, ids_from=ids_from, sent=out.sent, positions=out.positions,
         packed_dtype=weights.dtype if packed and weights is not None else None, separate_weights=separate,
         n_mine=n_mine,
     )
+
+
+def _route_major(got: list[list[torch.Tensor]], n_mine: int, packed: bool, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Every source's ``[lengths | ids | weights][route]`` pieces as route-major lengths, ids, weight bits."""
+    def cat(at: int) -> torch.Tensor:
+        parts = [pieces[at + k] for k in range(n_mine) for pieces in got]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+
+    return cat(0), cat(n_mine), cat(2 * n_mine) if packed else None
 
 
 def _starts(sizes: list[int]) -> list[int]:
     return offsets_of(sizes)[:-1]
 
 
-def _unpack(work, buf, batches, ids_from, sent, positions, packed_dtype, separate_weights, n_mine) -> Received:
-    """The received buffer (``[source][lengths | ids | weights][route]``) as route-major lengths, ids, weights."""
-    if work is not None:
-        work.wait()
-    n_ranks = len(batches)
-    words = 2 if packed_dtype is not None else 1
-    sizes, order_l, order_v, order_w = [], [], [], []
-    for s in range(n_ranks):
-        base = len(sizes)
-        sizes += [batches[s]] * n_mine + ids_from[s] + (ids_from[s] if words == 2 else [])
-        order_l.append(range(base, base + n_mine))
-        order_v.append(range(base + n_mine, base + 2 * n_mine))
-        order_w.append(range(base + 2 * n_mine, base + 3 * n_mine))
-    chunks = torch.split(buf, sizes)
-
-    def route_major(idx: list[range]) -> torch.Tensor:
-        parts = [chunks[idx[s][k]] for k in range(n_mine) for s in range(n_ranks)]
-        return torch.cat(parts) if parts else buf[:0]
-
-    lengths, values = route_major(order_l), route_major(order_v)
-    weights = from_int64(route_major(order_w), packed_dtype) if packed_dtype is not None else None
+def _unpack(work, batches, ids_from, sent, positions, packed_dtype, separate_weights, n_mine) -> Received:
+    """What arrived, route-major (each route's bags from every source rank in group order)."""
+    lengths, values, weights = work.wait()
+    if packed_dtype is not None:
+        weights = from_int64(weights, packed_dtype)
     if separate_weights is not None:
-        weights = regroup(separate_weights, [c for row in ids_from for c in row], n_ranks, n_mine)
+        weights = regroup(separate_weights, [c for row in ids_from for c in row], len(batches), n_mine)
     return Received(lengths=lengths, values=values, weights=weights, ids_from=ids_from, positions=positions,
                     sent=sent, batches=batches)
 

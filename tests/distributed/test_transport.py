@@ -23,13 +23,14 @@ from lightning_rec.sharding import (
     fused_optimizer,
     row_wise,
     shard_modules,
+    shm,
     table_row_wise,
     table_wise,
     transport,
 )
 from lightning_rec.testing import run_distributed
 
-pytestmark = pytest.mark.skipif(transport._wanted() is False, reason="shared-memory transport needs Linux x86-64")
+pytestmark = pytest.mark.skipif(shm._wanted() is False, reason="shared-memory transport needs Linux x86-64")
 
 DTYPES = (torch.float32, torch.int64, torch.bfloat16, torch.uint8, torch.float64)
 
@@ -153,13 +154,54 @@ def test_views_between_strided_tensors_match_gloo(ws: int, shm: str) -> None:
     assert run_distributed(_views_job, ws, 5 + ws, shm) == [25] * ws
 
 
+
+def _pieces_job(rank: int, ws: int, seed: int, shm: str) -> int:
+    """all_to_all_pieces, its consumer reordering what arrived, against gloo's all-to-all of the same pieces."""
+    os.environ["LIGHTNING_REC_SHM"] = shm
+    group = dist.new_group(list(range(ws)))
+    assert (transport.shared_group(group) is not None) == (shm == "1")
+    rng = random.Random(seed)
+    checked = 0
+    for step in range(20):
+        dtype = DTYPES[rng.randrange(len(DTYPES))]
+        # sizes[s][d]: the numels of the pieces rank s sends rank d (every rank draws the same table)
+        n_pieces = rng.choice([0, 1, 3, 26])
+        sizes = [[[rng.choice([0, 1, 7, 2000, 90_000 if step % 5 == 2 else 3]) for _ in range(n_pieces)]
+                  for _ in range(ws)] for _ in range(ws)]
+        sends = [[(torch.randn(n) * 100 + rank).to(dtype) for n in sizes[rank][d]] for d in range(ws)]
+        async_op = step % 2 == 1
+
+        def piece_major(got: list[list[torch.Tensor]]) -> torch.Tensor:  # piece k of every source, then k + 1
+            parts = [got[s][k] for k in range(n_pieces) for s in range(ws)]
+            return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
+
+        pending = transport.all_to_all_pieces(sends, [sizes[s][rank] for s in range(ws)], piece_major, group,
+                                              torch.device("cpu"), async_op=async_op)
+        send = torch.cat([t for lst in sends for t in lst]) if n_pieces else torch.zeros(0, dtype=dtype)
+        out_splits = [sum(sizes[s][rank]) for s in range(ws)]
+        ref = torch.empty(sum(out_splits), dtype=dtype)
+        got = pending.wait()
+        dist.all_to_all_single(ref, send, out_splits, [sum(sizes[rank][d]) for d in range(ws)], group=group)
+        chunks = [list(torch.split(c, sizes[s][rank])) for s, c in enumerate(torch.split(ref, out_splits))]
+        assert torch.equal(got, piece_major(chunks)), (step, dtype)
+        assert pending.wait() is got  # computed once
+        checked += 1
+    dist.destroy_process_group(group)
+    return checked
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_pieces_reordered_on_arrival_match_gloo(ws: int, shm: str) -> None:
+    assert run_distributed(_pieces_job, ws, 3 + ws, shm) == [20] * ws
+
 def _no_names_job(rank: int, ws: int) -> tuple[bool, list[str]]:
     x = torch.arange(4.0) + rank
     transport.all_reduce_sum(x, None)
     dist.barrier()
     shared = transport.shared_group(None)
     assert shared is not None
-    return True, sorted(n for n in os.listdir(transport._DIR) if shared.tag in n)
+    return True, sorted(n for n in os.listdir(shm._DIR) if shared.tag in n)
 
 
 def test_segments_leave_no_names_behind() -> None:
@@ -186,11 +228,11 @@ def _fallback_job(rank: int, ws: int) -> list[bool]:
     """Rank 1 cannot grow its buffer (a full /dev/shm): that collective runs through gloo on every rank."""
     shared = transport.shared_group(None)
     assert shared is not None
-    real = transport._File.grow
+    real = shm._File.grow
     if rank == 1:
         def full(self, nbytes):
             raise OSError(28, "No space left on device")
-        transport._File.grow = full
+        shm._File.grow = full
     ok = []
     try:
         for rows in (10, 600_000, 10):  # 600k x 4 B: past the 1 MB a buffer starts with
@@ -201,7 +243,7 @@ def _fallback_job(rank: int, ws: int) -> list[bool]:
             dist.all_to_all_single(ref, x, [rows] * ws, [rows] * ws)
             ok.append(torch.equal(out, ref))
     finally:
-        transport._File.grow = real  # the process serves later tests
+        shm._File.grow = real  # the process serves later tests
     return ok
 
 

@@ -10,20 +10,20 @@ import time
 import numpy as np
 import pytest
 
-from lightning_rec.sharding import transport
+from lightning_rec.sharding import shm
 
 
-def _group(timeout_s: float) -> transport._SharedGroup:
+def _group(timeout_s: float) -> shm._SharedGroup:
     # only what _wait reads: no files, no process group
-    g = object.__new__(transport._SharedGroup)
+    g = object.__new__(shm._SharedGroup)
     g.seq, g.rank, g.ranks, g.timeout_s = 1, 0, [0, 5], timeout_s
     return g
 
 
-def _peer(pid: int, left: int = 0) -> transport._Rank:
+def _peer(pid: int, left: int = 0) -> shm._Rank:
     ctrl = np.zeros(8, dtype=np.int64)
-    ctrl[transport._LEFT] = left
-    return transport._Rank(ctrl=ctrl, buffers=(None, None), pid=pid, keep=None)  # type: ignore[arg-type]
+    ctrl[shm._LEFT] = left
+    return shm._Rank(ctrl=ctrl, buffers=(None, None), pid=pid, keep=None)  # type: ignore[arg-type]
 
 
 def test_a_dead_peer_is_named_within_a_second() -> None:
@@ -49,5 +49,5 @@ def test_a_live_silent_peer_ends_at_the_group_timeout() -> None:
 
 def test_a_published_peer_is_not_waited_for() -> None:
     peer = _peer(os.getpid())
-    peer.ctrl[transport._READY] = 1
+    peer.ctrl[shm._READY] = 1
     _group(60)._wait(1, peer)
