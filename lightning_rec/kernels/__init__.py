@@ -10,6 +10,7 @@ Every kernel here pools with SUM. MEAN is applied by the caller, once, on the sa
 - :mod:`._grouped`: one pooled lookup over tables served by different kernels (a sharded rank's shards)
 - :mod:`._fused`, :mod:`._guards`: fbgemm's split table-batched lookup with the optimizer in backward
 - :mod:`._hugepages`: the fused kernel's CPU tables on transparent huge pages (a faster backward)
+- :mod:`._malloc`: glibc keeps the memory a CPU step frees for the next one (no page faults every step)
 - :mod:`._tables`: containers registering tables under their own names
 - :mod:`._ids`: id and offset checks shared by all paths
 """
@@ -29,6 +30,7 @@ from lightning_rec.kernels._dense_tbe import FbgemmPooledKernel
 from lightning_rec.kernels._fused import FusedPooledKernel
 from lightning_rec.kernels._grouped import LOOKUP_KERNELS, GroupedPooledLookup
 from lightning_rec.kernels._ids import check_ids, check_offsets, validate_ids
+from lightning_rec.kernels._malloc import keep_freed_memory
 from lightning_rec.kernels._tables import FusedTables, TableContainer
 from lightning_rec.kernels._torch import mean_divisor, promoted_dtype, torch_pooled, torch_sequence
 
@@ -46,6 +48,7 @@ __all__ = [
     "check_ids",
     "check_offsets",
     "has_fbgemm_op",
+    "keep_freed_memory",
     "load_fbgemm",
     "mean_divisor",
     "promoted_dtype",

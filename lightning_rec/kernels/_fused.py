@@ -20,6 +20,7 @@ from lightning_rec.kernels._capability import check_fused_available, fbgemm_trai
 from lightning_rec.kernels._guards import _FusedBackwardGuard, _FusedStepCounter, _ScaleGrad
 from lightning_rec.kernels._hugepages import zero_into_huge_pages
 from lightning_rec.kernels._ids import check_ids, check_offsets
+from lightning_rec.kernels._malloc import keep_freed_memory
 from lightning_rec.kernels._tables import FusedTable, unexpected_table_keys
 
 
@@ -87,6 +88,8 @@ class FusedPooledKernel(torch.nn.Module):
 
         tbe_ops = fbgemm_training()
         on_cpu = dev.type == "cpu"
+        if on_cpu:
+            keep_freed_memory()  # kernels/_malloc.py: the step's large tensors reuse memory, not fresh pages
         location = tbe_ops.EmbeddingLocation.HOST if on_cpu else tbe_ops.EmbeddingLocation.DEVICE
         compute = tbe_ops.ComputeDevice.CPU if on_cpu else tbe_ops.ComputeDevice.CUDA
         precision = tbe_ops.SparseType.FP32 if dtype == torch.float32 else tbe_ops.SparseType.FP16

@@ -113,6 +113,8 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         self._output_dtype: torch.dtype | None = None
         self._prefetched: list[tuple[KeyedJaggedTensor, tuple[int, ...], _Begun]] = []  # see prefetch_input_dist
         dev = self._device = target_device(module, device)
+        if dev.type == "cpu":
+            kernels.keep_freed_memory()  # kernels/_malloc.py
         peers = peer_devices or {}
         self._peer_devices = [peers.get(g, dev) for g in self._global_ranks]
 
