@@ -574,6 +574,18 @@ def transport_line() -> str:
     return f"Collectives: TorchRec through gloo; lightning_rec through {ours}."
 
 
+def malloc_line(torchrec_malloc: bool) -> str:
+    """How each library's workers allocate host memory in this run."""
+    if os.environ.get("LIGHTNING_REC_MALLOC", "1") == "0":
+        ours = "glibc's defaults (LIGHTNING_REC_MALLOC=0)"
+    else:
+        ours = ("glibc keeping freed memory for reuse (mmap threshold 256 MiB, trim threshold 1 GiB: "
+                "`lightning_rec/kernels/_malloc.py`, the default)")
+    theirs = ("the same thresholds, set through glibc's MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ "
+              "(--torchrec-malloc)" if torchrec_malloc else "glibc's defaults")
+    return f"Host memory: lightning_rec's workers (and the bare kernel, which runs in them) with {ours}; TorchRec's with {theirs}."
+
+
 def worker(lib: str, rank: int, world: int, port: int) -> None:
     """Run configurations read from stdin until EOF; one RESULT line of JSON each on stdout."""
     torch.set_num_threads(1)
@@ -603,7 +615,7 @@ def free_port() -> int:
 class Group:
     """``world`` persistent worker processes of one library."""
 
-    def __init__(self, lib: str, world: int, python: str, log_dir: Path, nice: int) -> None:
+    def __init__(self, lib: str, world: int, python: str, log_dir: Path, nice: int, malloc_env: bool = False) -> None:
         self.lib, self.world = lib, world
         port = free_port()
         # TorchRec reads the host size for table_row_wise / grid_shard from LOCAL_WORLD_SIZE
@@ -614,6 +626,10 @@ class Group:
             env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         else:
             env.pop("PYTHONPATH", None)
+            if malloc_env:  # what kernels/_malloc.py sets in lightning_rec's workers, through glibc's tunables
+                from lightning_rec.kernels import _malloc  # (the driver runs in the project's environment)
+
+                env.update(MALLOC_MMAP_THRESHOLD_=str(_malloc._MMAP), MALLOC_TRIM_THRESHOLD_=str(_malloc._TRIM))
         self.procs, self.queues = [], []
         for r in range(world):
             log = open(log_dir / f"{lib}-w{world}-r{r}.log", "a")  # noqa: SIM115 (kept open with the process)
@@ -776,6 +792,8 @@ def write_report(path: Path, rows: list[dict], cfg: dict, args: argparse.Namespa
         f"Machine: {machine()}. TorchRec 1.8.0 + fbgemm-gpu-cpu 1.8.0 in a side venv.",
         "",
         transport_line(),
+        "",
+        malloc_line(args.torchrec_malloc),
         "",
         (
             f"Job: `big` = {cfg['big_tables']} tables x {cfg['rows']:,} rows x {cfg['dim']}; `dlrm` = 26 tables, "
@@ -996,6 +1014,11 @@ def main(argv: list[str] | None = None) -> int:
         help="lightning_rec's fused rows at world >= 2: also time its kernel calls alone and its collectives "
         "alone (recorded from real steps, replayed on every rank at once): where the step goes",
     )
+    ap.add_argument(
+        "--torchrec-malloc", action="store_true",
+        help="run TorchRec's workers with the glibc malloc thresholds lightning_rec sets for itself "
+        "(kernels/_malloc.py), through glibc's environment tunables: how much of the gap that setting is",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_torchrec.md"))
     ap.add_argument("--worker", choices=LIBS, help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -1060,7 +1083,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue  # a configuration that failed once fails again: no second timeout
                     key = (lib, world)
                     if key not in groups:
-                        groups[key] = Group(lib, world, pythons[lib], log_dir, args.nice)
+                        groups[key] = Group(lib, world, pythons[lib], log_dir, args.nice, args.torchrec_malloc)
                     res = groups[key].run(cmd, args.timeout)
                     if not all(r.get("ok") for r in res):  # a failed group may be stuck: a fresh one next time
                         groups.pop(key).close(kill=True)
