@@ -281,8 +281,9 @@ class _SharedGroup:
         bytecopy.write_back_to_back(out, parts)
         return True
 
-    def exchange(self, sends: list[list[torch.Tensor]], recvs: list[list[torch.Tensor]]) -> bool:
-        """:func:`all_to_all_views` through the buffers; False: run it through torch.distributed."""
+    def _publish_lists(self, sends: list[list[torch.Tensor]]) -> bool:
+        """Steps 1 and 2's wait for a list of tensors per destination (this rank's own stay where they are);
+        False: some rank could not, run it through torch.distributed."""
         pieces, ranges, at = [], [], 0
         for r, lst in enumerate(sends):
             n = 0 if r == self.rank else sum(bytecopy.nbytes(t) for t in lst)
@@ -291,7 +292,11 @@ class _SharedGroup:
             if r != self.rank:
                 pieces += lst
         self._publish(pieces, ranges)
-        if not self._wait_all():
+        return self._wait_all()
+
+    def exchange(self, sends: list[list[torch.Tensor]], recvs: list[list[torch.Tensor]]) -> bool:
+        """:func:`all_to_all_views` through the buffers; False: run it through torch.distributed."""
+        if not self._publish_lists(sends):
             return False
         for r, dsts in enumerate(recvs):
             if r == self.rank:
@@ -303,20 +308,14 @@ class _SharedGroup:
     def pieces(self, sends: list[list[torch.Tensor]], recv_sizes: list[list[int]],
                consume: Callable[[list[list[torch.Tensor]]], T]) -> tuple[T] | None:
         """:func:`all_to_all_pieces` through the buffers; None: run it through torch.distributed."""
-        ranges, at = [], 0
-        for r, lst in enumerate(sends):
-            n = 0 if r == self.rank else sum(bytecopy.nbytes(t) for t in lst)
-            ranges.append((at, at + n))
-            at += n
-        self._publish([t for r, lst in enumerate(sends) if r != self.rank for t in lst], ranges)
-        if not self._wait_all():
+        if not self._publish_lists(sends):
             return None
-        got = []
+        got, dtype = [], pieces_dtype(sends)
         for r, sizes in enumerate(recv_sizes):
             if r == self.rank:
                 got.append(list(sends[r]))
                 continue
-            part, dtype = self._part(r), pieces_dtype(sends)
+            part = self._part(r)
             want = sum(sizes) * dtype.itemsize
             if part.numel() != want:
                 raise RuntimeError(f"all_to_all: rank {self.ranks[self.rank]} expected {want} bytes from rank "
