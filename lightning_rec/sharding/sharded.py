@@ -36,7 +36,7 @@ from lightning_rec import _compat, kernels
 from lightning_rec.fused_kinds import as_spec
 from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.optim import FusedOptimizer
-from lightning_rec.sharding import comm, dists, transport
+from lightning_rec.sharding import comm, dists, place
 from lightning_rec.sharding.agreement import check_agreement, describe_table
 from lightning_rec.sharding.collection import ShardedCollection
 from lightning_rec.sharding.dists import Received
@@ -122,7 +122,8 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         kjt = begun.kjt
         b = kjt.stride()
         dtype = self._out_dtype()
-        parts: list[Part] = []
+        parts: list[place.Part] = []
+        dp_pooled = None
         if routing.dp_tables:
             # (results go to a local first: a graph break inside a call whose caller holds a fresh bound method
             # on its stack makes torch.compile recompile the resumed code at every step)
@@ -134,15 +135,17 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             batches = list(recv.batches)
             pooled = self.lookup(recv, batches)
             if routing.direct_groups is not None:  # every rank's pooled rows straight into their columns
-                out = _exchange_into_place(pooled, routing.direct_groups, batches, b, routing.feat_off[-1],
-                                           self._group)
+                out = place.exchange_into_place(pooled, routing.direct_groups, batches, b, routing.feat_off[-1],
+                                                self._group)
+            elif routing.group_size > 1:  # copied or added into their columns straight out of the exchange
+                out = place.exchange_and_place(pooled, dp_pooled, routing, batches, b, self._group)
             else:
                 flat = self.output_dist(pooled, batches, b)
                 starts = offsets_of([b * w for w in routing.cols_from])
                 parts += [(flat, s, w, g, a) for s, w, g, a in zip(starts, routing.cols_from,
                                                                     routing.colmap_runs[1:], routing.colmap_add[1:])]
         if out is None:
-            out = _place_columns(parts, routing.colmap_kind, b, routing.feat_off[-1], dtype, self._device)
+            out = place.place_columns(parts, routing.colmap_kind, b, routing.feat_off[-1], dtype, self._device)
         if recv is not None and not routing.my_routes and recv.weights is not None and recv.weights.requires_grad:
             # weights received for no shard still came by a differentiable all-to-all that every rank must run
             # backward: keep it in this rank's graph, or the ranks holding shards wait for it forever
@@ -151,120 +154,6 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         if self._output_dtype is not None and out.dtype != self._output_dtype:
             out = out.to(self._output_dtype)
         return KeyedTensor(layout.feature_names, layout.dims, out)
-
-
-Part = tuple  # (source, first element in it, width, column groups, adds): one [b, width] block of the output
-
-
-def _place_columns(parts: list[Part], kind: str, b: int, width: int, dtype: torch.dtype,
-                   device: torch.device) -> torch.Tensor:
-    """The ``[b, width]`` output from blocks that land as their column groups (routing's ``colmap_runs``) say.
-
-    A part is ``(source, offset, w, groups, adds)``: the block is ``source`` itself (2-D) or ``source[offset :
-    offset + b * w]`` viewed ``[b, w]`` (1-D: the flat buffer the output all-to-all received, so that the
-    gradient goes straight into one flat buffer for the backward all-to-all, with no split and no cat);
-    ``adds[i]``: group ``i`` adds onto the output rather than copying into it (routing's ``colmap_add``). One
-    block in order is returned as is; otherwise every group of runs is one strided copy or add, onto zeros
-    for ``kind`` "sum".
-    """
-    kept = [p for p in parts if p[3]]
-    if not kept:
-        return torch.zeros(b, width, dtype=dtype, device=device)
-    if kind == "identity" and len(kept) == 1:
-        return _block(kept[0][0], kept[0][1], kept[0][2], b)
-    sources: list[torch.Tensor] = []
-    layout = []
-    for source, offset, w, groups, adds in kept:
-        i = next((k for k, t in enumerate(sources) if t is source), None)
-        if i is None:
-            i = len(sources)
-            sources.append(source)
-        layout.append((i, offset, w, groups, adds))
-    return _PlaceColumns.apply(tuple(layout), kind == "sum", b, width, *sources)
-
-
-def _block(source: torch.Tensor, offset: int, w: int, b: int) -> torch.Tensor:
-    if source.dim() == 2:
-        return source
-    if offset == 0 and b * w == source.numel():  # the whole buffer: a view, whose backward is free (a slice's
-        return source.view(b, w)  # allocates and zero-fills the whole buffer, then copies the gradient in)
-    return source[offset : offset + b * w].view(b, w)
-
-
-def _group_view(t: torch.Tensor, first: int, n: int, count: int, step: int) -> torch.Tensor:
-    """``[rows, count, n]`` view of ``count`` runs of ``n`` columns of the 2-D ``t``, ``step`` columns apart."""
-    s0, s1 = t.stride()
-    return t.as_strided((t.shape[0], count, n), (s0, step * s1, s1), t.storage_offset() + first * s1)
-
-
-class _PlaceColumns(torch.autograd.Function):
-    """Groups of column runs copied (or added) into one output; backward gathers them back into each source.
-
-    In place of ``index_copy_`` / ``index_add_`` over single columns: a group is one strided copy, and the
-    gradient of a flat source is written into one flat buffer, ready for the backward all-to-all.
-    """
-
-    @staticmethod
-    def forward(ctx, layout, zero: bool, b: int, width: int, *sources: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        first = sources[0]
-        out = (torch.zeros if zero else torch.empty)(b, width, dtype=first.dtype, device=first.device)
-        for i, offset, w, groups, adds in layout:
-            block = _block(sources[i], offset, w, b)
-            for (src, dst, n, count, step), add in zip(groups, adds):
-                place = _group_view(out, dst, n, count, step)
-                piece = _group_view(block, src, n, count, n)
-                if add:
-                    place += piece
-                else:
-                    place.copy_(piece)
-        ctx.layout, ctx.b = layout, b
-        ctx.shapes = [(t.shape, t.numel()) for t in sources]
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        covered = [0] * len(ctx.shapes)
-        for i, _, _, groups, _ in ctx.layout:
-            covered[i] += ctx.b * sum(n * count for _, _, n, count, _ in groups)
-        grads = [(torch.empty if c == numel else torch.zeros)(shape, dtype=grad.dtype, device=grad.device)
-                 for (shape, numel), c in zip(ctx.shapes, covered)]
-        for i, offset, w, groups, _ in ctx.layout:
-            block = _block(grads[i], offset, w, ctx.b)
-            for src, dst, n, count, step in groups:
-                _group_view(block, src, n, count, n).copy_(_group_view(grad, dst, n, count, step))
-        return None, None, None, None, *grads
-
-
-@torch.compiler.disable
-def _exchange_into_place(pooled: torch.Tensor, groups: tuple, batches: list[int], b: int, width: int,
-                         group: dist.ProcessGroup) -> torch.Tensor:
-    """Stage 3 and the placing in one exchange: the ``[b, width]`` output. Backward runs on every rank (the
-    anchor needs a gradient even where ``pooled`` does not), as :func:`comm.all_to_all`'s does."""
-    anchor = torch.zeros(0, device=pooled.device, requires_grad=torch.is_grad_enabled())
-    return _ExchangeIntoPlace.apply(pooled, anchor, groups, tuple(batches), b, width, group)
-
-
-class _ExchangeIntoPlace(torch.autograd.Function):
-    """Each rank's pooled rows for this rank's samples land in their columns of the output, one strided copy
-    out of the exchange (no flat buffer, no second copy); the gradient leaves from those columns the same way."""
-
-    @staticmethod
-    def forward(ctx, pooled, anchor, groups, batches, b: int, width: int, group):  # type: ignore[override]
-        out = torch.empty(b, width, dtype=pooled.dtype, device=pooled.device)
-        mine = pooled.shape[1]
-        sends = [[x] for x in torch.split(pooled.reshape(-1), [n * mine for n in batches])]
-        recvs = [[] if g is None else [_group_view(out, g[1], g[2], g[3], g[4])] for g in groups]
-        transport.all_to_all_views(sends, recvs, group)
-        ctx.groups, ctx.batches, ctx.group, ctx.shape = groups, batches, group, pooled.shape
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        grad_pooled = torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device)
-        sends = [[] if g is None else [_group_view(grad, g[1], g[2], g[3], g[4])] for g in ctx.groups]
-        recvs = [[x] for x in torch.split(grad_pooled.view(-1), [n * ctx.shape[1] for n in ctx.batches])]
-        transport.all_to_all_views(sends, recvs, ctx.group)
-        return (grad_pooled if ctx.needs_input_grad[0] else None), None, None, None, None, None, None
 
 
 class ShardedEmbeddingCollection(ShardedCollection):

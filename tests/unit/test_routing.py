@@ -12,8 +12,8 @@ from lightning_rec import _compat
 from lightning_rec.sharding.agreement import _mismatch_message, describe_table
 from lightning_rec.sharding.dists import Received, regroup
 from lightning_rec.sharding.layout import ShardMeta
+from lightning_rec.sharding.place import place_columns as _place_columns
 from lightning_rec.sharding.routing import Route, _runs, build_routing
-from lightning_rec.sharding.sharded import _place_columns
 
 
 def _colmap(rt) -> list[int]:
