@@ -134,7 +134,9 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         if recv is not None:
             batches = list(recv.batches)
             pooled = self.lookup(recv, batches)
-            if routing.direct_groups is not None:  # every rank's pooled rows straight into their columns
+            if routing.direct_groups is not None:
+                # every rank's rows are one group that copies: the views exchange gives exchange_and_place's bits
+                # with less work per call (8 column-wise tables x 64, forward and backward: 3.7 against 4.0 ms)
                 out = place.exchange_into_place(pooled, routing.direct_groups, batches, b, routing.feat_off[-1],
                                                 self._group)
             elif routing.group_size > 1:  # copied or added into their columns straight out of the exchange
