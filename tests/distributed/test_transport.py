@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import time
 
 import pytest
 import torch
@@ -257,19 +256,18 @@ def _leave_job(rank: int, ws: int) -> str:
     if rank == 1:
         transport.close_all()  # as after an exception: it will not join the next collective
         return "left"
-    start = time.monotonic()
     try:
         transport.all_reduce_sum(torch.ones(2), None)
     except RuntimeError as e:
-        return f"{time.monotonic() - start:.1f}s {e}"
+        return str(e)
     return "no error"
 
 
 def test_a_rank_that_leaves_makes_its_peers_raise_not_hang() -> None:
     r0, r1 = run_distributed(_leave_job, 2, timeout_s=60)
     assert r1 == "left"
-    seconds, message = r0.split("s ", 1)
-    assert float(seconds) < 5 and "rank 1" in message and "left the group" in message
+    # "left the group", not the group timeout's message: the peer noticed the departure, it did not time out
+    assert "rank 1" in r0 and "left the group" in r0, r0
 
 
 def _model_job(rank: int, ws: int, shm: bool, kind: str, fused: bool, ids: torch.dtype = torch.long) -> dict:
