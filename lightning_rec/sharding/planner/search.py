@@ -15,23 +15,13 @@ import numpy as np
 
 from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
 from lightning_rec.fused_kinds import as_spec
+from lightning_rec.sharding.fused import fused_width_problem
 from lightning_rec.sharding.plan import ShardingPlan, data_parallel, resolve_table, table_wise
 from lightning_rec.sharding.planner.candidates import Candidate, Probes, Space, divisors, in_host_memory, score, why
-from lightning_rec.sharding.planner.cost import (
-    GRADIENTS,
-    OPTIMIZER_STATE,
-    CostModel,
-    Load,
-    TableStats,
-)
+from lightning_rec.sharding.planner.cost import GRADIENTS, OPTIMIZER_STATE, CostModel, Load, TableStats
 from lightning_rec.sharding.planner.inputs import PlacedCollection, plan_entries, table_stats
 from lightning_rec.sharding.planner.report import PlanReport, TableChoice, placement_label
-from lightning_rec.sharding.planner.terms import (
-    load_of,
-    placement_terms,
-    prepare,
-    whole,
-)
+from lightning_rec.sharding.planner.terms import load_of, placement_terms, prepare, whole
 from lightning_rec.sharding.planner.topology import PlannerError, TableConstraint, Topology, human_bytes
 from lightning_rec.sharding.types import KINDS, ParameterSharding, placement_of
 
@@ -258,7 +248,34 @@ class Planner:
         if OPTIMIZER_STATE[self.optimizer][1]:
             return []  # per-row optimizer state over a column shard is not the full row's: never split columns
         dims = [stats[i].dim for i in unit]
-        return [k for k in divisors(math.gcd(*dims)) if k > 1 and min(dims) // k >= self.min_column_width]
+        # fbgemm's fused kernel takes only pieces a multiple of 4 wide (F6): other splits would be refused
+        fused = any(stats[i].grads == "fused" for i in unit)
+        return [k for k in divisors(math.gcd(*dims)) if k > 1 and min(dims) // k >= self.min_column_width
+                and not (fused and any(d // k % 4 for d in dims))]
+
+    def _check_fused(self, stats: list[TableStats]) -> None:
+        """Refuse, as sharding would, fused tables that no placement can hold, before searching for one."""
+        for s in stats:
+            if s.grads == "fused":
+                problem = fused_width_problem(s.config.name, s.dim, [s.dim])
+                if problem:
+                    raise PlannerError(f"{problem}. No sharding plan can hold it with a fused optimizer")
+
+    def _check_fixed(self, s: TableStats, ps: ParameterSharding) -> None:
+        """A fixed placement of a fused table that sharding would refuse is an error here already."""
+        topo = self.topology
+        shards = resolve_table(s.config, ps, topo.model_parallel_size, topo.local_size)
+        if s.grads != "fused" or shards is None:
+            return
+        widths = [m.cols for m in shards if m.rows > 0]
+        where = f"the constraint's placement {placement_label(ps)}: "
+        problem = fused_width_problem(s.config.name, s.dim, widths)
+        if problem:
+            raise PlannerError(where + problem)
+        if OPTIMIZER_STATE[self.optimizer][1] and any(w != s.dim for w in widths):
+            raise PlannerError(f"{where}table {s.config.name!r}: the fused {self.optimizer!r} optimizer keeps one "
+                               "statistic per row, which a column split would compute per column shard; give it a "
+                               "placement that keeps whole rows, or use an element-wise optimizer (sgd, adagrad)")
 
     def _prepare(self, stats, units) -> None:
         """The per-shard values of every single table's placements (its candidates' shapes, on probe ranks and
@@ -329,6 +346,7 @@ class Planner:
 
     def _plan(self, stats: list[TableStats]) -> PlanReport:
         self._check_names(stats)
+        self._check_fused(stats)
         self._base: dict[tuple[int, ...], tuple[float, float]] = {}
         self._kinds: dict[tuple[int, ...], list[ShardingType]] = {}  # the sharding types each unit may use
         self._scratch = self._model.empty()  # per-part arrays filled and read within one step, not kept
@@ -345,7 +363,7 @@ class Planner:
                     if c is None or c.placement is None:
                         raise ValueError(f"table {stats[i].config.name!r} is kept together with tables that have a "
                                          "fixed placement: give it the same placement")
-                    resolve_table(stats[i].config, c.placement, topo.model_parallel_size, topo.local_size)
+                    self._check_fixed(stats[i], c.placement)
                     load = model.of_placement(stats[i], c.placement)
                     total += load
                     choices[i] = self._choice(stats[i], c.placement, load, False, fixed=True)
@@ -468,7 +486,6 @@ class Planner:
             f"about {human_bytes(max(missing, 0))} missing on the fullest rank. Add ranks or memory, allow more "
             "sharding types for it, or lower the batch size"
         )
-
 
 
 def automatic_plan(
