@@ -13,6 +13,8 @@ import torch
 import torch.fx._pytree as _fx_pytree
 import torch.fx.experimental._config as _fx_shape_config
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.core.saving import _load_state
+from lightning.pytorch.utilities.model_helpers import _restricted_classmethod
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -289,6 +291,16 @@ def synced_grad_scaler(scaler: object, group: object) -> object:
         growth_factor=scaler._growth_factor, growth_interval=scaler._growth_interval, enabled=scaler._enabled,
         process_group=group,
     )
+
+
+#: Lightning's classmethod that refuses to be called on an instance (``load_from_checkpoint`` is one)
+restricted_classmethod = _restricted_classmethod
+
+
+def lightning_load_state(cls: type, checkpoint: dict[str, Any], strict: bool | None, **kwargs: Any) -> Any:
+    """Lightning's step of ``load_from_checkpoint`` after reading the file: build ``cls`` from the saved
+    hyper-parameters (``kwargs`` win), ``configure_model``, ``on_load_checkpoint``, ``load_state_dict``."""
+    return _load_state(cls, checkpoint, strict=strict, **kwargs)
 
 
 def optimizers_to_device(optimizers: Any, device: torch.device) -> None:

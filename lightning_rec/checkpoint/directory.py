@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_rec import _compat
 from lightning_rec.checkpoint import atomic
@@ -206,15 +208,43 @@ def load(
     except Exception as e:  # every rank must hear about it before DCP's collectives
         error = e
     atomic.agree(error, f"loading checkpoint {path}")
-    planner = dcp.DefaultLoadPlanner(allow_partial_load=not strict)
-    try:
-        with torch.no_grad():
-            dcp.load(targets, storage_reader=reader, planner=planner)  # in place: the state_dict shares storage
-    except BaseException as e:  # DCP raises CheckpointException, a BaseException
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        raise _unwrap(e, path, "loading checkpoint") from e
+    _read(targets, reader, path, dcp.DefaultLoadPlanner(allow_partial_load=not strict), not atomic.distributed())
     for apply in applies:
         apply()
     meta.pop("checksums", None)
     return meta
+
+
+def _read(targets: dict[str, Any], reader: CheckedReader, path: Path, planner: Any, alone: bool) -> None:
+    """DCP-load ``targets`` in place; ``alone``: this process reads by itself, with no collective."""
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            # DCP warns whenever it loads without a process group; here that is the intent, not an accident
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(targets, storage_reader=reader, planner=planner, no_dist=alone)
+    except BaseException as e:  # DCP raises CheckpointException, a BaseException
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise _unwrap(e, path, "loading checkpoint") from e
+
+
+def read_checkpoint(path: str | os.PathLike, trusted: bool = False, device: Any = "cpu") -> dict[str, Any]:
+    """A checkpoint directory as the dict of a one-process checkpoint file: its meta with ``"state_dict"``
+    holding every saved tensor of the model whole (sharded tables assembled) on ``device``.
+
+    Not collective: this process reads every piece alone, with or without a process group (inference in one
+    process). Nothing in the files runs unless ``trusted``; every piece is checked against its CRC-32.
+    """
+    path = atomic.resolve(path)
+    if not is_checkpoint_dir(path):
+        raise FileNotFoundError(f"{path} is not a checkpoint directory (no {META_FILE})")
+    meta = read_meta(path, trusted=trusted)
+    reader = CheckedReader(path, atomic.rank(), meta.pop("checksums", None), trusted=trusted)
+    prefix = "state_dict."
+    # tensors only, as load() reads: DCP unpickles other stored values with full pickle, which would run code
+    state = {k[len(prefix):]: torch.empty(tuple(m.size), dtype=m.properties.dtype, device=device)
+             for k, m in reader.read_metadata().state_dict_metadata.items()
+             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    _read({"state_dict": state}, reader, path, dcp.DefaultLoadPlanner(), alone=True)
+    meta.pop("format", None)
+    return {**meta, "state_dict": state}

@@ -18,7 +18,8 @@ class UnsafeCheckpointError(CheckpointError):
     """A checkpoint file refers to a Python global that loading would have to import and call.
 
     lightning_rec never runs code from a checkpoint unless told it is trusted (``trusted=True``,
-    ``RecShardedStrategy(trusted_checkpoints=True)``, ``--trust_checkpoint``).
+    ``RecShardedStrategy(trusted_checkpoints=True)``, ``RecModule.load_from_checkpoint(..., trusted_checkpoints=True)``,
+    ``--trust_checkpoint``).
     """
 
     def __init__(self, path: str | os.PathLike, refused: str) -> None:
@@ -27,7 +28,8 @@ class UnsafeCheckpointError(CheckpointError):
             f"refused to load {path}: it refers to the Python global {refused!r}, which is not among the types a "
             "lightning_rec checkpoint holds, and loading it would run code. If you trust the file (you wrote it and "
             "its hyper-parameters or callback states hold such objects), load it with trusted=True "
-            "(checkpoint.load / read_meta), RecShardedStrategy(trusted_checkpoints=True) or --trust_checkpoint"
+            "(checkpoint.load / read_meta), RecShardedStrategy(trusted_checkpoints=True), "
+            "load_from_checkpoint(..., trusted_checkpoints=True) or --trust_checkpoint"
         )
 
     def __reduce__(self) -> tuple:  # exceptions travel between ranks pickled
