@@ -36,6 +36,8 @@ from lightning_rec.sharding.mesh import MeshInfo, check_layout, init_2d_mesh
 from lightning_rec.sharding.plan import ShardingPlan
 from lightning_rec.sharding.planner import automatic_plan
 from lightning_rec.sharding.sharded import ShardedCollection, fused_optimizer, shard_modules
+from lightning_rec.table_optimizers import automatic_plan_report, marked_embedding_optimizer, warn_unoptimized_tables
+from lightning_rec.uneven import UnevenEvaluation
 
 
 def _sharded_param_names(module: nn.Module) -> list[str]:
@@ -115,14 +117,16 @@ class RecShardedStrategy(DDPStrategy):
         if plan is not None and not isinstance(plan, ShardingPlan):
             raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
         self._plan = plan
+        self.planner = self.plan_report = None  # the planner of an automatic plan (when none was given), its report
         self._model_parallel_size = model_parallel_size
         self._data_parallel_size = data_parallel_size
         self.embedding_grad = embedding_grad
-        self.embedding_optimizer = as_spec(embedding_optimizer)
+        self._given_embedding_optimizer = self.embedding_optimizer = as_spec(embedding_optimizer)
         self.mesh_info: MeshInfo | None = None
         self.trusted_checkpoints = trusted_checkpoints
         self.pipeline = pipeline
         self._prefetcher: InputPrefetcher | None = None
+        self._uneven: UnevenEvaluation | None = None
         if not isinstance(compile, (bool, dict)):
             raise TypeError(f"compile must be a bool or a dict of torch.compile options, got {type(compile).__name__}")
         self.compile_options: dict[str, Any] | None = (
@@ -161,11 +165,13 @@ class RecShardedStrategy(DDPStrategy):
     def _shard(self) -> None:
         module = self.lightning_module
         assert module is not None and self.mesh_info is not None
-        plan = self._plan
+        plan, self.planner = self._plan, None
         if plan is None and hasattr(module, "configure_sharding"):
             plan = module.configure_sharding()
         mi = self.mesh_info
         local = mi.local_size
+        # TorchRec's apply_optimizer_in_backward marks on the tables choose the fused optimizer, as under DMP
+        self.embedding_optimizer = marked_embedding_optimizer(module, self._given_embedding_optimizer)
         if plan is None:
             # the planner sees the layout, the device and the batch size (found as Lightning's batch-size finder does)
             kw: dict[str, Any] = {"device": "cuda" if self.root_device.type == "cuda" else "cpu"}
@@ -180,13 +186,15 @@ class RecShardedStrategy(DDPStrategy):
                 module, mi.model_parallel_size, local, self.world_size, self.embedding_optimizer, **kw
             )
             plan = planner.plan(module)
-            if plan.plan:
-                rank_zero_info(f"lightning_rec: no sharding plan given; the planner chose:\n{planner.explain()}")
+            self.planner = planner if plan.plan else None  # explained once the optimizers exist (setup)
         shard_modules(
             module, plan, process_group=mi.shard_group, replica_group=mi.replica_group,
             device=self.root_device, embedding_grad=self.embedding_grad, local_size=local,
             embedding_optimizer=self.embedding_optimizer,
         )
+        fused = fused_optimizer(module)
+        for p in [] if fused is None else [p for g in fused.param_groups for p in g["params"]]:
+            p._in_backward_optimizers = [fused]  # as DMP: in_backward_optimizer_filter leaves fused tables out
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
@@ -209,14 +217,22 @@ class RecShardedStrategy(DDPStrategy):
             self.configure_ddp()
             self.setup_optimizers(trainer)
             self._add_fused_optimizer()
+            warn_unoptimized_tables(self.lightning_module, self.optimizers)
+            self._explain_plan()
             self._choose_dp_gradients(trainer)
         else:
             self._sync_dense_states()
+            self._explain_plan()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             self._clip_by_global_norm()
             _compat.optimizers_to_device(self.optimizers, self.root_device)
             self._sync_grad_scaler()
+
+    def _explain_plan(self) -> None:
+        if self.planner is not None:
+            self.plan_report = report = automatic_plan_report(self.planner, self.lightning_module, self.optimizers)
+            rank_zero_info(f"lightning_rec: no sharding plan given; the planner chose:\n{report}")
 
     def _clip_by_global_norm(self) -> None:
         # Lightning's norm clipping calls torch's clip_grad_norm_, which would see only this rank's shards:
@@ -275,13 +291,12 @@ class RecShardedStrategy(DDPStrategy):
         gathered: list[Any] = [None] * self.world_size
         torch.distributed.all_gather_object(gathered, counts)
         if any(c != gathered[0] for c in gathered):
-            limit = {"training": "train", "validation": "val", "test": "test", "prediction": "predict"}[stage]
             raise ValueError(
                 f"rec_sharded: ranks would run different numbers of {stage} batches per epoch (by rank: {gathered}). "
-                "Every rank must run the same number in each stage, since every sharded lookup is a collective "
-                "across ranks: a rank with an extra batch would wait forever. Use Lightning's distributed sampler "
-                f"(use_distributed_sampler=True, the default), DataLoaders of equal length on every rank, or "
-                f"limit_{limit}_batches"
+                "Every rank must run the same number of training batches, since every sharded lookup and every "
+                "gradient reduction is a collective across ranks: a rank with an extra batch would wait forever. "
+                "Use Lightning's distributed sampler (use_distributed_sampler=True, the default), DataLoaders of "
+                "equal length on every rank, or limit_train_batches"
             )
 
     @override
@@ -309,22 +324,65 @@ class RecShardedStrategy(DDPStrategy):
         if self._prefetcher is not None:
             self._prefetcher.clear()  # a batch read ahead past the last step trained
 
+    # evaluation may run unequal batch counts (Lightning's predict sampler does not pad): see uneven.py
+    def _start_evaluation(self, stage: str, counts: Any) -> None:
+        self._end_evaluation()
+        if self.world_size > 1:
+            self._uneven = UnevenEvaluation.if_needed(self.lightning_module, stage, counts)
+
+    def _end_evaluation(self) -> None:
+        if self._uneven is not None:
+            self._uneven.close()
+            self._uneven = None
+
+    def _evaluation_step(self, run: Any, args: tuple, kwargs: dict) -> Any:
+        if self._uneven is None:
+            return run(*args, **kwargs)
+        return self._uneven.step(run, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().validation_step, args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().test_step, args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().predict_step, args, kwargs)
+
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
         trainer = self.lightning_module.trainer
         counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
-        self._check_equal_batch_counts("validation", list(counts))
+        self._start_evaluation("validation", counts)
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        self._end_evaluation()
 
     @override
     def on_test_start(self) -> None:
         super().on_test_start()
-        self._check_equal_batch_counts("test", list(self.lightning_module.trainer.num_test_batches))
+        self._start_evaluation("test", self.lightning_module.trainer.num_test_batches)
+
+    @override
+    def on_test_end(self) -> None:
+        super().on_test_end()
+        self._end_evaluation()
 
     @override
     def on_predict_start(self) -> None:
         super().on_predict_start()
-        self._check_equal_batch_counts("prediction", list(self.lightning_module.trainer.num_predict_batches))
+        self._start_evaluation("prediction", self.lightning_module.trainer.num_predict_batches)
+
+    @override
+    def on_predict_end(self) -> None:
+        super().on_predict_end()
+        self._end_evaluation()
 
     def _add_fused_optimizer(self) -> None:
         fused = fused_optimizer(self.lightning_module)

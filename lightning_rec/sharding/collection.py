@@ -91,7 +91,8 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         tables: list[BaseEmbeddingConfig] = list(
             module.embedding_bag_configs() if self._attr == "embedding_bags" else module.embedding_configs()
         )
-        self._layout = FeatureLayout(tables)
+        # keys no table reads are ignored unless the unsharded module was strict: sharding keeps its behaviour
+        self._layout = FeatureLayout(tables, strict=getattr(getattr(module, "_layout", None), "strict", False))
         self._shards = shards
         self._group = shard_group
         self._replica_group = replica_group

@@ -93,6 +93,7 @@ def random_case(
         batch_sizes=[rng.choice([0, 1, 2, 3, 5]) for _ in range(world or ws)],
         # learned per-sample weights (a feature processor's) take their own differentiable paths
         weights_grad=rng.random() < 0.5,
+        unread_feature=rng.random() < 0.5,
         seed=seed,
     )
 
@@ -108,6 +109,12 @@ def batch(case: dict, rank: int, step: int) -> KeyedJaggedTensor:
             lens = torch.randint(0, 4, (b,), generator=g)
             lengths.append(lens)
             values.append(torch.randint(0, t.num_embeddings, (int(lens.sum()),), generator=g))
+    if case.get("unread_feature"):
+        # a key no table reads (the batch carries features for other modules): ignored, sharded or not
+        keys.append("unread ✓")
+        lens = torch.randint(0, 3, (b,), generator=g)
+        lengths.append(lens)
+        values.append(torch.randint(0, 1000, (int(lens.sum()),), generator=g))
     lengths_t, values_t = torch.cat(lengths), torch.cat(values)
     weights = torch.rand(values_t.numel(), generator=g) if case["weighted"] else None
     if weights is not None and case.get("weights_grad"):

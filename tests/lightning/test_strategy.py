@@ -261,10 +261,11 @@ def _uneven_job(rank: int, ws: int) -> list[str]:
 
 @pytest.mark.slow
 def test_ranks_with_different_batch_counts_get_a_clear_error_not_a_hang() -> None:
-    # rank 0 has 2 validation / 3 training batches, rank 1 one more of each (no distributed sampler)
+    # rank 0 has 2 validation / 3 training batches, rank 1 one more of each (no distributed sampler);
+    # evaluation joins the longer rank's lookups (tests/lightning/test_user_paths.py), training refuses
     for errors in run_distributed(_uneven_job, 2, init_process_group=False, timeout_s=120):
         val, train = errors
-        assert "different numbers of validation batches per epoch (by rank: [[2], [3]])" in val, val
+        assert val == "", val
         assert "different numbers of training batches per epoch (by rank: [3, 4])" in train, train
         assert "use_distributed_sampler=True" in train
 

@@ -1,0 +1,261 @@
+"""Flows users take that our other tests do not: 2-process Lightning runs against one process.
+
+- a batch whose KeyedJaggedTensor holds features some collections do not read (pooled, sequence and
+  managed-collision collections, every sharding type);
+- tables marked with TorchRec's ``apply_optimizer_in_backward`` train with that optimizer, fused;
+- a sharded table no optimizer updates is named in a warning at fit start;
+- ``trainer.predict`` with Lightning's own (unpadded) sampler, and validation with loaders of unequal lengths.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_rec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    RecModule,
+    RecShardedStrategy,
+    ShardingPlan,
+    column_wise,
+    data_parallel,
+    full_state_dict,
+    grid_shard,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from lightning_rec.distributed import RowWiseAdagrad, apply_optimizer_in_backward, in_backward_optimizer_filter
+from lightning_rec.mc import (
+    LFU_EvictionPolicy,
+    ManagedCollisionCollection,
+    ManagedCollisionEmbeddingBagCollection,
+    MCHManagedCollisionModule,
+)
+from lightning_rec.testing import run_distributed
+from tests.lightning.models import Clicks, collate
+
+STEPS = 4
+
+
+class PartialReader(RecModule):
+    """Each collection reads some of the batch's features: ``ebc`` user_id and item_id, ``ec`` history,
+    ``mc`` geo (raw ids through managed collision); the KJT always holds all four."""
+
+    def __init__(self, batch_size: int = 4, plan: ShardingPlan | None = None, mark: bool = False,
+                 train_tables: bool = True) -> None:
+        super().__init__()
+        self.batch_size, self._plan, self._train_tables = batch_size, plan, train_tables
+        torch.manual_seed(0)
+        self.ebc = EmbeddingBagCollection([
+            EmbeddingBagConfig(name="user", num_embeddings=11, embedding_dim=4, feature_names=["user_id"]),
+            EmbeddingBagConfig(name="item", num_embeddings=13, embedding_dim=8, feature_names=["item_id"],
+                               pooling="mean"),
+        ])
+        # fused kernels (what in-backward marks become) pool: no sequence collection beside marked ones
+        self.ec = None if mark else EmbeddingCollection([
+            EmbeddingConfig(name="hist", num_embeddings=13, embedding_dim=4, feature_names=["history"])])
+        geo = [EmbeddingBagConfig(name="geo", num_embeddings=16, embedding_dim=4, feature_names=["geo"])]
+        self.mc = ManagedCollisionEmbeddingBagCollection(
+            EmbeddingBagCollection(geo),
+            ManagedCollisionCollection({"geo": MCHManagedCollisionModule(16, num_buckets=4,
+                                                                         eviction_policy=LFU_EvictionPolicy())}, geo),
+        )
+        self.head = torch.nn.Linear(20, 1)
+        if mark:  # what TorchRec's examples write
+            for m in (self.ebc, self.mc):
+                apply_optimizer_in_backward(RowWiseAdagrad, m.parameters(), {"lr": 0.1})
+
+    def configure_sharding(self):
+        return self._plan
+
+    def forward(self, kjt):
+        seq = torch.zeros(kjt.stride(), 4)
+        if self.ec is not None:
+            hist = self.ec(kjt)["history"]
+            seq = seq.index_add(0, torch.repeat_interleave(torch.arange(kjt.stride()), hist.lengths()), hist.values())
+        feats = torch.cat([self.ebc(kjt).values(), seq, self.mc(kjt)[0].values()], dim=1)
+        return self.head(feats).squeeze(1)
+
+    def training_step(self, batch, _):
+        kjt, y = batch
+        return torch.nn.functional.binary_cross_entropy_with_logits(self(kjt), y)
+
+    def configure_optimizers(self):
+        named = in_backward_optimizer_filter(self.named_parameters())
+        params = [p for n, p in named if self._train_tables or n.startswith("head.")]
+        return torch.optim.SGD(params, lr=0.2)
+
+    def train_dataloader(self):
+        ds = Clicks()
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        sampler = torch.utils.data.DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=False)
+        return DataLoader(ds, batch_size=self.batch_size, collate_fn=collate, sampler=sampler)
+
+
+def _trainer(devices: int, strategy, **kw) -> L.Trainer:
+    kw = {"max_steps": STEPS, **kw}
+    return L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                     use_distributed_sampler=False, **kw)
+
+
+def _fit_job(rank: int, ws: int, plan, mark: bool) -> dict:
+    model = PartialReader(plan=plan, mark=mark)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(ws, RecShardedStrategy(embedding_grad="mean")).fit(model)
+    assert not [w for w in caught if "no optimizer updates" in str(w.message)]
+    fused = model.fused_optimizer()
+    assert (fused is not None) == mark, "in-backward marks must select the fused optimizer"
+    state = full_state_dict(model)
+    return {k: v for k, v in state.items() if "_managed_collision" not in k} if rank == 0 else {}
+
+
+def _reference(ws: int, mark: bool) -> dict:
+    model = PartialReader(batch_size=4 * ws, mark=mark)
+    _trainer(1, "auto").fit(model)
+    return {k: v for k, v in model.state_dict().items() if "_managed_collision" not in k}
+
+
+MC_PLAN = {"geo": row_wise()}
+PLANS = {
+    "rw-cw-tw": ShardingPlan({"ebc": {"user": row_wise(), "item": column_wise([0, 1])}, "ec": {"hist": table_wise(1)},
+                              "mc._embedding_module": MC_PLAN}),
+    "trw-grid-dp": ShardingPlan({"ebc": {"user": table_row_wise(0), "item": grid_shard([0])},
+                                 "ec": {"hist": data_parallel()}, "mc._embedding_module": MC_PLAN}),
+}
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_collections_ignore_features_they_do_not_read(name: str) -> None:
+    got = run_distributed(_fit_job, 2, PLANS[name], False, init_process_group=False, timeout_s=240)[0]
+    want = _reference(2, mark=False)
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0, msg=lambda m: f"{name} {k}: {m}")
+
+
+def test_apply_optimizer_in_backward_marks_train_the_tables_fused() -> None:
+    plan = ShardingPlan({"ebc": {"user": row_wise(), "item": table_wise(1)}, "mc._embedding_module": MC_PLAN})
+    got = run_distributed(_fit_job, 2, plan, True, init_process_group=False, timeout_s=240)[0]
+    want = _reference(2, mark=True)
+    before = PartialReader().state_dict()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+    assert not torch.equal(got["ebc.embedding_bags.user.weight"], before["ebc.embedding_bags.user.weight"])
+
+
+def _unoptimized_job(rank: int, ws: int) -> list[str]:
+    model = PartialReader(plan=PLANS["rw-cw-tw"], train_tables=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(ws, RecShardedStrategy(), max_steps=1).fit(model)
+    return [str(w.message) for w in caught if "no optimizer updates" in str(w.message)]
+
+
+def test_tables_no_optimizer_updates_are_named_once() -> None:
+    msgs = run_distributed(_unoptimized_job, 2, init_process_group=False, timeout_s=240)
+    assert msgs[1] == [] and len(msgs[0]) == 1, msgs
+    for table in ("ebc.embedding_bags.user.weight", "ebc.embedding_bags.item.weight", "ec.embeddings.hist.weight",
+                  "mc._embedding_module.embedding_bags.geo.weight"):
+        assert table in msgs[0][0]
+
+
+def test_mixed_marks_are_refused_naming_the_collections() -> None:
+    from lightning_rec.fused_kinds import as_spec
+    from lightning_rec.table_optimizers import marked_embedding_optimizer
+
+    model = PartialReader()
+    apply_optimizer_in_backward(RowWiseAdagrad, model.ebc.parameters(), {"lr": 0.1})
+    with pytest.raises(ValueError, match=r"\['ebc'\].*cannot serve the EmbeddingCollections \['ec'\]"):
+        marked_embedding_optimizer(model, None)
+    model.ec = None
+    with pytest.raises(ValueError, match=r"\['ebc'\].*but \['mc._embedding_module'\] do not"):
+        marked_embedding_optimizer(model, None)
+    apply_optimizer_in_backward(RowWiseAdagrad, model.mc.parameters(), {"lr": 0.1})
+    spec = marked_embedding_optimizer(model, None)
+    assert (spec.kind, spec.lr, spec.eps) == ("rowwise_adagrad", 0.1, 1e-10)  # RowWiseAdagrad's own default eps
+    with pytest.raises(ValueError, match="differs from the tables' in-backward optimizer"):
+        marked_embedding_optimizer(model, as_spec({"kind": "sgd", "lr": 0.1}))
+
+
+# -- evaluation with unequal batch counts --------------------------------------------------------------------
+
+class Indexed(Dataset):
+    def __init__(self, n: int) -> None:
+        self.clicks = Clicks(n)
+
+    def __len__(self) -> int:
+        return len(self.clicks)
+
+    def __getitem__(self, i: int):
+        return (*self.clicks[i], i)
+
+
+def _indexed_collate(samples):
+    kjt, y = collate([s[:2] for s in samples])
+    return kjt, y, torch.tensor([s[2] for s in samples])
+
+
+class Evaluated(PartialReader):
+    def __init__(self, n: int = 41, val_lengths: tuple[int, ...] | None = None, **kw) -> None:
+        super().__init__(**kw)
+        self.n, self.val_lengths = n, val_lengths
+        self.seen: dict[int, float] = {}
+
+    def predict_step(self, batch, _):
+        kjt, _, idx = batch
+        return idx, torch.sigmoid(self(kjt))
+
+    def validation_step(self, batch, _):
+        kjt, _, idx = batch
+        self.seen.update(zip(idx.tolist(), torch.sigmoid(self(kjt)).tolist()))
+
+    def predict_dataloader(self):
+        return DataLoader(Indexed(self.n), batch_size=4, collate_fn=_indexed_collate)
+
+    def val_dataloader(self):
+        # each rank its own slice, of its own length: what a user's hand-made loaders may do
+        lengths = self.val_lengths or (self.n,)
+        rank = self.trainer.global_rank
+        start = sum(lengths[:rank])
+        subset = torch.utils.data.Subset(Indexed(sum(lengths)), range(start, start + lengths[rank]))
+        return DataLoader(subset, batch_size=4, collate_fn=_indexed_collate)
+
+
+def _evaluate_job(rank: int, ws: int, plan) -> dict:
+    model = Evaluated(plan=plan, val_lengths=(13, 5))
+    kw = dict(accelerator="cpu", devices=ws, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(strategy=RecShardedStrategy(), **kw)
+    preds = trainer.predict(model)  # Lightning's own predict sampler: 21 and 20 samples, 6 and 5 batches
+    # each rank's own validation loader: 4 and 2 batches
+    L.Trainer(strategy=RecShardedStrategy(), use_distributed_sampler=False, **kw).validate(model)
+    return {"predict": {i: p for idx, ps in preds for i, p in zip(idx.tolist(), ps.tolist())},
+            "batches": len(preds), "validate": dict(model.seen)}
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_predict_and_validate_with_unequal_batch_counts(name: str) -> None:
+    results = run_distributed(_evaluate_job, 2, PLANS[name], init_process_group=False, timeout_s=240)
+    assert [r["batches"] for r in results] == [6, 5]
+    model = Evaluated()
+    model.eval()
+    with torch.no_grad():
+        kjt, _, idx = _indexed_collate([Indexed(41)[i] for i in range(41)])
+        want = dict(zip(idx.tolist(), torch.sigmoid(model(kjt)).tolist()))
+    for stage, n in (("predict", 41), ("validate", 18)):
+        got: dict[int, float] = {}
+        for r in results:
+            assert not set(got) & set(r[stage]), f"{stage}: a sample evaluated twice"
+            got.update(r[stage])
+        assert sorted(got) == list(range(n)), f"{stage}: every sample exactly once"
+        for i in got:
+            assert abs(got[i] - want[i]) < 1e-5, (stage, i, got[i], want[i])
