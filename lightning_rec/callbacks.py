@@ -10,30 +10,9 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_rec.export import export_program
-from lightning_rec.optim import CombinedOptimizer, FusedOptimizer
 from lightning_rec.sharding.planner import Planner, Topology
 from lightning_rec.sharding.sharded import ShardedCollection
-
-# torch optimizer class -> planner optimizer kind (its state size per row); a fused optimizer's kind is its
-# spec's kind (lightning_rec.fused_kinds.FUSED_KINDS)
-_OPTIMIZER_KINDS = {"SGD": "sgd", "Adagrad": "adagrad", "Adam": "adam", "AdamW": "adam", "SparseAdam": "adam",
-                    "LAMB": "lamb"}
-
-
-def _optimizer_kind(trainer: L.Trainer) -> str:
-    """The embedding optimizer's kind, read from the fused optimizer or the first torch optimizer."""
-    for opt in trainer.optimizers:
-        parts = opt.optimizers if isinstance(opt, CombinedOptimizer) else [opt]
-        for part in parts:
-            if isinstance(part, FusedOptimizer):
-                return part.kernels[0].spec.kind
-        for part in parts:
-            name = type(part).__name__
-            if name == "SGD" and any(g.get("momentum", 0) for g in part.param_groups):
-                return "momentum"
-            if name in _OPTIMIZER_KINDS:
-                return _OPTIMIZER_KINDS[name]
-    return "sgd"
+from lightning_rec.table_optimizers import tables_optimizer_kind
 
 
 class ShardingSummary(L.Callback):
@@ -61,8 +40,15 @@ class ShardingSummary(L.Callback):
             topo = Topology.from_mesh(mesh, device=device)
         else:
             topo = Topology(trainer.world_size, device=device)
-        kw = {} if self.batch_size is None else {"batch_size": self.batch_size}
-        planner = Planner(topo, optimizer=_optimizer_kind(trainer), pooling_factors=self.pooling_factors, **kw)
+        # the batch size and pooling the strategy's planner used (its report of an automatic plan must agree)
+        auto = getattr(strategy, "planner", None)
+        batch = self.batch_size or (auto.batch_size if auto is not None else None)
+        kw = {} if batch is None else {"batch_size": batch}
+        pooling = self.pooling_factors
+        if pooling is None and auto is not None:
+            kw["default_pooling_factor"], pooling = auto.default_pooling_factor, auto.pooling_factors
+        kind = tables_optimizer_kind(pl_module, trainer.optimizers) or "sgd"
+        planner = Planner(topo, optimizer=kind, pooling_factors=pooling, **kw)
         self.last_report = planner.estimate(pl_module)
         rank_zero_info(f"Sharding summary (memory of every rank; times are cost-model estimates):\n{self.last_report}")
 

@@ -92,6 +92,7 @@ class PlanReport:
             "ranks": [
                 {"rank": r, "time_ms": float(t[r]),
                  **{f"{p}_ms": float(1e3 * self.time[i, r]) for i, p in enumerate(TIME_PARTS)},
+                 "latency_ms": 1e3 * self.latency_s,
                  "memory_bytes": int(self.memory[:, r].sum()),
                  **{f"{p}_bytes": int(self.memory[i, r]) for i, p in enumerate(MEMORY_PARTS)}}
                 for r in range(self.time.shape[1])
@@ -116,11 +117,13 @@ class PlanReport:
             "",
         ]
         lines += _table_lines(self.tables)
-        lines += ["", "per rank, ms: " + ", ".join(TIME_PARTS), "          memory: " + ", ".join(MEMORY_PARTS)]
+        # the columns add up to the total: the collectives' fixed latency is a column of its own
+        lines += ["", "per rank, ms: " + ", ".join((*TIME_PARTS, "latency")),
+                  "          memory: " + ", ".join(MEMORY_PARTS)]
         t = self.rank_time_ms
         shown = range(M) if M <= 16 else sorted(np.argsort(-t, kind="stable")[:8].tolist())
         for r in shown:
-            ms = " ".join(f"{1e3 * x:.3f}" for x in self.time[:, r])
+            ms = " ".join(f"{1e3 * x:.3f}" for x in (*self.time[:, r], self.latency_s))
             mem = " ".join(human_bytes(x) for x in self.memory[:, r])
             lines.append(f"  rank {r:>5}: {t[r]:9.3f} ms = {ms}")
             lines.append(f"{'':13}{human_bytes(self.memory[:, r].sum()):>9} = {mem}")
@@ -128,7 +131,15 @@ class PlanReport:
             lines.append(f"  ... the {len(shown)} slowest of {M} ranks; time min/median/max "
                          f"{t.min():.3f}/{np.median(t):.3f}/{t.max():.3f} ms")
         lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
+        return "\n".join(w for line in lines for w in _fit(line, 100))
+
+
+def _fit(line: str, width: int) -> list[str]:
+    """``line``, wrapped at ``width`` with its continuation indented past the line's own indent."""
+    if len(line) <= width:
+        return [line]
+    indent = " " * (len(line) - len(line.lstrip()) + 4)
+    return textwrap.wrap(line, width, subsequent_indent=indent, break_on_hyphens=False) or [line[:width]]
 
 
 def _table_lines(tables: list, width: int = 100) -> list[str]:
