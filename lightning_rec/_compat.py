@@ -6,6 +6,7 @@ import logging
 import re
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from importlib import metadata
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch.fx.experimental._config as _fx_shape_config
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.saving import _load_state
 from lightning.pytorch.utilities.model_helpers import _restricted_classmethod
+from torch.distributed import distributed_c10d
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -341,3 +343,21 @@ def tensor_version(t: torch.Tensor) -> int:
 
 # how a pytree node flattens against an exported program's input spec (TorchRec registers its sparse types)
 register_pytree_flatten_spec = _fx_pytree.register_pytree_flatten_spec
+
+
+def group_timeout(group: Any = None) -> timedelta:
+    """A process group's collective timeout (the world's when ``group`` is None), else torch's default."""
+    pg = group if group is not None else distributed_c10d.group.WORLD
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        try:  # a group without a CPU backend (NCCL only)
+            return pg._get_backend(torch.device("cuda")).options._timeout
+        except (AttributeError, RuntimeError):
+            return distributed_c10d.default_pg_timeout
+
+
+def set_group_timeout(group: Any, timeout: timedelta) -> None:
+    """Give ``group`` the collective timeout ``timeout`` (torch creates groups with its default, 30 min on
+    gloo, whatever the world's is)."""
+    distributed_c10d._set_pg_timeout(timeout, group)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from lightning_rec import _compat
 from lightning_rec.data._stream import ClickStream
 
 _OK, _DONE, _FAILED = 0, 1, 2
@@ -30,7 +31,7 @@ def _flag_group() -> Any:
         return None
     key = id(dist.distributed_c10d._get_default_group())
     if key not in _GLOO_GROUPS:
-        _GLOO_GROUPS[key] = dist.new_group(backend="gloo")
+        _GLOO_GROUPS[key] = dist.new_group(backend="gloo", timeout=_compat.group_timeout())
     return _GLOO_GROUPS[key]
 
 

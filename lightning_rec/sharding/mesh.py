@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_rec import _compat
+
 
 @dataclass(frozen=True)
 class MeshInfo:
@@ -88,5 +90,10 @@ def init_2d_mesh(
     """
     replicas, mp = check_layout(dist.get_world_size(), model_parallel_size, data_parallel_size)
     mesh = init_device_mesh(device_type, (replicas, mp), mesh_dim_names=("replicate", "shard"))
-    return MeshInfo(mesh, mesh.get_group("shard"), mesh.get_group("replicate"), mp, replicas,
-                    resolve_local_size(mp, local_size))
+    shard, replicate = mesh.get_group("shard"), mesh.get_group("replicate")
+    # the mesh's groups get torch's default timeout (30 min on gloo): wait what the world waits instead
+    world_timeout = _compat.group_timeout()
+    for group in (shard, replicate):
+        if _compat.group_timeout(group) != world_timeout:
+            _compat.set_group_timeout(group, world_timeout)
+    return MeshInfo(mesh, shard, replicate, mp, replicas, resolve_local_size(mp, local_size))

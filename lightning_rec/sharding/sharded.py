@@ -268,7 +268,8 @@ def shard_modules(
             "(one process with world_size=1 is fine)"
         )
     comm.grad_scale(embedding_grad, 1)
-    group = process_group if process_group is not None else dist.new_group()
+    # a group torch creates waits its default 30 min; the world's timeout is what the user chose
+    group = process_group if process_group is not None else dist.new_group(timeout=_compat.group_timeout())
     gsize = dist.get_world_size(group)
     replicas = 1 if replica_group is None else dist.get_world_size(replica_group)
     agree_group = group if replicas == 1 else dist.group.WORLD  # every rank that exchanges with this one

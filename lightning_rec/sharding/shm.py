@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_rec import _compat
 from lightning_rec.sharding import bytecopy
 
 T = TypeVar("T")
@@ -74,7 +75,13 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    # a rank that died but whose parent has not reaped it yet (a zombie) still answers signal 0
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split(maxsplit=1)[0]
+    except (OSError, IndexError):
+        return True
+    return state not in (b"Z", b"X")
 
 
 class _File:
@@ -356,12 +363,8 @@ def _header_bytes(size: int) -> int:
 
 
 def _timeout_s(group: dist.ProcessGroup | None) -> float:
-    """The group's own timeout (what gloo would wait), else torch's default."""
-    pg = group if group is not None else dist.group.WORLD
-    try:
-        return float(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds())
-    except (AttributeError, RuntimeError):
-        return float(dist.default_pg_timeout.total_seconds())
+    """The group's own timeout (what gloo would wait)."""
+    return _compat.group_timeout(group).total_seconds()
 
 
 _GROUPS: dict[int, tuple[weakref.ref, _SharedGroup | None]] = {}

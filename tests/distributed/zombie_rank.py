@@ -1,0 +1,88 @@
+"""Two ranks under a parent that does not reap them: rank 1 dies between two sharded forwards.
+
+Run as a script by ``test_faults.py``. Rank 0 writes what it saw to the file named by argv[1]: how long its
+second forward took to fail, the error, whether rank 1 was a zombie then, and its groups' timeouts.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+
+WORLD_TIMEOUT_S = 60
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0].decode()
+    except OSError:
+        return "gone"
+
+
+def _rank(rank: int, port: int, out: str, peer_pid) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    import torch
+    import torch.distributed as dist
+
+    from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, _compat
+    from lightning_rec.sharding import ShardingPlan, row_wise, shard_modules, transport
+    from lightning_rec.sharding.mesh import init_2d_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=WORLD_TIMEOUT_S))
+    mesh = init_2d_mesh(2, 1)
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["f"])]
+    model = shard_modules(EmbeddingBagCollection(tables), ShardingPlan({"": {"t": row_wise()}}))
+    kjt = KeyedJaggedTensor(["f"], torch.tensor([1, 7]), lengths=torch.tensor([1, 1]))
+    model(kjt)
+    timeouts = [_compat.group_timeout(g).total_seconds() for g in (model.shard_group, mesh.shard_group)]
+    shared = transport.shared_group(model.shard_group) is not None
+    if rank == 1:
+        os._exit(3)  # dies without leaving the group; its parent does not reap it
+    while _state(peer_pid.value) not in ("Z", "gone"):
+        time.sleep(0.01)
+    was = _state(peer_pid.value)
+    t0 = time.monotonic()
+    try:
+        model(kjt)
+        error = ""
+    except Exception as e:  # what the user would see
+        error = f"{type(e).__name__}: {e}"
+    result = {"elapsed_s": time.monotonic() - t0, "error": error, "peer_state": was, "timeouts": timeouts,
+              "shared": shared}
+    with open(out + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.rename(out + ".tmp", out)
+    os._exit(0)
+
+
+def main(out: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    peer_pid = ctx.Value("i", 0)
+    procs = [ctx.Process(target=_rank, args=(r, port, out, peer_pid)) for r in range(2)]
+    for p in procs:
+        p.start()
+    peer_pid.value = procs[1].pid
+    # no join, no is_alive (both reap): the dead rank stays a zombie while rank 0 waits for it
+    deadline = time.monotonic() + 3 * WORLD_TIMEOUT_S
+    while not os.path.exists(out) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
