@@ -81,6 +81,16 @@ class FeatureLayout:
         self.is_mean = [tables[i].pooling == PoolingType.MEAN for i in self.feature_table]
         self._index = {f: i for i, f in enumerate(self.feature_names)}
 
+    def mismatch(self, keys: list[str], missing: list[str], duplicated: Sequence[str] = ()) -> str:
+        """The error for a KJT with ``keys``: what is missing, unexpected or repeated, and every key it has."""
+        ignored = [k for k in keys if k not in self._index]
+        found = (f"missing {missing}, unexpected {ignored}" if self.strict else f"missing {missing}")
+        found += f", duplicated {list(duplicated)}" if duplicated else ""
+        # without strict, unexpected keys were dropped silently: naming them shows a misspelt or wrong input
+        ignoring = "" if self.strict or not ignored else f"; no table reads {ignored}, ignored as strict_features=False"
+        return (f"KeyedJaggedTensor keys do not match the collection's features: {found} (expected "
+                f"{self.feature_names}; the KeyedJaggedTensor has keys {list(keys)}{ignoring})")
+
     def select(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Return ``features`` in config order with int64 ids; raise listing missing and unexpected keys."""
         if not isinstance(features, KeyedJaggedTensor):
@@ -100,11 +110,7 @@ class FeatureLayout:
             # a KJT from permute() may repeat a key; which copy to use would be a guess
             duplicated = sorted({k for k in keys if keys.count(k) > 1 and k in self._index})
             if missing or unexpected or duplicated:
-                raise ValueError(
-                    f"KeyedJaggedTensor keys do not match the collection's features: missing {missing}, "
-                    f"unexpected {unexpected}" + (f", duplicated {duplicated}" if duplicated else "")
-                    + f" (expected {self.feature_names})"
-                )
+                raise ValueError(self.mismatch(keys, missing, duplicated))
             pos = {k: i for i, k in enumerate(keys)}
             features = features.permute([pos[f] for f in self.feature_names])
         if features.values().dtype != torch.long or features.lengths().dtype != torch.long:
@@ -299,7 +305,7 @@ class EmbeddingBagCollection(_CollectionBase):
             # shapes only, as TorchRec: a forward on the meta device sizes a model without data
             missing = [f for f in layout.feature_names if f not in features.keys()]  # noqa: SIM118 (a KJT, not a dict)
             if missing:
-                raise ValueError(f"KeyedJaggedTensor keys do not match the collection's features: missing {missing}")
+                raise ValueError(layout.mismatch(features.keys(), missing))
             dtype = kernels.promoted_dtype([w.dtype for w in self._weights()])
             return KeyedTensor(layout.embedding_names, layout.dims,
                                torch.empty(features.stride(), sum(layout.dims), dtype=dtype, device="meta"))

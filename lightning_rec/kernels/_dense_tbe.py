@@ -17,8 +17,13 @@ import torch
 
 from lightning_rec.kernels._capability import load_fbgemm
 
-# fbgemm's dense CPU backward is correct but warns that no autograd kernel is registered for it.
-warnings.filterwarnings("ignore", message=r".*an autograd kernel was not registered.*")
+# fbgemm registers its dense lookup op under the device key with an autograd function inside, so torch warns in
+# every backward through it that no autograd kernel is registered ("may lead to silently incorrect behavior").
+# The gradients are right (../FBGEMM_CPU.md, section 2). On CPU we call the forward and backward ops ourselves
+# (_CpuLookup) and nothing warns; only the CUDA path still goes through the op, so only its warning is hidden.
+warnings.filterwarnings(
+    "ignore", message=r"fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel was not registered"
+)
 
 
 class _FlatAlias(torch.autograd.Function):
@@ -37,6 +42,44 @@ class _FlatAlias(torch.autograd.Function):
             out.append(grad[start : start + n].view(shape))
             start += n
         return (None, *out)
+
+
+class _CpuLookup(torch.autograd.Function):
+    """fbgemm's dense CPU lookup (SUM) over a flat buffer whose pieces are ``params``; gradients reach ``params``
+    and the per-sample weights. The kernels are the ones fbgemm's own op runs, so results are bitwise its."""
+
+    @staticmethod
+    def forward(ctx, meta: dict, flat: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,  # type: ignore[override]
+                psw: torch.Tensor | None, *params: torch.Tensor) -> torch.Tensor:
+        ctx.meta, ctx.shapes = meta, [p.shape for p in params]
+        ctx.save_for_backward(flat, values, offsets, psw)
+        # as fbgemm's op: half / byte tables pool into fp32, others in their own dtype (-1)
+        out_dtype = 0 if flat.dtype in (torch.float16, torch.uint8) else -1
+        return torch.ops.fbgemm.split_embedding_codegen_forward_cpu(
+            flat, meta["weights_offsets"], meta["D_offsets"], meta["total_D"], meta["hash_size_cumsum"], values,
+            offsets, 0, psw, out_dtype,
+        )
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        flat, values, offsets, psw = ctx.saved_tensors
+        meta, grad = ctx.meta, grad.contiguous()
+        grad_psw = None
+        if ctx.needs_input_grad[4]:
+            grad_psw = torch.ops.fbgemm.split_embedding_codegen_grad_indice_weights_cpu(
+                grad, flat, meta["weights_offsets"], meta["D_offsets"], values, offsets, None
+            )
+        grads: list[torch.Tensor | None] = [None] * len(ctx.shapes)
+        if any(ctx.needs_input_grad[5:]):
+            g = torch.ops.fbgemm.split_embedding_backward_codegen_dense_cpu(
+                grad, flat, meta["weights_offsets"], meta["D_offsets"], meta["max_D"], meta["hash_size_cumsum"],
+                meta["total_hash_size_bits"], values, offsets, 0, psw, 0.0,
+            )
+            start = 0
+            for i, shape in enumerate(ctx.shapes):
+                grads[i] = g[start : start + shape.numel()].view(shape)
+                start += shape.numel()
+        return (None, None, None, None, grad_psw, *grads)
 
 
 class FbgemmPooledKernel:
@@ -117,13 +160,17 @@ class FbgemmPooledKernel:
         """
         flat = self._packed(tables if storage is None else storage)
         meta = self._metadata(tables)
+        psw = None if per_sample_weights is None else per_sample_weights.float()
+        if flat.device.type == "cpu":
+            out = _CpuLookup.apply(meta, flat, values.long(), offsets.long(), psw, *tables)
+            return out.to(tables[0].dtype)
         weights = _FlatAlias.apply(flat, *tables) if torch.is_grad_enabled() else flat
         out = torch.ops.fbgemm.dense_embedding_codegen_lookup_function(
             dev_weights=weights,
             indices=values.long(),
             offsets=offsets.long(),
             pooling_mode=0,  # SUM
-            indice_weights=None if per_sample_weights is None else per_sample_weights.float(),
+            indice_weights=psw,
             feature_requires_grad=None,
             **meta,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import warnings
 
 import pytest
 import torch
@@ -74,3 +75,26 @@ def test_unknown_kernel_and_table_refusals() -> None:
         kernels.resolve_table_kernel("fbgemm", "seq", torch.float32, torch.device("cpu"), False, pooled=False)
     assert kernels.resolve_table_kernel("auto", "t", torch.float32, torch.device("cpu"), False) == "torch"
     assert kernels.resolve_table_kernel("fbgemm", "t", torch.float16, torch.device("cpu"), False) == "fbgemm"
+
+
+def test_fbgemm_backward_is_silent_and_exact() -> None:
+    """fbgemm's dense op warns in every backward that it may be "silently incorrect"; the kernels called directly
+    do not, and give F.embedding_bag's gradients for the tables and the per-sample weights."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 4, generator=g)), torch.nn.Parameter(torch.randn(3, 2, generator=g))]
+    ref_tables = [p.detach().clone().requires_grad_() for p in params]
+    values, offsets = torch.tensor([0, 4, 2, 1, 0]), torch.tensor([0, 2, 3, 5, 5])
+    psw = torch.rand(5, generator=g, requires_grad=True)
+    ref_psw = psw.detach().clone().requires_grad_()
+    lookup = GroupedPooledLookup(["fbgemm", "fbgemm"], [torch.float32] * 2, [0, 1], [4, 2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = lookup(params, values, offsets, 2, psw, sparse_grad=False)
+        coeff = torch.randn(out.shape, generator=g)
+        (out * coeff).sum().backward()
+    ref = _reference(ref_tables, [0, 1], values, offsets, 2, ref_psw)
+    (ref * coeff).sum().backward()
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    for p, r in zip(params, ref_tables):
+        torch.testing.assert_close(p.grad, r.grad, rtol=0, atol=1e-6)
+    torch.testing.assert_close(psw.grad, ref_psw.grad, rtol=0, atol=1e-6)
