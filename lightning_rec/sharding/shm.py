@@ -11,15 +11,16 @@ A collective completes on its rank before the next starts, so a rank that publis
 everything of ``k - 2``: buffer ``k % 2`` is free again without a second flag, and its owner may grow it
 (nobody maps past the old end until it reads ``k``). A rank that cannot get the space says so in its
 control words, and then every rank runs that collective through torch.distributed, so the choice is the
-same everywhere. The files are opened by every rank and then unlinked: nothing stays in ``/dev/shm``, even
-after a crash. x86-64 only: its stores become visible in program order, which makes "bytes, then control
-word" safe without explicit fences.
+same everywhere. The buffers are anonymous memory files (``memfd_create``) that the other ranks open through
+``/proc/<pid>/fd``: they have no name in ``/dev/shm`` at any moment, so a crash, whenever it comes, leaves
+nothing behind, and the kernel frees them when the last rank holding one closes it or exits. x86-64 only:
+its stores become visible in program order, which makes "bytes, then control word" safe without explicit
+fences.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import mmap
 import os
 import platform
@@ -40,8 +41,7 @@ from lightning_rec.sharding import bytecopy
 
 T = TypeVar("T")
 _ENV = "LIGHTNING_REC_SHM"
-_DIR = "/dev/shm"
-_PREFIX = "lightning_rec-shm"
+_PREFIX = "lightning_rec-shm"  # the memory files' names, as /proc/<pid>/fd shows them (no file system holds them)
 _ALIGN = 64
 # one rank's control words: [last collective published, status of the last even / odd one, pid, magic, left
 # the group]. Status per parity: a rank may publish k + 1 while a slower one still reads the status of k.
@@ -54,18 +54,18 @@ _LIVENESS_S = 0.5  # how often a waiting rank checks that the ranks it waits for
 
 
 def _identity() -> tuple[str, str, int, int]:
-    """What two processes must share to see one /dev/shm and one pid space."""
+    """What two processes must share to open each other's descriptors: one host and one pid space."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
-        return socket.gethostname(), boot, os.stat("/proc/self/ns/pid").st_ino, os.stat(_DIR).st_dev
+        return socket.gethostname(), boot, os.stat("/proc/self/ns/pid").st_ino
     except OSError:
-        return socket.gethostname(), "", -1, -1
+        return socket.gethostname(), "", -1
 
 
 def _wanted() -> bool:
     return (os.environ.get(_ENV, "1") != "0" and platform.system() == "Linux"
-            and platform.machine() in ("x86_64", "AMD64") and os.path.isdir(_DIR))
+            and platform.machine() in ("x86_64", "AMD64") and hasattr(os, "memfd_create"))
 
 
 def _pid_alive(pid: int) -> bool:
@@ -85,7 +85,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 class _File:
-    """A shared file held open by descriptor (its name is removed once every rank opened it) and mapped."""
+    """A shared memory file held open by descriptor and mapped."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -130,50 +130,42 @@ class _SharedGroup:
         self.magic = int(uuid.UUID(tag).int % (1 << 62))
         self.seq = 0
         self.peers: list[_Rank] = []
-        self.names: list[str] = []
-        files = []
+        files: list[_File] = []
         try:
             for what in ("ctrl", "buf0", "buf1"):
-                name = self._name(self.rank, what)
-                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                self.names.append(name)
-                files.append(_File(fd))
+                files.append(_File(os.memfd_create(f"{_PREFIX}-{tag}-{self.rank}-{what}")))
                 files[-1].grow(_CTRL_BYTES if what == "ctrl" else _header_bytes(self.size) + _MIN_CAPACITY)
         except OSError:
-            self.unlink()
+            for f in files:
+                f.close()
             raise
         ctrl = files[0].view.numpy().view(np.int64)
         ctrl[_PID], ctrl[_MAGIC] = os.getpid(), self.magic
         self.me = _Rank(ctrl=ctrl, buffers=(files[1], files[2]), pid=os.getpid(), keep=files[0])
 
-    def _name(self, rank: int, what: str) -> str:
-        return os.path.join(_DIR, f"{_PREFIX}-{self.tag}-{rank}-{what}")
+    @property
+    def address(self) -> tuple[int, list[int]]:
+        """What another rank needs to open this rank's files: its pid and descriptors."""
+        return self.me.pid, [f.fd for f in (self.me.keep, *self.me.buffers)]
 
-    def connect(self) -> None:
-        """Open every other rank's files (each rank created its own) and check they hold what it wrote."""
-        for r in range(self.size):
+    def connect(self, addresses: list[tuple[int, list[int]]]) -> None:
+        """Open every other rank's files through ``/proc/<pid>/fd`` and check they hold what it wrote."""
+        for r, (pid, fds) in enumerate(addresses):
             if r == self.rank:
                 self.peers.append(self.me)
                 continue
             files: list[_File] = []
             try:
-                for what in ("ctrl", "buf0", "buf1"):
-                    files.append(_File(os.open(self._name(r, what), os.O_RDWR)))
+                for fd in fds:
+                    files.append(_File(os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)))
                 ctrl = files[0].view.numpy().view(np.int64)
-                if int(ctrl[_MAGIC]) != self.magic:
+                if int(ctrl[_MAGIC]) != self.magic or int(ctrl[_PID]) != pid:
                     raise OSError(f"rank {self.ranks[r]}'s shared segment is not the one it wrote")
             except OSError:
                 for f in files:
                     f.close()
                 raise
-            self.peers.append(_Rank(ctrl=ctrl, buffers=(files[1], files[2]), pid=int(ctrl[_PID]), keep=files[0]))
-
-    def unlink(self) -> None:
-        """Remove this rank's names: every rank holds the files open, and nothing is left behind on a crash."""
-        for name in self.names:
-            with contextlib.suppress(OSError):
-                os.unlink(name)
-        self.names = []
+            self.peers.append(_Rank(ctrl=ctrl, buffers=(files[1], files[2]), pid=pid, keep=files[0]))
 
     def close(self) -> None:
         """Leave the group: ranks waiting for this one raise instead of waiting out the timeout."""
@@ -181,7 +173,6 @@ class _SharedGroup:
             return
         _OPEN.discard(self)
         self.me.ctrl[_LEFT] = 1
-        self.unlink()
         for rank in [self.me] + [p for p in self.peers if p is not self.me]:
             for f in (*rank.buffers, rank.keep):
                 f.close()
@@ -407,28 +398,30 @@ def _setup(group: dist.ProcessGroup | None) -> _SharedGroup | None:
     dist.all_gather_object(everyone, (_wanted(), _identity(), uuid.uuid4().hex), group=group)
     if not all(want for want, _, _ in everyone) or len({ident for _, ident, _ in everyone}) != 1:
         return None
-    shared, error = None, None
+    shared: _SharedGroup | None = None
     try:
-        shared = _SharedGroup(group, everyone[0][2])
-    except (OSError, RuntimeError) as e:
-        error = e
-    made: list = [None] * n
-    dist.all_gather_object(made, error is None, group=group)
-    if all(made):
         try:
-            assert shared is not None
-            shared.connect()
-        except (OSError, RuntimeError) as e:
-            error = e
-    connected: list = [None] * n
-    dist.all_gather_object(connected, all(made) and error is None, group=group)
-    if shared is not None:
-        shared.unlink()  # every rank that will use the files has them open
+            shared = _SharedGroup(group, everyone[0][2])
+        except (OSError, RuntimeError):
+            shared = None
+        made: list = [None] * n
+        dist.all_gather_object(made, None if shared is None else shared.address, group=group)
+        ok = shared is not None and all(a is not None for a in made)
+        if ok:
+            try:
+                shared.connect(made)
+            except (OSError, RuntimeError):
+                ok = False
+        connected: list = [None] * n
+        dist.all_gather_object(connected, ok, group=group)
+    except BaseException:  # a peer died during set-up: gloo raises here, and this rank's files go with it
+        if shared is not None:
+            shared.close()
+        raise
     if not all(connected):
         if shared is not None:
             shared.close()
         return None
-    assert shared is not None
     return shared
 
 

@@ -200,13 +200,13 @@ def _no_names_job(rank: int, ws: int) -> tuple[bool, list[str]]:
     dist.barrier()
     shared = transport.shared_group(None)
     assert shared is not None
-    return True, sorted(n for n in os.listdir(shm._DIR) if shared.tag in n)
+    return True, sorted(n for n in os.listdir("/dev/shm") if shared.tag in n) if os.path.isdir("/dev/shm") else []
 
 
 def test_segments_leave_no_names_behind() -> None:
     for shared, names in run_distributed(_no_names_job, 2):
         assert shared
-        assert names == []  # opened by every rank, then unlinked: nothing stays in /dev/shm, even on a crash
+        assert names == []  # anonymous memory files: nothing is ever in /dev/shm, so nothing stays after a crash
 
 
 def _opt_out_job(rank: int, ws: int) -> tuple[bool, list[float]]:
