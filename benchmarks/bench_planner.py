@@ -7,9 +7,14 @@
    planner's plan vs all table_wise (round-robin), all row_wise and all data_parallel. For each, the
    cost model's estimate and the measured samples/s (median step of the slowest rank; interleaved rounds).
 
+3. The cost model against measured steps (``--cost``: ``bench_planner_cost.py``): a Criteo-like fused-SGD job,
+   ten plans, estimated vs measured per plan, Spearman rank correlation, estimate / measured, with speeds
+   measured by a calibration; its section of ``results/planner.md`` is kept when 1-2 are rerun.
+
 Usage:
     python benchmarks/bench_planner.py                    # full size
     python benchmarks/bench_planner.py --rows 20000 --steps 4
+    python benchmarks/bench_planner.py --cost [--rounds 3 --steps 7]
 """
 
 from __future__ import annotations
@@ -104,6 +109,11 @@ def worker(rank: int, world: int, plans: dict[str, ShardingPlan], cfg: dict) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    if "--cost" in args_in:
+        import bench_planner_cost
+
+        return bench_planner_cost.main([a for a in args_in if a != "--cost"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--tables", type=int, default=26)
@@ -149,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
               "cores: its times measure oversubscription, which the cost model does not know about.", "",
               f"Command: `python benchmarks/bench_planner.py {' '.join(sys.argv[1:] if argv is None else argv)}`"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    from bench_planner_cost import SECTION
+
+    old = Path(args.out).read_text() if Path(args.out).exists() else ""
+    kept = SECTION + old.split(SECTION, 1)[1] if SECTION in old else ""  # the cost study's section
+    Path(args.out).write_text("\n".join(lines) + "\n" + ("\n" + kept if kept else ""))
     print("\n".join(lines))
     return 0
 
