@@ -44,13 +44,33 @@ _ENV = "LIGHTNING_REC_SHM"
 _PREFIX = "lightning_rec-shm"  # the memory files' names, as /proc/<pid>/fd shows them (no file system holds them)
 _ALIGN = 64
 # one rank's control words: [last collective published, status of the last even / odd one, pid, magic, left
-# the group]. Status per parity: a rank may publish k + 1 while a slower one still reads the status of k.
-_READY, _STATUS, _PID, _MAGIC, _LEFT = 0, 1, 3, 4, 5
+# the group, what the last even / odd one was]. Per parity: a rank may publish k + 1 while a slower one still
+# reads the status of k.
+_READY, _STATUS, _PID, _MAGIC, _LEFT, _SIG = 0, 1, 3, 4, 5, 6
 _CTRL_BYTES = 64
-_OK, _FALLBACK = 0, 1
+_OK, _FALLBACK, _FAILED = 0, 1, 2
 _MIN_CAPACITY = 1 << 20
 _SPIN = 2000  # busy polls before yielding the core
 _LIVENESS_S = 0.5  # how often a waiting rank checks that the ranks it waits for are alive
+# a collective's identity, one word: operation, dtype, and the bytes every rank must give (all-gather and
+# all-reduce; 0 for all-to-alls, whose sizes differ by rank and are checked by the receivers). Pieces carry
+# no dtype: a rank sending nothing has none to give
+_OPS = ("all_to_all", "all_to_all_views", "all_to_all_pieces", "all_gather", "all_reduce_sum")
+_DTYPES = (None, torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+
+
+def signature(op: str, dtype: torch.dtype | None, nbytes: int = 0) -> int:
+    code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+    return (_OPS.index(op) << 56) | (code << 48) | nbytes
+
+
+def describe(sig: int) -> str:
+    """What :func:`signature` encoded, in words."""
+    op, code, nbytes = sig >> 56, (sig >> 48) & 0xFF, sig & ((1 << 48) - 1)
+    name = _OPS[op] if op < len(_OPS) else f"operation {op}"
+    dtype = "" if code == 0 else f" of {_DTYPES[code]}" if code < len(_DTYPES) else " of another dtype"
+    return name + dtype + (f", {nbytes} bytes" if nbytes else "")
 
 
 def _identity() -> tuple[str, str, int, int]:
@@ -181,9 +201,22 @@ class _SharedGroup:
 
     # one collective -------------------------------------------------------------------------------
 
-    def _publish(self, pieces: list[torch.Tensor], ranges: list[tuple[int, int]]) -> None:
-        """Step 1: this rank's bytes (``pieces``, back to back) and, per destination, the byte range it reads."""
+    def _publish(self, pieces: list[torch.Tensor], ranges: list[tuple[int, int]], sig: int) -> None:
+        """Step 1: this rank's bytes (``pieces``, back to back) and, per destination, the byte range it reads.
+
+        ``sig`` says which collective this is (:func:`signature`): a peer running another one raises, and
+        so does every rank. A failure here still publishes (as failed), so the peers raise instead of waiting.
+        """
         self.seq += 1
+        self.me.ctrl[_SIG + self.seq % 2] = sig
+        try:
+            self._write(pieces, ranges)
+        except BaseException:
+            self.me.ctrl[_STATUS + self.seq % 2] = _FAILED
+            self.me.ctrl[_READY] = self.seq
+            raise
+
+    def _write(self, pieces: list[torch.Tensor], ranges: list[tuple[int, int]]) -> None:
         buf = self.me.buffers[self.seq % 2]
         header = _header_bytes(self.size)
         nbytes = header + sum(bytecopy.nbytes(p) for p in pieces)
@@ -212,11 +245,23 @@ class _SharedGroup:
 
     def _wait_all(self) -> bool:
         """Step 2's wait: until every rank published this collective; False if one could not (fall back)."""
-        ok = True
+        ok, parity = True, self.seq % 2
+        mine = int(self.me.ctrl[_SIG + parity])
         for r, peer in enumerate(self.peers):
             if r != self.rank:
                 self._wait(r, peer)
-            ok = ok and int(peer.ctrl[_STATUS + self.seq % 2]) == _OK
+            status = int(peer.ctrl[_STATUS + parity])
+            if status == _FAILED:
+                raise RuntimeError(f"rank {self.ranks[r]} failed in collective #{self.seq} of its group "
+                                   f"(shared-memory transport; see the error raised there): stopping rank "
+                                   f"{self.ranks[self.rank]} too")
+            theirs = int(peer.ctrl[_SIG + parity])
+            if theirs != mine:
+                raise RuntimeError(
+                    f"the ranks issued different collectives as #{self.seq} of their group: rank "
+                    f"{self.ranks[self.rank]} runs {describe(mine)}, rank {self.ranks[r]} runs {describe(theirs)} "
+                    "(every rank must run the same collectives in the same order, e.g. every sharded forward)")
+            ok = ok and status == _OK
         return ok
 
     def _wait(self, r: int, peer: _Rank) -> None:
@@ -267,7 +312,7 @@ class _SharedGroup:
             n = 0 if r == self.rank else piece.numel()
             ranges.append((at, at + n))
             at += n
-        self._publish([p for r, p in enumerate(sent) if r != self.rank], ranges)
+        self._publish([p for r, p in enumerate(sent) if r != self.rank], ranges, signature("all_to_all", x.dtype))
         if not self._wait_all():
             return False
         parts = [sent[r] if r == self.rank else self._part(r) for r in range(self.size)]
@@ -279,7 +324,7 @@ class _SharedGroup:
         bytecopy.write_back_to_back(out, parts)
         return True
 
-    def _publish_lists(self, sends: list[list[torch.Tensor]]) -> bool:
+    def _publish_lists(self, sends: list[list[torch.Tensor]], sig: int) -> bool:
         """Steps 1 and 2's wait for a list of tensors per destination (this rank's own stay where they are);
         False: some rank could not, run it through torch.distributed."""
         pieces, ranges, at = [], [], 0
@@ -289,12 +334,12 @@ class _SharedGroup:
             at += n
             if r != self.rank:
                 pieces += lst
-        self._publish(pieces, ranges)
+        self._publish(pieces, ranges, sig)
         return self._wait_all()
 
     def exchange(self, sends: list[list[torch.Tensor]], recvs: list[list[torch.Tensor]]) -> bool:
         """:func:`all_to_all_views` through the buffers; False: run it through torch.distributed."""
-        if not self._publish_lists(sends):
+        if not self._publish_lists(sends, signature("all_to_all_views", None)):
             return False
         for r, dsts in enumerate(recvs):
             if r == self.rank:
@@ -306,7 +351,7 @@ class _SharedGroup:
     def pieces(self, sends: list[list[torch.Tensor]], recv_sizes: list[list[int]],
                consume: Callable[[list[list[torch.Tensor]]], T]) -> tuple[T] | None:
         """:func:`all_to_all_pieces` through the buffers; None: run it through torch.distributed."""
-        if not self._publish_lists(sends):
+        if not self._publish_lists(sends, signature("all_to_all_pieces", None)):
             return None
         got, dtype = [], pieces_dtype(sends)
         for r, sizes in enumerate(recv_sizes):
@@ -321,17 +366,17 @@ class _SharedGroup:
             got.append(list(torch.split(part.view(dtype), sizes)))
         return (consume(got),)  # while every rank still reads its buffers: nobody overwrites them
 
-    def _everyones(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+    def _everyones(self, x: torch.Tensor, op: str) -> list[torch.Tensor] | None:
         """Every rank's whole ``x`` as bytes, in rank order; None: run it through torch.distributed."""
         payload = bytecopy.as_bytes(x)
-        self._publish([payload], [(0, payload.numel())] * self.size)
+        self._publish([payload], [(0, payload.numel())] * self.size, signature(op, x.dtype, payload.numel()))
         if not self._wait_all():
             return None
         return [payload if r == self.rank else self._part(r) for r in range(self.size)]
 
     def all_gather(self, out: torch.Tensor, x: torch.Tensor) -> bool:
         """``all_gather_into_tensor`` (every rank's ``x`` in rank order into ``out``)."""
-        parts = self._everyones(x)
+        parts = self._everyones(x, "all_gather")
         if parts is None:
             return False
         bytecopy.write_back_to_back(out, parts)
@@ -339,7 +384,7 @@ class _SharedGroup:
 
     def all_reduce_sum(self, x: torch.Tensor) -> bool:
         """In-place sum over the ranks, added in rank order on every rank, so every rank gets the same bits."""
-        parts = self._everyones(x)
+        parts = self._everyones(x, "all_reduce_sum")
         if parts is None:
             return False
         total = parts[0].view(x.dtype).clone()

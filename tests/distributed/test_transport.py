@@ -335,3 +335,45 @@ def test_closed_groups_release_their_descriptors() -> None:
     gloo = run_distributed(_fd_job, 2, "0")  # gloo itself keeps a descriptor or so per group
     for with_shm, without in zip(run_distributed(_fd_job, 2, "1"), gloo):
         assert with_shm <= without, (with_shm, without)
+
+
+def _diverge_job(rank: int, ws: int) -> str:
+    x = torch.ones(4)
+    try:
+        if rank == 0:
+            transport.all_reduce_sum(x, None)
+        else:  # the same byte count through another collective: without identities, silent garbage
+            out = torch.empty(4 * ws)
+            transport.all_gather_single(out, x, None)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_running_different_collectives_all_raise_naming_both() -> None:
+    for msg in run_distributed(_diverge_job, 3, timeout_s=60):
+        assert "different collectives" in msg, msg
+        assert "all_reduce_sum of torch.float32, 16 bytes" in msg and "all_gather of torch.float32, 16 bytes" in msg
+
+
+def _fail_job(rank: int, ws: int) -> str:
+    transport.all_reduce_sum(torch.ones(2), None)  # the group is set up
+    real = shm._SharedGroup._write
+    if rank == 1:
+        def broken(self, pieces, ranges):
+            raise MemoryError("simulated failure while writing")
+        shm._SharedGroup._write = broken
+    try:
+        transport.all_reduce_sum(torch.ones(2), None)
+    except (RuntimeError, MemoryError) as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        shm._SharedGroup._write = real
+    return "no error"
+
+
+def test_a_collective_that_fails_on_one_rank_fails_on_every_rank() -> None:
+    msgs = run_distributed(_fail_job, 3, timeout_s=60)
+    assert msgs[1].startswith("MemoryError"), msgs
+    for r in (0, 2):  # they learn it from the published status, not from the timeout or rank 1 leaving
+        assert "rank 1 failed in collective" in msgs[r], msgs[r]
