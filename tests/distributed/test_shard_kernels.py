@@ -129,7 +129,7 @@ def _train_beside_reference(sharded, tables, ref_w: dict[str, torch.Tensor], ran
 
 def _equivalence_job(rank: int, ws: int, kinds: list[str], kernel: str) -> dict:
     worst, calls = {}, 0
-    op_name = "dense_embedding_codegen_lookup_function"
+    op_name = "split_embedding_codegen_forward_cpu"  # the op the fbgemm kernel runs on CPU (kernels/_dense_tbe.py)
     _capability.load_fbgemm()
     real_op = getattr(torch.ops.fbgemm, op_name)
 
@@ -170,7 +170,7 @@ def test_fbgemm_kernel_matches_reference_for_every_sharding_type(kinds: list[str
 def _count_job(rank: int, ws: int, plan_kernel: str | None, module_kernel: str) -> dict:
     """Count fbgemm op calls and torch-kernel calls of one forward + backward."""
     counts = {"fbgemm": 0, "torch": 0}
-    op_name = "dense_embedding_codegen_lookup_function"
+    op_name = "split_embedding_codegen_forward_cpu"  # the op the fbgemm kernel runs on CPU (kernels/_dense_tbe.py)
     _capability.load_fbgemm()
     real_op, real_torch = getattr(torch.ops.fbgemm, op_name), _grouped.torch_pooled
 
