@@ -10,9 +10,9 @@ memory at start, validation AUC / NE each epoch and a checkpoint at the end. The
     python examples/dlrm.py --trainer.devices 4 --model.embedding_dim 32 --data.size 0.1
     python examples/dlrm.py --config my.yaml                       # layered over dlrm.yaml
     python examples/dlrm.py --trainer.max_epochs 2 --ckpt_path runs/dlrm/checkpoints/dlrm-final.ckpt  # resume
-    python examples/dlrm.py --export_program runs/dlrm/dlrm.pt2       # + a torch.export program to serve
+    python examples/dlrm.py --trainer.default_root_dir runs/dlrm_export --export_program runs/dlrm_export/dlrm.pt2
     python examples/dlrm.py --data.source criteo_tsv --data.path /data/criteo/day_0 --trainer.max_epochs 1
-    python examples/dlrm.py --data.raw_ids true                    # raw ids through managed collision
+    python examples/dlrm.py --data.raw_ids true                    # raw ids, managed collision: runs/dlrm_raw_ids
     python examples/dlrm.py --data.raw_ids true --model.managed_collision '{eviction_policy: lfu, num_buckets: 384}'
 
 The model's ``num_dense``, ``feature_names`` and ``num_embeddings_per_feature`` are taken from the data
@@ -34,6 +34,7 @@ from lightning_rec.data import ClickDataModule, SyntheticClicks
 from lightning_rec.models import DLRM
 
 DEFAULT_CONFIG = Path(__file__).with_name("dlrm.yaml")
+RUN_DIR = "runs/dlrm"  # dlrm.yaml's trainer.default_root_dir; its logger and checkpoint paths sit under it
 
 
 class DLRMCLI(LightningCLI):
@@ -52,6 +53,23 @@ class DLRMCLI(LightningCLI):
         parser.add_argument("--trust_checkpoint", type=bool, default=False,
                             help="load --ckpt_path with full unpickling, which runs code the files name; only for "
                                  "checkpoints you wrote whose hyper-parameters hold arbitrary objects")
+
+    def before_instantiate_classes(self) -> None:
+        """Keep each run's files apart: dlrm.yaml's paths under runs/dlrm (logs, checkpoints) follow
+        ``--trainer.default_root_dir``, and a raw-ids run defaults to runs/dlrm_raw_ids (its checkpoint would not
+        load into the hashed model that resumes from runs/dlrm/checkpoints)."""
+        trainer = self.config.trainer
+        root = trainer.default_root_dir
+        if root == RUN_DIR and self.config.data.raw_ids:
+            root = trainer.default_root_dir = RUN_DIR + "_raw_ids"
+        if not isinstance(root, str) or root == RUN_DIR:
+            return
+        for entry in [trainer.logger, *(trainer.callbacks or [])]:
+            init = getattr(entry, "init_args", None)
+            for key in ("save_dir", "dirpath"):
+                path = getattr(init, key, None)
+                if isinstance(path, str) and (path == RUN_DIR or path.startswith(RUN_DIR + "/")):
+                    setattr(init, key, root + path[len(RUN_DIR):])
 
 
 def final_line(metrics: dict[str, Any], seconds: float, achievable: float | None = None) -> str:
