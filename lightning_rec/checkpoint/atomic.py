@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -63,17 +64,22 @@ def agree(error: BaseException | None, what: str) -> None:
 
     Every rank must reach this call whatever happened locally, so failures are caught, not raised, before it.
     """
+    # a CheckpointError travels as itself (a full disk is a DiskFullError on every rank), others as text
+    mine = None if error is None else (f"{type(error).__name__}: {error}",
+                                       error if isinstance(error, CheckpointError) else None)
     if distributed() and dist.get_world_size() > 1:
-        errors: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, mine)
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     else:
-        failed = [] if error is None else [(rank(), f"{type(error).__name__}: {error}")]
+        failed = [] if mine is None else [(rank(), mine)]
     if not failed:
         return
     if error is not None:
         raise error  # this rank's own error, as it was
-    r, message = failed[0]
+    r, (message, same) = failed[0]
+    if same is not None:
+        raise same
     raise CheckpointError(f"{what} failed on rank {r} (so every rank stops): {message}")
 
 

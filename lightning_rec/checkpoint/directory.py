@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import errno
+import io
 import os
 import warnings
 from collections.abc import Iterable, Mapping
@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_rec import _compat
 from lightning_rec.checkpoint import atomic
-from lightning_rec.checkpoint.errors import CheckpointError, DiskFullError
+from lightning_rec.checkpoint.errors import CheckpointError, as_disk_full
 from lightning_rec.checkpoint.optim_state import optimizer_state, optimizer_targets
 from lightning_rec.checkpoint.placement import chunk_tree
 from lightning_rec.checkpoint.safe import load_meta
@@ -62,14 +62,19 @@ def _unwrap(e: BaseException, path: Path, what: str) -> CheckpointError:
     if isinstance(e, CheckpointException):
         failures = {r: exc for r, (exc, _) in e.failures.items()}
         for r in sorted(failures):
+            full = as_disk_full(failures[r], path, 0, r)
+            if full is not None:
+                return full
+        for r in sorted(failures):
             if isinstance(failures[r], CheckpointError):
                 return failures[r]
         first = min(failures)
         exc = failures[first]
         return CheckpointError(f"{what} {path} failed on rank(s) {sorted(failures)}; rank {first}: "
                                f"{type(exc).__name__}: {exc}")
-    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-        return DiskFullError(path, 0, atomic.rank())
+    full = as_disk_full(e, path, 0, atomic.rank())
+    if full is not None:
+        return full
     return CheckpointError(f"{what} {path} failed on rank {atomic.rank()}: {type(e).__name__}: {e}")
 
 
@@ -83,6 +88,13 @@ def _gather_checksums(local: dict[str, Any]) -> dict[str, Any]:
         for f, pieces in g.items():
             out.setdefault(f, {}).update(pieces)
     return out
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write(path: str | os.PathLike, tensors: Mapping[str, Any], meta: dict[str, Any]) -> Path:
@@ -117,13 +129,16 @@ def write(path: str | os.PathLike, tensors: Mapping[str, Any], meta: dict[str, A
         checksums = _gather_checksums(writer.checksums)
         error = None
         if rank == 0:
+            data = b""
             try:
-                torch.save({"format": FORMAT, **meta, "checksums": checksums}, tmp / META_FILE)
+                # serialized first: its size is known, and a full disk fails the plain write with ENOSPC
+                buf = io.BytesIO()
+                torch.save({"format": FORMAT, **meta, "checksums": checksums}, buf)
+                data = buf.getvalue()
+                _write_file(tmp / META_FILE, data)
                 atomic.swap_in(tmp, path)
-            except OSError as e:
-                error = DiskFullError(tmp / META_FILE, 0, rank) if e.errno == errno.ENOSPC else e
             except Exception as e:
-                error = e
+                error = as_disk_full(e, tmp / META_FILE, len(data), rank) or e
         atomic.agree(error, f"completing checkpoint {path}")
     except BaseException:
         if rank == 0:

@@ -8,7 +8,6 @@ or a truncated file are named (file, tensor, rank) instead of loading silently o
 
 from __future__ import annotations
 
-import errno
 import os
 import zlib
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from lightning_rec.checkpoint.errors import CheckpointError, DiskFullError
+from lightning_rec.checkpoint.errors import CheckpointError, as_disk_full
 from lightning_rec.checkpoint.safe import load_dcp_metadata
 
 _BLOCK = 8 << 20
@@ -50,9 +49,10 @@ class CheckedWriter(FileSystemWriter):
         try:
             fut = super().write_data(plan, planner)
             results = fut.wait()
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise DiskFullError(self.path, needed, self.rank) from e
+        except Exception as e:
+            full = as_disk_full(e, self.path, needed, self.rank)
+            if full is not None:
+                raise full from e
             raise
         by_file: dict[str, list[Any]] = {}
         for r in results:

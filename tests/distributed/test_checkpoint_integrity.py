@@ -72,7 +72,7 @@ def _integrity_job(rank: int, ws: int, root: str) -> dict:
     obj = [files]
     torch.distributed.broadcast_object_list(obj, src=0)
     out = {"files": obj[0], "loads": {n: _load(str(Path(root) / n)) for n in ("flipped", "truncated", "missing", "c")}}
-    for how in ("enospc", "error", "optimizer", "rename"):
+    for how in ("enospc", "short_write", "meta_full", "metadata_full", "error", "optimizer", "rename"):
         out[how] = _failing_save(rank, str(Path(root) / how / "c"), how)
     out["export"] = _failing_export(rank, str(Path(root) / "export" / "model.pt"))
     return out
@@ -113,7 +113,7 @@ def test_failed_export_stops_every_rank_and_leaves_no_file(results) -> None:
     root, res = results
     out = [r["export"] for r in res]
     assert out[0]["out"].startswith("DiskFullError") and ".model.pt.partial" in out[0]["out"], out
-    assert out[1]["out"].startswith("CheckpointError") and "rank 0" in out[1]["out"], out
+    assert out[1]["out"].startswith("DiskFullError") and "rank 0" in out[1]["out"], out  # every rank alike
     assert sorted(p.name for p in (root / "export").iterdir()) == []
 
 
@@ -146,6 +146,8 @@ def _failing_save(rank: int, path: str, how: str) -> dict:
 
     original_write, original_swap = fs._write_files_from_queue, atomic.swap_in
     original_flatten = ckpt.optim_state._flatten
+    original_meta, original_finish = ckpt.directory._write_file, fs.FileSystemWriter.finish
+    original_free = ckpt.errors.free_bytes
     model = _model()
     opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
     ckpt.save(path, model, [opt])  # the previous checkpoint
@@ -157,6 +159,22 @@ def _failing_save(rank: int, path: str, how: str) -> dict:
             raise OSError(errno.ENOSPC, "No space left on device")
 
         fs._write_files_from_queue = full
+    if how == "short_write" and rank == 1:  # torch's zip writer when the disk fills under it
+        def short(*args, **kwargs):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+        fs._write_files_from_queue = short
+        ckpt.errors.free_bytes = lambda path: 0  # the disk is full: no real one here
+    if how == "meta_full" and rank == 0:
+        def no_room(path, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        ckpt.directory._write_file = no_room
+    if how == "metadata_full" and rank == 0:  # DCP's own .metadata, written by rank 0 after every piece
+        def no_room_for_metadata(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        fs.FileSystemWriter.finish = no_room_for_metadata
     if how == "error" and rank == 1:
         def broken(*args, **kwargs):
             raise RuntimeError("disk controller on fire")
@@ -183,10 +201,12 @@ def _failing_save(rank: int, path: str, how: str) -> dict:
         out = f"{type(e).__name__}: {e}"
     fs._write_files_from_queue, atomic.swap_in = original_write, original_swap
     ckpt.optim_state._flatten = original_flatten
+    ckpt.directory._write_file, fs.FileSystemWriter.finish = original_meta, original_finish
+    ckpt.errors.free_bytes = original_free
     return {"out": out}
 
 
-@pytest.mark.parametrize("how", ["enospc", "error", "optimizer", "rename"])
+@pytest.mark.parametrize("how", ["enospc", "short_write", "meta_full", "metadata_full", "error", "optimizer", "rename"])
 def test_failed_save_stops_every_rank_and_keeps_previous(results, how: str) -> None:
     root, res = results
     tmp_path = root / how
@@ -199,6 +219,13 @@ def test_failed_save_stops_every_rank_and_keeps_previous(results, how: str) -> N
             assert r["out"].startswith("DiskFullError") and "no space left on the device of" in r["out"], r
             assert ".c.partial" in r["out"] and "rank=1" in r["out"], r
             assert int(r["out"].split("bytes=")[1].split()[0]) >= 20 * 8 * 4, r  # rank 1's rows of t at least
+    elif how in ("short_write", "meta_full", "metadata_full"):
+        failing = 1 if how == "short_write" else 0
+        for r in results:  # every rank: a DiskFullError naming the failing rank, what it needed and what was free
+            assert r["out"].startswith("DiskFullError") and "no space left on the device of" in r["out"], r
+            assert f"rank={failing}" in r["out"] and "bytes are free" in r["out"], r
+        if how != "metadata_full":
+            assert int(r["out"].split("bytes=")[1].split()[0]) > 0, r
     elif how == "error":
         assert all("disk controller on fire" in r["out"] and "rank" in r["out"] for r in results), results
     elif how == "optimizer":
