@@ -29,6 +29,7 @@ from lightning_rec.distributed.train_pipeline import InputPrefetcher, PipelinedL
 from lightning_rec.fused_kinds import as_spec
 from lightning_rec.mc.modules import MCHManagedCollisionModule
 from lightning_rec.optim import CombinedOptimizer
+from lightning_rec.preemption import AgreedStopHooks
 from lightning_rec.sharding.comm import grad_scale
 from lightning_rec.sharding.grad_mode import use_sparse_grads_where_possible
 from lightning_rec.sharding.grad_norm import clip_grad_norm_
@@ -37,7 +38,7 @@ from lightning_rec.sharding.plan import ShardingPlan
 from lightning_rec.sharding.planner import automatic_plan
 from lightning_rec.sharding.sharded import ShardedCollection, fused_optimizer, shard_modules
 from lightning_rec.table_optimizers import automatic_plan_report, marked_embedding_optimizer, warn_unoptimized_tables
-from lightning_rec.uneven import UnevenEvaluation
+from lightning_rec.uneven import UnevenEvaluationHooks
 
 
 def _sharded_param_names(module: nn.Module) -> list[str]:
@@ -50,7 +51,7 @@ def _sharded_param_names(module: nn.Module) -> list[str]:
     return names
 
 
-class RecShardedStrategy(DDPStrategy):
+class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, DDPStrategy):
     """Shards every EmbeddingBagCollection / EmbeddingCollection of the LightningModule; DDP for the rest.
 
     The world is ``data_parallel_size x model_parallel_size`` ranks (default: one model-parallel group per
@@ -126,7 +127,6 @@ class RecShardedStrategy(DDPStrategy):
         self.trusted_checkpoints = trusted_checkpoints
         self.pipeline = pipeline
         self._prefetcher: InputPrefetcher | None = None
-        self._uneven: UnevenEvaluation | None = None
         if not isinstance(compile, (bool, dict)):
             raise TypeError(f"compile must be a bool or a dict of torch.compile options, got {type(compile).__name__}")
         self.compile_options: dict[str, Any] | None = (
@@ -323,66 +323,6 @@ class RecShardedStrategy(DDPStrategy):
         super().on_train_end()
         if self._prefetcher is not None:
             self._prefetcher.clear()  # a batch read ahead past the last step trained
-
-    # evaluation may run unequal batch counts (Lightning's predict sampler does not pad): see uneven.py
-    def _start_evaluation(self, stage: str, counts: Any) -> None:
-        self._end_evaluation()
-        if self.world_size > 1:
-            self._uneven = UnevenEvaluation.if_needed(self.lightning_module, stage, counts)
-
-    def _end_evaluation(self) -> None:
-        if self._uneven is not None:
-            self._uneven.close()
-            self._uneven = None
-
-    def _evaluation_step(self, run: Any, args: tuple, kwargs: dict) -> Any:
-        if self._uneven is None:
-            return run(*args, **kwargs)
-        return self._uneven.step(run, *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().validation_step, args, kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().test_step, args, kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().predict_step, args, kwargs)
-
-    @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        trainer = self.lightning_module.trainer
-        counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
-        self._start_evaluation("validation", counts)
-
-    @override
-    def on_validation_end(self) -> None:
-        super().on_validation_end()
-        self._end_evaluation()
-
-    @override
-    def on_test_start(self) -> None:
-        super().on_test_start()
-        self._start_evaluation("test", self.lightning_module.trainer.num_test_batches)
-
-    @override
-    def on_test_end(self) -> None:
-        super().on_test_end()
-        self._end_evaluation()
-
-    @override
-    def on_predict_start(self) -> None:
-        super().on_predict_start()
-        self._start_evaluation("prediction", self.lightning_module.trainer.num_predict_batches)
-
-    @override
-    def on_predict_end(self) -> None:
-        super().on_predict_end()
-        self._end_evaluation()
 
     def _add_fused_optimizer(self) -> None:
         fused = fused_optimizer(self.lightning_module)

@@ -25,7 +25,7 @@ _OK, _DONE, _FAILED = 0, 1, 2
 _GLOO_GROUPS: dict[int, Any] = {}
 
 
-def _flag_group() -> Any:
+def status_group() -> Any:
     """A gloo group for the status flags (the default group when it is gloo; created once otherwise)."""
     if dist.get_backend() == "gloo":
         return None
@@ -59,7 +59,7 @@ def agreed(iterator: Iterator[Any], what: str) -> Iterator[Any]:
     The exchange is off the critical path: the next item is fetched before this one is handed out and its
     status travels (an asynchronous all-gather of one int per rank) while the caller works on this one.
     """
-    group = _flag_group()
+    group = status_group()
     world = dist.get_world_size(group)
 
     def exchange(status: int) -> tuple[list[torch.Tensor], Any]:

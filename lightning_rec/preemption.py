@@ -1,0 +1,83 @@
+"""SIGTERM under ``rec_sharded``: every rank stops at the same step, whichever rank the scheduler signalled.
+
+Lightning's own handler broadcasts from inside the signal handler, on the signalled rank only: the other
+ranks are in another collective (every sharded lookup is one), so the job hangs. Here the handler only
+records the signal (and passes it on to the processes Lightning's launcher started, as Lightning does);
+at the start of every training batch the ranks agree on "did any rank get SIGTERM" with one small
+all-reduce, and all of them stop before that batch, raising ``SIGTERMException`` with exit code 143 (a
+preempted job is not a success). Checkpoints already written stay as they are (saves are all-or-nothing).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lightning_rec.data.loader import status_group
+from lightning_rec.sharding import transport
+
+EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
+
+
+class AgreedStop:
+    """Replaces the SIGTERM handler while installed; :meth:`check` is collective over the world."""
+
+    def __init__(self, launcher: Any = None) -> None:
+        self.signalled = False
+        self._launcher = launcher
+        self._previous: Any = None
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if not self.signalled and self._launcher is not None:
+            self._launcher.kill(signum)  # the ranks Lightning's launcher started get it too
+        self.signalled = True  # nothing collective here: the other ranks are busy in their own collectives
+
+    def check(self) -> None:
+        """Raise ``SIGTERMException`` on every rank if any rank was signalled (one all-reduce of an int)."""
+        flag = torch.tensor([int(self.signalled)], dtype=torch.int64)
+        transport.all_reduce_sum(flag, status_group())
+        if int(flag):
+            raise SIGTERMException(EXIT_CODE)
+
+    def close(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
+class AgreedStopHooks:
+    """Strategy hooks (a mixin before the Lightning strategy class): :class:`AgreedStop` in place of Lightning's
+    SIGTERM handler while training on several ranks, checked before every training batch."""
+
+    _stop: AgreedStop | None = None
+    world_size: int
+    launcher: Any
+
+    def on_train_start(self) -> None:
+        super().on_train_start()  # type: ignore[misc]
+        if self.world_size > 1:  # Lightning registered its handler before this hook
+            self._stop = AgreedStop(self.launcher)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        if self._stop is not None:
+            self._stop.check()
+
+    def on_train_end(self) -> None:
+        super().on_train_end()  # type: ignore[misc]
+        self._end_stop()
+
+    def teardown(self) -> None:
+        self._end_stop()
+        super().teardown()  # type: ignore[misc]
+
+    def _end_stop(self) -> None:
+        if self._stop is not None:
+            self._stop.close()
+            self._stop = None
