@@ -377,3 +377,30 @@ def test_a_collective_that_fails_on_one_rank_fails_on_every_rank() -> None:
     assert msgs[1].startswith("MemoryError"), msgs
     for r in (0, 2):  # they learn it from the published status, not from the timeout or rank 1 leaving
         assert "rank 1 failed in collective" in msgs[r], msgs[r]
+
+
+def _sum_order_job(rank: int, ws: int) -> dict:
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(10_000, generator=g) * 10 ** torch.randint(-3, 4, (10_000,), generator=g)
+    shared, ref = x.clone(), x.clone()
+    transport.all_reduce_sum(shared, None)
+    dist.all_reduce(ref)  # gloo's own order
+    xs = []
+    for r in range(ws):
+        gr = torch.Generator().manual_seed(r)
+        xs.append(torch.randn(10_000, generator=gr) * 10 ** torch.randint(-3, 4, (10_000,), generator=gr))
+    return {"shared": shared, "gloo": ref, "rank_order": sum(xs[1:], xs[0].clone()),
+            "exact": sum(v.double() for v in xs), "magnitude": sum(v.double().abs() for v in xs)}
+
+
+@pytest.mark.parametrize("ws", [3, 4])
+def test_the_sum_all_reduce_agrees_bitwise_across_ranks_and_with_gloo_within_rounding(ws: int) -> None:
+    results = run_distributed(_sum_order_job, ws)
+    for r in results:
+        # every rank adds in rank order: the same bits everywhere, the single-process left-to-right sum
+        assert torch.equal(r["shared"], results[0]["shared"])
+        assert torch.equal(r["shared"], r["rank_order"])
+        # gloo adds in its own order: each is within float32 summation's rounding bound of the exact sum
+        # ((ranks - 1) units of rounding of the summands' magnitude), so they differ by rounding only
+        for got in (r["shared"], r["gloo"]):
+            assert bool(((got.double() - r["exact"]).abs() <= (ws - 1) * 2**-24 * r["magnitude"] * 1.01).all())
