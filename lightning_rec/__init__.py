@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch as _torch
+from lightning.fabric.strategies import STRATEGY_REGISTRY as _FabricStrategyRegistry
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
 from lightning_rec._compat import check_versions as _check_versions
@@ -29,6 +30,7 @@ from lightning_rec.distributed import (  # noqa: E402
     apply_optimizer_in_backward,
     in_backward_optimizer_filter,
 )
+from lightning_rec.fabric import RecShardedFabricStrategy  # noqa: E402
 from lightning_rec.mc import (  # noqa: E402
     LFU_EvictionPolicy,
     LRU_EvictionPolicy,
@@ -67,8 +69,9 @@ from lightning_rec.strategy import RecShardedStrategy  # noqa: E402
 
 
 def _register() -> None:
-    # Lightning only scans its own modules for strategies; a plugin registers at import, once.
+    # Lightning only scans its own modules for strategies; a plugin registers at import, once (both registries)
     RecShardedStrategy.register_strategies(_StrategyRegistry)
+    RecShardedFabricStrategy.register_strategies(_FabricStrategyRegistry)
 
 
 _register()
@@ -105,6 +108,7 @@ __all__ = [
     "PlannerError",
     "PoolingType",
     "RecModule",
+    "RecShardedFabricStrategy",
     "RecShardedStrategy",
     "RowWiseAdagrad",
     "ShardingEnv",

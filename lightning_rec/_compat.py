@@ -14,6 +14,7 @@ import torch
 import torch.fx._pytree as _fx_pytree
 import torch.fx.experimental._config as _fx_shape_config
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.wrappers import _FabricModule
 from lightning.pytorch.core.saving import _load_state
 from lightning.pytorch.utilities.model_helpers import _restricted_classmethod
 from torch.distributed import distributed_c10d
@@ -23,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.fx._symbolic_trace import ProxyableClassMeta, is_fx_symbolic_tracing
+from torch.nn.parallel import DistributedDataParallel
 
 # Lightning 2.6 checks `isinstance(treespec, LeafSpec)`, which torch 2.13 deprecates, on every batch; not the
 # user's business (Lightning's fix: TreeSpec.is_leaf()).
@@ -361,3 +363,16 @@ def set_group_timeout(group: Any, timeout: timedelta) -> None:
     """Give ``group`` the collective timeout ``timeout`` (torch creates groups with its default, 30 min on
     gloo, whatever the world's is)."""
     distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def unwrap_module(module: Any) -> Any:
+    """The user's module inside Fabric's ``_FabricModule``, DDP and ``torch.compile`` wrappers."""
+    while True:
+        if isinstance(module, _FabricModule):
+            module = module._original_module
+        elif isinstance(module, DistributedDataParallel):
+            module = module.module
+        elif hasattr(module, "_orig_mod") and isinstance(module, torch.nn.Module):
+            module = module._orig_mod
+        else:
+            return module

@@ -11,13 +11,13 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.data import sized_len
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_rec import _compat
@@ -26,29 +26,16 @@ from lightning_rec._compat import precision_target_dtype
 from lightning_rec.checkpoint.safe import refusing_unsafe
 from lightning_rec.data.loader import AgreedLoader, ClickLoader
 from lightning_rec.distributed.train_pipeline import InputPrefetcher, PipelinedLoader
-from lightning_rec.fused_kinds import as_spec
-from lightning_rec.mc.modules import MCHManagedCollisionModule
 from lightning_rec.optim import CombinedOptimizer
 from lightning_rec.preemption import AgreedStopHooks
-from lightning_rec.sharding.comm import grad_scale
+from lightning_rec.shard_setup import ShardSetup, ignore_in_ddp
 from lightning_rec.sharding.grad_mode import use_sparse_grads_where_possible
 from lightning_rec.sharding.grad_norm import clip_grad_norm_
-from lightning_rec.sharding.mesh import MeshInfo, check_layout, init_2d_mesh
+from lightning_rec.sharding.mesh import MeshInfo
 from lightning_rec.sharding.plan import ShardingPlan
-from lightning_rec.sharding.planner import automatic_plan
-from lightning_rec.sharding.sharded import ShardedCollection, fused_optimizer, shard_modules
-from lightning_rec.table_optimizers import automatic_plan_report, marked_embedding_optimizer, warn_unoptimized_tables
+from lightning_rec.sharding.sharded import ShardedCollection, dense_state, fused_optimizer
+from lightning_rec.table_optimizers import automatic_plan_report, warn_unoptimized_tables
 from lightning_rec.uneven import UnevenEvaluationHooks
-
-
-def _sharded_param_names(module: nn.Module) -> list[str]:
-    names = []
-    for path, m in module.named_modules():
-        if isinstance(m, ShardedCollection):
-            names += [f"{path}.{n}" if path else n for n, _ in m.named_parameters()]
-        if isinstance(m, MCHManagedCollisionModule):  # remap state is per rank: DDP must not broadcast it
-            names += [f"{path}.{n}" if path else n for n, _ in m.named_buffers()]
-    return names
 
 
 class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, DDPStrategy):
@@ -114,15 +101,13 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, DDPStrategy):
                 "which holds only rank 0's shards of each table"
             )
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method="popen", **kwargs)
-        grad_scale(embedding_grad, 1)  # validates the mode now, not at fit time
-        if plan is not None and not isinstance(plan, ShardingPlan):
-            raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
+        # shared with the Fabric strategy (shard_setup.py)
+        self.core = ShardSetup(plan, model_parallel_size, data_parallel_size, embedding_grad, embedding_optimizer,
+                               trusted_checkpoints)
         self._plan = plan
         self.planner = self.plan_report = None  # the planner of an automatic plan (when none was given), its report
-        self._model_parallel_size = model_parallel_size
-        self._data_parallel_size = data_parallel_size
         self.embedding_grad = embedding_grad
-        self._given_embedding_optimizer = self.embedding_optimizer = as_spec(embedding_optimizer)
+        self.embedding_optimizer = self.core.given_embedding_optimizer  # the marks may choose one at setup
         self.mesh_info: MeshInfo | None = None
         self.trusted_checkpoints = trusted_checkpoints
         self.pipeline = pipeline
@@ -151,50 +136,22 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        mp = self._model_parallel_size
-        dp = self._data_parallel_size
-        if mp is None and dp is None:
-            mp, dp = self.num_processes, self.num_nodes
-        replicas, mp = check_layout(self.world_size, mp, dp)
-        # one host holds this node's processes (the whole shard group on one node)
-        local = mp if self.num_nodes == 1 else self.num_processes
-        self.mesh_info = init_2d_mesh(mp, replicas, "cuda" if self.root_device.type == "cuda" else "cpu", local)
+        self.mesh_info = self.core.init_mesh(self.world_size, self.num_processes, self.num_nodes, self.root_device)
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = self.mesh_info.mesh
 
     def _shard(self) -> None:
         module = self.lightning_module
         assert module is not None and self.mesh_info is not None
-        plan, self.planner = self._plan, None
-        if plan is None and hasattr(module, "configure_sharding"):
-            plan = module.configure_sharding()
-        mi = self.mesh_info
-        local = mi.local_size
-        # TorchRec's apply_optimizer_in_backward marks on the tables choose the fused optimizer, as under DMP
-        self.embedding_optimizer = marked_embedding_optimizer(module, self._given_embedding_optimizer)
-        if plan is None:
-            # the planner sees the layout, the device and the batch size (found as Lightning's batch-size finder does)
-            kw: dict[str, Any] = {"device": "cuda" if self.root_device.type == "cuda" else "cpu"}
-            try:
-                if lightning_hasattr(module, "batch_size"):
-                    kw["batch_size"] = int(lightning_getattr(module, "batch_size"))
-            except (AttributeError, TypeError, ValueError):
-                pass
-            if self.root_device.type == "cuda":
-                kw["device_memory"] = torch.cuda.get_device_properties(self.root_device).total_memory
-            planner = automatic_plan(
-                module, mi.model_parallel_size, local, self.world_size, self.embedding_optimizer, **kw
-            )
-            plan = planner.plan(module)
-            self.planner = planner if plan.plan else None  # explained once the optimizers exist (setup)
-        shard_modules(
-            module, plan, process_group=mi.shard_group, replica_group=mi.replica_group,
-            device=self.root_device, embedding_grad=self.embedding_grad, local_size=local,
-            embedding_optimizer=self.embedding_optimizer,
-        )
-        fused = fused_optimizer(module)
-        for p in [] if fused is None else [p for g in fused.param_groups for p in g["params"]]:
-            p._in_backward_optimizers = [fused]  # as DMP: in_backward_optimizer_filter leaves fused tables out
+        self.core.trusted_checkpoints = self.trusted_checkpoints
+        batch_size = None  # the planner's, found as Lightning's batch-size finder does
+        try:
+            if lightning_hasattr(module, "batch_size"):
+                batch_size = int(lightning_getattr(module, "batch_size"))
+        except (AttributeError, TypeError, ValueError):
+            pass
+        self.embedding_optimizer, self.planner = self.core.shard(module, self.mesh_info, self.root_device,
+                                                                 self.world_size, batch_size)
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
@@ -263,11 +220,12 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, DDPStrategy):
     def _check_fused_trainer(self, trainer: L.Trainer) -> None:
         if self.embedding_optimizer is None:
             return
-        if trainer.accumulate_grad_batches > 1:
-            raise ValueError(
-                f"accumulate_grad_batches={trainer.accumulate_grad_batches} cannot be honoured with "
-                "embedding_optimizer: the fused kernel applies its update inside each backward"
-            )
+        fused = fused_optimizer(self.lightning_module)
+        if fused is not None and (trainer.accumulate_grad_batches > 1 or any(
+                isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks)):
+            # Lightning steps the optimizer once every k batches: the kernels keep each backward's gradient
+            # and apply one update from their sum at that step (kernels/_accumulate.py)
+            fused.accumulate = True
         if trainer.gradient_clip_val:
             raise ValueError(
                 f"gradient_clip_val={trainer.gradient_clip_val} cannot clip fused embedding tables: they are updated "
@@ -333,23 +291,15 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, DDPStrategy):
             # the user's configure_optimizers did not include it: step it with theirs, at the spec's lr
             self.optimizers = [CombinedOptimizer([*self.optimizers[:1], fused]), *self.optimizers[1:]]
 
-    def _dense_state(self) -> list[torch.Tensor]:
-        module = self.lightning_module
-        sharded = tuple(f"{path}." for path, m in module.named_modules()
-                        if isinstance(m, (ShardedCollection, MCHManagedCollisionModule)))
-        return [t for n, t in [*module.named_parameters(), *module.named_buffers()] if not n.startswith(sharded)]
-
     def _sync_dense_states(self) -> None:
         # without DDP (validate / test / predict) dense replicas still start equal; shards are per rank
-        for t in self._dense_state():
+        for t in dense_state(self.lightning_module):
             torch.distributed.broadcast(t.data, src=0)
 
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
-        ignore = _sharded_param_names(self.lightning_module)
-        if not any(p.requires_grad for n, p in self.lightning_module.named_parameters() if n not in set(ignore)):
+        if not ignore_in_ddp(model, self.lightning_module):
             return model  # nothing dense to keep in sync
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
         return super()._setup_model(model)
 
     # -- checkpoints: torch.distributed.checkpoint directories (see lightning_rec.checkpoint) --------------
@@ -387,21 +337,8 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, DDPStrategy):
         if storage_options is not None:
             raise TypeError("RecShardedStrategy.save_checkpoint writes torch.distributed.checkpoint directories and "
                             "takes no storage_options")
-        checkpoint = dict(checkpoint)
-        tensors: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
-        layouts = []
-        for i, state in enumerate(checkpoint.pop("optimizer_states", None) or []):
-            tensors[f"optimizer_{i}"] = state["tensors"]
-            layouts.append(state["meta"])
         assert self.mesh_info is not None and self.lightning_module is not None
-        checkpoint["optimizer_layouts"] = layouts
-        checkpoint["rec_sharding"] = {
-            "world_size": self.world_size,
-            "model_parallel_size": self.mesh_info.model_parallel_size,
-            "data_parallel_size": self.world_size // self.mesh_info.model_parallel_size,
-            "tables": ckpt.sharding_layout(self.lightning_module),
-        }
-        ckpt.write(filepath, tensors, checkpoint)
+        self.core.write_checkpoint(filepath, self.lightning_module, self.mesh_info, self.world_size, checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -416,9 +353,12 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, DDPStrategy):
         fitting = module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
         optimizers = self.optimizers if fitting else []
         if ckpt.is_checkpoint_dir(path):
-            meta = ckpt.load(path, module, optimizers, strict=module.strict_loading,
-                             trusted=self.trusted_checkpoints or weights_only is False)
-            meta.pop("format", None)
+            self.core.trusted_checkpoints = self.trusted_checkpoints
+            meta = self.core.read_checkpoint(path, module, optimizers, module.strict_loading, weights_only)
+            if "pytorch-lightning_version" not in meta:
+                # written without the Trainer (Fabric, checkpoint.save): the model and optimizers are restored;
+                # no Lightning state to migrate, loops and LR schedulers start anew
+                meta.update({"pytorch-lightning_version": L.__version__, "lr_schedulers": []})
             if fitting:
                 meta["optimizer_states"] = []  # restored above; Lightning only checks the key exists
             return meta

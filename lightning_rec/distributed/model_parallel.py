@@ -24,7 +24,7 @@ from lightning_rec.optim import FusedOptimizer
 from lightning_rec.sharding import ParameterSharding, ShardingPlan, fused_optimizer, shard_modules
 from lightning_rec.sharding.mesh import default_local_size
 from lightning_rec.sharding.plan import with_resolved_ranks
-from lightning_rec.sharding.sharded import ShardedCollection, sharded_collections
+from lightning_rec.sharding.sharded import ShardedCollection, ddp_ignored_names, sharded_collections
 from lightning_rec.sharding.types import placement_of
 
 
@@ -229,8 +229,7 @@ class DistributedModelParallel(nn.Module):
         if self.init_parameters:
             self._init_parameters(self._dmp_wrapped_module)
         model = self._dmp_wrapped_module
-        sharded = [f"{path}.{n}" if path else n for path, m in sharded_collections(model)
-                   for n, _ in [*m.named_parameters(), *m.named_buffers()]]
+        sharded = ddp_ignored_names(model)  # the strategies' list: managed-collision remap state is per rank too
         dense = [p for n, p in model.named_parameters() if n not in set(sharded) and p.requires_grad]
         if dense and not isinstance(model, ShardedCollection):
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sharded)

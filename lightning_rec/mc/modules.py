@@ -58,6 +58,8 @@ class MCHManagedCollisionModule(nn.Module):
         name: table name, for error messages.
     """
 
+    per_rank_state = True  # each rank remaps its own buckets: DDP must not broadcast it (sharded.ddp_ignored_names)
+
     def __init__(
         self,
         zch_size: int,

@@ -69,6 +69,7 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
     """
 
     _attr = ""
+    per_rank_state = True  # DDP must neither broadcast nor reduce it (sharded.ddp_ignored_names)
 
     def __init__(
         self,

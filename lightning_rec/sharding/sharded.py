@@ -221,6 +221,24 @@ def sharded_collections(model: nn.Module) -> Iterator[tuple[str, ShardedCollecti
             yield path, m
 
 
+def ddp_ignored_names(module: nn.Module) -> list[str]:
+    """Parameters and buffers DDP must leave alone: those of modules whose state is per rank
+    (``per_rank_state``: sharded collections, whose replicated tables reduce their own touched rows, and
+    managed-collision remap state). The Trainer and Fabric strategies and ``DistributedModelParallel`` use it."""
+    names = []
+    for path, m in module.named_modules():
+        if getattr(m, "per_rank_state", False):
+            prefix = f"{path}." if path else ""
+            names += [prefix + n for n, _ in m.named_parameters()] + [prefix + n for n, _ in m.named_buffers()]
+    return list(dict.fromkeys(names))
+
+
+def dense_state(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters and buffers of ``module`` DDP keeps equal across ranks (the rest of :func:`ddp_ignored_names`)."""
+    skip = set(ddp_ignored_names(module))
+    return [t for n, t in [*module.named_parameters(), *module.named_buffers()] if n not in skip]
+
+
 def _configs(m: nn.Module) -> list:
     return list(m.embedding_bag_configs() if isinstance(m, EmbeddingBagCollection) else m.embedding_configs())
 

@@ -134,6 +134,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
     collective then runs where the group's backend can: NCCL groups see only CUDA tensors). With
     ``rank0_only`` the result is returned on rank 0 and ``{}`` elsewhere (less memory on the other ranks).
     """
+    model = _compat.unwrap_module(model)  # Fabric's and DDP's wrappers keep the model's keys, not its paths
     state = model.state_dict()
     tables = _tables(model)
     out = {}

@@ -1,0 +1,208 @@
+"""``Fabric(strategy="rec_sharded")``: the Trainer strategy's sharding for users who write their own loop.
+
+The idiom of Lightning's model-parallel Fabric strategies: ``model = fabric.setup_module(model)`` shards the
+collections (the strategy's plan, the module's ``configure_sharding()``, or the planner) and wraps the dense
+rest in DDP; then ``optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters()))`` sees this
+rank's shards. Everything that decides the math is :mod:`lightning_rec.shard_setup`, shared with the Trainer
+strategy, and ``fabric.save`` / ``fabric.load`` read and write the same checkpoint directories.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_rec import checkpoint as ckpt
+from lightning_rec.checkpoint.safe import refusing_unsafe
+from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
+from lightning_rec.optim import CombinedOptimizer
+from lightning_rec.shard_setup import ShardSetup, ignore_in_ddp
+from lightning_rec.sharding.grad_norm import clip_grad_norm_
+from lightning_rec.sharding.mesh import MeshInfo
+from lightning_rec.sharding.plan import ShardingPlan
+from lightning_rec.sharding.sharded import fused_optimizer, sharded_collections
+from lightning_rec.table_optimizers import warn_unoptimized_tables
+
+
+class _BackwardSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync``: DDP's ``no_sync`` for the dense part; without dense parameters there is no
+    DDP and nothing to hold back (the tables' own reductions run in every backward, as under the Trainer)."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        if enabled and isinstance(module, DistributedDataParallel):
+            return module.no_sync()
+        return nullcontext()
+
+
+class RecShardedFabricStrategy(DDPStrategy):
+    """Shards every EmbeddingBagCollection / EmbeddingCollection of a module set up with Fabric; DDP for the rest.
+
+    Takes the arguments of :class:`~lightning_rec.strategy.RecShardedStrategy` (``plan``, ``model_parallel_size``,
+    ``data_parallel_size``, ``embedding_grad``, ``embedding_optimizer``, ``process_group_backend``, ``timeout``,
+    ``trusted_checkpoints``) with the same meaning. Set up the module first (``fabric.setup_module``), then
+    build the optimizers from its parameters; ``fabric.setup(model, optimizer)`` with an optimizer built before
+    sharding is refused, since it holds tables that sharding replaced. With ``embedding_optimizer`` the fused
+    optimizer is stepped with the first optimizer set up (as the Trainer strategy does).
+    """
+
+    strategy_name = "rec_sharded"
+
+    def __init__(
+        self,
+        plan: ShardingPlan | None = None,
+        model_parallel_size: int | None = None,
+        data_parallel_size: int | None = None,
+        embedding_grad: str = "sum",
+        embedding_optimizer: Any = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = timedelta(seconds=1800),
+        trusted_checkpoints: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        start_method = kwargs.pop("start_method", "popen")
+        if start_method != "popen":
+            raise ValueError(f"RecShardedFabricStrategy launches processes like strategy='ddp' (start_method="
+                             f"'popen'), got {start_method!r}: each process must keep its own shards")
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method="popen", **kwargs)
+        self.core = ShardSetup(plan, model_parallel_size, data_parallel_size, embedding_grad, embedding_optimizer,
+                               trusted_checkpoints)
+        self.embedding_optimizer = self.core.given_embedding_optimizer
+        self.mesh_info: MeshInfo | None = None
+        self.planner = None
+        self._module: nn.Module | None = None  # the sharded module, unwrapped
+        self._fused_attached = False
+        self._backward_sync_control = _BackwardSync()
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        device = super().root_device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", self.local_rank)
+        return device
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description="Sharded embedding tables + DDP")
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.mesh_info = self.core.init_mesh(self.world_size, self.num_processes, self.num_nodes, self.root_device)
+
+    @override
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer],
+                                    scheduler: Any = None) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
+        tables = {id(p): f"{path}.{n}" if path else n for path, m in module.named_modules()
+                  if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection)) for n, p in m.named_parameters()}
+        held = sorted({tables[id(p)] for o in optimizers for g in o.param_groups for p in g["params"]
+                       if id(p) in tables})
+        if held:
+            raise ValueError(
+                f"rec_sharded: the optimizer was built before sharding and holds the unsharded tables {held[:5]}"
+                f"{' ...' if len(held) > 5 else ''}, which sharding replaces by this rank's shards. Set up the "
+                "module first, then build the optimizer from its parameters: model = fabric.setup_module(model); "
+                "optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), ...))"
+            )
+        module = self.setup_module(module)
+        return module, [self.setup_optimizer(o) for o in optimizers], scheduler
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Shard the collections (collective), then wrap the dense rest in DDP (the module itself when nothing
+        dense trains)."""
+        assert self.mesh_info is not None
+        self.embedding_optimizer, self.planner = self.core.shard(module, self.mesh_info, self.root_device,
+                                                                 self.world_size)
+        module.to(self.root_device)
+        self._module = module
+        if not ignore_in_ddp(module):
+            return module
+        return super().setup_module(module)
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        module.to(self.root_device)
+
+    @override
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer, joined by the fused optimizer of the tables (the first optimizer set up takes it)."""
+        assert self._module is not None, "set up the module (fabric.setup_module) before its optimizers"
+        fused = fused_optimizer(self._module)
+        if fused is not None and not self._fused_attached:
+            self._fused_attached = True
+            if optimizer is not fused and fused not in getattr(optimizer, "optimizers", ()):
+                optimizer = CombinedOptimizer([optimizer, fused])
+        warn_unoptimized_tables(self._module, [optimizer])
+        return optimizer
+
+    @override
+    def clip_gradients_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | int,
+                            norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+        """Clip by the norm over every table once (this rank's shards reduced over their group), as the Trainer
+        strategy does: torch's ``clip_grad_norm_`` would see only this rank's shards."""
+        self.precision.unscale_gradients(optimizer)
+        model = self._module if self._module is not None else module
+        norm = clip_grad_norm_(model, self.precision.main_params(optimizer), float(max_norm), float(norm_type))
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"the total norm of the gradients is {float(norm)}: clipping cannot be applied")
+        return norm
+
+    # -- checkpoints: the Trainer strategy's directories -----------------------------------------------------
+
+    def _split(self, state: dict[str, Any]) -> tuple[str, nn.Module, list[tuple[str, torch.optim.Optimizer]]]:
+        modules = [(k, v) for k, v in state.items() if isinstance(v, nn.Module)]
+        if len(modules) != 1 or not any(True for _ in sharded_collections(modules[0][1])):
+            raise ValueError(
+                "rec_sharded checkpoints hold one sharded model: give fabric.save / fabric.load a state with exactly "
+                f"one module set up by this strategy (got modules {[k for k, _ in modules]})"
+            )
+        opts = [(k, v) for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
+        name, module = modules[0]
+        return name, module.module if isinstance(module, DistributedDataParallel) else module, opts
+
+    @override
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any = None,
+                        filter: dict[str, Any] | None = None) -> None:
+        """Write a checkpoint directory at ``path``, as the Trainer strategy does; collective."""
+        if storage_options is not None or filter:
+            raise TypeError("rec_sharded writes torch.distributed.checkpoint directories: no storage_options or filter")
+        name, module, opts = self._split(state)
+        checkpoint = {k: v for k, v in state.items() if k != name and all(k != o for o, _ in opts)}
+        checkpoint["state_dict"] = module.state_dict()
+        checkpoint["optimizer_states"] = [ckpt.optimizer_state(module, o) for _, o in opts]
+        checkpoint["fabric_names"] = {"module": name, "optimizers": [k for k, _ in opts]}
+        assert self.mesh_info is not None
+        self.core.write_checkpoint(path, module, self.mesh_info, self.world_size, checkpoint)
+
+    @override
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """Restore ``state`` in place from a checkpoint directory (written by either strategy, at any world size
+        or plan) and return what the checkpoint holds beyond it. Collective."""
+        if not isinstance(state, dict) or not state or not ckpt.is_checkpoint_dir(path):
+            if ckpt.is_checkpoint_dir(path):
+                raise ValueError("fabric.load of a rec_sharded checkpoint directory needs the state to restore: "
+                                 "{'model': model, 'optimizer': optimizer, ...}")
+            if self.core.trusted_checkpoints or weights_only is False:
+                return super().load_checkpoint(path, state, strict, weights_only=False)
+            with refusing_unsafe(path):  # never run code from a file we were not told to trust
+                return super().load_checkpoint(path, state, strict, weights_only=True)
+        name, module, opts = self._split(state)
+        meta = self.core.read_checkpoint(path, module, [o for _, o in opts], strict, weights_only)
+        for key in ("optimizer_layouts", "rec_sharding", "fabric_names", "optimizer_states"):
+            meta.pop(key, None)
+        for key in list(state):
+            if key != name and all(key != o for o, _ in opts) and key in meta:
+                state[key] = meta.pop(key)
+        return meta

@@ -1,0 +1,124 @@
+"""What both front ends (the Trainer's ``RecShardedStrategy`` and Fabric's ``RecShardedFabricStrategy``) do to a
+model: the 2D mesh, the plan, sharding, the fused optimizer, DDP's ignore list, and checkpoint directories.
+
+One copy, so a checkpoint written under one front end resumes under the other, and a model trains the same
+under both (same plan resolution, gradient convention, fused kernels, agreement checks, timeouts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_rec import checkpoint as ckpt
+from lightning_rec.fused_kinds import FusedOptimizerSpec, as_spec
+from lightning_rec.sharding.comm import grad_scale
+from lightning_rec.sharding.mesh import MeshInfo, check_layout, init_2d_mesh
+from lightning_rec.sharding.plan import ShardingPlan
+from lightning_rec.sharding.planner import Planner, automatic_plan
+from lightning_rec.sharding.sharded import ddp_ignored_names, fused_optimizer, shard_modules
+from lightning_rec.table_optimizers import marked_embedding_optimizer
+
+
+def ignore_in_ddp(model: nn.Module, module: nn.Module | None = None) -> bool:
+    """Mark what DDP must ignore on ``model`` (``module``: where to look, default ``model``); False when nothing
+    dense trains, so there is nothing for DDP to do."""
+    ignore = ddp_ignored_names(module if module is not None else model)
+    skip = set(ignore)
+    if not any(p.requires_grad for n, p in (module or model).named_parameters() if n not in skip):
+        return False
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
+    return True
+
+
+class ShardSetup:
+    """The sharding settings both strategies take, and what they do with them.
+
+    Args: as :class:`~lightning_rec.strategy.RecShardedStrategy`'s ``plan``, ``model_parallel_size``,
+    ``data_parallel_size``, ``embedding_grad``, ``embedding_optimizer`` and ``trusted_checkpoints``.
+    """
+
+    def __init__(self, plan: ShardingPlan | None, model_parallel_size: int | None, data_parallel_size: int | None,
+                 embedding_grad: str, embedding_optimizer: Any, trusted_checkpoints: bool) -> None:
+        grad_scale(embedding_grad, 1)  # validates the mode now, not at fit time
+        if plan is not None and not isinstance(plan, ShardingPlan):
+            raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
+        self.plan = plan
+        self.model_parallel_size = model_parallel_size
+        self.data_parallel_size = data_parallel_size
+        self.embedding_grad = embedding_grad
+        self.given_embedding_optimizer = as_spec(embedding_optimizer)
+        self.trusted_checkpoints = trusted_checkpoints
+
+    def init_mesh(self, world_size: int, num_processes: int, num_nodes: int, device: torch.device) -> MeshInfo:
+        """The ``replicas x model_parallel_size`` mesh (default: one model-parallel group per node). Collective."""
+        mp, dp = self.model_parallel_size, self.data_parallel_size
+        if mp is None and dp is None:
+            mp, dp = num_processes, num_nodes
+        replicas, mp = check_layout(world_size, mp, dp)
+        # one host holds this node's processes (the whole shard group on one node)
+        local = mp if num_nodes == 1 else num_processes
+        return init_2d_mesh(mp, replicas, "cuda" if device.type == "cuda" else "cpu", local)
+
+    def shard(self, module: nn.Module, mesh: MeshInfo, device: torch.device, world_size: int,
+              batch_size: int | None = None) -> tuple[FusedOptimizerSpec | None, Planner | None]:
+        """Shard every collection of ``module`` in place; collective.
+
+        The plan is the one given, else ``module.configure_sharding()``, else the planner's (whose planner is
+        returned, to be explained once the optimizers exist). TorchRec's ``apply_optimizer_in_backward`` marks
+        choose the fused optimizer, as under DMP; returns it with the planner.
+        """
+        plan = self.plan
+        if plan is None and hasattr(module, "configure_sharding"):
+            plan = module.configure_sharding()
+        spec = marked_embedding_optimizer(module, self.given_embedding_optimizer)
+        planner = None
+        if plan is None:
+            kw: dict[str, Any] = {"device": "cuda" if device.type == "cuda" else "cpu"}
+            if batch_size is not None:
+                kw["batch_size"] = batch_size
+            if device.type == "cuda":
+                kw["device_memory"] = torch.cuda.get_device_properties(device).total_memory
+            planner = automatic_plan(module, mesh.model_parallel_size, mesh.local_size, world_size, spec, **kw)
+            plan = planner.plan(module)
+            planner = planner if plan.plan else None
+        shard_modules(module, plan, process_group=mesh.shard_group, replica_group=mesh.replica_group,
+                      device=device, embedding_grad=self.embedding_grad, local_size=mesh.local_size,
+                      embedding_optimizer=spec)
+        fused = fused_optimizer(module)
+        for p in [] if fused is None else [p for g in fused.param_groups for p in g["params"]]:
+            p._in_backward_optimizers = [fused]  # as DMP: in_backward_optimizer_filter leaves fused tables out
+        return spec, planner
+
+    @staticmethod
+    def sharding_record(module: nn.Module, mesh: MeshInfo, world_size: int) -> dict[str, Any]:
+        """What a checkpoint records of the layout that wrote it."""
+        return {"world_size": world_size, "model_parallel_size": mesh.model_parallel_size,
+                "data_parallel_size": world_size // mesh.model_parallel_size,
+                "tables": ckpt.sharding_layout(module)}
+
+    def write_checkpoint(self, path: Any, module: nn.Module, mesh: MeshInfo, world_size: int,
+                         checkpoint: dict[str, Any]) -> None:
+        """Write Lightning's checkpoint dict (``state_dict``, ``optimizer_states`` as ``ckpt.optimizer_state``
+        gives them, anything else) as a checkpoint directory; collective and all-or-nothing."""
+        checkpoint = dict(checkpoint)
+        tensors: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+        layouts = []
+        for i, state in enumerate(checkpoint.pop("optimizer_states", None) or []):
+            tensors[f"optimizer_{i}"] = state["tensors"]
+            layouts.append(state["meta"])
+        checkpoint["optimizer_layouts"] = layouts
+        checkpoint["rec_sharding"] = self.sharding_record(module, mesh, world_size)
+        ckpt.write(path, tensors, checkpoint)
+
+    def read_checkpoint(self, path: Any, module: nn.Module, optimizers: list[torch.optim.Optimizer], strict: bool,
+                        weights_only: bool | None) -> dict[str, Any]:
+        """Load a checkpoint directory into ``module`` and ``optimizers`` (any plan or world size wrote it);
+        returns the rest of what it holds. Collective."""
+        meta = ckpt.load(path, module, optimizers, strict=strict,
+                         trusted=self.trusted_checkpoints or weights_only is False)
+        meta.pop("format", None)
+        return meta
