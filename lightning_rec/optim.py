@@ -15,8 +15,14 @@ schedules and checkpoints:
 - ``state_dict`` / ``load_state_dict`` carry the optimizer state per table *name*, so a checkpoint loads into
   kernels that list (or group) the tables differently.
 
-What a fused update cannot do, it refuses loudly: gradient accumulation and a second backward through the
-same lookup raise in backward (the kernel has already applied the first update), Adam-family kinds and
+- ``accumulate``: off (default), the update happens inside backward and a second backward before the step
+  raises; on, backward keeps each lookup's gradient and ``step`` applies one update from their sum (gradient
+  accumulation, several losses per step: exactly the update of the summed gradient;
+  ``lightning_rec.kernels._accumulate`` says what it keeps). ``RecShardedStrategy`` turns it on for
+  ``accumulate_grad_batches > 1``.
+
+What a fused update cannot do, it refuses loudly: outside accumulation mode, a second backward before the
+step raises in backward (the kernel has already applied the first update), Adam-family kinds and
 weight decay raise on CPU (fbgemm has no CPU kernel for them, or silently ignores them), a kind whose kernel
 the installed fbgemm build lacks for the device raises at construction naming the package to install, and a
 checkpoint whose tables or shapes differ raises naming the table.
@@ -24,6 +30,7 @@ checkpoint whose tables or shapes differ raises naming the table.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -150,13 +157,29 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """No-op: a fused optimizer never materialises gradients."""
+        """No-op: a fused optimizer never materialises gradients (kept ones belong to the next step)."""
+
+    @property
+    def accumulate(self) -> bool:
+        """Accumulation mode of every kernel: k backward passes, then :meth:`step`, make one update from the
+        sum of their gradients (see ``FusedPooledKernel.accumulate``)."""
+        return all(k.accumulate for k in self._kernels)
+
+    @accumulate.setter
+    def accumulate(self, on: bool) -> None:
+        for k in self._kernels:
+            k.accumulate = on
+
+    def pending_bytes(self) -> int:
+        """Bytes the kernels keep for the next step's update (accumulation mode)."""
+        return sum(k.pending_bytes() for k in self._kernels)
 
     def step(self, closure=None):  # type: ignore[override]
         """Run ``closure`` (forward + backward: the kernels update their tables there), then end the step.
 
-        Ending the step pushes each group's ``lr`` into its kernel and re-arms the kernels' guard against a
-        second backward before the next step.
+        Ending the step pushes each group's ``lr`` into its kernel, applies the gradients kept since the last
+        step (accumulation mode: one update from their sum, at this ``lr``) and re-arms the kernels' guard
+        against a second backward before the next step.
         """
         for i, k in enumerate(self._kernels):
             if not k._owned_by(self, i):
@@ -174,6 +197,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         return loss
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        pending = sum(k.pending_lookups for k in self._kernels)
+        if pending:
+            # like a torch optimizer's state_dict, which never holds .grad: the kept gradients are not saved
+            warnings.warn(
+                f"FusedOptimizer.state_dict() between micro-batches: the gradients of {pending} lookups wait for "
+                "the next step and are not part of the state; a checkpoint taken now resumes from the start of "
+                "this step's accumulation (Lightning saves only at step boundaries)", stacklevel=2)
         groups, tables = [], {}
         for i, (group, k) in enumerate(zip(self.param_groups, self._kernels)):
             entry = {key: v for key, v in group.items() if key != "params"}

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from lightning_rec.fused_kinds import as_spec
+from lightning_rec.kernels._accumulate import MicroBatch, deferred_lookup, union_of
 from lightning_rec.kernels._capability import check_fused_available, fbgemm_training
 from lightning_rec.kernels._guards import _FusedBackwardGuard, _FusedStepCounter, _ScaleGrad
 from lightning_rec.kernels._hugepages import zero_into_huge_pages
@@ -59,9 +60,10 @@ class FusedPooledKernel(torch.nn.Module):
     ``parameters()`` and ``state_dict()``; optimizer state goes through :meth:`optimizer_states`.
 
     Guards: ids outside ``[0, rows)`` (including -1, which passes fbgemm's bounds check, F14) raise a
-    ValueError before the kernel. A second backward through one output, or a second backward through the
-    kernel before :meth:`finish_step` (which ``FusedOptimizer.step`` calls), raises a RuntimeError: the first
-    backward has already applied its update, so gradient accumulation cannot be honoured.
+    ValueError before the kernel. By default the update happens in backward, so a second backward through one
+    output, or through the kernel before :meth:`finish_step` (which ``FusedOptimizer.step`` calls), raises a
+    RuntimeError. With :attr:`accumulate` on, backward keeps each lookup's gradient and :meth:`finish_step`
+    applies one update from their sum (gradient accumulation, several losses per step).
     """
 
     def __init__(
@@ -133,6 +135,10 @@ class FusedPooledKernel(torch.nn.Module):
         self._counter = _FusedStepCounter()
         self._lr = float(spec.lr)  # the value last pushed into fbgemm (fbgemm keeps it as float32)
         self._owner: tuple | None = None  # (weakref to FusedOptimizer, group index)
+        self._accumulate = False
+        self._pending: list[MicroBatch] = []  # lookups whose gradient waits for finish_step
+        # the deferred lookup's output needs an input that requires grad to join the graph; it gets no gradient
+        self._anchor = torch.zeros(0, device=dev, requires_grad=True)
 
         host = getattr(tbe, "weights_host", None)
         if on_cpu and isinstance(host, torch.Tensor):  # the fill below faults in 2 MiB pages (kernels/_hugepages.py)
@@ -274,6 +280,7 @@ class FusedPooledKernel(torch.nn.Module):
             new.__dict__[key] = copy.deepcopy(value, memo)
         new._owner = None
         new._counter = _FusedStepCounter()
+        new._pending = []
         # nn.Parameter's deepcopy clones its data: point the copies back into the copied kernel's storage
         views = new._tbe.split_embedding_weights()
         for p, v in zip(new.tables(), views):
@@ -325,6 +332,8 @@ class FusedPooledKernel(torch.nn.Module):
                     f"got shape {tuple(psw.shape)}"
                 )
             psw_in = psw.to(device=self.device, dtype=torch.float32)
+            if self._accumulate and torch.is_grad_enabled():
+                return deferred_lookup(self, values, offsets, psw_in, batch, grad_scale)
             if psw_in.requires_grad and grad_scale != 1.0 and torch.is_grad_enabled():
                 if grad_scale == 0.0:
                     raise ValueError(
@@ -333,6 +342,8 @@ class FusedPooledKernel(torch.nn.Module):
                 psw_in = _ScaleGrad.apply(psw_in, 1.0 / grad_scale)  # undo the scaling below for the weights' grad
         else:
             psw_in = None
+            if self._accumulate and torch.is_grad_enabled():
+                return deferred_lookup(self, values, offsets, None, batch, grad_scale)
         lr = self.get_learning_rate()
         if lr != self._lr:  # fbgemm captures the learning rate at forward
             self._push_lr(lr)
@@ -350,8 +361,52 @@ class FusedPooledKernel(torch.nn.Module):
     # -- optimizer ----------------------------------------------------------------------------------------
 
     def finish_step(self) -> None:
-        """End a training step: allow the next backward. ``FusedOptimizer.step`` calls this."""
+        """End a training step: apply the kept gradients (accumulation mode), allow the next backward.
+        ``FusedOptimizer.step`` calls this."""
+        if self._pending:
+            self._apply_pending()
         self._counter.count = 0
+
+    @property
+    def accumulate(self) -> bool:
+        """Accumulation mode: backward keeps the gradient and :meth:`finish_step` applies one update from the
+        sum of every backward since the last step (exact; costs the kept inputs and gradients, and one more
+        forward over them at the step). Off: the update happens inside backward (fastest), one backward per step."""
+        return self._accumulate
+
+    @accumulate.setter
+    def accumulate(self, on: bool) -> None:
+        if not on and self._pending:
+            raise RuntimeError(
+                f"{len(self._pending)} lookups' gradients wait for the step of the kernel with tables "
+                f"{self.table_names}; call FusedOptimizer.step() (or finish_step()) before turning accumulation off"
+            )
+        self._accumulate = bool(on)
+
+    def pending_bytes(self) -> int:
+        """Bytes kept for the next step's update (accumulation mode): inputs and gradients of its lookups."""
+        return sum(mb.nbytes() for mb in self._pending)
+
+    @property
+    def pending_lookups(self) -> int:
+        """Lookups whose gradient waits for the next step (accumulation mode)."""
+        return len(self._pending)
+
+    def _apply_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        union = union_of(pending, len(self.feature_table))
+        for mb in pending:
+            mb.grad = None  # a later backward through one of these lookups belongs to the next step
+        if union is None:
+            return
+        values, offsets, weights, grad = union
+        self._check_aliases()
+        lr = self.get_learning_rate()
+        if lr != self._lr:
+            self._push_lr(lr)
+        with torch.enable_grad():
+            out = self._tbe(values, offsets, per_sample_weights=weights)
+            out.backward(grad.to(out.dtype))
 
     def _attach(self, optimizer_ref, index: int) -> None:
         self._owner = (optimizer_ref, index)

@@ -18,14 +18,17 @@ class _FusedStepCounter:
 _DOUBLE_BACKWARD = (
     "backward ran a second time through the same FusedPooledKernel output (retain_graph=True, or a double "
     "backward). A fused optimizer updates the tables inside backward, so the first backward has already applied "
-    "the update and a second one cannot be honoured. Build a new forward for every backward."
+    "the update and a second one cannot be honoured. Build a new forward for every backward, or turn "
+    "accumulation mode on (fused_optimizer.accumulate = True) to sum several losses' gradients into one update."
 )
 _ACCUMULATION = (
     "a second backward reached FusedPooledKernel before the optimizer step. A fused optimizer updates the tables "
-    "inside backward, so gradient accumulation (e.g. Lightning's accumulate_grad_batches > 1), several "
-    "backward passes per step, or several lookups through the same kernel per step cannot be honoured: each "
-    "would be applied as a separate update. Use one forward and one backward per step, then call "
-    "FusedOptimizer.step() (or kernel.finish_step() when driving the kernel without a FusedOptimizer)."
+    "inside backward, so gradient accumulation, several backward passes per step, or several lookups through the "
+    "same kernel per step would each be applied as a separate update. Turn accumulation mode on "
+    "(fused_optimizer.accumulate = True, or kernel.accumulate = True; RecShardedStrategy does it for "
+    "accumulate_grad_batches > 1): backward then keeps the gradients and FusedOptimizer.step() applies one update "
+    "from their sum. Otherwise use one forward and one backward per step, then call FusedOptimizer.step() (or "
+    "kernel.finish_step() when driving the kernel without a FusedOptimizer)."
 )
 
 

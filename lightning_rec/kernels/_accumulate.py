@@ -1,0 +1,140 @@
+"""Deferred updates of the fused kernel: gradient accumulation and several backward passes per step, exact.
+
+A fused kernel applies its optimizer inside backward, so k backward passes would make k updates. In
+accumulation mode (``FusedPooledKernel.accumulate = True``) the lookup runs without fbgemm's autograd and
+its backward only keeps what the update needs: each micro-batch's ids, offsets, per-sample weights and the
+(scaled) gradient of its pooled output. ``finish_step`` (``FusedOptimizer.step``) then runs fbgemm's
+forward and fused backward once over the union of the kept micro-batches. fbgemm's exact optimizers sum
+every occurrence of a row before updating it once, so the union gives the update of the summed gradient:
+the tables do not move between micro-batches, and the step is one update, as a torch optimizer's step on
+accumulated ``.grad`` (docs/ARCHITECTURE.md, "Fused optimizers and the union-batch rule").
+
+Cost per kept micro-batch (bytes): ``8 * ids + 8 * (features * batch + 1)`` (+ ``4 * ids`` weighted)
+``+ itemsize * batch * width`` (the pooled gradient); under the union-batch rule these are the union's
+(copies x the local batch). The step concatenates them once more, and re-runs the forward over the union.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from lightning_rec.kernels._fused import FusedPooledKernel
+
+
+class MicroBatch:
+    """One lookup's inputs, kept until the step, and the gradient its backward passes brought (summed)."""
+
+    __slots__ = ("batch", "grad", "offsets", "values", "weights")
+
+    def __init__(self, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, batch: int) -> None:
+        self.values, self.offsets, self.weights, self.batch = values, offsets, weights, batch
+        self.grad: torch.Tensor | None = None
+
+    def nbytes(self) -> int:
+        """Bytes this micro-batch keeps until the step (its inputs and its gradient)."""
+        kept = [self.values, self.offsets, self.weights, self.grad]
+        return sum(t.numel() * t.element_size() for t in kept if t is not None)
+
+
+class _DeferredLookup(torch.autograd.Function):
+    """The kernel's pooled output; backward keeps the gradient for the step instead of updating."""
+
+    @staticmethod
+    def forward(ctx, anchor, weights, kernel, mb, grad_scale):  # type: ignore[override]
+        ctx.kernel, ctx.mb, ctx.grad_scale = kernel, mb, grad_scale
+        step = kernel.optimizer_iter
+        with torch.no_grad():
+            out = kernel._tbe(mb.values, mb.offsets, per_sample_weights=mb.weights)
+        if step is not None:  # fbgemm counts every forward; the Adam family's bias correction counts steps
+            kernel.optimizer_iter = step
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        kernel, mb = ctx.kernel, ctx.mb
+        w_grad = weights_grad(kernel, mb, grad) if ctx.needs_input_grad[1] else None
+        scaled = grad * ctx.grad_scale if ctx.grad_scale != 1.0 else grad.contiguous()
+        if mb.grad is None:  # first backward through this lookup since the last step
+            mb.grad = scaled
+            kernel._pending.append(mb)
+        else:  # another loss through the same lookup (retain_graph): gradients add, as .grad would
+            mb.grad = mb.grad + scaled
+        return None, w_grad, None, None, None
+
+
+def deferred_lookup(
+    kernel: FusedPooledKernel,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    weights: torch.Tensor | None,
+    batch: int,
+    grad_scale: float,
+) -> torch.Tensor:
+    """The pooled output of ``kernel`` whose backward defers the update to ``kernel.finish_step()``."""
+    kept = None if weights is None else weights.detach()
+    mb = MicroBatch(values, offsets, kept, batch)
+    return _DeferredLookup.apply(kernel._anchor, weights, kernel, mb, grad_scale)
+
+
+def weights_grad(kernel: FusedPooledKernel, mb: MicroBatch, grad: torch.Tensor) -> torch.Tensor:
+    """Gradient of the per-sample weights: each id's row dotted with its bag's output gradient.
+
+    The tables have not moved since the lookup (updates wait for the step), so this is the gradient fbgemm's
+    backward would have given."""
+    out = torch.zeros(mb.values.numel(), dtype=torch.float32, device=mb.values.device)
+    b = mb.batch
+    if not b or not mb.values.numel():
+        return out
+    bounds = mb.offsets[::b].tolist()
+    lengths = mb.offsets.diff()
+    tables, col = kernel.tables(), 0
+    bags = torch.arange(b, device=mb.values.device)
+    for f, (t, d) in enumerate(zip(kernel.feature_table, kernel.feature_dims)):
+        lo, hi = bounds[f], bounds[f + 1]
+        if hi > lo:
+            bag = bags.repeat_interleave(lengths[f * b : (f + 1) * b])
+            rows = tables[t].detach().index_select(0, mb.values[lo:hi]).float()
+            out[lo:hi] = (rows * grad[bag, col : col + d].float()).sum(1)
+        col += d
+    return out
+
+
+def union_of(batches: list[MicroBatch], n_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                                  torch.Tensor] | None:
+    """``(values, offsets, weights, grad)`` of one feature-major batch holding every micro-batch's bags (None
+    when none has a sample).
+
+    Feature ``f``'s bags are micro-batch 0's, then 1's, ...; the gradient's rows follow (micro-batch 0's
+    samples first), so the union's bag ``(f, j)`` meets the gradient of the sample it came from."""
+    batches = [mb for mb in batches if mb.batch]
+    if not batches:
+        return None
+    if len(batches) == 1:
+        mb = batches[0]
+        assert mb.grad is not None
+        return mb.values, mb.offsets, mb.weights, mb.grad
+    weighted = any(mb.weights is not None for mb in batches)
+    lengths, values, weights = [], [], []
+    for mb in batches:
+        mb_lengths = mb.offsets.diff()
+        bounds = mb.offsets[:: mb.batch].tolist()
+        for f in range(n_features):
+            lengths.append((f, mb_lengths[f * mb.batch : (f + 1) * mb.batch]))
+            values.append((f, mb.values[bounds[f] : bounds[f + 1]]))
+            if weighted:
+                w = mb.weights if mb.weights is not None else torch.ones_like(mb.values, dtype=torch.float32)
+                weights.append((f, w[bounds[f] : bounds[f + 1]]))
+
+    def feature_major(pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        return torch.cat([p for _, p in sorted(pieces, key=lambda fp: fp[0])])  # stable: micro-batch order kept
+
+    union_lengths = feature_major(lengths)
+    offsets = torch.zeros(union_lengths.numel() + 1, dtype=torch.long, device=union_lengths.device)
+    torch.cumsum(union_lengths, 0, out=offsets[1:])
+    grads = [mb.grad for mb in batches]
+    assert all(g is not None for g in grads)
+    return (feature_major(values), offsets, feature_major(weights) if weighted else None,
+            torch.cat(grads, 0))  # type: ignore[arg-type]
