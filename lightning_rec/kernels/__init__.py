@@ -9,6 +9,7 @@ Every kernel here pools with SUM. MEAN is applied by the caller, once, on the sa
 - :mod:`._dense_tbe`: fbgemm's dense table-batched lookup over plain parameters
 - :mod:`._grouped`: one pooled lookup over tables served by different kernels (a sharded rank's shards)
 - :mod:`._fused`, :mod:`._guards`: fbgemm's split table-batched lookup with the optimizer in backward
+- :mod:`._accumulate`: its accumulation mode (backward keeps the gradients; the step applies one update)
 - :mod:`._hugepages`: the fused kernel's CPU tables on transparent huge pages (a faster backward)
 - :mod:`._malloc`: glibc keeps the memory a CPU step frees for the next one (no page faults every step)
 - :mod:`._tables`: containers registering tables under their own names
