@@ -162,3 +162,32 @@ def test_accumulation_mode_guards() -> None:
     kernel(values, offsets).sum().backward()
     with pytest.raises(RuntimeError, match="accumulation mode"):
         kernel(values, offsets).sum().backward()
+
+
+def test_lightning_checkpoints_at_step_boundaries_hold_no_kept_gradients(tmp_path) -> None:
+    # with accumulation, Lightning's ModelCheckpoint saves after the step, when nothing waits
+    import warnings
+
+    import lightning.pytorch as pl
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.opt = _fused("rowwise_adagrad")
+
+        def training_step(self, batch, batch_idx):
+            values, offsets = batch
+            return self.emb(values, offsets).pow(2).mean()
+
+        def configure_optimizers(self):
+            return self.opt
+
+    g = torch.Generator().manual_seed(8)
+    batches = [_batch(2, g, False)[:2] for _ in range(6)]
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[ckpt], accumulate_grad_batches=3)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*between micro-batches")
+        trainer.fit(Model(), torch.utils.data.DataLoader(batches, batch_size=None))
+    assert trainer.global_step == 2 and len(list(tmp_path.glob("*.ckpt"))) == 2
