@@ -78,11 +78,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _ancestors() -> set[int]:
+    """This process and its ancestors (whose command lines may well hold the token: a shell that ran us)."""
+    pids, pid = set(), os.getpid()
+    while pid > 0 and pid not in pids:
+        pids.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                pid = int(f.read().rpartition(b")")[2].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return pids
+
+
 def processes_carrying(token: str) -> list[tuple[int, str]]:
     """Processes of the machine (every pid namespace below this one) whose command line holds ``token``."""
-    found = []
+    found, mine = [], _ancestors()
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+        if not entry.isdigit() or int(entry) in mine:
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
@@ -95,13 +108,14 @@ def processes_carrying(token: str) -> list[tuple[int, str]]:
 
 
 def run_hosts(module: str, args: list[str], out_dir: Path, n_hosts: int = 2, per_host: int = 2,
-              deadline_s: float = 150.0) -> dict:
+              deadline_s: float = 150.0, grace_s: float = 60.0) -> dict:
     """Run ``python -m module OUT_DIR *args`` as ``per_host`` ranks on each of ``n_hosts`` simulated hosts.
 
     Returns ``{"hosts": [...], "ranks": [...], "logs": [...], "leftover": [...], "timed_out": bool}``: each
     host's report (hostname, pid namespace, each rank's exit code, what its /dev/shm held at the end), each
     rank's ``rank<R>.json`` (None if it wrote none), each rank's output, and any process of this run still
-    alive once every host has ended. A rank still running after ``deadline_s`` is killed by its host.
+    alive once every host has ended. A rank still running after ``deadline_s`` is killed by its host; a host
+    still running ``grace_s`` later is killed from here, with everything in it.
     """
     why = namespaces_unavailable()
     if why is not None:
@@ -118,7 +132,7 @@ def run_hosts(module: str, args: list[str], out_dir: Path, n_hosts: int = 2, per
             log = open(out_dir / f"host{h}.log", "w")  # noqa: SIM115 - closed below, after the host ends
             procs.append((subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                            start_new_session=True), log))
-        end = time.monotonic() + deadline_s + 60  # the hosts' own deadline first, then this one
+        end = time.monotonic() + deadline_s + grace_s  # the hosts' own deadline first, then this one
         for p, _ in procs:
             try:
                 p.wait(timeout=max(end - time.monotonic(), 0.1))
