@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_rec import _compat
 from lightning_rec import checkpoint as ckpt
 from lightning_rec.checkpoint.safe import refusing_unsafe
 from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
@@ -34,9 +35,18 @@ from lightning_rec.table_optimizers import warn_unoptimized_tables
 
 class _BackwardSync(_BackwardSyncControl):
     """``fabric.no_backward_sync``: DDP's ``no_sync`` for the dense part; without dense parameters there is no
-    DDP and nothing to hold back (the tables' own reductions run in every backward, as under the Trainer)."""
+    DDP and nothing to hold back (the tables' own reductions run in every backward, as under the Trainer).
+
+    It also says the user accumulates: fused tables then keep each backward's gradient and apply one update
+    from their sum at the optimizer's step (``FusedOptimizer.accumulate``), as the Trainer strategy does for
+    ``accumulate_grad_batches``.
+    """
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        if enabled:
+            fused = fused_optimizer(_compat.unwrap_module(module))
+            if fused is not None:
+                fused.accumulate = True
         if enabled and isinstance(module, DistributedDataParallel):
             return module.no_sync()
         return nullcontext()
@@ -50,7 +60,8 @@ class RecShardedFabricStrategy(DDPStrategy):
     ``trusted_checkpoints``) with the same meaning. Set up the module first (``fabric.setup_module``), then
     build the optimizers from its parameters; ``fabric.setup(model, optimizer)`` with an optimizer built before
     sharding is refused, since it holds tables that sharding replaced. With ``embedding_optimizer`` the fused
-    optimizer is stepped with the first optimizer set up (as the Trainer strategy does).
+    optimizer is stepped with the first optimizer set up (as the Trainer strategy does); accumulating under
+    ``fabric.no_backward_sync`` gives it one update per step from the summed gradient.
     """
 
     strategy_name = "rec_sharded"

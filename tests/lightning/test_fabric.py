@@ -116,6 +116,37 @@ def test_fabric_loop_equals_one_process() -> None:
             assert not torch.equal(got[k], before[k]), f"{k} did not train"
 
 
+def _accumulate_job(rank: int, ws: int, fused: str) -> dict:
+    fabric = _fabric(ws, plan=MIXED, embedding_optimizer={"kind": fused, "lr": LR})
+    model = fabric.setup_module(ClickModule())
+    opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=LR))
+    for s in range(2):  # two steps of two micro-batches: global batches 2s and 2s + 1
+        for micro in (2 * s, 2 * s + 1):
+            with fabric.no_backward_sync(model, enabled=micro % 2 == 0):
+                fabric.backward(_loss(model, _batch(micro, ws, rank)) / 2)
+        opt.step()
+        opt.zero_grad()
+    return full_state_dict(model)
+
+
+@pytest.mark.parametrize("fused", ["sgd", "rowwise_adagrad"])
+def test_accumulation_under_no_backward_sync_with_a_fused_optimizer(fused: str) -> None:
+    got = run_distributed(_accumulate_job, 2, fused, init_process_group=False, timeout_s=240)[0]
+    model = ClickModule()
+    tables = [p for n, p in model.named_parameters() if n.startswith("ebc.")]
+    dense = [p for n, p in model.named_parameters() if not n.startswith("ebc.")]
+    opts = [torch.optim.SGD(dense, lr=LR),
+            RowWiseAdagrad(tables, lr=LR, eps=1e-8) if fused == "rowwise_adagrad" else torch.optim.SGD(tables, lr=LR)]
+    for s in range(2):
+        for micro in (2 * s, 2 * s + 1):
+            (_loss(model, _batch(micro, 1, 0)) / 2).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(got[k], v, atol=1e-6, rtol=0, msg=lambda m: f"{fused} {k}: {m}")
+
+
 def _optimizer_before_sharding_job(rank: int, ws: int) -> str:
     fabric = _fabric(ws)
     model = ClickModule()
