@@ -220,7 +220,7 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, DDPStrategy):
     def _check_fused_trainer(self, trainer: L.Trainer) -> None:
         if self.embedding_optimizer is None:
             return
-        fused = fused_optimizer(self.lightning_module)
+        fused = fused_optimizer(self.lightning_module) if self.lightning_module is not None else None
         if fused is not None and (trainer.accumulate_grad_batches > 1 or any(
                 isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks)):
             # Lightning steps the optimizer once every k batches: the kernels keep each backward's gradient
@@ -283,7 +283,7 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, DDPStrategy):
             self._prefetcher.clear()  # a batch read ahead past the last step trained
 
     def _add_fused_optimizer(self) -> None:
-        fused = fused_optimizer(self.lightning_module)
+        fused = fused_optimizer(self.lightning_module) if self.lightning_module is not None else None
         if fused is None:
             return
         inside = any(o is fused or fused in getattr(o, "optimizers", ()) for o in self.optimizers)
