@@ -361,26 +361,22 @@ class FusedPooledKernel(torch.nn.Module):
     # -- optimizer ----------------------------------------------------------------------------------------
 
     def finish_step(self) -> None:
-        """End a training step: apply the kept gradients (accumulation mode), allow the next backward.
-        ``FusedOptimizer.step`` calls this."""
+        """End a training step (``FusedOptimizer.step`` calls it): apply the kept gradients, allow the next backward."""
         if self._pending:
             self._apply_pending()
         self._counter.count = 0
 
     @property
     def accumulate(self) -> bool:
-        """Accumulation mode: backward keeps the gradient and :meth:`finish_step` applies one update from the
-        sum of every backward since the last step (exact; costs the kept inputs and gradients, and one more
-        forward over them at the step). Off: the update happens inside backward (fastest), one backward per step."""
+        """Accumulation mode: backward keeps the gradient, :meth:`finish_step` applies one update from their sum
+        (costs the kept inputs and gradients, one more forward at the step). Off: update inside backward."""
         return self._accumulate
 
     @accumulate.setter
     def accumulate(self, on: bool) -> None:
         if not on and self._pending:
-            raise RuntimeError(
-                f"{len(self._pending)} lookups' gradients wait for the step of the kernel with tables "
-                f"{self.table_names}; call FusedOptimizer.step() (or finish_step()) before turning accumulation off"
-            )
+            raise RuntimeError(f"{len(self._pending)} lookups' gradients wait for the step of the kernel with tables "
+                               f"{self.table_names}; call FusedOptimizer.step() before turning accumulation off")
         self._accumulate = bool(on)
 
     def pending_bytes(self) -> int:
