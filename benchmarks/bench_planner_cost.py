@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_sharding import load, machine
 
-from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, transport
 from lightning_rec.sharding import (
     Planner,
     ShardingPlan,
@@ -44,7 +44,6 @@ from lightning_rec.sharding import (
     row_wise,
     shard_modules,
     table_wise,
-    transport,
 )
 from lightning_rec.sharding.planner.topology import Hardware
 from lightning_rec.sharding.sharded import fused_optimizer

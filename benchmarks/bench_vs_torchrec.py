@@ -422,7 +422,7 @@ def run_config(lib: str, rank: int, world: int, cmd: dict) -> dict:
     trained = bool(sum(last) < sum(first)) if last else None
     opt_numel = sum(p.numel() for g in opt.param_groups for p in g["params"]) if variant == "dense" else None
     if lib == "lightning_rec":  # this worker serves many configurations: give back each one's buffers
-        from lightning_rec.sharding import transport
+        from lightning_rec import transport
 
         dist.barrier()
         transport.close_all()  # its shared buffers, which would otherwise pile up, one set per configuration
@@ -469,8 +469,8 @@ def split_step(step, kjts: list, cfg: dict, opt) -> dict:
     order, fresh buffers, synchronous), each on every rank at once and timed like a step. What is left of the
     step is the library's own work (routing, copies, Python) plus whatever waits the two do not overlap.
     """
+    from lightning_rec import transport
     from lightning_rec.kernels._fused import FusedPooledKernel
-    from lightning_rec.sharding import transport
 
     kernel_calls: list[list] = []
     coll_calls: list[list] = []
@@ -570,7 +570,7 @@ def transport_line() -> str:
         ours = "gloo (LIGHTNING_REC_SHM=0)"
     else:
         ours = ("shared memory between the processes of this host for its all-to-alls, all-gathers and "
-                "all-reduces (`lightning_rec/sharding/transport.py`, the default; LIGHTNING_REC_SHM=0 for gloo)")
+                "all-reduces (`lightning_rec/transport/__init__.py`, the default; LIGHTNING_REC_SHM=0 for gloo)")
     return f"Collectives: TorchRec through gloo; lightning_rec through {ours}."
 
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lightning_rec import transport
 from lightning_rec.data.loader import status_group
-from lightning_rec.sharding import transport
 
 EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_rec.sharding import transport
+from lightning_rec import transport
 
 # what a rank reports when a peer failed first (gloo's closed connections, the shared-memory transport)
 _FOLLOWER_ERRORS = ("Connection closed", "remote worker", "left the group")

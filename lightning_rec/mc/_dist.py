@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lightning_rec import transport
 from lightning_rec.mc import _remap
 from lightning_rec.mc.modules import (
     ManagedCollisionCollection,
@@ -29,7 +30,7 @@ from lightning_rec.mc.modules import (
     remap_tables,
     split_by_table,
 )
-from lightning_rec.sharding import ShardedCollection, transport
+from lightning_rec.sharding import ShardedCollection
 from lightning_rec.sharding.dists import Received
 from lightning_rec.sparse import KeyedJaggedTensor
 

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from lightning_rec.sharding import transport
+from lightning_rec import transport
 
 EMBEDDING_GRAD_MODES = ("sum", "mean")
 _BUCKET_ELEMENTS = 4_000_000

@@ -16,8 +16,9 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from lightning_rec import transport
 from lightning_rec.kernels import has_fbgemm_op, load_fbgemm
-from lightning_rec.sharding import comm, transport
+from lightning_rec.sharding import comm
 from lightning_rec.sharding.layout import offsets_of
 from lightning_rec.sharding.routing import KEY_SPAN, RoutingTable
 from lightning_rec.sparse import KeyedJaggedTensor, offsets_from_lengths, segment_gather_index

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_rec.sharding import transport
+from lightning_rec import transport
 from lightning_rec.sharding.routing import RoutingTable
 
 Part = tuple  # (source, first element in it, width, column groups, adds): one [b, width] block of the output

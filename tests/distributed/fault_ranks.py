@@ -37,7 +37,8 @@ def _setup_kill(rank: int, out: str, moment: str) -> None:
 
     import torch
 
-    from lightning_rec.sharding import shm, transport
+    from lightning_rec import transport
+    from lightning_rec.transport import shm
 
     if rank == 1:
         def die(method):
@@ -75,8 +76,8 @@ def _rank(rank: int, port: int, out: str, peer_pid, scenario: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, _compat
-    from lightning_rec.sharding import ShardingPlan, row_wise, shard_modules, transport
+    from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, _compat, transport
+    from lightning_rec.sharding import ShardingPlan, row_wise, shard_modules
     from lightning_rec.sharding.mesh import init_2d_mesh
 
     torch.set_num_threads(1)

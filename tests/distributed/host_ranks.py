@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, transport
 from lightning_rec.sharding import (
     ShardingPlan,
     column_wise,
@@ -38,10 +38,9 @@ from lightning_rec.sharding import (
     row_wise,
     shard_modules,
     table_wise,
-    transport,
 )
-from lightning_rec.sharding import shm as _shm
 from lightning_rec.sharding.mesh import init_2d_mesh
+from lightning_rec.transport import shm as _shm
 from tests.distributed.cases import ALL_TYPES, random_case, random_placement
 from tests.distributed.test_sharded_equivalence import _check_case
 

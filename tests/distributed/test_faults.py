@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_rec.sharding import shm
+from lightning_rec.transport import shm
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not shm._wanted(), reason="the shared-memory transport needs Linux x86-64")

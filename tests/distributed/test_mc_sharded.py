@@ -16,6 +16,7 @@ from lightning_rec import (
     EmbeddingConfig,
     KeyedJaggedTensor,
     ShardingPlan,
+    transport,
 )
 from lightning_rec import checkpoint as ckpt
 from lightning_rec.mc import (
@@ -34,7 +35,6 @@ from lightning_rec.sharding import (
     row_wise,
     shard_modules,
     table_wise,
-    transport,
 )
 from lightning_rec.testing import run_distributed
 

@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_rec.sharding import dists, shm
+from lightning_rec.sharding import dists
 from lightning_rec.sharding.layout import ShardMeta, offsets_of
 from lightning_rec.sharding.place import exchange_and_place, place_columns
 from lightning_rec.sharding.routing import build_routing
 from lightning_rec.testing import run_distributed
+from lightning_rec.transport import shm
 
 WS = 3
 

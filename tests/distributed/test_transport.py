@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, ShardingPlan
+from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, ShardingPlan, transport
 from lightning_rec.sharding import (
     column_wise,
     data_parallel,
@@ -22,12 +22,11 @@ from lightning_rec.sharding import (
     fused_optimizer,
     row_wise,
     shard_modules,
-    shm,
     table_row_wise,
     table_wise,
-    transport,
 )
 from lightning_rec.testing import run_distributed
+from lightning_rec.transport import shm
 
 pytestmark = pytest.mark.skipif(shm._wanted() is False, reason="shared-memory transport needs Linux x86-64")
 

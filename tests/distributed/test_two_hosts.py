@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from lightning_rec.sharding import shm
+from lightning_rec.transport import shm
 from tests.distributed.hosts import namespaces_unavailable, run_hosts
 
 N_HOSTS, PER_HOST = 2, 2

@@ -20,7 +20,7 @@ LAYERS = {
     "sparse": 1, "configs": 1,
     "fused_kinds": 1, "sharding.layout": 1, "sharding.types": 1,
     "kernels": 2, "modules": 2,
-    "optim": 3,
+    "optim": 3, "transport": 3,
     "sharding": 4, "mc": 4, "data": 4,
     "checkpoint": 5, "export": 5, "distributed": 5, "strategy": 5, "fabric": 5, "uneven": 5, "preemption": 5, "shard_setup": 5, "table_optimizers": 5, "module": 5, "callbacks": 5, "metrics": 5, "testing": 5,
     "models": 6, "nn": 6,

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from lightning_rec.sharding import shm
+from lightning_rec.transport import shm
 
 
 def _group(timeout_s: float) -> shm._SharedGroup:

@@ -2,13 +2,27 @@
 
 Gloo moves tensors between processes through loopback TCP and its own threads: on the 2-core machine of
 ``benchmarks/results/vs_torchrec.md`` about 1 GB/s (2 MB each way: 1.3-2.1 ms; the same exchange through
-this module: 0.5-0.8 ms). So, when every rank of a gloo group runs on one host (same boot, same ``/dev/shm``,
-same pid namespace: agreed once per group, collectively), the three collectives of the sharded step
+this module: 0.5-0.8 ms). So, when every rank of a gloo group runs on one host (same boot, same pid
+namespace: agreed once per group, collectively), the three collectives of the sharded step
 (variable all-to-all, all-gather, sum all-reduce of CPU tensors) go through per-rank shared buffers;
 everything else, and every other group, stays on torch.distributed. ``LIGHTNING_REC_SHM=0`` on any rank
 keeps a group on torch.distributed.
 
-The shared-memory protocol and its groups live in :mod:`lightning_rec.sharding.shm`.
+The interface is the five functions below (``all_to_all_single``, ``all_to_all_pieces``, ``all_to_all_views``,
+``all_gather_single``, ``all_reduce_sum``) plus ``shared_group`` / ``close_all``; each runs through one of two
+implementations, torch.distributed or the shared-memory protocol of :mod:`lightning_rec.transport.shm` (its
+byte copies: :mod:`lightning_rec.transport.bytecopy`). Nothing here knows about embeddings.
+
+Memory: each rank of a shared group holds two buffers (one per collective parity) in anonymous memory files.
+They start at 1 MiB and double to the largest exchange the group has run, and are never shrunk (a step's
+exchanges repeat, so the next step reuses them): a group whose largest exchange is a 16 MiB all-reduce bucket
+holds up to about 64 MiB per rank (two buffers of up to twice the bucket). A rank that cannot grow a buffer
+makes that collective run through torch.distributed on every rank.
+
+``async_op``: through torch.distributed the work runs asynchronously, as torch's. Through shared memory the
+collective completes before the call returns (the returned work is already done): the group's next collectives
+reuse its two buffers, so a collective left open while the step runs others on the same group would have its
+bytes overwritten. Prefetching an input dist therefore overlaps with gloo only.
 """
 
 from __future__ import annotations
@@ -19,8 +33,8 @@ from typing import Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-from lightning_rec.sharding import bytecopy
-from lightning_rec.sharding.shm import close_all, pieces_dtype, shared_group
+from lightning_rec.transport import bytecopy
+from lightning_rec.transport.shm import close_all, pieces_dtype, shared_group
 
 __all__ = [
     "PendingPieces",

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_rec import _compat
-from lightning_rec.sharding import bytecopy
+from lightning_rec.transport import bytecopy
 
 T = TypeVar("T")
 _ENV = "LIGHTNING_REC_SHM"
