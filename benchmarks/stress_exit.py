@@ -47,6 +47,8 @@ def main() -> None:
         if p.returncode != 0 or aborted:
             bad.append((i, p.returncode, p.stderr[-2000:]))
             print(f"run {i}: exit {p.returncode}\n{p.stderr[-2000:]}", flush=True)
+        else:
+            print(f"run {i}: ok ({time.monotonic() - t0:.0f} s)", flush=True)  # a stopped run still tells how far
     print(f"{args.runs - len(bad)} of {args.runs} runs exited 0 on every rank with no abort "
           f"({time.monotonic() - t0:.0f} s)")
     sys.exit(1 if bad else 0)
