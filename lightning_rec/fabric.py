@@ -25,7 +25,7 @@ from lightning_rec import checkpoint as ckpt
 from lightning_rec.checkpoint.safe import refusing_unsafe
 from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.optim import CombinedOptimizer
-from lightning_rec.shard_setup import ShardSetup, ignore_in_ddp
+from lightning_rec.shard_setup import ShardedFrontEnd, ShardSetup, ignore_in_ddp
 from lightning_rec.sharding.grad_norm import clip_grad_norm_
 from lightning_rec.sharding.mesh import MeshInfo
 from lightning_rec.sharding.plan import ShardingPlan
@@ -52,7 +52,7 @@ class _BackwardSync(_BackwardSyncControl):
         return nullcontext()
 
 
-class RecShardedFabricStrategy(DDPStrategy):
+class RecShardedFabricStrategy(ShardedFrontEnd, DDPStrategy):
     """Shards every EmbeddingBagCollection / EmbeddingCollection of a module set up with Fabric; DDP for the rest.
 
     Takes the arguments of :class:`~lightning_rec.strategy.RecShardedStrategy` (``plan``, ``model_parallel_size``,
@@ -91,25 +91,6 @@ class RecShardedFabricStrategy(DDPStrategy):
         self._module: nn.Module | None = None  # the sharded module, unwrapped
         self._fused_attached = False
         self._backward_sync_control = _BackwardSync()
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        device = super().root_device
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", self.local_rank)
-        return device
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description="Sharded embedding tables + DDP")
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self.mesh_info = self.core.init_mesh(self.world_size, self.num_processes, self.num_nodes, self.root_device)
 
     @override
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer],

@@ -122,3 +122,33 @@ class ShardSetup:
                          trusted=self.trusted_checkpoints or weights_only is False)
         meta.pop("format", None)
         return meta
+
+
+class ShardedFrontEnd:
+    """Methods both strategies share (a mixin before their Lightning / Fabric DDP base class): the registry name,
+    a CUDA root device with its index, and the 2D mesh once the process group exists."""
+
+    strategy_name = "rec_sharded"
+    core: ShardSetup
+    mesh_info: MeshInfo | None = None
+    local_rank: int
+    world_size: int
+    num_processes: int
+    num_nodes: int
+
+    @property
+    def root_device(self) -> torch.device:
+        # init_process_group(device_id=...) and DTensor placements refuse a CUDA device without an index
+        device = super().root_device  # type: ignore[misc]
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", self.local_rank)
+        return device
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description="Sharded embedding tables + DDP")
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]
+        self.mesh_info = self.core.init_mesh(self.world_size, self.num_processes, self.num_nodes, self.root_device)

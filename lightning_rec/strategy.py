@@ -28,7 +28,7 @@ from lightning_rec.data.loader import AgreedLoader, ClickLoader
 from lightning_rec.distributed.train_pipeline import InputPrefetcher, PipelinedLoader
 from lightning_rec.optim import CombinedOptimizer
 from lightning_rec.preemption import AgreedStopHooks
-from lightning_rec.shard_setup import ShardSetup, ignore_in_ddp
+from lightning_rec.shard_setup import ShardedFrontEnd, ShardSetup, ignore_in_ddp
 from lightning_rec.sharding.grad_mode import use_sparse_grads_where_possible
 from lightning_rec.sharding.grad_norm import clip_grad_norm_
 from lightning_rec.sharding.mesh import MeshInfo
@@ -38,7 +38,7 @@ from lightning_rec.table_optimizers import automatic_plan_report, warn_unoptimiz
 from lightning_rec.uneven import UnevenEvaluationHooks
 
 
-class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, DDPStrategy):
+class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd, DDPStrategy):
     """Shards every EmbeddingBagCollection / EmbeddingCollection of the LightningModule; DDP for the rest.
 
     The world is ``data_parallel_size x model_parallel_size`` ranks (default: one model-parallel group per
@@ -118,25 +118,9 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, DDPStrategy):
             {"dynamic": True, **compile} if isinstance(compile, dict) else {"dynamic": True} if compile else None
         )
 
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        # init_process_group(device_id=...) and ShardedTensor placements refuse a CUDA device without an index
-        device = super().root_device
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", self.local_rank)
-        return device
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description="Sharded embedding tables + DDP")
-
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.mesh_info = self.core.init_mesh(self.world_size, self.num_processes, self.num_nodes, self.root_device)
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = self.mesh_info.mesh
 
