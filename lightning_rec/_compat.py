@@ -376,3 +376,8 @@ def unwrap_module(module: Any) -> Any:
             module = module._orig_mod
         else:
             return module
+
+
+def ddp_ignore(model: Any, names: list[str]) -> None:
+    """Make DDP (built on ``model`` later) leave these parameters and buffers alone (torch's private hook)."""
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
+from lightning_rec import _compat
 from lightning_rec import checkpoint as ckpt
 from lightning_rec.fused_kinds import FusedOptimizerSpec, as_spec
 from lightning_rec.sharding.comm import grad_scale
@@ -30,7 +30,7 @@ def ignore_in_ddp(model: nn.Module, module: nn.Module | None = None) -> bool:
     skip = set(ignore)
     if not any(p.requires_grad for n, p in (module or model).named_parameters() if n not in skip):
         return False
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
+    _compat.ddp_ignore(model, ignore)
     return True
 
 

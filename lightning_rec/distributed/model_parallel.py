@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_rec import _compat
 from lightning_rec.distributed.optimizers import in_backward_spec, spec_from_fused_params
 from lightning_rec.fused_kinds import FusedOptimizerSpec
 from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
@@ -232,7 +233,7 @@ class DistributedModelParallel(nn.Module):
         sharded = ddp_ignored_names(model)  # the strategies' list: managed-collision remap state is per rank too
         dense = [p for n, p in model.named_parameters() if n not in set(sharded) and p.requires_grad]
         if dense and not isinstance(model, ShardedCollection):
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sharded)
+            _compat.ddp_ignore(model, sharded)
             for p in dense:
                 if p.device != self.device:
                     p.data = p.data.to(self.device)
