@@ -25,7 +25,7 @@ from lightning_rec import checkpoint as ckpt
 from lightning_rec.checkpoint.safe import refusing_unsafe
 from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.optim import CombinedOptimizer
-from lightning_rec.shard_setup import ShardedFrontEnd, ShardSetup, ignore_in_ddp
+from lightning_rec.shard_setup import ShardedFrontEnd, ShardSetup, ignore_in_ddp, require_popen
 from lightning_rec.sharding.grad_norm import clip_grad_norm_
 from lightning_rec.sharding.mesh import MeshInfo
 from lightning_rec.sharding.plan import ShardingPlan
@@ -78,10 +78,7 @@ class RecShardedFabricStrategy(ShardedFrontEnd, DDPStrategy):
         trusted_checkpoints: bool = False,
         **kwargs: Any,
     ) -> None:
-        start_method = kwargs.pop("start_method", "popen")
-        if start_method != "popen":
-            raise ValueError(f"RecShardedFabricStrategy launches processes like strategy='ddp' (start_method="
-                             f"'popen'), got {start_method!r}: each process must keep its own shards")
+        require_popen(kwargs, "RecShardedFabricStrategy")
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method="popen", **kwargs)
         self.core = ShardSetup(plan, model_parallel_size, data_parallel_size, embedding_grad, embedding_optimizer,
                                trusted_checkpoints)

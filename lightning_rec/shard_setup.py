@@ -34,6 +34,18 @@ def ignore_in_ddp(model: nn.Module, module: nn.Module | None = None) -> bool:
     return True
 
 
+def require_popen(kwargs: dict[str, Any], who: str) -> None:
+    """Refuse a ``start_method`` other than ``"popen"`` (taking it out of ``kwargs``): the spawn launchers copy
+    rank 0's state back into the main process, which holds only rank 0's shards of each table."""
+    start_method = kwargs.pop("start_method", "popen")
+    if start_method != "popen":
+        raise ValueError(
+            f"{who} launches processes like strategy='ddp' (start_method='popen'), got {start_method!r}: the spawn "
+            "launchers copy rank 0's state_dict back into the main process, which holds only rank 0's shards of "
+            "each table"
+        )
+
+
 class ShardSetup:
     """The sharding settings both strategies take, and what they do with them.
 

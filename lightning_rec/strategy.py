@@ -28,7 +28,7 @@ from lightning_rec.data.loader import AgreedLoader, ClickLoader
 from lightning_rec.distributed.train_pipeline import InputPrefetcher, PipelinedLoader
 from lightning_rec.optim import CombinedOptimizer
 from lightning_rec.preemption import AgreedStopHooks
-from lightning_rec.shard_setup import ShardedFrontEnd, ShardSetup, ignore_in_ddp
+from lightning_rec.shard_setup import ShardedFrontEnd, ShardSetup, ignore_in_ddp, require_popen
 from lightning_rec.sharding.grad_mode import use_sparse_grads_where_possible
 from lightning_rec.sharding.grad_norm import clip_grad_norm_
 from lightning_rec.sharding.mesh import MeshInfo
@@ -93,13 +93,7 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         compile: bool | dict[str, Any] = False,
         **kwargs: Any,
     ) -> None:
-        start_method = kwargs.pop("start_method", "popen")
-        if start_method != "popen":
-            raise ValueError(
-                f"RecShardedStrategy launches processes like strategy='ddp' (start_method='popen'), got "
-                f"{start_method!r}: the spawn launchers copy rank 0's state_dict back into the main process, "
-                "which holds only rank 0's shards of each table"
-            )
+        require_popen(kwargs, "RecShardedStrategy")
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method="popen", **kwargs)
         # shared with the Fabric strategy (shard_setup.py)
         self.core = ShardSetup(plan, model_parallel_size, data_parallel_size, embedding_grad, embedding_optimizer,
