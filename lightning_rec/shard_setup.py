@@ -26,9 +26,10 @@ from lightning_rec.table_optimizers import marked_embedding_optimizer
 def ignore_in_ddp(model: nn.Module, module: nn.Module | None = None) -> bool:
     """Mark what DDP must ignore on ``model`` (``module``: where to look, default ``model``); False when nothing
     dense trains, so there is nothing for DDP to do."""
-    ignore = ddp_ignored_names(module if module is not None else model)
+    where = module if module is not None else model
+    ignore = ddp_ignored_names(where)
     skip = set(ignore)
-    if not any(p.requires_grad for n, p in (module or model).named_parameters() if n not in skip):
+    if not any(p.requires_grad for n, p in where.named_parameters() if n not in skip):
         return False
     _compat.ddp_ignore(model, ignore)
     return True

@@ -100,10 +100,8 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
                                trusted_checkpoints)
         self._plan = plan
         self.planner = self.plan_report = None  # the planner of an automatic plan (when none was given), its report
-        self.embedding_grad = embedding_grad
         self.embedding_optimizer = self.core.given_embedding_optimizer  # the marks may choose one at setup
         self.mesh_info: MeshInfo | None = None
-        self.trusted_checkpoints = trusted_checkpoints
         self.pipeline = pipeline
         self._prefetcher: InputPrefetcher | None = None
         if not isinstance(compile, (bool, dict)):
@@ -111,6 +109,19 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         self.compile_options: dict[str, Any] | None = (
             {"dynamic": True, **compile} if isinstance(compile, dict) else {"dynamic": True} if compile else None
         )
+
+    @property
+    def embedding_grad(self) -> str:
+        return self.core.embedding_grad
+
+    @property
+    def trusted_checkpoints(self) -> bool:
+        """Whether checkpoints load with full unpickling (settable after construction, as examples/dlrm.py does)."""
+        return self.core.trusted_checkpoints
+
+    @trusted_checkpoints.setter
+    def trusted_checkpoints(self, trusted: bool) -> None:
+        self.core.trusted_checkpoints = trusted
 
     @override
     def setup_environment(self) -> None:
@@ -121,7 +132,6 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
     def _shard(self) -> None:
         module = self.lightning_module
         assert module is not None and self.mesh_info is not None
-        self.core.trusted_checkpoints = self.trusted_checkpoints
         batch_size = None  # the planner's, found as Lightning's batch-size finder does
         try:
             if lightning_hasattr(module, "batch_size"):
@@ -331,7 +341,6 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         fitting = module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
         optimizers = self.optimizers if fitting else []
         if ckpt.is_checkpoint_dir(path):
-            self.core.trusted_checkpoints = self.trusted_checkpoints
             meta = self.core.read_checkpoint(path, module, optimizers, module.strict_loading, weights_only)
             if "pytorch-lightning_version" not in meta:
                 # written without the Trainer (Fabric, checkpoint.save): the model and optimizers are restored;

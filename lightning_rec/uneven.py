@@ -53,13 +53,11 @@ class UnevenEvaluation:
 
     Args:
         model: the (sharded) LightningModule.
-        stage: what is evaluated, for error messages ("validation", "test", "prediction").
         counts: this rank's batches per dataloader.
         most: the most batches any rank runs, per dataloader.
     """
 
-    def __init__(self, model: nn.Module, stage: str, counts: Sequence[int], most: Sequence[int]) -> None:
-        self.stage = stage
+    def __init__(self, model: nn.Module, counts: Sequence[int], most: Sequence[int]) -> None:
         self.counts = [int(c) for c in counts]
         self.most = [int(m) for m in most]
         self._steps = 0
@@ -90,7 +88,7 @@ class UnevenEvaluation:
                 "Every sharded lookup is a collective across ranks. Give every rank at least one batch of each "
                 f"dataloader (fewer ranks, a smaller batch size), loaders of equal length, or limit_{limit}_batches"
             )
-        return cls(model, stage, mine, [max(g[d] for g in gathered) for d in range(len(mine))])
+        return cls(model, mine, [max(g[d] for g in gathered) for d in range(len(mine))])
 
     def close(self) -> None:
         for h in self._handles:

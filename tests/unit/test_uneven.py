@@ -33,7 +33,7 @@ def test_short_rank_replays_its_lookups_empty_after_its_last_batch_of_each_datal
         getattr(model, name).register_forward_pre_hook(lambda m, args, n=name: calls.append((n, args[0].stride())))
     # what lookup_roots finds on a sharded model; unsharded collections stand in for them here
     join = UnevenEvaluation.__new__(UnevenEvaluation)
-    join.stage, join.counts, join.most, join._steps, join._calls, join._recording = "test", [2, 0, 1], [3, 2, 1], 0, [], None
+    join.counts, join.most, join._steps, join._calls, join._recording = [2, 0, 1], [3, 2, 1], 0, [], None
     join._handles = [m.register_forward_pre_hook(join._record, with_kwargs=True) for m in (model.a, model.b)]
     kjt = KeyedJaggedTensor(["f", "unread"], torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1, 0, 0]))
     for step in range(3):
