@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sharding import load, machine
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, transport
+from lightning_rec.pipeline.shard_modules import fused_optimizer
+from lightning_rec.plans.planner.topology import Hardware
 from lightning_rec.sharding import (
     Planner,
     ShardingPlan,
@@ -45,8 +47,6 @@ from lightning_rec.sharding import (
     shard_modules,
     table_wise,
 )
-from lightning_rec.sharding.planner.topology import Hardware
-from lightning_rec.sharding.sharded import fused_optimizer
 from lightning_rec.testing import run_distributed
 
 # Criteo Kaggle's 26 categorical cardinalities

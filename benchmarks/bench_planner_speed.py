@@ -1,6 +1,6 @@
 """The planner's run time, before and after a change, side by side in one run, and whether the plans agree.
 
-The "before" planner package (``lightning_rec/sharding/planner/``) is read from git (``--before``, default the
+The "before" planner package (``lightning_rec/plans/planner/``) is read from git (``--before``, default the
 commit before the vectorised search) and imported next to the working tree's one; both plan the same tables,
 alternately, ``--repeats`` times; the table reports the fastest run of each (the least disturbed by other
 processes) and their ratio (a ratio is meaningful on a loaded machine, an absolute time less so), and checks
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from lightning_rec import EmbeddingBagConfig  # noqa: E402
 from lightning_rec.data.synthetic import CRITEO_CARDINALITIES  # noqa: E402
-from lightning_rec.sharding import planner as new_planner  # noqa: E402
+from lightning_rec.plans import planner as new_planner  # noqa: E402
 
 BEFORE = "5ee0af6"  # the planner package before the search scored placements per shard and per host
 PACKAGE = "lightning_rec/sharding/planner"
@@ -46,7 +46,7 @@ def load_before(rev: str):
     for name in (n for n in names if n.endswith(".py")):
         src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{PACKAGE}/{name}"],
                              capture_output=True, text=True, check=True).stdout
-        (pkg / name).write_text(src.replace("lightning_rec.sharding.planner.", "planner_before."))
+        (pkg / name).write_text(src.replace("lightning_rec.plans.planner.", "planner_before."))
     spec = importlib.util.spec_from_file_location("planner_before", pkg / "__init__.py",
                                                   submodule_search_locations=[str(pkg)])
     mod = importlib.util.module_from_spec(spec)

@@ -470,7 +470,7 @@ def split_step(step, kjts: list, cfg: dict, opt) -> dict:
     step is the library's own work (routing, copies, Python) plus whatever waits the two do not overlap.
     """
     from lightning_rec import transport
-    from lightning_rec.kernels._fused import FusedPooledKernel
+    from lightning_rec.kernels._fused_tbe import FusedPooledKernel
 
     kernel_calls: list[list] = []
     coll_calls: list[list] = []
@@ -580,7 +580,7 @@ def malloc_line(torchrec_malloc: bool) -> str:
         ours = "glibc's defaults (LIGHTNING_REC_MALLOC=0)"
     else:
         ours = ("glibc keeping freed memory for reuse (mmap threshold 256 MiB, trim threshold 1 GiB: "
-                "`lightning_rec/kernels/_malloc.py`, the default)")
+                "`lightning_rec/memory/malloc.py`, the default)")
     theirs = ("the same thresholds, set through glibc's MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ "
               "(--torchrec-malloc)" if torchrec_malloc else "glibc's defaults")
     return f"Host memory: lightning_rec's workers (and the bare kernel, which runs in them) with {ours}; TorchRec's with {theirs}."
@@ -626,8 +626,8 @@ class Group:
             env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         else:
             env.pop("PYTHONPATH", None)
-            if malloc_env:  # what kernels/_malloc.py sets in lightning_rec's workers, through glibc's tunables
-                from lightning_rec.kernels import _malloc  # (the driver runs in the project's environment)
+            if malloc_env:  # what memory/malloc.py sets in lightning_rec's workers, through glibc's tunables
+                from lightning_rec.memory import malloc as _malloc  # (the driver runs in the project's environment)
 
                 env.update(MALLOC_MMAP_THRESHOLD_=str(_malloc._MMAP), MALLOC_TRIM_THRESHOLD_=str(_malloc._TRIM))
         self.procs, self.queues = [], []
@@ -775,7 +775,7 @@ def ok(s: dict | None) -> bool:
 
 def write_report(path: Path, rows: list[dict], cfg: dict, args: argparse.Namespace, total_s: float,
                  limits: dict[tuple[str, int], dict] | None = None) -> None:
-    from lightning_rec.kernels._hugepages import thp_mode  # (the side environment never writes the report)
+    from lightning_rec.memory.huge_pages import thp_mode  # (the side environment never writes the report)
 
     dlrm_rows = [r for _, r, _ in job_tables("dlrm", cfg)]
     # perfect scaling: world x the best single-process figure of that job and variant (either library)
@@ -818,7 +818,7 @@ def write_report(path: Path, rows: list[dict], cfg: dict, args: argparse.Namespa
         "with no communication (the table below), TorchRec / lightning_rec: the fraction of what the cores do "
         "with no sharding at all. The bare kernel is fbgemm's own module, on 4 KiB pages as TorchRec's tables "
         f"are; lightning_rec's fused tables are on 2 MiB pages (THP here: {thp_mode()}; "
-        "`lightning_rec/kernels/_hugepages.py`), so its fraction can pass 100%.",
+        "`lightning_rec/memory/huge_pages.py`), so its fraction can pass 100%.",
         "",
         "| job | world | plan | variant | first | TorchRec 1.8 | lightning_rec | ratio | scaling | of limit |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -1017,7 +1017,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--torchrec-malloc", action="store_true",
         help="run TorchRec's workers with the glibc malloc thresholds lightning_rec sets for itself "
-        "(kernels/_malloc.py), through glibc's environment tunables: how much of the gap that setting is",
+        "(memory/malloc.py), through glibc's environment tunables: how much of the gap that setting is",
     )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_torchrec.md"))
     ap.add_argument("--worker", choices=LIBS, help=argparse.SUPPRESS)

@@ -30,6 +30,7 @@ from lightning_rec.distributed import (  # noqa: E402
     apply_optimizer_in_backward,
     in_backward_optimizer_filter,
 )
+from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection  # noqa: E402
 from lightning_rec.fabric import RecShardedFabricStrategy  # noqa: E402
 from lightning_rec.mc import (  # noqa: E402
     LFU_EvictionPolicy,
@@ -40,9 +41,8 @@ from lightning_rec.mc import (  # noqa: E402
     ManagedCollisionEmbeddingCollection,
     MCHManagedCollisionModule,
 )
-from lightning_rec.module import RecModule  # noqa: E402
-from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection  # noqa: E402
 from lightning_rec.optim import CombinedOptimizer, FusedOptimizer, FusedOptimizerSpec  # noqa: E402
+from lightning_rec.rec_module import RecModule  # noqa: E402
 from lightning_rec.sharding import (  # noqa: E402
     ParameterSharding,
     Planner,

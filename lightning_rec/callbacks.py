@@ -10,8 +10,8 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_rec.export import export_program
-from lightning_rec.sharding.planner import Planner, Topology
-from lightning_rec.sharding.sharded import ShardedCollection
+from lightning_rec.pipeline.shard_modules import ShardedCollection
+from lightning_rec.plans.planner import Planner, Topology
 from lightning_rec.table_optimizers import tables_optimizer_kind
 
 
@@ -19,7 +19,7 @@ class ShardingSummary(L.Callback):
     """Prints, at fit start on rank 0, each table's placement and every rank's memory.
 
     Memory per rank is split into weights, optimizer state, gradients and lookup buffers, and the step
-    time estimated by the planner's cost model is shown with its parts (see ``lightning_rec.sharding.planner``).
+    time estimated by the planner's cost model is shown with its parts (see ``lightning_rec.plans.planner``).
     ``batch_size`` and ``pooling_factors`` refine the estimates; ``last_report`` keeps the report.
     """
 

@@ -27,8 +27,8 @@ import yaml
 
 from lightning_rec.configs import EmbeddingBagConfig, EmbeddingConfig
 from lightning_rec.data import convert
-from lightning_rec.sharding.planner import OPTIMIZER_STATE, Planner, PlannerError, TableConstraint, Topology
-from lightning_rec.sharding.types import ParameterSharding, kind_of
+from lightning_rec.plans.kinds import ParameterSharding, kind_of
+from lightning_rec.plans.planner import OPTIMIZER_STATE, Planner, PlannerError, TableConstraint, Topology
 
 _TABLE_KEYS = {"name", "num_embeddings", "embedding_dim", "feature_names", "dtype", "pooling", "pooling_factor",
                "pooling_factors", "sharding_types", "placement", "allow_host_memory", "sequence"}

@@ -32,10 +32,10 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_rec import _compat, checkpoint
-from lightning_rec.checkpoint import atomic
+from lightning_rec.checkpoint import atomic, collective
 from lightning_rec.checkpoint.errors import DiskFullError
+from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.kernels import TableContainer
-from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.sharding import ShardedEmbeddingBagCollection, full_state_dict, sharded_collections
 from lightning_rec.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -68,7 +68,7 @@ def _gather_to_zero(value: Any) -> torch.Tensor | None:
     record = _compat.shard_record(value)
     if 0 not in record.group_ranks:
         return None
-    rank = atomic.rank()
+    rank = collective.rank()
     dtype = record.dtype
     wire = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     pieces = _compat.local_pieces(value)
@@ -97,9 +97,9 @@ def export_state_dict(model: nn.Module, path: str | os.PathLike) -> Path:
     Collective: every rank calls it; rank 0 writes. No rank holds more than one full table beyond its own
     shards. The file appears at ``path`` only when complete.
     """
-    path = atomic.broadcast_path(path)
+    path = collective.broadcast_path(path)
     state = model.state_dict()
-    rank = atomic.rank()
+    rank = collective.rank()
     tmp = atomic.partial_path(path)
     offsets: dict[str, tuple[int, int]] = {}
     error: BaseException | None = None
@@ -109,7 +109,7 @@ def export_state_dict(model: nn.Module, path: str | os.PathLike) -> Path:
             handle, offsets = _skeleton(state, path, tmp)
         except Exception as e:  # every rank must hear about it before sending shards
             error = _disk_full(e, tmp, state)
-    atomic.agree(error, f"exporting {path}")
+    collective.agree(error, f"exporting {path}")
     index = 0  # storages are numbered in the order the pickler meets them: the state_dict's order
     for key, v in state.items():
         if _compat.is_sharded(v):
@@ -141,7 +141,7 @@ def export_state_dict(model: nn.Module, path: str | os.PathLike) -> Path:
             error = error or _disk_full(e, tmp, state)
         if error is not None:
             atomic.remove(tmp)
-    atomic.agree(error, f"exporting {path}")
+    collective.agree(error, f"exporting {path}")
     return path
 
 
@@ -260,7 +260,7 @@ def inference_model(model: nn.Module) -> nn.Module | None:
     """
     sharded = list(sharded_collections(model))
     full = full_state_dict(model, rank0_only=True) if sharded else {}
-    if atomic.rank() != 0:
+    if collective.rank() != 0:
         return None
     # deepcopy, except what must not be copied: the sharded collections (replaced by their twins), the
     # trainer, the device mesh and the cached fused optimizer (which hold process groups and fbgemm kernels)
@@ -454,10 +454,10 @@ def export_program(
     The signature (input names, keys, num_dense, rows per feature) is stored with the program as the
     extra file ``SIGNATURE_FILE`` (JSON).
     """
-    if checkpoint_dir is not None and atomic.distributed() and dist.get_world_size() > 1:
+    if checkpoint_dir is not None and collective.distributed() and dist.get_world_size() > 1:
         raise ValueError("export_program(checkpoint_dir=...) runs in one process (it loads the checkpoint into an "
                          "unsharded copy); under a process group, load the checkpoint into the model first")
-    path = atomic.broadcast_path(path)
+    path = collective.broadcast_path(path)
     twin = inference_model(model)  # None on ranks other than 0
     error: BaseException | None = None
     if twin is not None:
@@ -473,7 +473,7 @@ def export_program(
         except Exception as e:  # every rank hears about it below
             atomic.remove(tmp)
             error = e
-    atomic.agree(error, f"exporting a program to {path}")
+    collective.agree(error, f"exporting a program to {path}")
     return path
 
 

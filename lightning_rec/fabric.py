@@ -23,13 +23,13 @@ from typing_extensions import override
 from lightning_rec import _compat
 from lightning_rec import checkpoint as ckpt
 from lightning_rec.checkpoint.safe import refusing_unsafe
-from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
+from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.optim import CombinedOptimizer
+from lightning_rec.pipeline.clip_grad_norm import clip_grad_norm_
+from lightning_rec.pipeline.shard_modules import fused_optimizer, sharded_collections
+from lightning_rec.plans.mesh import MeshInfo
+from lightning_rec.plans.plan import ShardingPlan
 from lightning_rec.shard_setup import ShardedFrontEnd, ShardSetup, ignore_in_ddp, require_popen
-from lightning_rec.sharding.grad_norm import clip_grad_norm_
-from lightning_rec.sharding.mesh import MeshInfo
-from lightning_rec.sharding.plan import ShardingPlan
-from lightning_rec.sharding.sharded import fused_optimizer, sharded_collections
 from lightning_rec.table_optimizers import warn_unoptimized_tables
 
 

@@ -15,11 +15,11 @@ from torch import nn
 from lightning_rec import _compat
 from lightning_rec import checkpoint as ckpt
 from lightning_rec.fused_kinds import FusedOptimizerSpec, as_spec
-from lightning_rec.sharding.comm import grad_scale
-from lightning_rec.sharding.mesh import MeshInfo, check_layout, init_2d_mesh
-from lightning_rec.sharding.plan import ShardingPlan
-from lightning_rec.sharding.planner import Planner, automatic_plan
-from lightning_rec.sharding.sharded import ddp_ignored_names, fused_optimizer, shard_modules
+from lightning_rec.pipeline.collectives import grad_scale
+from lightning_rec.pipeline.shard_modules import ddp_ignored_names, fused_optimizer, shard_modules
+from lightning_rec.plans.mesh import MeshInfo, check_layout, init_2d_mesh
+from lightning_rec.plans.plan import ShardingPlan
+from lightning_rec.plans.planner import Planner, automatic_plan
 from lightning_rec.table_optimizers import marked_embedding_optimizer
 
 

@@ -27,13 +27,13 @@ from lightning_rec.checkpoint.safe import refusing_unsafe
 from lightning_rec.data.loader import AgreedLoader, ClickLoader
 from lightning_rec.distributed.train_pipeline import InputPrefetcher, PipelinedLoader
 from lightning_rec.optim import CombinedOptimizer
+from lightning_rec.pipeline.clip_grad_norm import clip_grad_norm_
+from lightning_rec.pipeline.dp_sparse_grad import use_sparse_grads_where_possible
+from lightning_rec.pipeline.shard_modules import ShardedCollection, dense_state, fused_optimizer
+from lightning_rec.plans.mesh import MeshInfo
+from lightning_rec.plans.plan import ShardingPlan
 from lightning_rec.preemption import AgreedStopHooks
 from lightning_rec.shard_setup import ShardedFrontEnd, ShardSetup, ignore_in_ddp, require_popen
-from lightning_rec.sharding.grad_mode import use_sparse_grads_where_possible
-from lightning_rec.sharding.grad_norm import clip_grad_norm_
-from lightning_rec.sharding.mesh import MeshInfo
-from lightning_rec.sharding.plan import ShardingPlan
-from lightning_rec.sharding.sharded import ShardedCollection, dense_state, fused_optimizer
 from lightning_rec.table_optimizers import automatic_plan_report, warn_unoptimized_tables
 from lightning_rec.uneven import UnevenEvaluationHooks
 

@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_rec.distributed.optimizers import in_backward_spec
+from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.fused_kinds import FusedOptimizerSpec
-from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
-from lightning_rec.sharding.sharded import sharded_collections
+from lightning_rec.pipeline.shard_modules import sharded_collections
 
 
 def marked_embedding_optimizer(module: nn.Module, given: FusedOptimizerSpec | None) -> FusedOptimizerSpec | None:

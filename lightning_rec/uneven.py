@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_rec.mc.embedding import ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection
-from lightning_rec.sharding.sharded import ShardedCollection
+from lightning_rec.pipeline.shard_modules import ShardedCollection
 from lightning_rec.sparse import KeyedJaggedTensor
 
 # modules whose forward makes collectives; a managed-collision wrapper remaps across ranks before its lookup

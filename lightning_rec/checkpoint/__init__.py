@@ -14,9 +14,10 @@ replicated tensors are written once. On disk a sharded tensor is its pieces with
 format ShardedTensors wrote, so checkpoints from before DTensor state load unchanged. Optimizer state is
 keyed by parameter name, never by position, in a plan-independent form (:mod:`lightning_rec.checkpoint.optim_state`).
 
-Modules: ``atomic`` (collective helpers, all-or-nothing writes; also used by :mod:`lightning_rec.export`),
-``placement`` (where shards sit), ``optim_state`` (optimizer state by name), ``safe`` (loading without
-running code), ``storage`` (DCP reader/writer with checksums), ``directory`` (save / load), ``errors``.
+Modules: ``atomic`` (all-or-nothing writes) and ``collective`` (ranks agreeing; both also used by
+:mod:`lightning_rec.export`), ``placement`` (where shards sit), ``optim_state`` (optimizer state by name),
+``safe`` (loading without running code), ``storage`` (DCP reader/writer with checksums), ``directory``
+(save / load), ``errors``.
 """
 
 from lightning_rec.checkpoint.atomic import resolve

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_rec import _compat
-from lightning_rec.checkpoint import atomic
+from lightning_rec.checkpoint import atomic, collective
 from lightning_rec.checkpoint.errors import CheckpointError, as_disk_full
 from lightning_rec.checkpoint.optim_state import optimizer_state, optimizer_targets
 from lightning_rec.checkpoint.placement import chunk_tree
@@ -72,14 +72,14 @@ def _unwrap(e: BaseException, path: Path, what: str) -> CheckpointError:
         exc = failures[first]
         return CheckpointError(f"{what} {path} failed on rank(s) {sorted(failures)}; rank {first}: "
                                f"{type(exc).__name__}: {exc}")
-    full = as_disk_full(e, path, 0, atomic.rank())
+    full = as_disk_full(e, path, 0, collective.rank())
     if full is not None:
         return full
-    return CheckpointError(f"{what} {path} failed on rank {atomic.rank()}: {type(e).__name__}: {e}")
+    return CheckpointError(f"{what} {path} failed on rank {collective.rank()}: {type(e).__name__}: {e}")
 
 
 def _gather_checksums(local: dict[str, Any]) -> dict[str, Any]:
-    if not atomic.distributed() or dist.get_world_size() == 1:
+    if not collective.distributed() or dist.get_world_size() == 1:
         return local
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
@@ -104,9 +104,9 @@ def write(path: str | os.PathLike, tensors: Mapping[str, Any], meta: dict[str, A
     a failure on any rank raises on every rank (:class:`CheckpointError`, :class:`DiskFullError`), removes
     the partial directory and leaves a previous checkpoint at ``path`` as it was.
     """
-    path = atomic.broadcast_path(path)
+    path = collective.broadcast_path(path)
     tmp = atomic.partial_path(path)
-    rank = atomic.rank()
+    rank = collective.rank()
     error: BaseException | None = None
     if rank == 0:
         try:
@@ -116,7 +116,7 @@ def write(path: str | os.PathLike, tensors: Mapping[str, Any], meta: dict[str, A
             tmp.mkdir(parents=True)
         except Exception as e:  # every rank must hear about it
             error = e
-    atomic.agree(error, f"preparing checkpoint {path}")
+    collective.agree(error, f"preparing checkpoint {path}")
     writer = CheckedWriter(tmp, rank)
     try:
         dcp.save(chunk_tree(dict(tensors)), storage_writer=writer)
@@ -125,7 +125,7 @@ def write(path: str | os.PathLike, tensors: Mapping[str, Any], meta: dict[str, A
             raise
         error = _unwrap(e, tmp, "writing checkpoint")
     try:
-        atomic.agree(error, f"writing checkpoint {path}")
+        collective.agree(error, f"writing checkpoint {path}")
         checksums = _gather_checksums(writer.checksums)
         error = None
         if rank == 0:
@@ -139,7 +139,7 @@ def write(path: str | os.PathLike, tensors: Mapping[str, Any], meta: dict[str, A
                 atomic.swap_in(tmp, path)
             except Exception as e:
                 error = as_disk_full(e, tmp / META_FILE, len(data), rank) or e
-        atomic.agree(error, f"completing checkpoint {path}")
+        collective.agree(error, f"completing checkpoint {path}")
     except BaseException:
         if rank == 0:
             atomic.remove(tmp)
@@ -195,14 +195,14 @@ def load(
     (:class:`CheckpointError` names the file, tensor and rank). Optimizer state is matched by parameter name,
     and state the run's optimizers cannot take is an error, never dropped.
     """
-    path = atomic.resolve(atomic.broadcast_path(path))
+    path = atomic.resolve(collective.broadcast_path(path))
     error: Exception | None = None
     applies: list[Any] = []
     try:
         if not is_checkpoint_dir(path):
             raise FileNotFoundError(f"{path} is not a checkpoint directory (no {META_FILE})")
         meta = read_meta(path, trusted=trusted)
-        reader = CheckedReader(path, atomic.rank(), meta.get("checksums"), trusted=trusted)
+        reader = CheckedReader(path, collective.rank(), meta.get("checksums"), trusted=trusted)
         model_state = model.state_dict()
         _check_model(reader.read_metadata().state_dict_metadata, path, model_state, strict)
         targets: dict[str, Any] = {"state_dict": {k: v for k, v in model_state.items()
@@ -222,8 +222,8 @@ def load(
                 applies.append(apply)
     except Exception as e:  # every rank must hear about it before DCP's collectives
         error = e
-    atomic.agree(error, f"loading checkpoint {path}")
-    _read(targets, reader, path, dcp.DefaultLoadPlanner(allow_partial_load=not strict), not atomic.distributed())
+    collective.agree(error, f"loading checkpoint {path}")
+    _read(targets, reader, path, dcp.DefaultLoadPlanner(allow_partial_load=not strict), not collective.distributed())
     for apply in applies:
         apply()
     meta.pop("checksums", None)
@@ -254,7 +254,7 @@ def read_checkpoint(path: str | os.PathLike, trusted: bool = False, device: Any 
     if not is_checkpoint_dir(path):
         raise FileNotFoundError(f"{path} is not a checkpoint directory (no {META_FILE})")
     meta = read_meta(path, trusted=trusted)
-    reader = CheckedReader(path, atomic.rank(), meta.pop("checksums", None), trusted=trusted)
+    reader = CheckedReader(path, collective.rank(), meta.pop("checksums", None), trusted=trusted)
     prefix = "state_dict."
     # tensors only, as load() reads: DCP unpickles other stored values with full pickle, which would run code
     state = {k[len(prefix):]: torch.empty(tuple(m.size), dtype=m.properties.dtype, device=device)

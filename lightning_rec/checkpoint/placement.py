@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from lightning_rec import _compat
-from lightning_rec.sharding.layout import ShardMeta
-from lightning_rec.sharding.sharded import sharded_collections
-from lightning_rec.sharding.state import table_dtensor
+from lightning_rec.pipeline.shard_modules import sharded_collections
+from lightning_rec.pipeline.state_dict import table_dtensor
+from lightning_rec.plans.shard_geometry import ShardMeta
 
 # Pieces are written in row blocks of at most this size, so reading one back (DCP loads a stored piece whole
 # before copying it into place) costs at most this much memory beyond the model's own state.

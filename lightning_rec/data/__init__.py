@@ -8,7 +8,7 @@ the position in it (``state_dict``), so Lightning checkpoints resume mid-epoch a
 the ranks agree on every batch, so a bad line or a short rank stops every rank at the same step.
 """
 
-from lightning_rec.data._sharding import rank_batch_ranges
+from lightning_rec.data._rank_rows import rank_batch_ranges
 from lightning_rec.data._stream import ClickStream
 from lightning_rec.data.batch import Batch, batch_from_arrays, collate
 from lightning_rec.data.criteo import CriteoNpy, CriteoTSV

@@ -2,7 +2,7 @@
 
 An epoch is a *stream* of the source's rows: in file order, or (``shuffle=True``) as blocks of
 ``shuffle_block`` consecutive rows in an order drawn from ``(seed, epoch)``, so reads stay sequential. The
-stream is dealt out to ranks by global batches (``lightning_rec.data._sharding``). A position in the stream
+stream is dealt out to ranks by global batches (``lightning_rec.data._rank_rows``). A position in the stream
 (rows consumed, always the end of a global batch) and the epoch are the whole state: resuming re-splits the
 remaining rows over the ranks present, at the same or another world size, so no row is skipped or repeated.
 The stream does not depend on the world size, batch size or number of workers.
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_rec.data._sharding import global_batch_spans, rank_batch_ranges, worker_share
+from lightning_rec.data._rank_rows import global_batch_spans, rank_batch_ranges, worker_share
 from lightning_rec.data.batch import Batch, batch_from_arrays
 
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # dense [n, D], lengths [F, n], values, labels [n]

@@ -1,7 +1,7 @@
 """Readers for the real Criteo click logs: the raw TSV lines and the preprocessed NumPy arrays.
 
 Both yield :class:`Batch` objects sharded over data-parallel ranks by the rule in
-``lightning_rec.data._sharding`` (same number of batches per rank, no overlap, no loss), each rank reading
+``lightning_rec.data._rank_rows`` (same number of batches per rank, no overlap, no loss), each rank reading
 only its own rows, in file order or block-shuffled per epoch (``lightning_rec.data._stream``). Dense
 integers become ``log1p(max(x, 0))``, as DLRM feeds them; categorical ids are folded into each table's
 range (hashed for raw hex strings, modulo for preprocessed ids), or kept raw (``raw_ids=True``) for

@@ -74,7 +74,7 @@ class SyntheticClicks(ClickStream):
     of the same task.
 
     Rows are sharded over ``world_size`` data-parallel ranks by the rule in
-    ``lightning_rec.data._sharding``: the same number of batches on every rank, no overlap, no loss; the
+    ``lightning_rec.data._rank_rows``: the same number of batches on every rank, no overlap, no loss; the
     last batch is split evenly (and may hold one row more than ``batch_size``). Use it with
     ``DataLoader(ds, batch_size=None)``: it yields whole :class:`Batch` objects.
 

@@ -19,14 +19,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_rec import _compat
 from lightning_rec.distributed.optimizers import in_backward_spec, spec_from_fused_params
+from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.fused_kinds import FusedOptimizerSpec
-from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.optim import FusedOptimizer
+from lightning_rec.pipeline.shard_modules import ShardedCollection, ddp_ignored_names, sharded_collections
+from lightning_rec.plans.kinds import placement_of
+from lightning_rec.plans.mesh import default_local_size
+from lightning_rec.plans.plan import with_resolved_ranks
 from lightning_rec.sharding import ParameterSharding, ShardingPlan, fused_optimizer, shard_modules
-from lightning_rec.sharding.mesh import default_local_size
-from lightning_rec.sharding.plan import with_resolved_ranks
-from lightning_rec.sharding.sharded import ShardedCollection, ddp_ignored_names, sharded_collections
-from lightning_rec.sharding.types import placement_of
 
 
 @dataclass

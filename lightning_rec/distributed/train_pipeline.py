@@ -24,7 +24,7 @@ from torch import nn
 from lightning_rec.distributed.model_parallel import DistributedModelParallel
 from lightning_rec.mc.embedding import ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection
 from lightning_rec.mc.modules import MCHManagedCollisionModule
-from lightning_rec.sharding.sharded import ShardedCollection, sharded_collections
+from lightning_rec.pipeline.shard_modules import ShardedCollection, sharded_collections
 from lightning_rec.sparse import KeyedJaggedTensor
 
 _MC_TYPES = (MCHManagedCollisionModule, ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection)

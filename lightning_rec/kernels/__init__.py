@@ -10,8 +10,7 @@ Every kernel here pools with SUM. MEAN is applied by the caller, once, on the sa
 - :mod:`._grouped`: one pooled lookup over tables served by different kernels (a sharded rank's shards)
 - :mod:`._fused`, :mod:`._guards`: fbgemm's split table-batched lookup with the optimizer in backward
 - :mod:`._accumulate`: its accumulation mode (backward keeps the gradients; the step applies one update)
-- :mod:`._hugepages`: the fused kernel's CPU tables on transparent huge pages (a faster backward)
-- :mod:`._malloc`: glibc keeps the memory a CPU step frees for the next one (no page faults every step)
+- the process memory policy under the kernels: :mod:`lightning_rec.memory`
 - :mod:`._tables`: containers registering tables under their own names
 - :mod:`._ids`: id and offset checks shared by all paths
 """
@@ -28,12 +27,12 @@ from lightning_rec.kernels._capability import (
     validate_kernel,
 )
 from lightning_rec.kernels._dense_tbe import FbgemmPooledKernel
-from lightning_rec.kernels._fused import FusedPooledKernel
+from lightning_rec.kernels._fused_tbe import FusedPooledKernel
 from lightning_rec.kernels._grouped import LOOKUP_KERNELS, GroupedPooledLookup
 from lightning_rec.kernels._ids import check_ids, check_offsets, validate_ids
-from lightning_rec.kernels._malloc import keep_freed_memory
 from lightning_rec.kernels._tables import FusedTables, TableContainer
 from lightning_rec.kernels._torch import mean_divisor, promoted_dtype, torch_pooled, torch_sequence
+from lightning_rec.memory.malloc import keep_freed_memory
 
 __all__ = [
     "DENSE_LOOKUP_OP",

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from lightning_rec.kernels._fused import FusedPooledKernel
+    from lightning_rec.kernels._fused_tbe import FusedPooledKernel
 
 
 class MicroBatch:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from lightning_rec.kernels._fused import FusedPooledKernel
+    from lightning_rec.kernels._fused_tbe import FusedPooledKernel
 
 
 def unexpected_table_keys(state_dict: Mapping[str, object], prefix: str, own: Iterable[str]) -> list[str]:

@@ -30,8 +30,8 @@ from lightning_rec.mc.modules import (
     remap_tables,
     split_by_table,
 )
-from lightning_rec.sharding import ShardedCollection
-from lightning_rec.sharding.dists import Received
+from lightning_rec.pipeline.input_dist import Received
+from lightning_rec.pipeline.sharded_collection import ShardedCollection
 from lightning_rec.sparse import KeyedJaggedTensor
 
 

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.mc import _dist, _remap
 from lightning_rec.mc.modules import ManagedCollisionCollection, MCHManagedCollisionModule, remap_local
-from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
-from lightning_rec.sharding import ShardedCollection
+from lightning_rec.pipeline.sharded_collection import ShardedCollection
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 RowInit = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

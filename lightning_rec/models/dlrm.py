@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_rec.modules import EmbeddingBagCollection
+from lightning_rec.embedding_modules import EmbeddingBagCollection
 from lightning_rec.nn import MLP, LowRankCrossNet
 from lightning_rec.sparse import KeyedJaggedTensor
 

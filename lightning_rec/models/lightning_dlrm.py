@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_rec.configs import EmbeddingBagConfig
+from lightning_rec.embedding_modules import EmbeddingBagCollection
 from lightning_rec.mc import (
     LFU_EvictionPolicy,
     LRU_EvictionPolicy,
@@ -27,10 +28,9 @@ from lightning_rec.mc import (
 )
 from lightning_rec.metrics import rec_metrics
 from lightning_rec.models.dlrm import DenseArch, InteractionArch, OverArch, SparseArch
-from lightning_rec.module import RecModule
-from lightning_rec.modules import EmbeddingBagCollection
 from lightning_rec.optim import CombinedOptimizer
-from lightning_rec.sharding.plan import ShardingPlan, row_wise, table_wise
+from lightning_rec.plans.plan import ShardingPlan, row_wise, table_wise
+from lightning_rec.rec_module import RecModule
 from lightning_rec.sparse import KeyedJaggedTensor
 
 _EMBEDDING_OPTIMIZERS = ("adagrad", "sgd", "sparse_adam")

@@ -1,9 +1,19 @@
 """Sharding plans and sharded embedding collections."""
 
 from lightning_rec.configs import ShardingType
-from lightning_rec.sharding.grad_mode import use_sparse_grads_where_possible
-from lightning_rec.sharding.grad_norm import clip_grad_norm_
-from lightning_rec.sharding.plan import (
+from lightning_rec.pipeline.clip_grad_norm import clip_grad_norm_
+from lightning_rec.pipeline.dp_sparse_grad import use_sparse_grads_where_possible
+from lightning_rec.pipeline.shard_modules import (
+    ShardedCollection,
+    ShardedEmbeddingBagCollection,
+    ShardedEmbeddingCollection,
+    full_state_dict,
+    fused_optimizer,
+    shard_modules,
+    sharded_collections,
+)
+from lightning_rec.plans.kinds import EnumerableShardingSpec, ShardMetadata, ShardPlacement
+from lightning_rec.plans.plan import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,
     ShardingPlan,
@@ -16,17 +26,7 @@ from lightning_rec.sharding.plan import (
     table_row_wise,
     table_wise,
 )
-from lightning_rec.sharding.planner import Hardware, Planner, PlannerError, PlanReport, TableConstraint, Topology
-from lightning_rec.sharding.sharded import (
-    ShardedCollection,
-    ShardedEmbeddingBagCollection,
-    ShardedEmbeddingCollection,
-    full_state_dict,
-    fused_optimizer,
-    shard_modules,
-    sharded_collections,
-)
-from lightning_rec.sharding.types import EnumerableShardingSpec, ShardMetadata, ShardPlacement
+from lightning_rec.plans.planner import Hardware, Planner, PlannerError, PlanReport, TableConstraint, Topology
 
 __all__ = [
     "EmbeddingModuleShardingPlan",

@@ -77,8 +77,8 @@ def _rank(rank: int, port: int, out: str, peer_pid, scenario: str) -> None:
     import torch.distributed as dist
 
     from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, _compat, transport
+    from lightning_rec.plans.mesh import init_2d_mesh
     from lightning_rec.sharding import ShardingPlan, row_wise, shard_modules
-    from lightning_rec.sharding.mesh import init_2d_mesh
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=WORLD_TIMEOUT_S))

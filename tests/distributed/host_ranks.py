@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, transport
+from lightning_rec.plans.mesh import init_2d_mesh
 from lightning_rec.sharding import (
     ShardingPlan,
     column_wise,
@@ -39,7 +40,6 @@ from lightning_rec.sharding import (
     shard_modules,
     table_wise,
 )
-from lightning_rec.sharding.mesh import init_2d_mesh
 from lightning_rec.transport import shm as _shm
 from tests.distributed.cases import ALL_TYPES, random_case, random_placement
 from tests.distributed.test_sharded_equivalence import _check_case

@@ -24,8 +24,8 @@ from lightning_rec.distributed import (
     in_backward_optimizer_filter,
 )
 from lightning_rec.models.dlrm import DLRM, DLRMTrain
+from lightning_rec.pipeline.state_dict import full_state_dict
 from lightning_rec.sharding import ShardingPlan, column_wise, row_wise, table_wise
-from lightning_rec.sharding.state import full_state_dict
 from lightning_rec.testing import run_distributed
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "from_torchrec.py"

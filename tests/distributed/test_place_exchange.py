@@ -1,4 +1,4 @@
-"""Placing pooled rows straight out of the exchange (sharding/place.py) gives the bits of the two-step path.
+"""Placing pooled rows straight out of the exchange (pipeline/output_dist.py) gives the bits of the two-step path.
 
 The two-step path is the one every other test checks against plain embedding_bag: the output all-to-all into
 a flat buffer (``dists.pooled_output_dist``), then ``place_columns``. Here both run on the same random layouts
@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_rec.sharding import dists
-from lightning_rec.sharding.layout import ShardMeta, offsets_of
-from lightning_rec.sharding.place import exchange_and_place, place_columns
-from lightning_rec.sharding.routing import build_routing
+from lightning_rec.pipeline import input_dist as dists
+from lightning_rec.pipeline.output_dist import exchange_and_place, place_columns
+from lightning_rec.pipeline.routing import build_routing
+from lightning_rec.plans.shard_geometry import ShardMeta, offsets_of
 from lightning_rec.testing import run_distributed
 from lightning_rec.transport import shm
 

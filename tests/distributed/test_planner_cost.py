@@ -39,7 +39,7 @@ def _fit_with_summary(rank: int, world: int, tables_optimizer: str) -> dict:
 
     from lightning_rec.callbacks import ShardingSummary
     from lightning_rec.optim import CombinedOptimizer
-    from lightning_rec.sharding.sharded import _ShardedCollection
+    from lightning_rec.pipeline.shard_modules import _ShardedCollection
     from tests.lightning.models import ClickModule
 
     class TwoOptimizers(ClickModule):

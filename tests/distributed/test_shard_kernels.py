@@ -22,6 +22,7 @@ from lightning_rec import (
     kernels,
 )
 from lightning_rec.kernels import _capability, _grouped
+from lightning_rec.plans.mesh import init_2d_mesh
 from lightning_rec.sharding import (
     ShardingPlan,
     column_wise,
@@ -34,7 +35,6 @@ from lightning_rec.sharding import (
     table_row_wise,
     table_wise,
 )
-from lightning_rec.sharding.mesh import init_2d_mesh
 from lightning_rec.testing import run_distributed
 
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -14,6 +14,7 @@ import warnings
 import torch
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig
+from lightning_rec.pipeline import materialize as collection_mod
 from lightning_rec.sharding import (
     ShardingPlan,
     column_wise,
@@ -25,7 +26,6 @@ from lightning_rec.sharding import (
     table_row_wise,
     table_wise,
 )
-from lightning_rec.sharding import materialize as collection_mod
 from lightning_rec.sparse import KeyedJaggedTensor
 from lightning_rec.testing import run_distributed
 

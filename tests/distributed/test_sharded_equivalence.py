@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingCollection, PoolingType
+from lightning_rec.plans.mesh import init_2d_mesh
 from lightning_rec.sharding import ShardingPlan, data_parallel, full_state_dict, fused_optimizer, shard_modules
-from lightning_rec.sharding.mesh import init_2d_mesh
 from lightning_rec.testing import run_distributed
 from tests.distributed.cases import ALL_TYPES, ROW_WHOLE_TYPES, batch, loss_coefficients, random_case
 

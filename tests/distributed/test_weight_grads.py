@@ -2,7 +2,7 @@
 gradient one process computes with plain ``F.embedding_bag``.
 
 They take their own paths: a differentiable all-to-all to the shard owners (model-parallel tables), and for
-fused data-parallel tables a differentiable gather into the union batch (``sharding/fused.py``).
+fused data-parallel tables a differentiable gather into the union batch (``pipeline/fused_lookup.py``).
 """
 
 from __future__ import annotations

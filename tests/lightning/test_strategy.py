@@ -84,7 +84,7 @@ def test_registered_name_and_errors() -> None:
     with pytest.raises(ValueError, match="embedding_grad"):
         RecShardedStrategy(embedding_grad="avg")
     with pytest.raises(ValueError, match=r"data_parallel_size \(3\) x model_parallel_size \(2\) != world size \(4\)"):
-        from lightning_rec.sharding.mesh import check_layout
+        from lightning_rec.plans.mesh import check_layout
 
         check_layout(4, 2, 3)
 

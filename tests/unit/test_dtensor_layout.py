@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 
 import lightning_rec
-from lightning_rec.sharding.layout import ShardMeta, dtensor_placement
+from lightning_rec.plans.shard_geometry import ShardMeta, dtensor_placement
 
 PACKAGE = Path(lightning_rec.__file__).parent
 

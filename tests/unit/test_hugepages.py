@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_rec.kernels import FusedPooledKernel
-from lightning_rec.kernels import _hugepages as hp
+from lightning_rec.memory import huge_pages as hp
 from lightning_rec.optim import FusedOptimizer
 
 MIB = 1 << 20

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from lightning_rec import KeyedJaggedTensor
-from lightning_rec.sharding import dists
-from lightning_rec.sharding.layout import ShardMeta
-from lightning_rec.sharding.routing import build_routing
+from lightning_rec.pipeline import input_dist as dists
+from lightning_rec.pipeline.routing import build_routing
+from lightning_rec.plans.shard_geometry import ShardMeta
 
 
 def _expected(kjt: KeyedJaggedTensor, weights, routing):

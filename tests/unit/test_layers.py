@@ -17,12 +17,15 @@ MAX_LINES = 520
 # module prefix (dotted, relative to lightning_rec) -> layer; the longest matching prefix wins
 LAYERS = {
     "_compat": 0,
-    "sparse": 1, "configs": 1,
-    "fused_kinds": 1, "sharding.layout": 1, "sharding.types": 1,
-    "kernels": 2, "modules": 2,
+    "sparse": 1, "configs": 1, "memory": 1,
+    "fused_kinds": 1, "plans.shard_geometry": 1, "plans.kinds": 1,
+    "kernels": 2, "embedding_modules": 2,
     "optim": 3, "transport": 3,
-    "sharding": 4, "mc": 4, "data": 4,
-    "checkpoint": 5, "export": 5, "distributed": 5, "strategy": 5, "fabric": 5, "uneven": 5, "preemption": 5, "shard_setup": 5, "table_optimizers": 5, "module": 5, "callbacks": 5, "metrics": 5, "testing": 5,
+    "plans": 4, "pipeline": 4, "mc": 4, "data": 4,
+    # the public facade of plans and pipeline: re-exports only
+    "sharding": 5,
+    "checkpoint": 5, "export": 5, "distributed": 5, "strategy": 5, "fabric": 5, "uneven": 5, "preemption": 5,
+    "shard_setup": 5, "table_optimizers": 5, "rec_module": 5, "callbacks": 5, "metrics": 5, "testing": 5,
     "models": 6, "nn": 6,
     "cli": 7, "__init__": 7,
 }

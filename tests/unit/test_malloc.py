@@ -1,4 +1,4 @@
-"""kernels/_malloc.py: after keep_freed_memory, a step's large tensors reuse freed memory (no fresh page faults)."""
+"""memory/malloc.py: after keep_freed_memory, a step's large tensors reuse freed memory (no fresh page faults)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from lightning_rec.kernels import _malloc
+from lightning_rec.memory import malloc as _malloc
 
 _glibc_linux = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 

@@ -11,7 +11,7 @@ from lightning_rec.data import ClickDataModule, CriteoNpy, CriteoParquet, Criteo
 from lightning_rec.data.convert import convert
 from lightning_rec.models import DLRM
 from lightning_rec.models.lightning_dlrm import bucket_aligned_rows, managed_tables, tables_from_cardinalities
-from lightning_rec.sharding.types import ShardingType
+from lightning_rec.plans.kinds import ShardingType
 from tests.unit.test_data_readers import CARDS, flat, reference, write_lines
 
 

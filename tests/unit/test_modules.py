@@ -26,7 +26,7 @@ from lightning_rec import (
     KeyedTensor,
     PoolingType,
 )
-from lightning_rec.modules import FeatureLayout
+from lightning_rec.embedding_modules import FeatureLayout
 
 # fbgemm's dense CPU backward is correct but warns that it has no autograd kernel (docs/ARCHITECTURE.md, fbgemm pitfalls).
 pytestmark = pytest.mark.filterwarnings("ignore:.*an autograd kernel was not registered")

@@ -15,6 +15,9 @@ from hypothesis import strategies as st
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_rec.configs import ShardingType
+from lightning_rec.plans.kinds import KINDS, PLACEMENT_FIELDS, kind_of, placement_of
+from lightning_rec.plans.plan import resolve_module_plan, resolve_table
+from lightning_rec.plans.shard_geometry import ShardMeta, even_split
 from lightning_rec.sharding import (
     ParameterSharding,
     ShardingPlan,
@@ -26,9 +29,6 @@ from lightning_rec.sharding import (
     table_row_wise,
     table_wise,
 )
-from lightning_rec.sharding.layout import ShardMeta, even_split
-from lightning_rec.sharding.plan import resolve_module_plan, resolve_table
-from lightning_rec.sharding.types import KINDS, PLACEMENT_FIELDS, kind_of, placement_of
 
 DIMS = (1, 2, 3, 4, 6, 8, 12)
 ALL_TYPES = tuple(s.value for s in ShardingType)
@@ -396,7 +396,7 @@ def test_numpy_integers_are_accepted() -> None:
     assert [s.rows for s in shards] == [4, 0, 6, 0]
 
 
-# -- one kind per sharding type (sharding/types.py) -------------------------------------------------------
+# -- one kind per sharding type (plans/kinds.py) -------------------------------------------------------
 def test_every_sharding_type_has_exactly_one_kind() -> None:
     assert list(KINDS) == list(ShardingType)
     assert [k.sharding_type for k in KINDS.values()] == list(ShardingType)

@@ -30,13 +30,13 @@ from lightning_rec.distributed import (
     apply_optimizer_in_backward,
     get_module_to_default_sharders,
 )
-from lightning_rec.sharding import EnumerableShardingSpec, ShardMetadata, ShardPlacement
-from lightning_rec.sharding.plan import (
+from lightning_rec.plans.plan import (
     _calculate_rw_shard_sizes_and_offsets,
     _calculate_uneven_rw_shard_sizes_and_offsets,
     resolve_table,
     shard_placement,
 )
+from lightning_rec.sharding import EnumerableShardingSpec, ShardMetadata, ShardPlacement
 
 
 def _ebc(*shapes: tuple[int, int]) -> EmbeddingBagCollection:

@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingConfig, ShardingType
-from lightning_rec.modules import check_tables
+from lightning_rec.embedding_modules import check_tables
+from lightning_rec.plans.mesh import MeshInfo, resolve_local_size
+from lightning_rec.plans.plan import resolve_module_plan, resolve_table
+from lightning_rec.plans.planner import OPTIMIZER_STATE, CostModel, automatic_plan, parse_bytes
 from lightning_rec.sharding import (
     Planner,
     PlannerError,
@@ -24,9 +27,6 @@ from lightning_rec.sharding import (
     table_row_wise,
     table_wise,
 )
-from lightning_rec.sharding.mesh import MeshInfo, resolve_local_size
-from lightning_rec.sharding.plan import resolve_module_plan, resolve_table
-from lightning_rec.sharding.planner import OPTIMIZER_STATE, CostModel, automatic_plan, parse_bytes
 
 DT = (torch.float32, torch.float16, torch.bfloat16)
 

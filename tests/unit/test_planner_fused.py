@@ -7,10 +7,10 @@ import pytest
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_rec.fused_kinds import as_spec
+from lightning_rec.pipeline.fused_lookup import check_fused
+from lightning_rec.plans.plan import resolve_table
+from lightning_rec.plans.planner import automatic_plan
 from lightning_rec.sharding import PlannerError, ShardingPlan, TableConstraint, column_wise, table_wise
-from lightning_rec.sharding.fused import check_fused
-from lightning_rec.sharding.plan import resolve_table
-from lightning_rec.sharding.planner import automatic_plan
 
 SPECS = [{"kind": "sgd", "lr": 0.1}, {"kind": "adagrad", "lr": 0.1}, {"kind": "rowwise_adagrad", "lr": 0.1}]
 
@@ -20,7 +20,7 @@ def _tables(dim: int, n: int = 3) -> list[EmbeddingBagConfig]:
 
 
 def _sharding_accepts(tables, plan: ShardingPlan, group: int, local: int, spec) -> None:
-    # what a sharded collection checks at construction, before it allocates (sharding/collection.py)
+    # what a sharded collection checks at construction, before it allocates (pipeline/sharded_collection.py)
     shards = {t.name: resolve_table(t, plan.plan[""][t.name], group, local) for t in tables}
     check_fused("embedding_bags", tables, shards, as_spec(spec))
 

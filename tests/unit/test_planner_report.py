@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lightning_rec import EmbeddingBagConfig
+from lightning_rec.plans.planner import TIME_PARTS
 from lightning_rec.sharding import Planner, ShardingPlan, TableConstraint, Topology, column_wise, data_parallel
-from lightning_rec.sharding.planner import TIME_PARTS
 
 WIDTH = 100
 

@@ -15,6 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_rec import EmbeddingBagConfig, EmbeddingConfig
+from lightning_rec.plans.kinds import KINDS
+from lightning_rec.plans.planner import OPTIMIZER_STATE
+from lightning_rec.plans.planner.candidates import Candidate, in_host_memory
+from lightning_rec.plans.planner.terms import Terms, load_of, placement_terms, prepare, whole
+from lightning_rec.plans.planner.topology import human_bytes
 from lightning_rec.sharding import (
     Planner,
     PlannerError,
@@ -28,11 +33,6 @@ from lightning_rec.sharding import (
     table_row_wise,
     table_wise,
 )
-from lightning_rec.sharding.planner import OPTIMIZER_STATE
-from lightning_rec.sharding.planner.candidates import Candidate, in_host_memory
-from lightning_rec.sharding.planner.terms import Terms, load_of, placement_terms, prepare, whole
-from lightning_rec.sharding.planner.topology import human_bytes
-from lightning_rec.sharding.types import KINDS
 
 LAYOUTS = [(1, 1), (2, 1), (4, 2), (8, 4), (12, 3), (16, 8), (96, 6), (130, 13), (256, 8)]
 

@@ -23,6 +23,7 @@ from lightning_rec.distributed import (
 )
 from lightning_rec.fused_kinds import FusedOptimizerSpec
 from lightning_rec.models.dlrm import DLRM, DLRMTrain
+from lightning_rec.plans.plan import resolve_table
 from lightning_rec.sharding import (
     ParameterSharding,
     column_wise,
@@ -34,7 +35,6 @@ from lightning_rec.sharding import (
     table_row_wise,
     table_wise,
 )
-from lightning_rec.sharding.plan import resolve_table
 
 
 def _ebc(*shapes: tuple[int, int]) -> EmbeddingBagCollection:

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from lightning_rec import _compat
-from lightning_rec.sharding.agreement import _mismatch_message, describe_table
-from lightning_rec.sharding.dists import Received, regroup
-from lightning_rec.sharding.layout import ShardMeta
-from lightning_rec.sharding.place import place_columns as _place_columns
-from lightning_rec.sharding.routing import Route, _runs, build_routing
+from lightning_rec.pipeline.agreement import _mismatch_message, describe_table
+from lightning_rec.pipeline.input_dist import Received, regroup
+from lightning_rec.pipeline.output_dist import place_columns as _place_columns
+from lightning_rec.pipeline.routing import Route, _runs, build_routing
+from lightning_rec.plans.shard_geometry import ShardMeta
 
 
 def _colmap(rt) -> list[int]:

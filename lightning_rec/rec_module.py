@@ -14,9 +14,13 @@ from torch import nn
 
 from lightning_rec import _compat
 from lightning_rec import checkpoint as ckpt
-from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
-from lightning_rec.sharding.plan import ShardingPlan
-from lightning_rec.sharding.sharded import ShardedEmbeddingBagCollection, ShardedEmbeddingCollection, fused_optimizer
+from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from lightning_rec.pipeline.shard_modules import (
+    ShardedEmbeddingBagCollection,
+    ShardedEmbeddingCollection,
+    fused_optimizer,
+)
+from lightning_rec.plans.plan import ShardingPlan
 
 _COLLECTIONS = (EmbeddingBagCollection, EmbeddingCollection, ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_rec.configs import ShardingType
-from lightning_rec.sharding.layout import Tiling
-from lightning_rec.sharding.planner.cost import MEMORY_PARTS, CostModel, Load, TableStats
-from lightning_rec.sharding.types import KINDS, ParameterSharding
+from lightning_rec.plans.kinds import KINDS, ParameterSharding
+from lightning_rec.plans.planner.cost import MEMORY_PARTS, CostModel, Load, TableStats
+from lightning_rec.plans.shard_geometry import Tiling
 
 _CACHED_SHARDS = 64  # shapes with at most this many shards are kept per table (probe, candidate and base reuse)
 

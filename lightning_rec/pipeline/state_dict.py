@@ -14,11 +14,11 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_rec import _compat
-from lightning_rec.sharding import layout
-from lightning_rec.sharding.layout import ShardMeta
+from lightning_rec.plans import shard_geometry as layout
+from lightning_rec.plans.shard_geometry import ShardMeta
 
 if TYPE_CHECKING:
-    from lightning_rec.sharding.sharded import ShardedCollection
+    from lightning_rec.pipeline.shard_modules import ShardedCollection
 
 
 def table_key(module: ShardedCollection, name: str, prefix: str = "") -> str:

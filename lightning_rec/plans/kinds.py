@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
-from lightning_rec.sharding.layout import ShardMeta, Tiling, even_blocks
+from lightning_rec.plans.shard_geometry import ShardMeta, Tiling, even_blocks
 
 #: the optional fields of ParameterSharding that say where shards go
 PLACEMENT_FIELDS = ("ranks", "row_sizes", "col_sizes", "host_indexes")

@@ -5,10 +5,10 @@
 the sharding kinds may use, scored), ``search`` (the :class:`Planner`), ``report`` (:class:`PlanReport`).
 """
 
-from lightning_rec.sharding.planner.cost import GRADIENTS, MEMORY_PARTS, OPTIMIZER_STATE, TIME_PARTS, CostModel
-from lightning_rec.sharding.planner.report import PlanReport, TableChoice, placement_label
-from lightning_rec.sharding.planner.search import PlacedCollection, Planner, automatic_plan
-from lightning_rec.sharding.planner.topology import Hardware, PlannerError, TableConstraint, Topology, parse_bytes
+from lightning_rec.plans.planner.cost import GRADIENTS, MEMORY_PARTS, OPTIMIZER_STATE, TIME_PARTS, CostModel
+from lightning_rec.plans.planner.report import PlanReport, TableChoice, placement_label
+from lightning_rec.plans.planner.search import PlacedCollection, Planner, automatic_plan
+from lightning_rec.plans.planner.topology import Hardware, PlannerError, TableConstraint, Topology, parse_bytes
 
 __all__ = [
     "GRADIENTS",

@@ -19,10 +19,10 @@ from lightning_rec.fused_kinds import as_spec
 from lightning_rec.kernels._accumulate import MicroBatch, deferred_lookup, union_of
 from lightning_rec.kernels._capability import check_fused_available, fbgemm_training
 from lightning_rec.kernels._guards import _FusedBackwardGuard, _FusedStepCounter, _ScaleGrad
-from lightning_rec.kernels._hugepages import zero_into_huge_pages
 from lightning_rec.kernels._ids import check_ids, check_offsets
-from lightning_rec.kernels._malloc import keep_freed_memory
 from lightning_rec.kernels._tables import FusedTable, unexpected_table_keys
+from lightning_rec.memory.huge_pages import zero_into_huge_pages
+from lightning_rec.memory.malloc import keep_freed_memory
 
 
 def _as_int(x):
@@ -91,7 +91,7 @@ class FusedPooledKernel(torch.nn.Module):
         tbe_ops = fbgemm_training()
         on_cpu = dev.type == "cpu"
         if on_cpu:
-            keep_freed_memory()  # kernels/_malloc.py: the step's large tensors reuse memory, not fresh pages
+            keep_freed_memory()  # memory/malloc.py: the step's large tensors reuse memory, not fresh pages
         location = tbe_ops.EmbeddingLocation.HOST if on_cpu else tbe_ops.EmbeddingLocation.DEVICE
         compute = tbe_ops.ComputeDevice.CPU if on_cpu else tbe_ops.ComputeDevice.CUDA
         precision = tbe_ops.SparseType.FP32 if dtype == torch.float32 else tbe_ops.SparseType.FP16
@@ -141,7 +141,7 @@ class FusedPooledKernel(torch.nn.Module):
         self._anchor = torch.zeros(0, device=dev, requires_grad=True)
 
         host = getattr(tbe, "weights_host", None)
-        if on_cpu and isinstance(host, torch.Tensor):  # the fill below faults in 2 MiB pages (kernels/_hugepages.py)
+        if on_cpu and isinstance(host, torch.Tensor):  # the fill below faults in 2 MiB pages (memory/huge_pages.py)
             zero_into_huge_pages(host.data)
         views = tbe.split_embedding_weights()
         with torch.no_grad():

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_rec import transport
-from lightning_rec.sharding.routing import RoutingTable
+from lightning_rec.pipeline.routing import RoutingTable
 
 Part = tuple  # (source, first element in it, width, column groups, adds): one [b, width] block of the output
 

@@ -2,7 +2,7 @@
 slowest rank grows least (ties: less total work, then the earlier candidate), among placements that fit
 every rank's memory. Deterministic for the same inputs.
 
-Which placements are tried for a table is each sharding kind's business (``sharding/types.py``); this
+Which placements are tried for a table is each sharding kind's business (``plans/kinds.py``); this
 module scores them with the cost model and keeps the best.
 """
 
@@ -15,15 +15,15 @@ import numpy as np
 
 from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
 from lightning_rec.fused_kinds import as_spec
-from lightning_rec.sharding.fused import fused_width_problem
-from lightning_rec.sharding.plan import ShardingPlan, data_parallel, resolve_table, table_wise
-from lightning_rec.sharding.planner.candidates import Candidate, Probes, Space, divisors, in_host_memory, score, why
-from lightning_rec.sharding.planner.cost import GRADIENTS, OPTIMIZER_STATE, CostModel, Load, TableStats
-from lightning_rec.sharding.planner.inputs import PlacedCollection, plan_entries, table_stats
-from lightning_rec.sharding.planner.report import PlanReport, TableChoice, placement_label
-from lightning_rec.sharding.planner.terms import load_of, placement_terms, prepare, whole
-from lightning_rec.sharding.planner.topology import PlannerError, TableConstraint, Topology, human_bytes
-from lightning_rec.sharding.types import KINDS, ParameterSharding, placement_of
+from lightning_rec.pipeline.fused_lookup import fused_width_problem
+from lightning_rec.plans.kinds import KINDS, ParameterSharding, placement_of
+from lightning_rec.plans.plan import ShardingPlan, data_parallel, resolve_table, table_wise
+from lightning_rec.plans.planner.candidates import Candidate, Probes, Space, divisors, in_host_memory, score, why
+from lightning_rec.plans.planner.cost import GRADIENTS, OPTIMIZER_STATE, CostModel, Load, TableStats
+from lightning_rec.plans.planner.inputs import PlacedCollection, plan_entries, table_stats
+from lightning_rec.plans.planner.report import PlanReport, TableChoice, placement_label
+from lightning_rec.plans.planner.terms import load_of, placement_terms, prepare, whole
+from lightning_rec.plans.planner.topology import PlannerError, TableConstraint, Topology, human_bytes
 
 
 class Planner:

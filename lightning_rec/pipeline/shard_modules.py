@@ -33,18 +33,20 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_rec import _compat, kernels
+from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.fused_kinds import as_spec
-from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.optim import FusedOptimizer
-from lightning_rec.sharding import comm, dists, place
-from lightning_rec.sharding.agreement import check_agreement, describe_table
-from lightning_rec.sharding.collection import ShardedCollection
-from lightning_rec.sharding.dists import Received
-from lightning_rec.sharding.layout import offsets_of
-from lightning_rec.sharding.materialize import target_device
-from lightning_rec.sharding.plan import ShardingPlan, default_local_size, resolve_module_plan
-from lightning_rec.sharding.planner import automatic_plan
-from lightning_rec.sharding.state import full_state_dict
+from lightning_rec.pipeline import collectives as comm
+from lightning_rec.pipeline import input_dist as dists
+from lightning_rec.pipeline import output_dist as place
+from lightning_rec.pipeline.agreement import check_agreement, describe_table
+from lightning_rec.pipeline.input_dist import Received
+from lightning_rec.pipeline.materialize import target_device
+from lightning_rec.pipeline.sharded_collection import ShardedCollection
+from lightning_rec.pipeline.state_dict import full_state_dict
+from lightning_rec.plans.plan import ShardingPlan, default_local_size, resolve_module_plan
+from lightning_rec.plans.planner import automatic_plan
+from lightning_rec.plans.shard_geometry import offsets_of
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor, offsets_from_lengths
 
 __all__ = [

@@ -1,6 +1,6 @@
 """The cost model: one training step's time and the memory of every rank, for a placement of a table.
 
-It follows what the sharded pipeline actually does (``sharding/sharded.py``, ``sharding/comm.py``):
+It follows what the sharded pipeline actually does (``pipeline/shard_modules.py``, ``pipeline/collectives.py``):
 
 * a sharded table's owner of a row block receives ``M x batch x ids_per_sample x row_fraction`` ids
   (every rank of the group sends its own), looks them up on its columns and updates what the gradient
@@ -26,9 +26,9 @@ import numpy as np
 
 from lightning_rec.configs import BaseEmbeddingConfig
 from lightning_rec.fused_kinds import FUSED_KINDS
-from lightning_rec.sharding.layout import ShardMeta
-from lightning_rec.sharding.planner.topology import Topology
-from lightning_rec.sharding.types import KINDS, ParameterSharding
+from lightning_rec.plans.kinds import KINDS, ParameterSharding
+from lightning_rec.plans.planner.topology import Topology
+from lightning_rec.plans.shard_geometry import ShardMeta
 
 #: optimizer kind -> (fp32 state values per weight value, fp32 state values per row)
 #: optimizer kind -> (state values per weight value, state values per row): the fused kinds from their table,

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_rec.configs import BaseEmbeddingConfig
-from lightning_rec.sharding import comm
-from lightning_rec.sharding.layout import ShardMeta
+from lightning_rec.pipeline import collectives as comm
+from lightning_rec.plans.shard_geometry import ShardMeta
 
 _DEVICE_TYPES = ("cpu", "cuda")
 

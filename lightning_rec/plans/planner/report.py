@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lightning_rec.sharding.plan import ShardingPlan
-from lightning_rec.sharding.planner.cost import MEMORY_PARTS, TIME_PARTS
-from lightning_rec.sharding.planner.topology import Topology, human_bytes
-from lightning_rec.sharding.types import KINDS, ParameterSharding
+from lightning_rec.plans.kinds import KINDS, ParameterSharding
+from lightning_rec.plans.plan import ShardingPlan
+from lightning_rec.plans.planner.cost import MEMORY_PARTS, TIME_PARTS
+from lightning_rec.plans.planner.topology import Topology, human_bytes
 
 
 def placement_label(ps: ParameterSharding) -> str:

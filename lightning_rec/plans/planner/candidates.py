@@ -8,10 +8,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from lightning_rec.configs import ShardingType
-from lightning_rec.sharding.planner.cost import MEMORY_PARTS, CostModel, Load, TableStats
-from lightning_rec.sharding.planner.terms import Terms, probe_memory, probe_need
-from lightning_rec.sharding.planner.topology import Topology, human_bytes
-from lightning_rec.sharding.types import ParameterSharding
+from lightning_rec.plans.kinds import ParameterSharding
+from lightning_rec.plans.planner.cost import MEMORY_PARTS, CostModel, Load, TableStats
+from lightning_rec.plans.planner.terms import Terms, probe_memory, probe_need
+from lightning_rec.plans.planner.topology import Topology, human_bytes
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The two communication stages of the sharded pipeline: input dist (ids to shard owners) and output dist.
 
-Both are plain functions of a :class:`~lightning_rec.sharding.routing.RoutingTable` and a process group;
+Both are plain functions of a :class:`~lightning_rec.pipeline.routing.RoutingTable` and a process group;
 the sharded collections call them as ``input_dist -> lookup -> output_dist`` (see
 docs/ARCHITECTURE.md, "One lookup, walked through"). Every tensor they create lives on ``device``, the
 module's device, so the same code runs over gloo on CPU and over NCCL (or gloo) on CUDA. Under
@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from lightning_rec import transport
 from lightning_rec.kernels import has_fbgemm_op, load_fbgemm
-from lightning_rec.sharding import comm
-from lightning_rec.sharding.layout import offsets_of
-from lightning_rec.sharding.routing import KEY_SPAN, RoutingTable
+from lightning_rec.pipeline import collectives as comm
+from lightning_rec.pipeline.routing import KEY_SPAN, RoutingTable
+from lightning_rec.plans.shard_geometry import offsets_of
 from lightning_rec.sparse import KeyedJaggedTensor, offsets_from_lengths, segment_gather_index
 
 RowKey = Callable[[torch.Tensor], torch.Tensor]  # raw ids -> a global row of the block that owns each id

@@ -17,14 +17,15 @@ from torch import nn
 
 from lightning_rec import _compat, kernels
 from lightning_rec.configs import BaseEmbeddingConfig
+from lightning_rec.embedding_modules import FeatureLayout, Table
 from lightning_rec.fused_kinds import as_spec
-from lightning_rec.modules import FeatureLayout, Table
-from lightning_rec.sharding import comm, dists, state
-from lightning_rec.sharding.dists import Received
-from lightning_rec.sharding.fused import build_kernels, check_fused, union_lookup
-from lightning_rec.sharding.grad_mode import DataParallelGradMode
-from lightning_rec.sharding.layout import ShardMeta
-from lightning_rec.sharding.materialize import (
+from lightning_rec.pipeline import collectives as comm
+from lightning_rec.pipeline import input_dist as dists
+from lightning_rec.pipeline import state_dict as state
+from lightning_rec.pipeline.dp_sparse_grad import DataParallelGradMode
+from lightning_rec.pipeline.fused_lookup import build_kernels, check_fused, union_lookup
+from lightning_rec.pipeline.input_dist import Received
+from lightning_rec.pipeline.materialize import (
     broadcast_from_first,
     filler,
     materialize,
@@ -32,7 +33,8 @@ from lightning_rec.sharding.materialize import (
     target_device,
     warn_large_tables,
 )
-from lightning_rec.sharding.routing import RoutingTable, build_routing
+from lightning_rec.pipeline.routing import RoutingTable, build_routing
+from lightning_rec.plans.shard_geometry import ShardMeta
 from lightning_rec.sparse import KeyedJaggedTensor, checks_enabled
 
 _MAX_PREFETCHED = 4  # batches whose input dist may wait for their forward (a pipeline keeps one or two)
@@ -63,7 +65,7 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
     """Shared machinery of the sharded pooled and sequence collections.
 
     ``forward`` is three stages, :meth:`input_dist` -> :meth:`lookup` -> :meth:`output_dist`, driven by a
-    frozen :class:`~lightning_rec.sharding.routing.RoutingTable`; data-parallel tables skip them. Other
+    frozen :class:`~lightning_rec.pipeline.routing.RoutingTable`; data-parallel tables skip them. Other
     modules read a sharded collection only through the read-only accessors below and
     ``sharded_collections(model)``; everything underscored is this module's own.
     """
@@ -116,7 +118,7 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         self._prefetched: list[tuple[KeyedJaggedTensor, tuple[int, ...], _Begun]] = []  # see prefetch_input_dist
         dev = self._device = target_device(module, device)
         if dev.type == "cpu":
-            kernels.keep_freed_memory()  # kernels/_malloc.py
+            kernels.keep_freed_memory()  # memory/malloc.py
         peers = peer_devices or {}
         self._peer_devices = [peers.get(g, dev) for g in self._global_ranks]
 

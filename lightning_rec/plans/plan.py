@@ -15,15 +15,15 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
-from lightning_rec.sharding.layout import ShardMeta, even_split, offsets_of
-from lightning_rec.sharding.mesh import default_local_size
-from lightning_rec.sharding.types import (
+from lightning_rec.plans.kinds import (
     KINDS,
     PLACEMENT_FIELDS,
     EnumerableShardingSpec,
     ParameterSharding,
     ShardMetadata,
 )
+from lightning_rec.plans.mesh import default_local_size
+from lightning_rec.plans.shard_geometry import ShardMeta, even_split, offsets_of
 
 
 # -- helpers (TorchRec names and argument orders) ------------------------------------------------------

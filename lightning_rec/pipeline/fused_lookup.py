@@ -12,9 +12,10 @@ import torch.distributed as dist
 from lightning_rec import kernels
 from lightning_rec.configs import BaseEmbeddingConfig
 from lightning_rec.fused_kinds import FusedOptimizerSpec
-from lightning_rec.sharding import comm, dists
-from lightning_rec.sharding.layout import ShardMeta
-from lightning_rec.sharding.routing import RoutingTable
+from lightning_rec.pipeline import collectives as comm
+from lightning_rec.pipeline import input_dist as dists
+from lightning_rec.pipeline.routing import RoutingTable
+from lightning_rec.plans.shard_geometry import ShardMeta
 from lightning_rec.sparse import offsets_from_lengths, segment_gather_index
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_rec import _compat
 from lightning_rec.configs import BaseEmbeddingConfig
-from lightning_rec.sharding.layout import ShardMeta
+from lightning_rec.plans.shard_geometry import ShardMeta
 
 
 def broadcast_from_first(w: torch.Tensor, group: dist.ProcessGroup) -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_rec.sharding.sharded import sharded_collections
+from lightning_rec.pipeline.shard_modules import sharded_collections
 
 
 def _norm_power(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:

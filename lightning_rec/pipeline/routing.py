@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_rec.sharding.layout import ShardMeta, offsets_of
+from lightning_rec.plans.shard_geometry import ShardMeta, offsets_of
 
 # Row blocks of every feature live in one key space, ``feature * KEY_SPAN + row``, so that one searchsorted
 # buckets the ids of all features at once. An id outside its table (only possible with checks off) keeps

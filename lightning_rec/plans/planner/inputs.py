@@ -9,9 +9,9 @@ from typing import Protocol, runtime_checkable
 from torch import nn
 
 from lightning_rec.configs import BaseEmbeddingConfig, PoolingType
-from lightning_rec.modules import EmbeddingBagCollection, EmbeddingCollection, check_tables
-from lightning_rec.sharding.planner.cost import OPTIMIZER_STATE, TableStats
-from lightning_rec.sharding.planner.topology import Topology
+from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, check_tables
+from lightning_rec.plans.planner.cost import OPTIMIZER_STATE, TableStats
+from lightning_rec.plans.planner.topology import Topology
 
 
 @runtime_checkable

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from lightning_rec.configs import ShardingType
-from lightning_rec.sharding.mesh import MeshInfo
-from lightning_rec.sharding.types import ParameterSharding
+from lightning_rec.plans.kinds import ParameterSharding
+from lightning_rec.plans.mesh import MeshInfo
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
