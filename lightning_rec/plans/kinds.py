@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numbers
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -134,7 +134,7 @@ class ParameterSharding:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ParameterSharding):
             return NotImplemented
-        key = ("sharding_type", "compute_kernel", "ranks", "sharding_spec")
+        key: tuple[str, ...] = ("sharding_type", "compute_kernel", "ranks", "sharding_spec")
         if self.sharding_spec is None or other.sharding_spec is None:
             key += (*PLACEMENT_FIELDS, "num_buckets")
         return all(getattr(self, k) == getattr(other, k) for k in key)
@@ -165,12 +165,12 @@ class ParameterSharding:
                             f"{type(spec).__name__}")
 
 
-def _as_ints(table: str, field_name: str, values: object) -> list[int] | None:
+def _as_ints(table: str, field_name: str, values: Iterable[object] | None) -> list[int] | None:
     # numpy and other integral types are fine; bools, floats and strings are mistakes
     if values is None:
         return None
     out = []
-    for v in values:  # type: ignore[union-attr]
+    for v in values:
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise ValueError(f"table {table!r}: {field_name} must hold integers, got {v!r} in {list(values)}")
         out.append(int(v))
@@ -264,9 +264,9 @@ class ShardingKind:
                     f"table {name!r}: {field_name} does not apply to {self.sharding_type.value} "
                     f"(it takes {list(self.fields) or 'no options'})"
                 )
+        placement: dict[str, Any] = {f: _as_ints(name, f, getattr(ps, f)) for f in PLACEMENT_FIELDS}
         return ParameterSharding(
-            self.sharding_type, **{f: _as_ints(name, f, getattr(ps, f)) for f in PLACEMENT_FIELDS},
-            compute_kernel=ps.compute_kernel, num_buckets=ps.num_buckets,
+            self.sharding_type, **placement, compute_kernel=ps.compute_kernel, num_buckets=ps.num_buckets,
         )
 
     def tiling(self, table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int,

@@ -62,6 +62,7 @@ def check_layout(world_size: int, model_parallel_size: int | None, data_parallel
     if model_parallel_size is None and data_parallel_size is None:
         model_parallel_size = world_size
     if model_parallel_size is None:
+        assert data_parallel_size is not None  # both None was handled above
         if data_parallel_size <= 0 or world_size % data_parallel_size:
             raise ValueError(f"data_parallel_size={data_parallel_size} must divide the world size {world_size}")
         model_parallel_size = world_size // data_parallel_size

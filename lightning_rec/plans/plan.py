@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -37,16 +38,17 @@ def _check_device(device: str | None, what: str = "device") -> None:
         raise ValueError(f"{what} {device!r} is not a torch device type such as 'cpu' or 'cuda'") from None
 
 
+# the helpers pass compute_kernel=None through: ParameterSharding.__post_init__ reads it as "auto"
 def data_parallel(compute_kernel: str | None = None) -> ParameterSharding:
     """Full replica on every rank; gradients of the touched rows are summed across ranks."""
-    return ParameterSharding(ShardingType.DATA_PARALLEL, compute_kernel=compute_kernel)
+    return ParameterSharding(ShardingType.DATA_PARALLEL, compute_kernel=cast(str, compute_kernel))
 
 
 def table_wise(rank: int, device: str | None = None, compute_kernel: str | None = None) -> ParameterSharding:
     """The whole table on one rank of the model-parallel group (``device``: checked, the shard lives where the
     collection does)."""
     _check_device(device)
-    return ParameterSharding(ShardingType.TABLE_WISE, ranks=[rank], compute_kernel=compute_kernel)
+    return ParameterSharding(ShardingType.TABLE_WISE, ranks=[rank], compute_kernel=cast(str, compute_kernel))
 
 
 def row_wise(
@@ -64,7 +66,7 @@ def row_wise(
     if sizes_placement is not None and num_buckets is not None:
         raise ValueError("row_wise: give sizes_placement or num_buckets, not both")
     sizes = None if sizes_placement is None else list(sizes_placement)
-    return ParameterSharding(ShardingType.ROW_WISE, row_sizes=sizes, compute_kernel=compute_kernel,
+    return ParameterSharding(ShardingType.ROW_WISE, row_sizes=sizes, compute_kernel=cast(str, compute_kernel),
                              num_buckets=num_buckets)
 
 
@@ -93,13 +95,14 @@ def column_wise(
                              "collection all live on its device")
     return ParameterSharding(
         ShardingType.COLUMN_WISE, ranks=list(ranks), col_sizes=None if size_per_rank is None else list(size_per_rank),
-        compute_kernel=compute_kernel,
+        compute_kernel=cast(str, compute_kernel),
     )
 
 
 def table_row_wise(host_index: int, compute_kernel: str | None = None) -> ParameterSharding:
     """Rows split over the ranks of one host (``local_size`` consecutive ranks)."""
-    return ParameterSharding(ShardingType.TABLE_ROW_WISE, host_indexes=[host_index], compute_kernel=compute_kernel)
+    return ParameterSharding(ShardingType.TABLE_ROW_WISE, host_indexes=[host_index],
+                             compute_kernel=cast(str, compute_kernel))
 
 
 def table_column_wise(ranks: list[int], size_per_rank: list[int] | None = None,
@@ -107,7 +110,7 @@ def table_column_wise(ranks: list[int], size_per_rank: list[int] | None = None,
     """TorchRec's table-column-wise: column shards as :func:`column_wise`, on ranks of one host."""
     return ParameterSharding(ShardingType.TABLE_COLUMN_WISE, ranks=list(ranks),
                              col_sizes=None if size_per_rank is None else list(size_per_rank),
-                             compute_kernel=compute_kernel)
+                             compute_kernel=cast(str, compute_kernel))
 
 
 def grid_shard(host_indexes: list[int], size_per_shard: list[int] | None = None,
@@ -117,7 +120,7 @@ def grid_shard(host_indexes: list[int], size_per_shard: list[int] | None = None,
         ShardingType.GRID_SHARD,
         host_indexes=list(host_indexes),
         col_sizes=None if size_per_shard is None else list(size_per_shard),
-        compute_kernel=compute_kernel,
+        compute_kernel=cast(str, compute_kernel),
     )
 
 
@@ -274,12 +277,20 @@ def resolve_module_plan(
     return {t.name: resolve_table(t, module_plan[t.name], group_size, local_size) for t in tables}
 
 
+class _BagTables(Protocol):
+    def embedding_bag_configs(self) -> list[BaseEmbeddingConfig]: ...
+
+
+class _SequenceTables(Protocol):
+    def embedding_configs(self) -> list[BaseEmbeddingConfig]: ...
+
+
 def embedding_tables(module: nn.Module) -> list[BaseEmbeddingConfig]:
     """The table configs of an (unsharded or sharded) collection."""
     if hasattr(module, "embedding_bag_configs"):
-        return module.embedding_bag_configs()
+        return cast(_BagTables, module).embedding_bag_configs()
     if hasattr(module, "embedding_configs"):
-        return module.embedding_configs()
+        return cast(_SequenceTables, module).embedding_configs()
     raise TypeError(f"{type(module).__name__} is not an EmbeddingBagCollection or EmbeddingCollection")
 
 

@@ -3,7 +3,9 @@ fit and sort key from its terms (:func:`score`), and the report's reasons (:func
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import cast
 
 import numpy as np
 
@@ -37,8 +39,9 @@ class Space:
 
     def __init__(self, model: CostModel, topo: Topology, stats: list[TableStats], widths: list[int], tot: np.ndarray,
                  free: np.ndarray) -> None:
+        assert topo.model_parallel_size is not None and topo.local_size is not None  # resolved by Topology
         self.group_size, self.local_size, self.num_hosts = topo.model_parallel_size, topo.local_size, topo.num_hosts
-        self.column_shards = widths
+        self.column_shards: Sequence[int] = widths
         self._model, self._stats, self._tot, self._free = model, stats, tot, free
 
     def _need(self, probe: ParameterSharding, upto: int) -> np.ndarray:
@@ -73,7 +76,7 @@ class Space:
         need = self._need(probe, L)  # the probe's first host
         free = self._free.reshape(H, L)
         return self._lowest(_per_host(self._tot, H, L, np.maximum), _per_host(self._free, H, L, np.minimum),
-                            (free >= need).all(1), k)
+                            cast(np.ndarray, (free >= need).all(1)), k)
 
 
 def _per_host(x: np.ndarray, hosts: int, local: int, op) -> np.ndarray:
@@ -95,8 +98,9 @@ class Probes:
     """A ``CandidateSpace`` that puts every placement where its probe is: the shapes of a unit's candidates."""
 
     def __init__(self, topo: Topology, widths: list[int]) -> None:
+        assert topo.model_parallel_size is not None and topo.local_size is not None  # resolved by Topology
         self.group_size, self.local_size, self.num_hosts = topo.model_parallel_size, topo.local_size, topo.num_hosts
-        self.column_shards = widths
+        self.column_shards: Sequence[int] = widths
 
     def best_ranks(self, k: int, probe: ParameterSharding) -> list[int]:
         return list(probe.ranks or [])
@@ -113,14 +117,17 @@ def divisors(n: int) -> list[int]:
 def score(cands: list[tuple[int, Candidate]], topo: Topology, tot: np.ndarray, used: np.ndarray,
           host_used: np.ndarray, remaining: float, mode: str) -> None:
     """Each candidate's fit and sort key (ties: its index), from the per-rank time and memory placed so far."""
-    budget = np.inf if topo.device_memory is None else topo.device_memory
-    host_budget = np.inf if topo.host_memory is None else topo.host_memory
+    # Topology.__post_init__ parses sizes given as strings into bytes
+    budget: float = np.inf if topo.device_memory is None else cast(int, topo.device_memory)
+    host_budget: float = np.inf if topo.host_memory is None else cast(int, topo.host_memory)
+    assert topo.local_size is not None
     # a rank without a shard of the candidate keeps its memory: only the shards' ranks can newly overflow
     used_ok, used_max = bool((used <= budget).all()), used.max()
     host_ok = bool((host_used <= host_budget).all())
     M = len(tot)
     for n, c in cands:
         t = c.terms
+        assert t is not None  # the search computes a candidate's terms before scoring it
         c.new = new = t.time_after(tot, topo.local_size)
         after = used[t.ranks] + t.mem
         host_fits = host_ok if t.host is None else bool((host_used + t.host <= host_budget).all())
@@ -152,6 +159,7 @@ def shortfall(mem: np.ndarray, host: np.ndarray, budget: float, host_budget: flo
 def why(best: Candidate, other: Candidate) -> str:
     """Why ``other`` lost to ``best``, for the report."""
     b, o = best.new, other.new
+    assert b is not None and o is not None  # both were scored
     if o.max() > b.max():
         return f"slowest rank {1e3 * o.max():.3f} ms instead of {1e3 * b.max():.3f} ms"
     if o.sum() > b.sum():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal, overload
 
 import numpy as np
 
@@ -87,6 +88,8 @@ class CostModel:
     """Per-rank time and memory of placements on one topology, for ``batch_size`` samples per rank."""
 
     def __init__(self, topo: Topology, batch_size: int) -> None:
+        # Topology.__post_init__ resolves the defaulted fields
+        assert topo.hardware is not None and topo.model_parallel_size is not None and topo.local_size is not None
         self.topo, self.hw, self.B = topo, topo.hardware, batch_size
         self.M, self.local, self.R = topo.model_parallel_size, topo.local_size, topo.replicas
         self.H = topo.num_hosts
@@ -136,6 +139,21 @@ class CostModel:
             grads = 0 * ids
         return (rows * cols * s.elem, rows * s.state_bytes(cols), grads, ids * 16 + 2 * M * out_per * cols * s.wire)
 
+    @overload
+    def sharded(
+        self, s: TableStats, ranks: np.ndarray, rows: np.ndarray, cols: np.ndarray, offload: bool, col_blocks: int,
+        distinct: bool = ..., both: Literal[False] = ...,
+    ) -> Load: ...
+    @overload
+    def sharded(
+        self, s: TableStats, ranks: np.ndarray, rows: np.ndarray, cols: np.ndarray, offload: bool, col_blocks: int,
+        distinct: bool, both: Literal[True],
+    ) -> tuple[Load, Load]: ...
+    @overload
+    def sharded(
+        self, s: TableStats, ranks: np.ndarray, rows: np.ndarray, cols: np.ndarray, offload: bool, col_blocks: int,
+        distinct: bool = ..., both: bool = ...,
+    ) -> Load | tuple[Load, Load]: ...
     def sharded(
         self, s: TableStats, ranks: np.ndarray, rows: np.ndarray, cols: np.ndarray, offload: bool, col_blocks: int,
         distinct: bool = False, both: bool = False,

@@ -4,14 +4,15 @@ configs, checked as a collection checks them, and what the cost model needs of e
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 from torch import nn
 
-from lightning_rec.configs import BaseEmbeddingConfig, PoolingType
+from lightning_rec.configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, check_tables
 from lightning_rec.plans.planner.cost import OPTIMIZER_STATE, TableStats
 from lightning_rec.plans.planner.topology import Topology
+from lightning_rec.plans.shard_geometry import ShardMeta
 
 
 @runtime_checkable
@@ -39,7 +40,7 @@ def _configs_of(m) -> list:
 
 
 def plan_entries(model_or_tables: nn.Module | Sequence[BaseEmbeddingConfig],
-                 gradients: str | None) -> list[tuple[str, BaseEmbeddingConfig, str, object]]:
+                 gradients: str | None) -> list[tuple[str, BaseEmbeddingConfig, str, list[ShardMeta] | None]]:
     """(module path, config, gradients, sharded placement or None) for every table to plan or estimate."""
     if isinstance(model_or_tables, nn.Module):
         out = []
@@ -72,6 +73,8 @@ def table_stats(path: str, t: BaseEmbeddingConfig, grads: str, topology: Topolog
     ids = sum(pooling_factors.get(f, default_pooling_factor) for f in t.feature_names)
     backend = topology.backend or ("nccl" if topology.device == "cuda" else "gloo")
     # gloo carries bfloat16 as float32 (comm._wire_dtype); pooled outputs are at least the table's width
+    assert t.dtype is not None  # resolved by the config's __post_init__
     wire = 4 if backend == "gloo" and t.dtype.itemsize < 4 else t.dtype.itemsize
+    pooling = cast("EmbeddingBagConfig | EmbeddingConfig", t).pooling  # every table is one of the two
     return TableStats(path, t, t.num_embeddings, t.embedding_dim, t.dtype.itemsize, wire, len(t.feature_names),
-                      float(ids), t.pooling != PoolingType.NONE, grads, OPTIMIZER_STATE[optimizer])
+                      float(ids), pooling != PoolingType.NONE, grads, OPTIMIZER_STATE[optimizer])

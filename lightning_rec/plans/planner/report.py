@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import textwrap
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -103,12 +104,13 @@ class PlanReport:
 
     def __str__(self) -> str:
         topo, M = self.topology, self.time.shape[1]
-        budget = "unlimited" if topo.device_memory is None else human_bytes(topo.device_memory)
+        # Topology.__post_init__ parses sizes given as strings into bytes
+        budget = "unlimited" if topo.device_memory is None else human_bytes(cast(int, topo.device_memory))
         lines = [
             f"Sharding plan: world {topo.world_size} = {topo.replicas} replica(s) x {M} model-parallel ranks, "
             f"{topo.local_size} ranks per host",
             f"memory: {budget} per rank (device)"
-            + ("" if topo.host_memory is None else f", {human_bytes(topo.host_memory)} per host"),
+            + ("" if topo.host_memory is None else f", {human_bytes(cast(int, topo.host_memory))} per host"),
             *textwrap.wrap("settings: " + ", ".join(f"{k}={v}" for k, v in self.settings.items()), 100,
                            subsequent_indent=" " * 10),
             f"estimated step time {self.step_time_ms:.3f} ms (slowest rank {self.slowest_rank}; "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -24,6 +25,7 @@ from lightning_rec.plans.planner.inputs import PlacedCollection, plan_entries, t
 from lightning_rec.plans.planner.report import PlanReport, TableChoice, placement_label
 from lightning_rec.plans.planner.terms import load_of, placement_terms, prepare, whole
 from lightning_rec.plans.planner.topology import PlannerError, TableConstraint, Topology, human_bytes
+from lightning_rec.plans.shard_geometry import ShardMeta
 
 
 class Planner:
@@ -86,7 +88,7 @@ class Planner:
         self._scratch: Load | None = None
 
     # -- inputs --------------------------------------------------------------------------------------------
-    def _entries(self, model_or_tables) -> list[tuple[str, BaseEmbeddingConfig, str, object]]:
+    def _entries(self, model_or_tables) -> list[tuple[str, BaseEmbeddingConfig, str, list[ShardMeta] | None]]:
         return plan_entries(model_or_tables, self.gradients)
 
     def _stats(self, path: str, t: BaseEmbeddingConfig, grads: str) -> TableStats:
@@ -125,6 +127,7 @@ class Planner:
     def estimate(self, model_or_tables, plan: ShardingPlan | None = None) -> PlanReport:
         """The cost model's report for ``plan`` (default: the placement of ``model``'s sharded collections)."""
         M, L = self.topology.model_parallel_size, self.topology.local_size
+        assert M is not None and L is not None  # resolved by Topology.__post_init__
         entries = self._entries(model_or_tables)
         total = self._model.empty()
         choices, stats = [], []
@@ -264,6 +267,7 @@ class Planner:
     def _check_fixed(self, s: TableStats, ps: ParameterSharding) -> None:
         """A fixed placement of a fused table that sharding would refuse is an error here already."""
         topo = self.topology
+        assert topo.model_parallel_size is not None and topo.local_size is not None  # resolved by Topology
         shards = resolve_table(s.config, ps, topo.model_parallel_size, topo.local_size)
         if s.grads != "fused" or shards is None:
             return
@@ -303,7 +307,7 @@ class Planner:
         for ps in (ps for st in allowed for ps in KINDS[st].candidates(space)):
             c = Candidate(ps)
             both = offload and c.kind != ShardingType.DATA_PARALLEL
-            host = Candidate(None, True) if both else None  # type: ignore[arg-type] - its placement once needed
+            host = Candidate(None, True) if both else None  # type: ignore[arg-type]  # its placement once needed
             if len(unit) == 1:
                 c.terms = placement_terms(self._model, stats[unit[0]], ps)
             elif both:  # tables kept together: their summed per-part loads
@@ -327,7 +331,7 @@ class Planner:
         hw = self.topology.hardware
         every = (mode != "time" or hw.host_lookup_bandwidth > hw.lookup_bandwidth  # type: ignore[union-attr]
                  or len({c.kind for c, _ in pairs}) < 2)
-        out = []
+        out: list[tuple[int, Candidate | None]] = []
         for c, host in pairs:
             if host is None:
                 continue
@@ -347,8 +351,8 @@ class Planner:
     def _plan(self, stats: list[TableStats]) -> PlanReport:
         self._check_names(stats)
         self._check_fused(stats)
-        self._base: dict[tuple[int, ...], tuple[float, float]] = {}
-        self._kinds: dict[tuple[int, ...], list[ShardingType]] = {}  # the sharding types each unit may use
+        self._base = {}
+        self._kinds = {}  # the sharding types each unit may use
         self._scratch = self._model.empty()  # per-part arrays filled and read within one step, not kept
         topo, model = self.topology, self._model
         total = model.empty()
@@ -418,6 +422,7 @@ class Planner:
                 return self._no_fit(stats, unit, cands, total, sum(x is not None for x in choices))
             best = fitting[0]
             if best.load is None:  # the candidates of one table carry only sums over the parts
+                assert best.terms is not None
                 best.load = load_of(self._model, best.terms, self._scratch)
             total += best.load
             # the runner-up is the best other sharding type; another placement of the same type only if none
@@ -440,7 +445,9 @@ class Planner:
         if topo.device_memory is None:
             return
         M = topo.model_parallel_size
-        capacity = M * topo.device_memory + (0 if topo.host_memory is None else topo.num_hosts * topo.host_memory)
+        assert M is not None  # resolved by Topology.__post_init__, which also parses sizes given as strings
+        capacity = M * cast(int, topo.device_memory) + (
+            0 if topo.host_memory is None else topo.num_hosts * cast(int, topo.host_memory))
         needs = []
         for unit in units:
             needs.append((float(self._base_size(stats, unit)[0]), unit))

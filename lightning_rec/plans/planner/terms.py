@@ -14,7 +14,9 @@ reference's :class:`Load`, and the search's keys are exactly those the reference
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import numpy as np
 
@@ -35,7 +37,7 @@ class Terms:
     idle: np.ndarray | None  # per host: seconds of a rank without a shard; None: every rank has one
     mem: np.ndarray  # per shard: device bytes, summed over MEMORY_PARTS (0 on ranks without a shard)
     host: np.ndarray | None  # per host: host-memory bytes (None: none)
-    parts: object  # what load_of rebuilds the per-part load from (a Load, or the placement's pieces)
+    parts: Load | _Parts  # what load_of rebuilds the per-part load from (a Load, or the placement's pieces)
 
     def time_after(self, tot: np.ndarray, local_size: int) -> np.ndarray:
         """``tot +`` this placement's per-rank time, every rank (a host is ``local_size`` consecutive ranks)."""
@@ -86,6 +88,11 @@ class _Shape:
 
     def full(self, x):
         return x if self.runs is None or isinstance(x, float) else x.repeat(self.runs)
+
+
+#: a sharded placement's pieces: (shape, in host memory, (t2, expand), (t3, expand), idle2, idle3)
+_Parts = tuple[_Shape, bool, tuple[np.ndarray, Callable[[np.ndarray], np.ndarray]],
+               tuple[np.ndarray, Callable[[np.ndarray], np.ndarray]], np.ndarray, np.ndarray]
 
 
 class _Fields:
@@ -220,6 +227,12 @@ def _index(ranks: np.ndarray) -> slice | np.ndarray:
     return ranks
 
 
+@overload
+def placement_terms(model: CostModel, s: TableStats, ps: ParameterSharding, both: Literal[False] = ...,
+                    host_only: bool = ...) -> Terms: ...
+@overload
+def placement_terms(model: CostModel, s: TableStats, ps: ParameterSharding, both: Literal[True],
+                    host_only: bool = ...) -> tuple[Terms, Terms]: ...
 def placement_terms(model: CostModel, s: TableStats, ps: ParameterSharding, both: bool = False,
                     host_only: bool = False) -> Terms | tuple[Terms, Terms]:
     """A valid placement of one table as :class:`Terms`, the table in device memory; ``host_only``: in host memory;
