@@ -84,9 +84,6 @@ class GroupedPooledLookup:
         """Whether any feature goes through fbgemm's kernel."""
         return any(g.kernel is not None for g in self._groups)
 
-    def fbgemm_kernels(self) -> list[FbgemmPooledKernel]:
-        return [g.kernel for g in self._groups if g.kernel is not None]
-
     def __call__(
         self,
         tables: Sequence[torch.Tensor],

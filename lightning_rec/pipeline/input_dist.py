@@ -1,10 +1,9 @@
-"""The two communication stages of the sharded pipeline: input dist (ids to shard owners) and output dist.
+"""Stage 1, the input dist: every route's ids to the shard's owner (:func:`start_input_dist`).
 
-Both are plain functions of a :class:`~lightning_rec.pipeline.routing.RoutingTable` and a process group;
-the sharded collections call them as ``input_dist -> lookup -> output_dist`` (see
-docs/ARCHITECTURE.md, "One lookup, walked through"). Every tensor they create lives on ``device``, the
-module's device, so the same code runs over gloo on CPU and over NCCL (or gloo) on CUDA. Under
-``torch.compile`` the two stages run eagerly (a graph break each, see ``comm``); the lookup between them compiles.
+A plain function of a :class:`~lightning_rec.pipeline.routing.RoutingTable` and a process group; the sharded
+collections call it from their ``input_dist`` stage (see docs/ARCHITECTURE.md, "One lookup, walked through").
+Every tensor it creates lives on ``device``, the module's device, so the same code runs over gloo on CPU and
+over NCCL (or gloo) on CUDA. Under ``torch.compile`` it runs eagerly (a graph break, see ``collectives``).
 """
 
 from __future__ import annotations
@@ -432,79 +431,3 @@ def _unpack(work, batches, ids_from, sent, positions, packed_dtype, separate_wei
         weights = regroup(separate_weights, [c for row in ids_from for c in row], len(batches), n_mine)
     return Received(lengths=lengths, values=values, weights=weights, ids_from=ids_from, positions=positions,
                     sent=sent, batches=batches)
-
-
-@torch.compiler.disable
-def input_dist(
-    kjt: KeyedJaggedTensor,
-    weights: torch.Tensor | None,
-    routing: RoutingTable,
-    group: dist.ProcessGroup,
-    device: torch.device,
-    *,
-    with_positions: bool = True,
-    row_keys: Mapping[int, RowKey] | None = None,
-) -> Received:
-    """:func:`start_input_dist` and wait for it: every route's ids at the shard owners, route-major."""
-    return start_input_dist(kjt, weights, routing, group, device, with_positions=with_positions,
-                            async_op=False, row_keys=row_keys).wait()
-
-
-@torch.compiler.disable
-def pooled_output_dist(
-    pooled: torch.Tensor, routing: RoutingTable, batches: list[int], b: int, group: dist.ProcessGroup
-) -> torch.Tensor:
-    """Send each source rank its samples' pooled rows; return what came back, flat: the ``[b, cols_from[r]]``
-    block of every rank ``r`` in rank order (kept flat, so that its gradient is one buffer, not a cat).
-
-    ``pooled`` is ``[sum(batches), this rank's route columns]`` (the lookup's output). Backward is the
-    reverse all-to-all, run on every rank (see ``comm.all_to_all``).
-    """
-    cols_from = routing.cols_from
-    if routing.group_size == 1:
-        return pooled.reshape(-1)
-    width = cols_from[routing.group_rank]
-    return comm.all_to_all(
-        pooled.reshape(-1), [b * w for w in cols_from], [bs * width for bs in batches], group,
-        differentiable=torch.is_grad_enabled(),
-    )
-
-
-@torch.compiler.disable
-def sequence_output_dist(
-    embs: list[torch.Tensor],
-    recv: Received,
-    routing: RoutingTable,
-    dims: list[int],
-    wire: torch.dtype,
-    group: dist.ProcessGroup,
-    device: torch.device,
-) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Send every id's embedding (columns of its shard) back to the id's rank.
-
-    ``embs[k]`` holds route ``k``'s per-id rows (source-major). Returns, per feature, ``(flat index into the
-    feature's [ids, dim] output, values)`` pieces to be summed into place.
-    """
-    mine = routing.my_routes
-    n_mine, n_ranks = len(mine), routing.group_size
-    cols = [r.shard.cols for r in mine]
-    flat = torch.cat([e.to(wire).reshape(-1) for e in embs]) if embs else torch.zeros(0, dtype=wire, device=device)
-    # route-major [route][source] -> source-major [source][route], in elements
-    elems = [recv.ids_from[s][k] * cols[k] for k in range(n_mine) for s in range(n_ranks)]
-    flat = regroup(flat, elems, n_mine, n_ranks)
-    send = [sum(recv.ids_from[s][k] * cols[k] for k in range(n_mine)) for s in range(n_ranks)]
-    all_routes = routing.all_routes
-    starts = offsets_of([len(x) for x in routing.routes_to])
-    recv_sizes = [sum(n * r.shard.cols for n, r in zip(recv.sent[i0 : i0 + len(lst)], lst))
-                  for i0, lst in zip(starts, routing.routes_to)]
-    back = comm.all_to_all(flat, recv_sizes, send, group, differentiable=torch.is_grad_enabled())
-    chunks = torch.split(back, [n * r.shard.cols for n, r in zip(recv.sent, all_routes)])
-    pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in dims]
-    for r, chunk, pos, n in zip(all_routes, chunks, recv.positions, recv.sent):
-        d = dims[r.feature]
-        if pos is None:
-            pos = torch.arange(n, device=device)
-        cols_r = torch.arange(r.shard.cols, device=device)
-        idx = (pos.unsqueeze(1) * d + r.shard.col_offset + cols_r).reshape(-1)
-        pieces[r.feature].append((idx, chunk))
-    return pieces

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -24,6 +25,17 @@ _NO_END = (1 << 63) - 1  # the block end of a feature no route reads: every id l
 
 def _empty_long() -> torch.Tensor:
     return torch.zeros(0, dtype=torch.long)
+
+
+class ColumnGroup(NamedTuple):
+    """``count`` runs of ``n`` adjacent columns of a block, consecutive there, landing ``step`` columns apart in
+    the output: one strided copy (or add)."""
+
+    src: int  # first column in the block
+    dst: int  # first column in the output
+    n: int
+    count: int
+    step: int
 
 
 @dataclass(frozen=True)
@@ -60,16 +72,10 @@ class RoutingTable:
     # "identity" (output = the block), "permutation" (each column once), "overlay" (every column written by
     # one group first, the groups marked in ``colmap_add`` then add onto it) or "sum" (added onto zeros)
     colmap_kind: str = "sum"
-    # where each block's columns land in the output (data-parallel block, then each rank's): per block,
-    # groups ``(first column in the block, first column in the output, n, count, step)``: ``count`` runs of
-    # ``n`` adjacent columns, consecutive in the block, landing ``step`` columns apart (tables interleaved
-    # over ranks make one group of many runs: one strided copy)
-    colmap_runs: tuple[tuple[tuple[int, int, int, int, int], ...], ...] = ()
+    # where each block's columns land in the output (data-parallel block, then each rank's), as column groups
+    # (tables interleaved over ranks make one group of many runs: one strided copy)
+    colmap_runs: tuple[tuple[ColumnGroup, ...], ...] = ()
     colmap_add: tuple[tuple[bool, ...], ...] = ()  # per group of ``colmap_runs``: adds (else copies)
-    # when every rank's pooled rows fill one group of ``colmap_runs`` (more than one rank, each column written
-    # once, no data-parallel columns): that group per rank (None: it sends none), so the output exchange can
-    # land them straight in place; None otherwise
-    direct_groups: tuple | None = None
     # vectorised bucketing (row blocks): a *bucket* is one row block of one feature, feature-major; a feature
     # of a data-parallel table is one bucket no route reads
     bucket_bounds: torch.Tensor = field(default_factory=_empty_long)  # first key of every bucket, ascending
@@ -224,7 +230,6 @@ def build_routing(
         colmap_kind=colmap_kind,
         colmap_runs=colmap_runs,
         colmap_add=colmap_add,
-        direct_groups=_direct_groups(group_size, colmap_kind, colmap_runs, cols_from),
         bucket_bounds=torch.tensor(bounds, dtype=torch.long, device=device),
         bucket_start=torch.tensor(starts_of_buckets, dtype=torch.long, device=device),
         route_bucket=torch.tensor(route_bucket, dtype=torch.long, device=device),
@@ -238,9 +243,9 @@ def build_routing(
     )
 
 
-def _runs(cols: list[int]) -> tuple[tuple[int, int, int, int, int], ...]:
-    """``cols[i]`` (where column ``i`` of a part goes) as groups ``(first i, first cols[i], n, count, step)``
-    of ``count`` equal runs of adjacent columns whose starts lie ``step`` apart in the output."""
+def _runs(cols: list[int]) -> tuple[ColumnGroup, ...]:
+    """``cols[i]`` (where column ``i`` of a part goes) as column groups: ``count`` equal runs of adjacent
+    columns whose starts lie ``step`` apart in the output."""
     runs: list[list[int]] = []
     for i, c in enumerate(cols):
         if runs and runs[-1][1] + runs[-1][2] == c:
@@ -258,10 +263,10 @@ def _runs(cols: list[int]) -> tuple[tuple[int, int, int, int, int], ...]:
             g[3] += 1
         else:
             groups.append([a, c, n, 1, n])
-    return tuple((a, c, n, k, step) for a, c, n, k, step in groups)
+    return tuple(ColumnGroup(a, c, n, k, step) for a, c, n, k, step in groups)
 
 
-def _adds(groups_per_part: tuple[tuple[tuple[int, int, int, int, int], ...], ...]
+def _adds(groups_per_part: tuple[tuple[ColumnGroup, ...], ...]
           ) -> tuple[tuple[tuple[bool, ...], ...], bool, int]:
     """Per group, whether its columns were written by an earlier group (in part order): it must add. Also
     whether every group's columns were either all written or all fresh, and how many columns the groups
@@ -278,21 +283,3 @@ def _adds(groups_per_part: tuple[tuple[tuple[int, int, int, int, int], ...], ...
             written |= cols
         adds.append(tuple(part))
     return tuple(adds), clean, len(written)
-
-
-def _direct_groups(group_size: int, kind: str, runs: tuple, cols_from: tuple[int, ...]) -> tuple | None:
-    """``RoutingTable.direct_groups``: each rank's block as one group of runs, or None where it is not."""
-    if group_size == 1 or kind != "permutation" or runs[0]:
-        return None
-    groups = []
-    for groups_of_rank, width in zip(runs[1:], cols_from):
-        if not groups_of_rank:
-            groups.append(None)
-            continue
-        if len(groups_of_rank) > 1:
-            return None
-        first, _, n, count, _ = groups_of_rank[0]
-        if first != 0 or n * count != width:
-            return None
-        groups.append(groups_of_rank[0])
-    return tuple(groups)

@@ -1,15 +1,17 @@
 """The shared machinery of sharded collections: local shards, devices, routing, input checks, stage 1.
 
 A :class:`ShardedCollection` holds this rank's pieces of its tables (and full replicas of data-parallel
-tables), the frozen routing table, and the process groups; its subclasses in ``sharded.py`` add the
-lookup and output dist of pooled and sequence embeddings.
+tables), the frozen routing table, and the process groups; its forward is three stage methods,
+``input_dist`` (here) -> ``compute`` -> ``output_dist`` (``pooled.py``, ``sequence.py``), which pass one
+:class:`LookupContext` along.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,18 +43,28 @@ _MAX_PREFETCHED = 4  # batches whose input dist may wait for their forward (a pi
 _MAX_ID = (1 << 63) - 1  # raw ids are only checked to be non-negative
 
 
-class _Begun(NamedTuple):
-    """A forward's checked input and its input dist in flight (None: no model-parallel table)."""
+@dataclass
+class LookupContext:
+    """One forward's state as it passes through the three stages (``input_dist -> compute -> output_dist``).
 
-    kjt: KeyedJaggedTensor
-    pending: dists.PendingInputDist | None
+    ``input_dist`` makes it: this rank's checked input and its input dist in flight. ``compute`` waits for
+    the ids (``received``) and fills in the lookups; ``output_dist`` turns them into the forward's result.
+    """
+
+    kjt: KeyedJaggedTensor  # this rank's input, checked, in config order
+    pending: dists.PendingInputDist | None = None  # the input dist in flight; None: no model-parallel table
     on_received: Callable[[Received], Received] | None = None  # managed collision: remap on the owner
+    received: Received | None = None  # what the input dist delivered to this rank (set by ``compute``)
+    dp_out: Any = None  # the data-parallel tables' lookup of this rank's samples (set by ``compute``)
+    shard_out: Any = None  # this rank's shards' lookup of every rank's samples (set by ``compute``)
 
     def wait(self) -> Received | None:
-        if self.pending is None:
-            return None
-        recv = self.pending.wait()
-        return recv if self.on_received is None else self.on_received(recv)
+        """The input dist's delivery (waiting for it once); None without model-parallel tables."""
+        if self.received is None and self.pending is not None:
+            recv = self.pending.wait()
+            self.received = recv if self.on_received is None else self.on_received(recv)
+            self.pending = None
+        return self.received
 
 
 def _versions(kjt: KeyedJaggedTensor) -> tuple[int, ...]:
@@ -64,8 +76,9 @@ def _versions(kjt: KeyedJaggedTensor) -> tuple[int, ...]:
 class ShardedCollection(DataParallelGradMode, nn.Module):
     """Shared machinery of the sharded pooled and sequence collections.
 
-    ``forward`` is three stages, :meth:`input_dist` -> :meth:`lookup` -> :meth:`output_dist`, driven by a
-    frozen :class:`~lightning_rec.pipeline.routing.RoutingTable`; data-parallel tables skip them. Other
+    ``forward`` is three stages, :meth:`input_dist` -> ``compute`` -> ``output_dist``, driven by a frozen
+    :class:`~lightning_rec.pipeline.routing.RoutingTable` and passing one :class:`LookupContext` along;
+    data-parallel tables skip the two dists. Other
     modules read a sharded collection only through the read-only accessors below and
     ``sharded_collections(model)``; everything underscored is this module's own.
     """
@@ -115,7 +128,7 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         self._table_dtypes = [t.dtype for t in tables]
         self._keep_table_dtypes = False
         self._output_dtype: torch.dtype | None = None
-        self._prefetched: list[tuple[KeyedJaggedTensor, tuple[int, ...], _Begun]] = []  # see prefetch_input_dist
+        self._prefetched: list[tuple[KeyedJaggedTensor, tuple[int, ...], LookupContext]] = []  # prefetch_input_dist
         dev = self._device = target_device(module, device)
         if dev.type == "cpu":
             kernels.keep_freed_memory()  # memory/malloc.py
@@ -357,13 +370,14 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         if err is not None:
             raise err
 
-    def _start(self, features: KeyedJaggedTensor, async_op: bool) -> _Begun:
+    def _start(self, features: KeyedJaggedTensor, async_op: bool) -> LookupContext:
         """Check the input and start its input dist (the checks' verdict travels in the dist's header)."""
         kjt, err = self._checked_input(features)
         if not self._routing.has_model_parallel or self._replica_group is not None:
             self._agree(err)
             if not self._routing.has_model_parallel:
-                return _Begun(kjt, None)
+                assert kjt is not None  # _agree raised otherwise
+                return LookupContext(kjt)
         weights = self._wire_weights(kjt.weights_or_none()) if kjt is not None and self._uses_weights() else None
         try:
             pending = dists.start_input_dist(
@@ -375,12 +389,16 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
             if err is not None:
                 raise err from None
             raise
-        return _Begun(kjt, pending, self._on_received)
+        assert kjt is not None  # a rejected input raised above, on every rank
+        return LookupContext(kjt, pending, self._on_received)
 
-    @torch.compiler.disable  # stage 1 is collectives (and host-side bookkeeping): eager, one graph break
-    def _begin(self, features: KeyedJaggedTensor) -> _Begun:
-        """Stage 1 of a forward: the prefetched input dist of ``features`` if a pipeline started it, else a new one."""
-        for i, (prefetched, versions, begun) in enumerate(self._prefetched):
+    # -- the three stages: input_dist here, compute and output_dist in the pooled and sequence subclasses ----
+    @torch.compiler.disable  # collectives (and host-side bookkeeping): eager, one graph break
+    def input_dist(self, features: KeyedJaggedTensor) -> LookupContext:
+        """Stage 1: check ``features`` and send every route's ids to the shard's owner (every shard rank's
+        batch size travels with them); returns the forward's context with the exchange in flight. Takes over
+        the input dist a train pipeline started for this very KJT (:meth:`prefetch_input_dist`)."""
+        for i, (prefetched, versions, ctx) in enumerate(self._prefetched):
             if prefetched is features:
                 del self._prefetched[i]
                 if _versions(features) != versions:
@@ -389,7 +407,7 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
                         "dist (ids, lengths or weights changed): build a new KeyedJaggedTensor instead, or train "
                         "without input pipelining"
                     )
-                return begun
+                return ctx
         return self._start(features, async_op=False)
 
     def prefetch_input_dist(self, features: KeyedJaggedTensor) -> object:
@@ -401,27 +419,27 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         :meth:`clear_prefetched`, or once more than a few batches wait. Returns a token for
         :meth:`discard_prefetched`.
         """
-        begun = self._start(features, async_op=True)
-        self._prefetched.append((features, _versions(features), begun))
+        ctx = self._start(features, async_op=True)
+        self._prefetched.append((features, _versions(features), ctx))
         if len(self._prefetched) > _MAX_PREFETCHED:
             self._prefetched.pop(0)[2].wait()
-        return begun
+        return ctx
 
     def discard_prefetched(self, token: object) -> bool:
         """Drop the prefetched input dist ``token`` (from :meth:`prefetch_input_dist`) if no forward took it;
         returns whether it was still there."""
-        for i, (_, _, begun) in enumerate(self._prefetched):
-            if begun is token:
+        for i, (_, _, ctx) in enumerate(self._prefetched):
+            if ctx is token:
                 del self._prefetched[i]
-                begun.wait()
+                ctx.wait()
                 return True
         return False
 
     def clear_prefetched(self) -> int:
         """Drop every prefetched input dist (waiting for its transfers); returns how many there were."""
         n = len(self._prefetched)
-        for _, _, begun in self._prefetched:
-            begun.wait()
+        for _, _, ctx in self._prefetched:
+            ctx.wait()
         self._prefetched.clear()
         return n
 
@@ -465,17 +483,6 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
     def _dp_feature_tables(self) -> list[int]:
         pos = {ti: k for k, ti in enumerate(self._routing.dp_tables)}
         return [pos[self._layout.feature_table[f]] for f in self._routing.dp_features]
-
-    # -- the three stages ---------------------------------------------------------------------------
-    def input_dist(self, kjt: KeyedJaggedTensor) -> Received:
-        """Stage 1: every route's ids to the shard's owner (``kjt`` in config order, as the forward checked it).
-
-        Every shard rank's batch size travels with the ids (``Received.batches``).
-        """
-        weights = self._wire_weights(kjt.weights_or_none()) if self._uses_weights() else None
-        recv = dists.input_dist(kjt, weights, self._routing, self._group, self._device,
-                                with_positions=self._attr == "embeddings", row_keys=self._row_keys)
-        return recv if self._on_received is None else self._on_received(recv)
 
     def route_raw_ids(self, row_of: Mapping[str, dists.RowKey] | None,
                       on_received: Callable[[Received], Received] | None) -> None:

@@ -7,7 +7,7 @@ data-parallel tables stay plain tensors. Placements per tiling: :func:`table_dte
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -17,11 +17,31 @@ from lightning_rec import _compat
 from lightning_rec.plans import shard_geometry as layout
 from lightning_rec.plans.shard_geometry import ShardMeta
 
-if TYPE_CHECKING:
-    from lightning_rec.pipeline.shard_modules import ShardedCollection
+
+@runtime_checkable
+class _HasTables(Protocol):
+    # what full_state_dict needs of a sharded collection (this module sits below sharded_collection.py)
+    @property
+    def tables(self) -> list: ...
+    @property
+    def table_attr(self) -> str: ...
+    @property
+    def shard_group(self) -> Any: ...
+    @property
+    def device(self) -> torch.device: ...
 
 
-def table_key(module: ShardedCollection, name: str, prefix: str = "") -> str:
+class _ShardedTables(_HasTables, Protocol):
+    # what the state_dict hooks need of a sharded collection
+    @property
+    def table_dtypes(self) -> list[torch.dtype]: ...
+    @property
+    def local_shards(self) -> list[tuple[int, ShardMeta]]: ...
+    @property
+    def shards(self) -> dict[str, list[ShardMeta] | None]: ...
+
+
+def table_key(module: _ShardedTables, name: str, prefix: str = "") -> str:
     return f"{prefix}{module.table_attr}.{name}.weight"
 
 
@@ -47,7 +67,7 @@ def table_dtensor(
     return _compat.make_dtensor(pieces, described, shape, dtype, device, group, where)
 
 
-def sharded_state_dict_hook(module: ShardedCollection, state_dict: dict, prefix: str, local_metadata: Any) -> dict:
+def sharded_state_dict_hook(module: _ShardedTables, state_dict: dict, prefix: str, local_metadata: Any) -> dict:
     """Replace each sharded table's local piece by a DTensor over the whole table (same key as unsharded)."""
     dtypes, local, device = module.table_dtypes, module.local_shards, module.device
     for i, t in enumerate(module.tables):
@@ -62,7 +82,7 @@ def sharded_state_dict_hook(module: ShardedCollection, state_dict: dict, prefix:
     return state_dict
 
 
-def load_hook(module: ShardedCollection, state_dict: dict, prefix: str) -> None:
+def load_hook(module: _ShardedTables, state_dict: dict, prefix: str) -> None:
     """Cut this rank's pieces out of full tensors or DTensors sharded the same way, in place in ``state_dict``."""
     for i, t in enumerate(module.tables):
         key = table_key(module, t.name, prefix)
@@ -101,19 +121,6 @@ def load_hook(module: ShardedCollection, state_dict: dict, prefix: str) -> None:
             if mine:
                 (s,) = mine
                 state_dict[key] = s.of(value)
-
-
-@runtime_checkable
-class _HasTables(Protocol):
-    # what full_state_dict needs of a sharded collection (this module sits below sharded.py)
-    @property
-    def tables(self) -> list: ...
-    @property
-    def table_attr(self) -> str: ...
-    @property
-    def shard_group(self) -> Any: ...
-    @property
-    def device(self) -> torch.device: ...
 
 
 def _tables(model: nn.Module) -> dict[str, tuple[torch.device, Any]]:

@@ -52,10 +52,6 @@ def offsets_of(sizes: list[int]) -> list[int]:
     return out
 
 
-def host_ranks(host_index: int, local_size: int) -> list[int]:
-    return list(range(host_index * local_size, (host_index + 1) * local_size))
-
-
 @dataclass(frozen=True, eq=False)
 class Tiling:
     """A table cut into ``k`` column blocks, each split into the same ``n`` row blocks.

@@ -89,6 +89,8 @@ def all_to_all_pieces(
     memory they are views of the sender's buffer, or this rank's own ``sends``), so it copies out what it
     needs, and a caller that reorders pieces pays one copy where a receive buffer would cost two.
     """
+    if dist.get_world_size(group) == 1:  # a group of one: this rank's pieces are what it receives
+        return PendingPieces((consume([list(sends[0])]),))
     if device.type == "cpu":
         shared = shared_group(group)
         if shared is not None:
@@ -119,6 +121,9 @@ def all_to_all_views(sends: list[list[torch.Tensor]], recvs: list[list[torch.Ten
     either side. Sizes must agree in bytes (a mismatch raises, naming both ranks); dtypes may differ.
     """
     tensors = [t for lst in (*sends, *recvs) for t in lst]
+    if dist.get_world_size(group) == 1:
+        bytecopy.copy_own(list(sends[0]), list(recvs[0]), 0)
+        return
     if all(t.device.type == "cpu" for t in tensors):
         shared = shared_group(group)
         if shared is not None and shared.exchange(sends, recvs):

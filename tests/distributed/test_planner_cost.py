@@ -39,7 +39,7 @@ def _fit_with_summary(rank: int, world: int, tables_optimizer: str) -> dict:
 
     from lightning_rec.callbacks import ShardingSummary
     from lightning_rec.optim import CombinedOptimizer
-    from lightning_rec.pipeline.shard_modules import _ShardedCollection
+    from lightning_rec.pipeline.sharded_collection import ShardedCollection
     from tests.lightning.models import ClickModule
 
     class TwoOptimizers(ClickModule):
@@ -56,7 +56,7 @@ def _fit_with_summary(rank: int, world: int, tables_optimizer: str) -> dict:
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[summary])
     trainer.fit(model)
-    ebc = next(m for m in model.modules() if isinstance(m, _ShardedCollection))
+    ebc = next(m for m in model.modules() if isinstance(m, ShardedCollection))
     local_bytes = sum(p.numel() * p.element_size() for p in ebc.parameters())
     rep, chosen = summary.last_report, trainer.strategy.plan_report
     return {"local_bytes": local_bytes, "weights": rep.memory[0].tolist(), "text": str(rep),
