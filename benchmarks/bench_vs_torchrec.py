@@ -615,15 +615,20 @@ def free_port() -> int:
 class Group:
     """``world`` persistent worker processes of one library."""
 
-    def __init__(self, lib: str, world: int, python: str, log_dir: Path, nice: int, malloc_env: bool = False) -> None:
+    def __init__(self, lib: str, world: int, python: str, log_dir: Path, nice: int, malloc_env: bool = False,
+                 baseline: Path | None = None) -> None:
         self.lib, self.world = lib, world
+        label = lib
+        if baseline is not None and lib == "torchrec":  # --baseline: the first column is lightning_rec from there
+            lib, label = "lightning_rec", "baseline"
         port = free_port()
         # TorchRec reads the host size for table_row_wise / grid_shard from LOCAL_WORLD_SIZE
         env = dict(
             os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", LOCAL_WORLD_SIZE=str(min(world, LOCAL_SIZE))
         )
         if lib == "lightning_rec":
-            env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+            root = baseline if label == "baseline" else ROOT
+            env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
         else:
             env.pop("PYTHONPATH", None)
             if malloc_env:  # what memory/malloc.py sets in lightning_rec's workers, through glibc's tunables
@@ -632,10 +637,11 @@ class Group:
                 env.update(MALLOC_MMAP_THRESHOLD_=str(_malloc._MMAP), MALLOC_TRIM_THRESHOLD_=str(_malloc._TRIM))
         self.procs, self.queues = [], []
         for r in range(world):
-            log = open(log_dir / f"{lib}-w{world}-r{r}.log", "a")  # noqa: SIM115 (kept open with the process)
+            log = open(log_dir / f"{label}-w{world}-r{r}.log", "a")  # noqa: SIM115 (kept open with the process)
             cmd = [
                 python,
-                str(Path(__file__).resolve()),
+                str((baseline or ROOT) / "benchmarks" / Path(__file__).name if label == "baseline"
+                    else Path(__file__).resolve()),
                 "--worker",
                 lib,
                 "--rank",
@@ -961,6 +967,36 @@ def configs(args: argparse.Namespace) -> list[tuple[str, int, str, str]]:
     return out
 
 
+def write_before_after(out: Path, rows: list[dict], cfg: dict, args, total: float) -> None:
+    """``--baseline``: both versions of lightning_rec per configuration, and the run's noise to judge them by."""
+    lines = [
+        "# lightning_rec before / after (gloo, CPU, one run)",
+        "",
+        f"Machine: {machine()}. Baseline: `{args.baseline}`; after: this checkout. Same jobs, ids and plans as "
+        "`bench_vs_torchrec.py`; each configuration runs both versions in alternating order, "
+        f"{args.rounds} round(s) each, the median round kept. spread = (max - min) / median samples/s over one "
+        "version's rounds: the run's noise on that row.",
+        "",
+        "| job | world | plan | variant | before samples/s | after samples/s | after / before | spread before | "
+        "spread after |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def spread(cell: dict) -> str:
+        r = cell.get("sps_rounds") or []
+        return f"{(max(r) - min(r)) / sorted(r)[len(r) // 2]:.0%}" if len(r) > 1 else "-"
+
+    for row in rows:
+        a, b = row["torchrec"], row["lightning_rec"]
+        ratio = f"{b['sps'] / a['sps']:.2f}" if ok(a) and ok(b) else "-"
+        lines.append(f"| {row['job']} | {row['world']} | {row['plan']} | {row['variant']} | "
+                     f"{fmt_cell(a)} | {fmt_cell(b)} | {ratio} | {spread(a) if ok(a) else '-'} | "
+                     f"{spread(b) if ok(b) else '-'} |")
+    lines += ["", f"Total {total / 60:.1f} min. Command: `python benchmarks/bench_vs_torchrec.py "
+              f"{' '.join(sys.argv[1:])}`", ""]
+    out.write_text("\n".join(lines))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -1019,6 +1055,11 @@ def main(argv: list[str] | None = None) -> int:
         help="run TorchRec's workers with the glibc malloc thresholds lightning_rec sets for itself "
         "(memory/malloc.py), through glibc's environment tunables: how much of the gap that setting is",
     )
+    ap.add_argument(
+        "--baseline", type=Path,
+        help="a checkout of an earlier lightning_rec (e.g. a git worktree): it takes TorchRec's place, so the run "
+             "compares the two versions side by side (A B, B A rounds); the report is a before / after table",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_torchrec.md"))
     ap.add_argument("--worker", choices=LIBS, help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -1029,7 +1070,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.worker, args.rank, args.world, args.port)
         return 0
 
-    side = build_side_env(Path(args.side_env).resolve())
+    side = Path(sys.executable) if args.baseline else build_side_env(Path(args.side_env).resolve())
     if args.build_only:
         print(f"side environment ready: {side}")
         return 0
@@ -1083,7 +1124,8 @@ def main(argv: list[str] | None = None) -> int:
                         continue  # a configuration that failed once fails again: no second timeout
                     key = (lib, world)
                     if key not in groups:
-                        groups[key] = Group(lib, world, pythons[lib], log_dir, args.nice, args.torchrec_malloc)
+                        groups[key] = Group(lib, world, pythons[lib], log_dir, args.nice, args.torchrec_malloc,
+                                            args.baseline)
                     res = groups[key].run(cmd, args.timeout)
                     if not all(r.get("ok") for r in res):  # a failed group may be stuck: a fresh one next time
                         groups.pop(key).close(kill=True)
@@ -1099,7 +1141,7 @@ def main(argv: list[str] | None = None) -> int:
             for lib in LIBS:
                 row[lib] = median_round(rounds[lib])
             tr, lr = row["torchrec"], row["lightning_rec"]
-            if "checksum" in tr and "checksum" in lr and tr["checksum"] != lr["checksum"]:
+            if "checksum" in tr and "checksum" in lr and tr["checksum"] != lr["checksum"] and not args.baseline:
                 raise SystemExit(f"the two libraries saw different ids for {row}: a bug in this benchmark")
             for lib in LIBS:
                 if False in row[lib].get("trained", []):
@@ -1122,7 +1164,10 @@ def main(argv: list[str] | None = None) -> int:
         for g in groups.values():
             g.close()
     total = time.perf_counter() - t_start
-    write_report(out, rows, cfg, args, total, limits)
+    if args.baseline:
+        write_before_after(out, rows, cfg, args, total)
+    else:
+        write_report(out, rows, cfg, args, total, limits)
     out.with_suffix(".json").write_text(json.dumps({"cfg": cfg, "rows": rows, "raw": raw}, indent=1))
     print(f"wrote {out} ({total / 60:.1f} min)")
     return 0
