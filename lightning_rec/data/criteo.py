@@ -136,12 +136,12 @@ class CriteoTSV(_CriteoFiles):
     directory, or a glob such as ``day_*``) read as one stream of rows; ``start`` / ``num_rows`` pick a
     window of it (``None``: to the end).
 
-    Files are indexed once at construction (line count and the byte offset of every 256th line, about
-    1 GB/s), so each rank (and each DataLoader worker) reads and parses only the bytes of its own rows, with
-    pyarrow's CSV reader and vectorised hex parsing. A bad line raises a ValueError naming the file, the
-    line and the column; under :class:`ClickLoader` every rank raises it at the same step. ``shuffle``
-    reads blocks of ``shuffle_block`` lines in an order drawn from ``(seed, epoch)``. For repeated epochs
-    over large data prefer Parquet (``lightning-rec convert``, :class:`CriteoParquet`).
+    Files are indexed once at construction (line count and the byte offset of every 256th line; speed in
+    ``benchmarks/results/data.md``), so each rank (and each DataLoader worker) reads and parses only the bytes
+    of its own rows, with pyarrow's CSV reader and vectorised hex parsing. A bad line raises a ValueError naming
+    the file, the line and the column; under :class:`ClickLoader` every rank raises it at the same step.
+    ``shuffle`` reads blocks of ``shuffle_block`` lines in an order drawn from ``(seed, epoch)``. For repeated
+    epochs over large data prefer Parquet (``lightning-rec convert``, :class:`CriteoParquet`).
     """
 
     def _index_files(self) -> int:

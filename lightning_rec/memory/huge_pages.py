@@ -2,9 +2,9 @@
 
 fbgemm's CPU backward updates one row per distinct id, scattered over tables far larger than the caches,
 one row after the other: with 4 KiB pages most of those rows also miss the TLB, and the page walk adds to
-the memory latency the update already waits for. 2 MiB pages take the walk out: the fused kernel's step
-(forward + backward + update) took 7-9% less time than fbgemm's own module on the same tables, with one or
-two processes busy (``benchmarks/results/kernels_huge_pages.md``).
+the memory latency the update already waits for. 2 MiB pages take the walk out of the fused kernel's step
+(forward + backward + update; measured against fbgemm's own module on the same tables in
+``benchmarks/results/kernels_huge_pages.md``).
 
 With THP ``always`` the kernel already gets them, with ``never`` nobody does; only ``madvise`` (a common
 default) needs asking, which is what :func:`zero_into_huge_pages` does. ``LIGHTNING_REC_HUGE_PAGES=0``

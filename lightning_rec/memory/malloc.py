@@ -3,9 +3,9 @@
 Each step allocates and frees the same large tensors (ids, pooled rows, their gradients, fbgemm's sorted
 indices: megabytes each). glibc serves blocks above its mmap threshold (dynamic, at most 32 MiB) from fresh
 mappings and trims the top of its heap on free, so the next step faults the same memory in again, one
-4 KiB page at a time. Under virtualisation a fault is dear: on the benchmark VM about 3 us, so filling a
-fresh 6.8 MB tensor took 3.6 ms against 0.1 ms for a reused one, and a column-wise DLRM step at 2 processes
-faulted in 100-2,500 pages (0.3-7 ms of a 45 ms step). With higher mmap and trim thresholds freed blocks
+4 KiB page at a time, and under virtualisation a fault is dear (the figures are in
+``benchmarks/results/vs_torchrec_malloc_both.md`` and the README's memory section). With higher mmap and
+trim thresholds freed blocks
 stay in the heap and the next step reuses them: the process keeps its peak, as PyTorch's caching allocator
 does with CUDA memory, and gives back only what frees more than ``_TRIM`` at once.
 

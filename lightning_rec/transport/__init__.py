@@ -1,8 +1,8 @@
 """How the hot-path collectives move bytes: through torch.distributed, or through shared memory on one host.
 
-Gloo moves tensors between processes through loopback TCP and its own threads: on the 2-core machine of
-``benchmarks/results/vs_torchrec.md`` about 1 GB/s (2 MB each way: 1.3-2.1 ms; the same exchange through
-this module: 0.5-0.8 ms). So, when every rank of a gloo group runs on one host (same boot, same pid
+Gloo moves tensors between processes through loopback TCP and its own threads, several times slower than
+a copy through shared memory between processes of one host (measured in ``benchmarks/results/vs_torchrec.md``
+against ``vs_torchrec_gloo_transport.md``). So, when every rank of a gloo group runs on one host (same boot, same pid
 namespace: agreed once per group, collectively), the three collectives of the sharded step
 (variable all-to-all, all-gather, sum all-reduce of CPU tensors) go through per-rank shared buffers;
 everything else, and every other group, stays on torch.distributed. ``LIGHTNING_REC_SHM=0`` on any rank
