@@ -46,7 +46,8 @@ def load_before(rev: str):
     for name in (n for n in names if n.endswith(".py")):
         src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{PACKAGE}/{name}"],
                              capture_output=True, text=True, check=True).stdout
-        (pkg / name).write_text(src.replace("lightning_rec.plans.planner.", "planner_before."))
+        # the package's own imports, under its name at ``rev``
+        (pkg / name).write_text(src.replace("lightning_rec.sharding.planner.", "planner_before."))
     spec = importlib.util.spec_from_file_location("planner_before", pkg / "__init__.py",
                                                   submodule_search_locations=[str(pkg)])
     mod = importlib.util.module_from_spec(spec)
