@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from importlib import metadata
@@ -13,6 +14,8 @@ from typing import Any
 import torch
 import torch.fx._pytree as _fx_pytree
 import torch.fx.experimental._config as _fx_shape_config
+import torch.utils._pytree as _pytree
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.wrappers import _FabricModule
 from lightning.pytorch.core.saving import _load_state
@@ -345,6 +348,46 @@ def tensor_version(t: torch.Tensor) -> int:
 
 # how a pytree node flattens against an exported program's input spec (TorchRec registers its sparse types)
 register_pytree_flatten_spec = _fx_pytree.register_pytree_flatten_spec
+
+
+def register_pytree_node(cls: type, flatten: Callable[..., Any], unflatten: Callable[..., Any]) -> None:
+    """Make ``cls`` a node of torch's pytree registry, the one torch.export, torch.compile and torch.fx flatten
+    inputs with, so they see the tensors inside (``lightning_rec.sparse`` registers its types).
+
+    ``torch.utils._pytree.register_pytree_node``: run on torch 2.13; the same signature since torch 2.2, so
+    2.11 and 2.12 have it too.
+    """
+    _pytree.register_pytree_node(cls, flatten, unflatten)
+
+
+#: the spec torch's pytree flattening hands a flatten-spec function (``torch.utils._pytree.TreeSpec``, torch
+#: 2.11-2.13)
+TreeSpec = _pytree.TreeSpec
+
+
+def default_group() -> Any:
+    """The default (world) process group object; raises when torch.distributed is not initialized (where
+    ``dist.group.WORLD`` would be None).
+
+    ``torch.distributed.distributed_c10d._get_default_group``: run on torch 2.13, unchanged since torch 1.x, so
+    2.11 and 2.12 have it too.
+    """
+    return distributed_c10d._get_default_group()
+
+
+def sparse_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row ids, rows)`` of a sparse COO tensor with one sparse dimension, as stored: duplicate ids are not
+    summed, and nothing coalesces (the public ``indices()`` / ``values()`` refuse an uncoalesced tensor).
+
+    ``Tensor._indices`` / ``Tensor._values``: run on torch 2.13, unchanged since torch 1.0, so 2.11 and 2.12
+    have them too.
+    """
+    return grad._indices()[0], grad._values()
+
+
+#: Lightning Fabric's base for a strategy's ``no_backward_sync`` (``_BackwardSyncControl``: run on lightning 2.6,
+#: there since 2.0)
+BackwardSyncControl = _BackwardSyncControl
 
 
 def group_timeout(group: Any = None) -> timedelta:

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -33,7 +32,7 @@ from lightning_rec.shard_setup import ShardedFrontEnd, ShardSetup, ignore_in_ddp
 from lightning_rec.table_optimizers import warn_unoptimized_tables
 
 
-class _BackwardSync(_BackwardSyncControl):
+class _BackwardSync(_compat.BackwardSyncControl):
     """``fabric.no_backward_sync``: DDP's ``no_sync`` for the dense part; without dense parameters there is no
     DDP and nothing to hold back (the tables' own reductions run in every backward, as under the Trainer).
 

@@ -29,7 +29,7 @@ def status_group() -> Any:
     """A gloo group for the status flags (the default group when it is gloo; created once otherwise)."""
     if dist.get_backend() == "gloo":
         return None
-    key = id(dist.distributed_c10d._get_default_group())
+    key = id(_compat.default_group())
     if key not in _GLOO_GROUPS:
         _GLOO_GROUPS[key] = dist.new_group(backend="gloo", timeout=_compat.group_timeout())
     return _GLOO_GROUPS[key]

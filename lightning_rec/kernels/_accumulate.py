@@ -16,12 +16,9 @@ Cost per kept micro-batch (bytes): ``8 * ids + 8 * (features * batch + 1)`` (+ `
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from lightning_rec.kernels._fused_tbe import FusedPooledKernel
 
 
 class MicroBatch:
@@ -37,6 +34,36 @@ class MicroBatch:
         """Bytes this micro-batch keeps until the step (its inputs and its gradient)."""
         kept = [self.values, self.offsets, self.weights, self.grad]
         return sum(t.numel() * t.element_size() for t in kept if t is not None)
+
+
+class DeferringKernel(Protocol):
+    """What a deferred lookup needs of its kernel: fbgemm's module and the step count it keeps, the feature
+    layout and tables (for the weights' gradient), the micro-batches waiting for the step, and an input that
+    joins the output to the graph. :class:`~lightning_rec.kernels._fused_tbe.FusedPooledKernel` is one; it
+    imports this module, so naming it here would make the two modules need each other."""
+
+    @property
+    def _tbe(self) -> Any: ...
+
+    @property
+    def optimizer_iter(self) -> int | None: ...
+
+    @optimizer_iter.setter
+    def optimizer_iter(self, step: int) -> None: ...
+
+    @property
+    def feature_table(self) -> list[int]: ...
+
+    @property
+    def feature_dims(self) -> list[int]: ...
+
+    @property
+    def _pending(self) -> list[MicroBatch]: ...
+
+    @property
+    def _anchor(self) -> torch.Tensor: ...
+
+    def tables(self) -> list[torch.nn.Parameter]: ...
 
 
 class _DeferredLookup(torch.autograd.Function):
@@ -66,7 +93,7 @@ class _DeferredLookup(torch.autograd.Function):
 
 
 def deferred_lookup(
-    kernel: FusedPooledKernel,
+    kernel: DeferringKernel,
     values: torch.Tensor,
     offsets: torch.Tensor,
     weights: torch.Tensor | None,
@@ -79,7 +106,7 @@ def deferred_lookup(
     return _DeferredLookup.apply(kernel._anchor, weights, kernel, mb, grad_scale)
 
 
-def weights_grad(kernel: FusedPooledKernel, mb: MicroBatch, grad: torch.Tensor) -> torch.Tensor:
+def weights_grad(kernel: DeferringKernel, mb: MicroBatch, grad: torch.Tensor) -> torch.Tensor:
     """Gradient of the per-sample weights: each id's row dotted with its bag's output gradient.
 
     The tables have not moved since the lookup (updates wait for the step), so this is the gradient fbgemm's

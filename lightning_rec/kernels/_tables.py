@@ -7,13 +7,24 @@ first ``.`` to find a child, which would misreport the key of a table named ``"u
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from lightning_rec.kernels._fused_tbe import FusedPooledKernel
+
+class TableKernel(Protocol):
+    """What :class:`FusedTables` needs of each kernel it holds: its table modules by name, and its refusal of
+    conversions. :class:`~lightning_rec.kernels._fused_tbe.FusedPooledKernel` is one; it imports this module, so
+    naming it here would make the two modules need each other."""
+
+    @property
+    def table_names(self) -> list[str]: ...
+
+    @property
+    def _modules(self) -> dict[str, torch.nn.Module | None]: ...
+
+    def _refuse_conversion(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None: ...
 
 
 def unexpected_table_keys(state_dict: Mapping[str, object], prefix: str, own: Iterable[str]) -> list[str]:
@@ -76,7 +87,7 @@ class FusedTables(TableContainer):
     submodules (their tables would be registered twice); conversions are refused as each kernel refuses them.
     """
 
-    def __init__(self, fused: Sequence[FusedPooledKernel], order: Sequence[str]) -> None:
+    def __init__(self, fused: Sequence[TableKernel], order: Sequence[str]) -> None:
         super().__init__()
         object.__setattr__(self, "_kernels", list(fused))
         held = {name: k._modules[name] for k in fused for name in k.table_names}

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from lightning_rec import transport
+from lightning_rec import _compat, transport
 
 EMBEDDING_GRAD_MODES = ("sum", "mean")
 _BUCKET_ELEMENTS = 4_000_000
@@ -273,7 +273,8 @@ def _sum_touched_rows_sparse(
     pieces = [part.view(u.numel(), *shape[1:]) for part, u, shape in zip(torch.split(buf, sizes), unions, shapes)]
     for g, u, part in zip(grads, unions, pieces):
         # every id this rank looked up is in the union; duplicates add up, as coalescing would sum them
-        part.index_add_(0, torch.searchsorted(u, g._indices()[0]), g._values())
+        ids, values = _compat.sparse_rows(g)
+        part.index_add_(0, torch.searchsorted(u, ids), values)
     wire_buf = buf.to(wire)
     for piece in torch.split(wire_buf, _BUCKET_ELEMENTS):
         transport.all_reduce_sum(piece, group)

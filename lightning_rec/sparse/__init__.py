@@ -5,9 +5,8 @@ data-dependent checks under ``torch.compile``, so models holding them trace and 
 """
 
 import torch
-import torch.utils._pytree as _pytree
 
-from lightning_rec._compat import register_pytree_flatten_spec
+from lightning_rec._compat import TreeSpec, register_pytree_flatten_spec, register_pytree_node
 from lightning_rec.sparse._kjt_extras import ComputeJTDictToKJT, ComputeKJTToJTDict, kjt_is_equal
 from lightning_rec.sparse._utils import SparseInputError, checks_enabled, offsets_from_lengths, segment_gather_index
 from lightning_rec.sparse.jagged_tensor import JaggedTensor, jt_is_equal
@@ -61,12 +60,12 @@ def _unflatten_kt(children: list, ctx: tuple) -> KeyedTensor:
     return KeyedTensor(ctx[0], ctx[1], children[0], ctx[2])
 
 
-_pytree.register_pytree_node(JaggedTensor, _flatten_jt, _unflatten_jt)
-_pytree.register_pytree_node(KeyedJaggedTensor, _flatten_kjt, _unflatten_kjt)
-_pytree.register_pytree_node(KeyedTensor, _flatten_kt, _unflatten_kt)
+register_pytree_node(JaggedTensor, _flatten_jt, _unflatten_jt)
+register_pytree_node(KeyedJaggedTensor, _flatten_kjt, _unflatten_kjt)
+register_pytree_node(KeyedTensor, _flatten_kt, _unflatten_kt)
 
 
-def _flatten_spec_kt(kt: KeyedTensor, spec: _pytree.TreeSpec) -> list[torch.Tensor]:
+def _flatten_spec_kt(kt: KeyedTensor, spec: TreeSpec) -> list[torch.Tensor]:
     # an exported program's input spec names the keys in its order: a KeyedTensor with the same keys in
     # another order is regrouped into that order (TorchRec registers the same)
     keys = spec.context[0]
