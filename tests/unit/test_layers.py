@@ -164,20 +164,11 @@ def _tangles(graph: dict[str, set[str]]) -> list[set[str]]:
     return tangles
 
 
-# Being removed by the stage rewrite: state_dict's `if TYPE_CHECKING:` import of ShardedCollection from
-# shard_modules closed sharded_collection -> state_dict -> shard_modules -> sharded_collection (and
-# state_dict <-> shard_modules; the other imports run). Allowed among these three until the rewrite is done, then
-# drop it; a module joining them, or any other cycle, fails.
-ANNOTATION_CYCLE_ALLOWLIST = frozenset({
-    "pipeline.sharded_collection", "pipeline.state_dict", "pipeline.shard_modules",
-})
-
-
 def test_no_import_cycles_with_annotations() -> None:
     """Imports under `if TYPE_CHECKING:` count too: a cycle there is still two modules that need each other."""
     graph = _graph(annotations=True)
     # whole tangles, not the one cycle the search names per back edge, so nothing hides behind the allowed one
-    tangles = [t for t in _tangles(graph) if not t <= ANNOTATION_CYCLE_ALLOWLIST]
+    tangles = list(_tangles(graph))
     cycles = [c for c in _cycles(graph) if any(set(c) <= t for t in tangles)]
     assert not tangles, "import cycles (annotation-only imports included), among:\n" + "\n".join(
         ", ".join(sorted(t)) for t in tangles) + "\nfor example:\n" + "\n".join(" -> ".join(c) for c in cycles)
