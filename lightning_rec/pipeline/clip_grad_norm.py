@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -38,8 +39,8 @@ def clip_grad_norm_(model: nn.Module, parameters: Iterable[torch.Tensor], max_no
     ``model`` is the sharded model the parameters belong to; returns the total norm. Collective: every rank
     of the model's shard groups must call it, with the same collections (as every rank has).
     """
-    params = [p for p in parameters if p.grad is not None]
-    device = params[0].grad.device if params else torch.device("cpu")
+    params = [p for p in parameters if p.grad is not None]  # below, p.grad is never None
+    device = cast(torch.Tensor, params[0].grad).device if params else torch.device("cpu")
     owned = {id(p) for p in params}
     shard_ids: set[int] = set()
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -51,10 +52,11 @@ def clip_grad_norm_(model: nn.Module, parameters: Iterable[torch.Tensor], max_no
             op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
             dist.all_reduce(part, op=op, group=coll.shard_group)
         total = torch.maximum(total, part) if math.isinf(norm_type) else total + part
-    local = _norm_power([p.grad for p in params if id(p) not in shard_ids], norm_type, device)
+    local = _norm_power([cast(torch.Tensor, p.grad) for p in params if id(p) not in shard_ids], norm_type, device)
     total = torch.maximum(total, local) if math.isinf(norm_type) else total + local
     norm = total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for p in params:
-        p.grad.mul_(coef.to(p.grad.dtype))
+        grad = cast(torch.Tensor, p.grad)
+        grad.mul_(coef.to(grad.dtype))
     return norm.float()

@@ -16,10 +16,16 @@ momentum buffer grows to every row ever touched (same result, no faster than den
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # the collection's types; importing them at run time would be a cycle
+    from lightning_rec.embedding_modules import FeatureLayout
+    from lightning_rec.fused_kinds import FusedOptimizerSpec
+    from lightning_rec.pipeline.routing import RoutingTable
 
 __all__ = ["DataParallelGradMode", "sparse_grad_blocker", "use_sparse_grads_where_possible"]
 
@@ -30,6 +36,21 @@ class DataParallelGradMode:
     Reads the collection's own state: ``sparse_grad``, ``_dp_sparse_auto`` / ``_dp_sparse`` (set in its
     ``__init__``), its routing, fused spec and requested kernels.
     """
+
+    # set by ShardedCollection
+    sparse_grad: bool
+    _dp_sparse_auto: bool
+    _dp_sparse: bool
+    _routing: RoutingTable
+    _fused_spec: FusedOptimizerSpec | None
+    _layout: FeatureLayout
+    _requested_kernels: list[str]
+    _table_kernels: list[str]
+    _table_dtypes: list[torch.dtype]
+    _device: torch.device
+    _table_param: Callable[[int], torch.Tensor]
+    _resolve_kernels: Callable[[list[torch.dtype], torch.device], list[str]]
+    _build_lookups: Callable[[], None]
 
     @property
     def _dp_sparse_grad(self) -> bool:

@@ -4,7 +4,8 @@ the union-batch rule")."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,7 @@ def check_fused(
     """Refuse what fbgemm's fused kernel cannot hold, on every rank alike, before anything is allocated."""
     if attr != "embedding_bags":
         raise ValueError("embedding_optimizer (fused) supports pooled EmbeddingBagCollections only")
-    kernel_dtypes: dict[object, dict[str, torch.dtype]] = {}  # kernel (a shard rank, or "dp") -> its tables
+    kernel_dtypes: dict[int | str, dict[str, torch.dtype]] = {}  # kernel (a shard rank, or "dp") -> its tables
     for t in tables:
         if t.dtype not in (torch.float32, torch.float16):
             raise ValueError(
@@ -79,7 +80,7 @@ def check_fused(
 
 
 def build_kernels(
-    sources: dict[str, tuple[tuple[int, int], torch.dtype, object]],
+    sources: dict[str, tuple[tuple[int, int], torch.dtype, torch.Tensor | Callable[[torch.Tensor], object]]],
     spec,
     table_names: list[str],
     feature_table: Sequence[int],
@@ -145,7 +146,7 @@ def union_lookup(
     # weights that need a gradient (on any rank: all must pack alike) travel in their own differentiable
     # gather; others as bits in the buffer
     w_bits = weights is not None and not any(row[1] for row in info)
-    parts = [lengths.long(), values.long()] + ([dists.as_int64(weights)] if w_bits else [])
+    parts = [lengths.long(), values.long()] + ([dists.as_int64(cast(torch.Tensor, weights))] if w_bits else [])
     sizes = [n * b + (2 if w_bits else 1) * sum(c) for b, c in zip(batches, id_counts)]
     buf, stride = comm.all_gather_padded(torch.cat(parts), sizes, group)
     # regroup [rank][lengths | ids | weights][feature] into [feature][rank] pieces with one index (rank r's

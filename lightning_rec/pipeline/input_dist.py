@@ -204,9 +204,13 @@ def _fbgemm_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routin
     if ordered:  # fbgemm gives every id's new place; the ids in their new order are its inverse
         order = torch.empty_like(where)
         order[where] = torch.arange(n, dtype=where.dtype, device=where.device)
-    ws = None if weights is None else weights.index_select(0, order)
+    ws = None
+    if weights is not None:
+        assert order is not None  # ordered whenever there are weights
+        ws = weights.index_select(0, order)
     positions: list[torch.Tensor | None] = []
     if with_positions:
+        assert order is not None
         opk = kjt.offset_per_key()
         positions = [order[first[s] : first[s + 1]] - opk[f] for s, f in zip(segs, routing.route_features)]
     lengths = lengths.long()
@@ -265,6 +269,7 @@ def _sorted_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routin
     n_routes = routing.route_row_start.numel()
     keyed, raw = _keyed(kjt, row_keys)
     bag, _, bucket, rank = _bucket_ids(kjt, keyed, routing)
+    assert routing.bucket_route_rel is not None  # the caller picks this path only where it exists
     slot = (routing.bucket_route_rel * b).index_select(0, bucket) + bag
     counts, order = _slot_order(slot, (n_routes + n_keys) * b, rank)
     counts = counts[: n_routes * b]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,7 @@ def init_shard(table: BaseEmbeddingConfig, weight: torch.Tensor, shard: ShardMet
         return
     rows, cols = (0, 0) if shard is None else (shard.row_offset, shard.col_offset)
     with torch.no_grad():
-        fn(weight, row_offset=rows, col_offset=cols)
+        cast(Callable[..., object], fn)(weight, row_offset=rows, col_offset=cols)  # _takes_offsets(fn)
 
 
 def materialize(table: BaseEmbeddingConfig, full: torch.Tensor, shard: ShardMeta | None,
@@ -71,6 +72,7 @@ def materialize(table: BaseEmbeddingConfig, full: torch.Tensor, shard: ShardMeta
         return w
     if shape == tuple(full.shape):
         return full.to(device)  # the same storage when already there
+    assert shard is not None  # no shard: the whole table, returned above
     return torch.empty(shape, dtype=full.dtype, device=device).copy_(shard.of(full))
 
 

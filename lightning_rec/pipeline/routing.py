@@ -28,13 +28,13 @@ def _empty_long() -> torch.Tensor:
 
 
 class ColumnGroup(NamedTuple):
-    """``count`` runs of ``n`` adjacent columns of a block, consecutive there, landing ``step`` columns apart in
+    """``runs`` runs of ``n`` adjacent columns of a block, consecutive there, landing ``step`` columns apart in
     the output: one strided copy (or add)."""
 
     src: int  # first column in the block
     dst: int  # first column in the output
     n: int
-    count: int
+    runs: int
     step: int
 
 
@@ -188,7 +188,9 @@ def build_routing(
     cols_from = tuple(sum(r.shard.cols for r in lst) for lst in routes_to)
     routed_tables = {r.table for lst in routes_to for r in lst}
     single_block = all(row_starts[t] == (0,) for t in routed_tables)
-    bounds, starts_of_buckets, first_bucket = [], [], []
+    bounds: list[int] = []
+    starts_of_buckets: list[int] = []
+    first_bucket: list[int] = []
     for f, ti in enumerate(feature_table):
         first_bucket.append(len(bounds))
         for start in row_starts.get(ti, (0,)) if ti in routed_tables else (0,):

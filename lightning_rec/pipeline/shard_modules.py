@@ -9,6 +9,7 @@ through").
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,9 @@ def dense_state(module: nn.Module) -> list[torch.Tensor]:
 
 
 def _configs(m: nn.Module) -> list:
-    return list(m.embedding_bag_configs() if isinstance(m, EmbeddingBagCollection) else m.embedding_configs())
+    if isinstance(m, EmbeddingBagCollection):
+        return list(m.embedding_bag_configs())
+    return list(cast(EmbeddingCollection, m).embedding_configs())
 
 
 _SHARDED = {EmbeddingBagCollection: ShardedEmbeddingBagCollection, EmbeddingCollection: ShardedEmbeddingCollection}
@@ -115,10 +118,13 @@ def shard_modules(
     group = process_group if process_group is not None else dist.new_group(timeout=_compat.group_timeout())
     gsize = dist.get_world_size(group)
     replicas = 1 if replica_group is None else dist.get_world_size(replica_group)
-    agree_group = group if replicas == 1 else dist.group.WORLD  # every rank that exchanges with this one
+    # every rank that exchanges with this one
+    agree_group = group if replicas == 1 else cast(dist.ProcessGroup, dist.group.WORLD)
     local = local_size if local_size is not None else default_local_size(gsize)
     targets = [(p, m) for p, m in model.named_modules() if type(m) in _SHARDED]
-    resolved, error, kernels_of = [], None, {}
+    resolved: list[tuple] = []
+    error: Exception | None = None
+    kernels_of: dict[str, dict[str, str | None]] = {}
     try:
         resolved = _resolve(model, plan, targets, gsize, local, gsize * replicas, embedding_optimizer, kernels_of)
     except (ValueError, TypeError, KeyError) as e:
@@ -161,6 +167,7 @@ def _resolve(model, plan, targets, gsize: int, local: int, world: int, embedding
             if auto is None:
                 auto = automatic_plan(model, gsize, local, world, embedding_optimizer).plan(model)
             module_plan = auto.get_plan_for_module(path)
+        assert module_plan is not None  # the automatic plan covers every collection
         resolved.append((path, m, resolve_module_plan(tables, module_plan, gsize, local, path)))
         kernels_of[path] = {n: getattr(ps, "compute_kernel", None) for n, ps in module_plan.items()}
     return resolved

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -104,8 +104,9 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         fused = as_spec(embedding_optimizer)
         if replica_group is not None and dist.get_world_size(replica_group) == 1:
             replica_group = None
+        unsharded: Any = module  # an EmbeddingBagCollection or EmbeddingCollection (the subclass's _attr says which)
         tables: list[BaseEmbeddingConfig] = list(
-            module.embedding_bag_configs() if self._attr == "embedding_bags" else module.embedding_configs()
+            unsharded.embedding_bag_configs() if self._attr == "embedding_bags" else unsharded.embedding_configs()
         )
         # keys no table reads are ignored unless the unsharded module was strict: sharding keeps its behaviour
         self._layout = FeatureLayout(tables, strict=getattr(getattr(module, "_layout", None), "strict", False))
@@ -121,11 +122,11 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         self._dp_group = shard_group if replica_group is None else dist.group.WORLD
         self.embedding_grad = embedding_grad
         self._scale = comm.grad_scale(embedding_grad, self._num_dp_ranks)
-        self.sparse_grad = module.sparse_grad if sparse_grad is None else sparse_grad
+        self.sparse_grad: bool = unsharded.sparse_grad if sparse_grad is None else sparse_grad
         # sparse_grad=None: data-parallel tables may switch to sparse gradients later (grad_mode.py)
         self._dp_sparse_auto = sparse_grad is None and getattr(module, "_sparse_grad_auto", False)
         self._dp_sparse = False
-        self._table_dtypes = [t.dtype for t in tables]
+        self._table_dtypes = [cast(torch.dtype, t.dtype) for t in tables]  # set by the config's __post_init__
         self._keep_table_dtypes = False
         self._output_dtype: torch.dtype | None = None
         self._prefetched: list[tuple[KeyedJaggedTensor, tuple[int, ...], LookupContext]] = []  # prefetch_input_dist
@@ -153,14 +154,16 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         self._local_shards: list[tuple[int, ShardMeta]] = []  # (table index, shard) held here, table order
         # fused: what each kernel table starts from (copied straight into the kernel's storage), and the
         # replicas to make equal once it exists; no shard-sized copy is made on the way
-        sources: dict[str, tuple[tuple[int, int], torch.dtype, object]] = {}
+        sources: dict[str, tuple[tuple[int, int], torch.dtype, torch.Tensor | Callable[[torch.Tensor], object]]] = {}
         pending: list[tuple[str, dist.ProcessGroup]] = []
         for i, t in enumerate(tables):
             full = source[t.name].weight.detach()
-            if shards[t.name] is None:
+            table_shards = shards[t.name]
+            s: ShardMeta | None
+            if table_shards is None:
                 s, group = None, self._dp_group  # replicas must start equal, as DDP makes dense replicas equal
             else:
-                mine = [s for s in shards[t.name] if s.rank == me]
+                mine = [s for s in table_shards if s.rank == me]
                 if not mine:
                     continue
                 (s,) = mine
@@ -198,7 +201,7 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
             held = kernels.FusedTables(self.fused_kernels(), [t.name for t in tables])
             setattr(self, self._attr, held)
             for name, group in pending:  # in table order on every rank, as the plain path broadcasts
-                broadcast_from_first(held[name].weight, group)
+                broadcast_from_first(cast(torch.Tensor, held[name].weight), group)
         self._build_lookups()
         self._register_state_dict_hook(state.sharded_state_dict_hook)
         self._register_load_state_dict_pre_hook(self._load_hook)
