@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from importlib import metadata
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx._pytree as _fx_pytree
@@ -164,8 +164,8 @@ class _Pieces(LocalShardsWrapper):
         r._local_shards, r._storage_meta = base._local_shards, base._storage_meta
         return r
 
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    @classmethod  # torch's stubs type __torch_dispatch__ as a plain method of Tensor
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         if func.namespace == "_c10d_functional":
             # torch's wrapper would gather its pieces as if they were Shard(0)'s blocks: wrong sizes, a mismatched
             # collective that aborts the process. Every rank holds one of these, so every rank raises.
@@ -177,7 +177,8 @@ class _Pieces(LocalShardsWrapper):
             )
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if isinstance(out, LocalShardsWrapper) and not isinstance(out, _Pieces):  # keep dtype and device (views)
-            return _Pieces(out.local_shards(), out.local_offsets(), args[0].dtype, args[0].device)
+            offsets = cast("list[tuple[int, ...]]", out.local_offsets())  # torch.Size tuples
+            return _Pieces(out.local_shards(), offsets, args[0].dtype, args[0].device)
         return out
 
     @property
@@ -281,13 +282,13 @@ def sharded_dtype(x: Any) -> torch.dtype:
     return pieces[0][1].dtype if pieces else x.dtype
 
 
-def precision_target_dtype(precision_plugin: object) -> object:
+def precision_target_dtype(precision_plugin: object) -> torch.dtype | None:
     """The dtype a ``*-true`` Lightning precision plugin converts modules to (None for the others)."""
     # Lightning's HalfPrecision keeps it in a private attribute (lightning 2.4-2.6)
     return getattr(precision_plugin, "_desired_input_dtype", None)
 
 
-def synced_grad_scaler(scaler: object, group: object) -> object:
+def synced_grad_scaler(scaler: torch.amp.GradScaler, group: distributed_c10d.ProcessGroup | None) -> object:
     """``scaler``'s settings in a GradScaler whose inf/NaN check is all-reduced over ``group``."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: PLC0415 - only with AMP
 
@@ -331,7 +332,7 @@ class FxProxyableMeta(ProxyableClassMeta):
 def size_oblivious() -> Any:
     """Context: symbolic shapes reason as if no dynamic size were 0 or 1 (torch's private shape config), so
     a traced program has no special case for a batch of one (used by ``lightning_rec.export``)."""
-    return _fx_shape_config.patch(backed_size_oblivious=True)
+    return _fx_shape_config.patch(backed_size_oblivious=True)  # type: ignore[attr-defined]  # added at import
 
 
 #: torch.serialization's private layout decoder, which DCP's metadata pickles name
@@ -392,7 +393,7 @@ BackwardSyncControl = _BackwardSyncControl
 
 def group_timeout(group: Any = None) -> timedelta:
     """A process group's collective timeout (the world's when ``group`` is None), else torch's default."""
-    pg = group if group is not None else distributed_c10d.group.WORLD
+    pg: Any = group if group is not None else distributed_c10d.group.WORLD  # None: AttributeError below
     try:
         return pg._get_backend(torch.device("cpu")).options._timeout
     except (AttributeError, RuntimeError):

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_rec.export import export_program
 from lightning_rec.pipeline.shard_modules import ShardedCollection
-from lightning_rec.plans.planner import Planner, Topology
+from lightning_rec.plans.planner import Planner, PlanReport, Topology
 from lightning_rec.table_optimizers import tables_optimizer_kind
 
 
@@ -26,7 +26,7 @@ class ShardingSummary(L.Callback):
     def __init__(self, batch_size: int | None = None, pooling_factors: dict[str, float] | None = None) -> None:
         self.batch_size = batch_size
         self.pooling_factors = pooling_factors
-        self.last_report = None
+        self.last_report: PlanReport | None = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not any(isinstance(m, ShardedCollection) for m in pl_module.modules()):
@@ -43,7 +43,7 @@ class ShardingSummary(L.Callback):
         # the batch size and pooling the strategy's planner used (its report of an automatic plan must agree)
         auto = getattr(strategy, "planner", None)
         batch = self.batch_size or (auto.batch_size if auto is not None else None)
-        kw = {} if batch is None else {"batch_size": batch}
+        kw: dict[str, Any] = {} if batch is None else {"batch_size": batch}
         pooling = self.pooling_factors
         if pooling is None and auto is not None:
             kw["default_pooling_factor"], pooling = auto.default_pooling_factor, auto.pooling_factors

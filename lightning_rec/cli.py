@@ -80,7 +80,9 @@ def load_tables(path: str | Path) -> tuple[list, dict[str, float], dict[str, Tab
         root = keys["tables"]
     if not isinstance(root, yaml.SequenceNode) or not root.value:
         raise TableFileError(f"{path}: expected a non-empty list of tables (or a mapping with 'tables')")
-    configs, pooling, constraints = [], {}, {}
+    configs: list[EmbeddingBagConfig | EmbeddingConfig] = []
+    pooling: dict[str, float] = {}
+    constraints: dict[str, TableConstraint] = {}
     for node in root.value:
         where = f"{path} line {_line(node)}"
         spec = _plain(node)

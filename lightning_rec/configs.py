@@ -6,6 +6,7 @@ import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -146,7 +147,8 @@ class BaseEmbeddingConfig:
             if self.init_fn is not None:
                 self.init_fn(weight)
             else:
-                weight.uniform_(self.weight_init_min, self.weight_init_max)
+                # __post_init__ fills in the default bounds
+                weight.uniform_(cast(float, self.weight_init_min), cast(float, self.weight_init_max))
 
 
 @dataclass

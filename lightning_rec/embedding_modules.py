@@ -2,6 +2,7 @@
 
 # no ``from __future__ import annotations``: TorchScript reads the annotations of ignored methods as objects
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +79,9 @@ class FeatureLayout:
         self.feature_table_names = [tables[i].name for i in self.feature_table]
         self.dims = [tables[i].embedding_dim for i in self.feature_table]
         self.rows = [tables[i].num_embeddings for i in self.feature_table]
-        self.is_mean = [tables[i].pooling == PoolingType.MEAN for i in self.feature_table]
+        # every table is an EmbeddingBagConfig or an EmbeddingConfig
+        self.is_mean = [cast("EmbeddingBagConfig | EmbeddingConfig", tables[i]).pooling == PoolingType.MEAN
+                        for i in self.feature_table]
         self._index = {f: i for i, f in enumerate(self.feature_names)}
 
     def mismatch(self, keys: list[str], missing: list[str], duplicated: Sequence[str] = ()) -> str:
@@ -128,6 +131,7 @@ class FeatureLayout:
     def apply_mean(self, pooled: torch.Tensor, lengths: torch.Tensor, batch_size: int) -> torch.Tensor:
         if not any(self.is_mean):
             return pooled
+        div: torch.Tensor | None
         n = len(self.dims)
         if n and len(set(self.dims)) == 1 and pooled.shape == (batch_size, sum(self.dims)):
             # one width: divide [batch, feature, dim] by [batch, feature, 1] without a [batch, width] divisor
@@ -137,6 +141,7 @@ class FeatureLayout:
             div = lens.t().unsqueeze(2).to(pooled.dtype)
             return (pooled.view(batch_size, n, self.dims[0]) / div).view(batch_size, n * self.dims[0])
         div = kernels.mean_divisor(lengths, self.dims, self.is_mean, batch_size)
+        assert div is not None  # some feature is MEAN (checked above)
         return pooled / div.to(pooled.dtype)
 
 
@@ -217,7 +222,7 @@ class _CollectionBase(nn.Module):
     def reset_parameters(self) -> None:
         """Initialise every table again from its config (``init_fn`` or the uniform bounds)."""
         for t in self._layout.tables:
-            w = self._table_modules()[t.name].weight
+            w = cast(torch.Tensor, self._table_modules()[t.name].weight)
             if w.device.type != "meta":
                 t.init_weight(w)
 
@@ -231,7 +236,7 @@ class _CollectionBase(nn.Module):
             if dotted:
                 raise ValueError(f"torch.fx cannot address tables {dotted}: their names hold a '.', which fx reads as "
                                  "a module path. Trace with lightning_rec.export.fx_trace(model), which renames them")
-            return [tables[name].weight for name in self._table_names]
+            return [cast(torch.Tensor, cast(kernels.TableContainer, tables)[name].weight) for name in self._table_names]
         return [getattr(tables, name).weight for name in self._table_names]  # TorchScript's C++ module
 
 
@@ -289,7 +294,7 @@ class EmbeddingBagCollection(_CollectionBase):
         return self._is_weighted
 
     def _weights(self) -> list[torch.Tensor]:
-        return [self.embedding_bags[t.name].weight for t in self._layout.tables]
+        return [cast(torch.Tensor, self.embedding_bags[t.name].weight) for t in self._layout.tables]
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         if torch.jit.is_scripting():
@@ -421,7 +426,7 @@ class EmbeddingCollection(_CollectionBase):
         if _compat.is_fx_symbolic_tracing():
             return self._traced_forward(features)
         kjt = layout.select(features)
-        tables = [self.embeddings[t.name].weight for t in layout.tables]
+        tables = [cast(torch.Tensor, self.embeddings[t.name].weight) for t in layout.tables]
         embs = kernels.torch_sequence(
             tables, layout.feature_table, kjt.values(), kjt.length_per_key(), self.sparse_grad
         )

@@ -24,7 +24,7 @@ import re
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
@@ -34,9 +34,15 @@ from torch import nn
 from lightning_rec import _compat, checkpoint
 from lightning_rec.checkpoint import atomic, collective
 from lightning_rec.checkpoint.errors import DiskFullError
+from lightning_rec.configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.kernels import TableContainer
-from lightning_rec.sharding import ShardedEmbeddingBagCollection, full_state_dict, sharded_collections
+from lightning_rec.sharding import (
+    ShardedCollection,
+    ShardedEmbeddingBagCollection,
+    full_state_dict,
+    sharded_collections,
+)
 from lightning_rec.sparse import KeyedJaggedTensor, KeyedTensor
 
 
@@ -66,6 +72,7 @@ def _gather_to_zero(value: Any) -> torch.Tensor | None:
     Under 2D every replica group holds the whole table; the one that contains rank 0 sends.
     """
     record = _compat.shard_record(value)
+    assert record is not None  # callers pass sharded values only
     if 0 not in record.group_ranks:
         return None
     rank = collective.rank()
@@ -103,7 +110,7 @@ def export_state_dict(model: nn.Module, path: str | os.PathLike) -> Path:
     tmp = atomic.partial_path(path)
     offsets: dict[str, tuple[int, int]] = {}
     error: BaseException | None = None
-    handle = None
+    handle: Any = None  # rank 0: the open file _skeleton returns
     if rank == 0:
         try:
             handle, offsets = _skeleton(state, path, tmp)
@@ -122,11 +129,13 @@ def export_state_dict(model: nn.Module, path: str | os.PathLike) -> Path:
             # after a failure rank 0 still receives every shard, so no sender is left waiting
             try:
                 start, size = offsets[str(index)]
+                assert full is not None  # rank 0 holds every full tensor
                 data = _as_bytes(full)
                 if data.numel() != size:
                     raise RuntimeError(f"export of {key!r}: {data.numel()} bytes for a record of {size}")
                 handle.seek(start)
-                handle.write(memoryview(data.numpy()))
+                # numpy declares the buffer protocol to type checkers from Python 3.12 on
+                handle.write(memoryview(data.numpy()))  # type: ignore[arg-type]
                 del data
             except Exception as e:  # reported to every rank below
                 error = _disk_full(e, tmp, state)
@@ -233,12 +242,13 @@ class _ExportTables(TableContainer):
         return iter(self._names)
 
 
-def _unsharded_twin(m: nn.Module, full: dict[str, torch.Tensor], prefix: str) -> nn.Module:
+def _unsharded_twin(m: ShardedCollection, full: dict[str, torch.Tensor], prefix: str) -> nn.Module:
     """The unsharded collection of sharded ``m`` on CPU, holding the gathered full tables (torch kernel)."""
     if isinstance(m, ShardedEmbeddingBagCollection):
-        twin: nn.Module = EmbeddingBagCollection(m.tables, is_weighted=m.is_weighted(), device="meta", kernel="torch")
+        twin: nn.Module = EmbeddingBagCollection(cast("list[EmbeddingBagConfig]", m.tables),
+                                                 is_weighted=m.is_weighted(), device="meta", kernel="torch")
     else:
-        twin = EmbeddingCollection(m.tables, device="meta")
+        twin = EmbeddingCollection(cast("list[EmbeddingConfig]", m.tables), device="meta")
     attr = m.table_attr
     # gathered tables are fresh tensors, taken as they are; replicated ones are the live weights: copied
     live = {p.untyped_storage().data_ptr() for p in m.parameters()}
@@ -296,6 +306,7 @@ def _collection_features(model: nn.Module) -> tuple[dict[str, int], dict[str, li
     rows: dict[str, int] = {}
     features: dict[str, list[str]] = {}
     for path, m in model.named_modules():
+        configs: Sequence[BaseEmbeddingConfig]
         if isinstance(m, EmbeddingBagCollection):
             configs = m.embedding_bag_configs()
         elif isinstance(m, EmbeddingCollection):
@@ -363,7 +374,7 @@ class TensorInputs(nn.Module):
 
 def _first_samples(out: Any, b: Any) -> Any:
     if torch.is_tensor(out) or isinstance(out, torch.fx.Proxy):
-        return out[:b]
+        return out[:b]  # type: ignore[index]  # fx.Proxy's operators are attached at run time
     return type(out)(_first_samples(o, b) for o in out)
 
 

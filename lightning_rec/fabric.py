@@ -28,6 +28,7 @@ from lightning_rec.pipeline.clip_grad_norm import clip_grad_norm_
 from lightning_rec.pipeline.shard_modules import fused_optimizer, sharded_collections
 from lightning_rec.plans.mesh import MeshInfo
 from lightning_rec.plans.plan import ShardingPlan
+from lightning_rec.plans.planner import Planner
 from lightning_rec.shard_setup import ShardedFrontEnd, ShardSetup, ignore_in_ddp, require_popen
 from lightning_rec.table_optimizers import warn_unoptimized_tables
 
@@ -83,7 +84,7 @@ class RecShardedFabricStrategy(ShardedFrontEnd, DDPStrategy):
                                trusted_checkpoints)
         self.embedding_optimizer = self.core.given_embedding_optimizer
         self.mesh_info: MeshInfo | None = None
-        self.planner = None
+        self.planner: Planner | None = None
         self._module: nn.Module | None = None  # the sharded module, unwrapped
         self._fused_attached = False
         self._backward_sync_control = _BackwardSync()
@@ -106,7 +107,7 @@ class RecShardedFabricStrategy(ShardedFrontEnd, DDPStrategy):
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler
 
     @override
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # returns module unwrapped too
         """Shard the collections (collective), then wrap the dense rest in DDP (the module itself when nothing
         dense trains)."""
         assert self.mesh_info is not None

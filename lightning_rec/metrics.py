@@ -39,6 +39,12 @@ class _WeightedSums(Metric):
     is_differentiable = False
     full_state_update = False
 
+    # states (add_state in __init__)
+    weight_sum: torch.Tensor
+    positive_sum: torch.Tensor
+    prob_sum: torch.Tensor
+    ce_sum: torch.Tensor
+
     def __init__(self, validate_args: bool = True, **kwargs) -> None:
         super().__init__(**kwargs)
         self.validate_args = validate_args

@@ -290,8 +290,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
 
-    @property
-    def state(self) -> dict:  # type: ignore[override]
+    @property  # type: ignore[override]  # torch declares state a plain attribute
+    def state(self) -> dict:
         merged: dict = {}
         for o in self.optimizers:
             merged.update(o.state)

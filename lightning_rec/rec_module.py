@@ -85,15 +85,16 @@ class RecModule(L.LightningModule):
         if not (isinstance(path, (str, os.PathLike)) and Path(ckpt.resolve(path)).is_dir()):
             if trusted and weights_only is None:
                 weights_only = False
-            return super().load_from_checkpoint(checkpoint_path, map_location, hparams_file, strict, weights_only,
-                                                **kwargs)
+            # Lightning annotates str | Path and accepts any os.PathLike
+            return super().load_from_checkpoint(checkpoint_path, map_location, hparams_file, strict,  # type: ignore[arg-type]
+                                                weights_only, **kwargs)
         checkpoint = ckpt.read_checkpoint(path, trusted=trusted, device=_stored_device(map_location))
         if hparams_file is not None:  # as Lightning: the file replaces the saved hyper-parameters
             extension = str(hparams_file).rsplit(".", 1)[-1].lower()
             if extension == "csv":
-                checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = load_hparams_from_tags_csv(hparams_file)
+                checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = load_hparams_from_tags_csv(hparams_file)  # type: ignore[arg-type]
             elif extension in ("yml", "yaml"):
-                checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = load_hparams_from_yaml(hparams_file)
+                checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = load_hparams_from_yaml(hparams_file)  # type: ignore[arg-type]
             else:
                 raise ValueError(".csv, .yml or .yaml is required for `hparams_file`")
         checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {}).update(kwargs)

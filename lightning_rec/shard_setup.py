@@ -7,7 +7,7 @@ under both (same plan resolution, gradient convention, fused kernels, agreement 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -45,6 +45,12 @@ def require_popen(kwargs: dict[str, Any], who: str) -> None:
             "launchers copy rank 0's state_dict back into the main process, which holds only rank 0's shards of "
             "each table"
         )
+
+
+class _ChoosesPlan(Protocol):
+    """A module that places its own tables (``RecModule.configure_sharding``)."""
+
+    def configure_sharding(self) -> ShardingPlan | None: ...
 
 
 class ShardSetup:
@@ -86,7 +92,7 @@ class ShardSetup:
         """
         plan = self.plan
         if plan is None and hasattr(module, "configure_sharding"):
-            plan = module.configure_sharding()
+            plan = cast(_ChoosesPlan, module).configure_sharding()
         spec = marked_embedding_optimizer(module, self.given_embedding_optimizer)
         planner = None
         if plan is None:

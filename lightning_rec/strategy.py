@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
@@ -32,6 +33,7 @@ from lightning_rec.pipeline.dp_sparse_grad import use_sparse_grads_where_possibl
 from lightning_rec.pipeline.shard_modules import ShardedCollection, dense_state, fused_optimizer
 from lightning_rec.plans.mesh import MeshInfo
 from lightning_rec.plans.plan import ShardingPlan
+from lightning_rec.plans.planner import Planner, PlanReport
 from lightning_rec.preemption import AgreedStopHooks
 from lightning_rec.shard_setup import ShardedFrontEnd, ShardSetup, ignore_in_ddp, require_popen
 from lightning_rec.table_optimizers import automatic_plan_report, warn_unoptimized_tables
@@ -99,7 +101,9 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         self.core = ShardSetup(plan, model_parallel_size, data_parallel_size, embedding_grad, embedding_optimizer,
                                trusted_checkpoints)
         self._plan = plan
-        self.planner = self.plan_report = None  # the planner of an automatic plan (when none was given), its report
+        # the planner of an automatic plan (when none was given), its report
+        self.planner: Planner | None = None
+        self.plan_report: PlanReport | None = None
         self.embedding_optimizer = self.core.given_embedding_optimizer  # the marks may choose one at setup
         self.mesh_info: MeshInfo | None = None
         self.pipeline = pipeline
@@ -127,6 +131,7 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
     def setup_environment(self) -> None:
         super().setup_environment()
         if self.lightning_module is not None:
+            assert self.mesh_info is not None  # the front end's setup_environment builds it
             self.lightning_module._device_mesh = self.mesh_info.mesh
 
     def _shard(self) -> None:
@@ -135,7 +140,8 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         batch_size = None  # the planner's, found as Lightning's batch-size finder does
         try:
             if lightning_hasattr(module, "batch_size"):
-                batch_size = int(lightning_getattr(module, "batch_size"))
+                # None raises TypeError, caught below
+                batch_size = int(lightning_getattr(module, "batch_size"))  # type: ignore[arg-type]
         except (AttributeError, TypeError, ValueError):
             pass
         self.embedding_optimizer, self.planner = self.core.shard(module, self.mesh_info, self.root_device,
@@ -203,14 +209,16 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         # while the others take it, and replicas would silently diverge. Agree on "found inf" over the world.
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
-            self.precision_plugin.scaler = _compat.synced_grad_scaler(scaler, torch.distributed.group.WORLD)
+            # the plugins with a scaler (mixed precision, FSDP's) share no base class that declares it
+            cast(Any, self.precision_plugin).scaler = _compat.synced_grad_scaler(scaler, torch.distributed.group.WORLD)
 
     def _check_fused_trainer(self, trainer: L.Trainer) -> None:
         if self.embedding_optimizer is None:
             return
         fused = fused_optimizer(self.lightning_module) if self.lightning_module is not None else None
         if fused is not None and (trainer.accumulate_grad_batches > 1 or any(
-                isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks)):
+                isinstance(c, GradientAccumulationScheduler)
+                for c in trainer.callbacks)):  # type: ignore[attr-defined]  # set by Lightning's callback connector
             # Lightning steps the optimizer once every k batches: the kernels keep each backward's gradient
             # and apply one update from their sum at that step (kernels/_accumulate.py)
             fused.accumulate = True
@@ -253,10 +261,11 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         dataloader = super().process_dataloader(dataloader)
         agrees = isinstance(dataloader, (ClickLoader, AgreedLoader))
         if self.world_size > 1 and not agrees and sized_len(dataloader) is None:
-            dataloader = AgreedLoader(dataloader, what="rec_sharded dataloader")
+            dataloader = AgreedLoader(cast(Iterable[Any], dataloader), what="rec_sharded dataloader")
         if self._prefetcher is not None and self.lightning_module.trainer.training:
             device = self.root_device
-            dataloader = PipelinedLoader(dataloader, self._prefetcher, lambda b: move_data_to_device(b, device))
+            dataloader = PipelinedLoader(cast(Iterable[Any], dataloader), self._prefetcher,
+                                         lambda b: move_data_to_device(b, device))
         return dataloader
 
     @override
@@ -285,7 +294,7 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
             torch.distributed.broadcast(t.data, src=0)
 
     @override
-    def _setup_model(self, model: nn.Module) -> nn.Module:
+    def _setup_model(self, model: nn.Module) -> nn.Module:  # type: ignore[override]  # returns model unwrapped too
         if not ignore_in_ddp(model, self.lightning_module):
             return model  # nothing dense to keep in sync
         return super()._setup_model(model)

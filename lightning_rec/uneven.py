@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -88,7 +88,8 @@ class UnevenEvaluation:
                 "Every sharded lookup is a collective across ranks. Give every rank at least one batch of each "
                 f"dataloader (fewer ranks, a smaller batch size), loaders of equal length, or limit_{limit}_batches"
             )
-        return cls(model, mine, [max(g[d] for g in gathered) for d in range(len(mine))])
+        # every count is finite (checked above): an int
+        return cls(model, cast("list[int]", mine), [max(g[d] for g in gathered) for d in range(len(mine))])
 
     def close(self) -> None:
         for h in self._handles:

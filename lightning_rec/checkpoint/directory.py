@@ -7,7 +7,7 @@ import os
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -67,7 +67,7 @@ def _unwrap(e: BaseException, path: Path, what: str) -> CheckpointError:
                 return full
         for r in sorted(failures):
             if isinstance(failures[r], CheckpointError):
-                return failures[r]
+                return cast(CheckpointError, failures[r])
         first = min(failures)
         exc = failures[first]
         return CheckpointError(f"{what} {path} failed on rank(s) {sorted(failures)}; rank {first}: "

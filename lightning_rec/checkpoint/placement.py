@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -66,7 +66,8 @@ def placements(model: nn.Module) -> dict[str, Placement]:
         for ti, s in m.local_shards:
             t = tables[ti]
             name = f"{path}.{m.table_attr}.{t.name}.weight" if path else f"{m.table_attr}.{t.name}.weight"
-            out[name] = Placement(t.name, [t.num_embeddings, t.embedding_dim], list(all_shards[t.name]),
+            shards = cast("list[ShardMeta]", all_shards[t.name])  # a table with a local shard is sharded
+            out[name] = Placement(t.name, [t.num_embeddings, t.embedding_dim], list(shards),
                                   [s.row_offset, s.col_offset], [s.rows, s.cols], m.shard_group, dtypes[ti])
     return out
 

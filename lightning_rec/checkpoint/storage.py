@@ -39,6 +39,8 @@ def crc32_range(file: IO[bytes], offset: int, length: int) -> int:
 class CheckedWriter(FileSystemWriter):
     """FileSystemWriter that records the CRC-32 of the pieces it wrote and reports a full disk plainly."""
 
+    rank: int
+
     def __init__(self, path: str | os.PathLike, rank: int) -> None:
         super().__init__(path)
         self.rank = rank

@@ -14,7 +14,7 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
 
 
-def mix64(x: np.ndarray) -> np.ndarray:
+def mix64(x: np.ndarray | np.uint64) -> np.ndarray:
     """splitmix64's finaliser: a bijection of uint64 that scrambles every bit (wraps on purpose)."""
     x = np.asarray(x, dtype=np.uint64)
     with np.errstate(over="ignore"):
@@ -29,7 +29,7 @@ def mix64(x: np.ndarray) -> np.ndarray:
 
 def key_of(*parts: int) -> np.uint64:
     """Fold a few small ints (seed, split, stream) into one 64-bit key."""
-    k = np.uint64(0x5EED)
+    k: np.uint64 | np.ndarray = np.uint64(0x5EED)
     for p in parts:
         k = mix64(np.uint64(k) ^ np.uint64(p & 0xFFFFFFFFFFFFFFFF))[()]
     return np.uint64(k)

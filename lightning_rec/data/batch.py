@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -46,8 +47,9 @@ class Batch:
                 raise TypeError(f"Batch: missing {ours}= (or TorchRec's {theirs}=)")
         if labels is None:
             raise TypeError("Batch: missing labels=")
-        self.dense = dense if dense is not None else dense_features
-        self.sparse = sparse if sparse is not None else sparse_features
+        # the loop above checked that one of each pair is given
+        self.dense = cast(torch.Tensor, dense if dense is not None else dense_features)
+        self.sparse = cast(KeyedJaggedTensor, sparse if sparse is not None else sparse_features)
         self.labels = labels
         self.__post_init__()
 
@@ -77,7 +79,8 @@ class Batch:
             non_blocking = (torch.device(device).type == "cuda" and torch.cuda.is_available()
                             and self.labels.is_pinned())
         return Batch(self.dense.to(device, non_blocking=non_blocking),
-                     self.sparse.to(device, non_blocking=non_blocking),
+                     # KeyedJaggedTensor.to takes a str too; TorchScript limits its annotation to torch.device
+                     self.sparse.to(device, non_blocking=non_blocking),  # type: ignore[arg-type]
                      self.labels.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> Batch:

@@ -240,7 +240,7 @@ class CriteoNpy(ClickStream):
     def read_rows(self, start: int, stop: int):
         a, b = start + self.start, stop + self.start
         cat, y, x_int = np.asarray(self._x_cat[a:b]), np.asarray(self._y[a:b]), np.asarray(self._x_int[a:b])
-        bad = np.argwhere(cat < 0)
+        bad: np.ndarray = np.argwhere(cat < 0)
         if bad.size:
             r, j = bad[0]
             raise ValueError(f"CriteoNpy: {self._names['X_cat']} row {a + r} (0-based), feature {FEATURE_NAMES[j]}: "

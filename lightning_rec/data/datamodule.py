@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import lightning as L
 
@@ -14,7 +15,8 @@ from lightning_rec.data.parquet import CriteoParquet
 from lightning_rec.data.synthetic import FEATURE_NAMES, NUM_DENSE, SyntheticClicks, scaled_cardinalities
 
 SOURCES = ("synthetic", "criteo_tsv", "criteo_npy", "criteo_parquet")
-_READERS = {"criteo_tsv": CriteoTSV, "criteo_npy": CriteoNpy, "criteo_parquet": CriteoParquet}
+_READERS: dict[str, type[CriteoTSV | CriteoNpy | CriteoParquet]] = {
+    "criteo_tsv": CriteoTSV, "criteo_npy": CriteoNpy, "criteo_parquet": CriteoParquet}
 
 
 class ClickDataModule(L.LightningDataModule):
@@ -118,12 +120,14 @@ class ClickDataModule(L.LightningDataModule):
 
     def _window(self, split: str) -> tuple[int, int]:
         """(start, num_rows) of a split inside the Criteo rows."""
+        assert self.path is not None  # __init__ requires it for the Criteo sources
         if self._total_rows is None:
             if self.source == "criteo_tsv":
                 self._total_rows = sum(count_lines(p) for p in resolve_paths(self.path))
             else:
                 self._total_rows = _READERS[self.source](self.path, 1, self.cardinalities, num_rows=0).num_rows_total
-        val, test = self.rows["val"], self.rows["test"]
+        # only train_rows may be None (all the Criteo rows left)
+        val, test = cast(int, self.rows["val"]), cast(int, self.rows["test"])
         train = self.rows["train"] if self.rows["train"] is not None else self._total_rows - val - test
         need = train + val + test
         if train < 0 or need > self._total_rows:
@@ -137,10 +141,12 @@ class ClickDataModule(L.LightningDataModule):
         drop_last = self.drop_last and split == "train"
         rows = "test" if split == "predict" else split
         if self.source == "synthetic":
-            return SyntheticClicks(self.rows[rows], self.batch_size, seed=self.seed, rank=rank, world_size=world,
-                                   multi_hot=self.multi_hot, drop_last=drop_last, split=rows,
+            # __init__ refuses train_rows=None for synthetic data
+            return SyntheticClicks(cast(int, self.rows[rows]), self.batch_size, seed=self.seed, rank=rank,
+                                   world_size=world, multi_hot=self.multi_hot, drop_last=drop_last, split=rows,
                                    cardinalities=self.cardinalities, raw_ids=self.raw_ids)
         start, n = self._window(rows)
+        assert self.path is not None  # __init__ requires it for the Criteo sources
         return _READERS[self.source](self.path, self.batch_size, self.cardinalities, rank=rank, world_size=world,
                                      drop_last=drop_last, start=start, num_rows=n, seed=self.seed,
                                      shuffle=self.shuffle and split == "train", shuffle_block=self.shuffle_block,

@@ -132,6 +132,8 @@ class ClickLoader:
     ``current_epoch``) is the least epoch a new epoch may start at, for a resume that brings no loader state.
     """
 
+    _epoch: int | None  # the epoch being read (None before the first, and after a load_state_dict)
+
     def __init__(self, dataset: ClickStream, num_workers: int = 0, pin_memory: bool = False,
                  prefetch_factor: int | None = None, what: str | None = None,
                  multiprocessing_context: str | None = None, epoch_hint: Callable[[], int] | None = None) -> None:
@@ -168,7 +170,7 @@ class ClickLoader:
         self._yielded = 0
         self._next_epoch, self._resume, self._resume_batches = self._epoch + 1, 0, 0
         self.stream.set_position(self._epoch, self._start)
-        it = iter(self._loader)
+        it: Iterator[Any] = iter(self._loader)
         if agreement_needed():
             it = agreed(it, self.what)
         for batch in it:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -184,7 +185,7 @@ class SyntheticClicks(ClickStream):
         self._dense_sigma = 0.5 + 1.0 * uniform(mk, np.arange(NUM_DENSE) + 300)
 
     def read_rows(self, start: int, stop: int) -> Arrays:
-        return self.rows(start, stop, self.epoch)[:4]
+        return cast(Arrays, self.rows(start, stop, self.epoch)[:4])
 
     def describe(self) -> dict:
         return {**super().describe(), "split": self.split, "fresh_epochs": self.fresh_epochs, "raw_ids": self.raw_ids}

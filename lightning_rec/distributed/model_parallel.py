@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -123,6 +123,10 @@ def _embedding_optimizer(module: nn.Module, sharders: list[ModuleSharder]) -> Fu
     return specs.pop() if specs else None
 
 
+class _Resettable(Protocol):
+    def reset_parameters(self) -> None: ...
+
+
 def _unwrap(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
@@ -167,7 +171,7 @@ class DistributedModelParallel(nn.Module):
             if not dist.is_available() or not dist.is_initialized():
                 raise RuntimeError("DistributedModelParallel needs torch.distributed: call "
                                    "torch.distributed.init_process_group first (world_size=1 is fine)")
-            env = ShardingEnv.from_process_group(dist.group.WORLD)
+            env = ShardingEnv.from_process_group(dist.group.WORLD)  # type: ignore[arg-type]  # set once initialized
         if env.process_group is None:
             raise ValueError("DistributedModelParallel needs a ShardingEnv with a process group")
         self._env = env
@@ -221,7 +225,7 @@ class DistributedModelParallel(nn.Module):
                     if b is not None and b.device.type == "meta":
                         m._buffers[name] = torch.zeros_like(b, device=self.device)
                 if fresh and hasattr(m, "reset_parameters"):
-                    m.reset_parameters()
+                    cast(_Resettable, m).reset_parameters()
 
     def init_data_parallel(self) -> None:
         """Wrap the dense (non-sharded) parameters in DDP. Safe to call again."""

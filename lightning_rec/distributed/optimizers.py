@@ -120,7 +120,7 @@ def in_backward_optimizer_filter(
 
 
 # -- torch optimizer class -> fused kernel kind --------------------------------------------------------------
-def _defaults(cls: type) -> dict[str, Any]:
+def _defaults(cls: type[Any]) -> dict[str, Any]:
     try:
         sig = inspect.signature(cls.__init__)
     except (TypeError, ValueError):
@@ -129,7 +129,7 @@ def _defaults(cls: type) -> dict[str, Any]:
 
 
 # per kind: the options that must keep their neutral value for the fused kernel to do the same maths
-_NEUTRAL = {
+_NEUTRAL: dict[str, dict[str, object]] = {
     "sgd": {"momentum": 0, "dampening": 0, "weight_decay": 0, "nesterov": False, "maximize": False},
     "adagrad": {"lr_decay": 0, "weight_decay": 0, "initial_accumulator_value": 0, "maximize": False},
     "rowwise_adagrad": {"lr_decay": 0, "initial_accumulator_value": 0, "maximize": False},
@@ -220,7 +220,7 @@ def in_backward_spec(module: nn.Module) -> FusedOptimizerSpec | None:
 
     Every parameter must carry the same single optimizer (one fused kernel per collection).
     """
-    found = {}
+    found: dict[str, FusedOptimizerSpec | None] = {}
     for name, p in module.named_parameters():
         classes = getattr(p, "_optimizer_classes", None)
         if classes is None:
@@ -252,8 +252,8 @@ class KeyedOptimizerWrapper(torch.optim.Optimizer):
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
 
-    @property
-    def state(self) -> dict:  # type: ignore[override]
+    @property  # type: ignore[override]  # torch declares state a plain attribute
+    def state(self) -> dict:
         return self._optimizer.state
 
     @state.setter

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -185,6 +185,14 @@ class TrainPipelineSparseDist:
         return output
 
 
+class _Resumable(Protocol):
+    """A loader that saves its position (``ClickLoader``, Lightning's stateful loaders)."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
 class PipelinedLoader:
     """A training data loader run one batch ahead: when batch i is handed out, batch i+1 is already on the device
     with its input dist started (``prefetcher``), so its ids travel while batch i trains.
@@ -232,11 +240,12 @@ class PipelinedLoader:
             previous = started
 
     def _state_dict(self) -> Any:
-        return self._state if self._state is not None else self.loader.state_dict()
+        # bound only for a loader with a state_dict (__getattr__ below)
+        return self._state if self._state is not None else cast(_Resumable, self.loader).state_dict()
 
     def _load_state_dict(self, state: Any) -> None:
         self._state = None
-        self.loader.load_state_dict(state)
+        cast(_Resumable, self.loader).load_state_dict(state)
 
     def __getattr__(self, name: str) -> Any:
         if name in PipelinedLoader._OWN:

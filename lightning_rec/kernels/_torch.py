@@ -73,7 +73,8 @@ def torch_sequence(
     sparse_grad: bool,
 ) -> list[torch.Tensor]:
     """One ``[ids of feature, dim]`` tensor per feature (one lookup per run of features sharing a table)."""
-    outs, start = [], 0
+    outs: list[torch.Tensor] = []
+    start = 0
     for t, f0, f1 in _table_runs(feature_table):
         lens = list(length_per_feature[f0:f1])
         n = sum(lens)

@@ -67,11 +67,17 @@ def remap_batch(ids: list[torch.Tensor], tables: list[TableState], update: bool 
         raise ValueError(f"managed collision: {sum(nbs)} buckets of up to {max(bss)} rows over all tables in one "
                          "collection are too many to remap together")
     # per table: unique ids, index probe, hits' metadata (state lives per table)
-    uniqs, inverses, occs, slots = [], [], [], []
+    uniqs: list[torch.Tensor] = []
+    inverses: list[torch.Tensor] = []
+    occs: list[torch.Tensor] = []
+    slots: list[torch.Tensor] = []
     hits = [0] * nt
     for t, (v, s) in enumerate(zip(ids, tables)):
         if v.numel() == 0:
-            uniqs.append(empty), inverses.append(empty), occs.append(empty), slots.append(empty)
+            uniqs.append(empty)
+            inverses.append(empty)
+            occs.append(empty)
+            slots.append(empty)
             continue
         u, inv, occ = torch.unique(v, return_inverse=True, return_counts=True)
         sl = s.index.find(u)
@@ -81,7 +87,10 @@ def remap_batch(ids: list[torch.Tensor], tables: list[TableState], update: bool 
             hs = sl[hit]
             s.last_access[hs] = s.step
             s.counts[hs] += occ[hit]
-        uniqs.append(u), inverses.append(inv), occs.append(occ), slots.append(sl)
+        uniqs.append(u)
+        inverses.append(inv)
+        occs.append(occ)
+        slots.append(sl)
     uniq, slot, occ = _cat(uniqs, empty), _cat(slots, empty), _cat(occs, empty)
     tab = _segments([u.numel() for u in uniqs])
     ro = torch.tensor(row_off, dtype=torch.int64)
@@ -128,20 +137,23 @@ def remap_batch(ids: list[torch.Tensor], tables: list[TableState], update: bool 
         rows, rb = rows[kp], rb[kp]
         per_tab = torch.diff(torch.searchsorted(rows, torch.tensor([*row_off, sum(zch)]))).tolist()
         any_lfu = any(s.lfu for s in tables)
-        occupied, la, cnt = [], [], []
+        occ_parts: list[torch.Tensor] = []
+        la_parts: list[torch.Tensor] = []
+        cnt_parts: list[torch.Tensor] = []
         for t, (r, s) in enumerate(zip(torch.split(rows, per_tab), tables)):
             if r.numel() == 0:
                 continue
             loc = r - row_off[t] if row_off[t] else r
-            occupied.append(s.raw_ids[loc] >= 0), la.append(s.last_access[loc])
+            occ_parts.append(s.raw_ids[loc] >= 0)
+            la_parts.append(s.last_access[loc])
             if any_lfu:
-                cnt.append(s.counts[loc] if s.lfu else torch.zeros_like(loc))
-        occupied = _cat(occupied, empty.bool()).to(torch.int64)
-        la = _cat(la, empty)
+                cnt_parts.append(s.counts[loc] if s.lfu else torch.zeros_like(loc))
+        occupied = _cat(occ_parts, empty.bool()).to(torch.int64)
+        la = _cat(la_parts, empty)
         # LRU: (bucket, occupied, last access, row); LFU: (bucket, occupied, count, last access, row); the
         # rows are ascending, so stable sorts leave ties to the lower row
         if any_lfu:
-            cnt = _cat(cnt, empty)
+            cnt = _cat(cnt_parts, empty)
             inner = torch.sort(cnt.clamp(max=_SAT - 1) * _SAT + la, stable=True).indices
             rorder = inner[torch.sort((rb * 2 + occupied)[inner], stable=True).indices]
             cnt = cnt[rorder]
@@ -160,6 +172,7 @@ def remap_batch(ids: list[torch.Tensor], tables: list[TableState], update: bool 
             target = torch.where(paired, rows[pos], -1)
             lfu_t = torch.tensor([s.lfu for s in tables], dtype=torch.bool)[mtab] if any_lfu else None
             if any_lfu:
+                assert lfu_t is not None
                 paired &= ~lfu_t | (occupied[pos] == 0) | (miss_occ > cnt[pos])
         else:
             paired &= False

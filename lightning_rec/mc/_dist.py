@@ -16,6 +16,7 @@ up on rank 1 and returns the pooled row.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -117,7 +118,8 @@ def remap_sharded(
             feats.append((cfg.name, keys.index(f) if f in keys else -1))
     nf = len(feats)
     no_ids = torch.zeros(0, dtype=torch.int64)
-    perms, pieces = [], []
+    perms: list[torch.Tensor] = []
+    pieces: list[Sequence[torch.Tensor]] = []
     # one column per feature, and a last one flagging bad input: a rank that raised alone would leave the
     # others waiting in the collective, so every rank learns of it from the counts and raises
     counts = torch.zeros(world, nf + 1, dtype=torch.int64)

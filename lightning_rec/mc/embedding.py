@@ -12,12 +12,13 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Mapping
 from fractions import Fraction
+from typing import cast
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, FeatureLayout
 from lightning_rec.mc import _dist, _remap
 from lightning_rec.mc.modules import ManagedCollisionCollection, MCHManagedCollisionModule, remap_local
 from lightning_rec.pipeline.sharded_collection import ShardedCollection
@@ -40,7 +41,8 @@ class _ManagedCollisionWrapper(nn.Module):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        configs = {c.name: c for c in embedding_module._layout.tables}
+        # nn.Module.__getattr__ hides the type of a collection's (sharded or not) layout
+        configs = {c.name: c for c in cast(FeatureLayout, embedding_module._layout).tables}
         for t, m in managed_collision_collection.modules_by_table().items():
             if t not in configs or configs[t].num_embeddings != m.zch_size:
                 raise ValueError(f"managed collision table {t!r} is not a table of the embedding module with "
@@ -76,12 +78,12 @@ class _ManagedCollisionWrapper(nn.Module):
         """``{table: (local weight, global row of its first row)}`` for the managed tables held here (or ``only``)."""
         coll = self._embedding_module
         sharded = isinstance(coll, ShardedCollection)
-        tables = getattr(coll, coll.table_attr if sharded else self._attr)
+        tables = getattr(coll, cast(ShardedCollection, coll).table_attr if sharded else self._attr)
         # first global row of each table this rank holds rows of (one pass over the local shards)
-        offsets = {}
+        offsets: dict[str, int] = {}
         if sharded:
-            names = [t.name for t in coll.tables]
-            for ti, s in coll.local_shards:
+            names = [t.name for t in cast(ShardedCollection, coll).tables]
+            for ti, s in cast(ShardedCollection, coll).local_shards:
                 if s.rows > 0:
                     offsets.setdefault(names[ti], s.row_offset)
         out = {}
@@ -136,7 +138,7 @@ class _ManagedCollisionWrapper(nn.Module):
         by_dim: dict[int, list[str]] = {}
         for t in admitted:
             by_dim.setdefault(self._configs[t].embedding_dim, []).append(t)
-        out = {}
+        out: dict[str, torch.Tensor] = {}
         for dim, tables in by_dim.items():
             n = torch.tensor([admitted[t].admitted_ids.numel() for t in tables])
             cfgs = [self._configs[t] for t in tables]
@@ -149,8 +151,9 @@ class _ManagedCollisionWrapper(nn.Module):
             vals = _remap.hashed_uniform_rows(
                 torch.cat([admitted[t].admitted_ids for t in tables]), dim,
                 per_row([self._table_seed(t) for t in tables], torch.int64),
-                lows[0] if one_range else per_row(lows, torch.float64),
-                highs[0] if one_range else per_row(highs, torch.float64))
+                # the configs' __post_init__ fills in the default bounds
+                cast(float, lows[0]) if one_range else per_row(lows, torch.float64),
+                cast(float, highs[0]) if one_range else per_row(highs, torch.float64))
             out.update(zip(tables, torch.split(vals, n.tolist())))
         return out
 
@@ -217,14 +220,15 @@ class _ManagedCollisionWrapper(nn.Module):
                     self._owner_cache[key] = _dist.ownership(coll, t, m)
                 owners[t] = self._owner_cache[key]
         for t, m in self._managed_collision_collection.modules_by_table().items():
-            m.prepare(None if owners is None else owners[t].owned_rows, None if owners is None else coll.shard_group)
+            m.prepare(None if owners is None else owners[t].owned_rows,
+                      None if owners is None else cast(ShardedCollection, coll).shard_group)
             if m.pending_resize():
                 self._resize_table(t, m, m.num_buckets, owners)
         return owners
 
     def _resize_table(self, t: str, m: MCHManagedCollisionModule, num_buckets: int, owners) -> int:
         if owners is not None:
-            _dist.check_alignment(self._embedding_module, t, m.zch_size, num_buckets)
+            _dist.check_alignment(cast(ShardedCollection, self._embedding_module), t, m.zch_size, num_buckets)
         src, dst, evicted = m.resize_plan(num_buckets)
         moving = src != dst
         self._move_rows(t, src[moving], dst[moving])
@@ -252,7 +256,7 @@ class _ManagedCollisionWrapper(nn.Module):
             m = mods[t]
             m.check_num_buckets(n, int(m._mch_num_buckets))
             if owners is not None:
-                _dist.check_alignment(self._embedding_module, t, m.zch_size, n)
+                _dist.check_alignment(cast(ShardedCollection, self._embedding_module), t, m.zch_size, n)
         return {t: self._resize_table(t, mods[t], n, owners) for t, n in counts.items()}
 
     def scaled_num_buckets(self, factor: float, skip_unfit: bool = False) -> dict[str, int]:
@@ -286,7 +290,7 @@ class _ManagedCollisionWrapper(nn.Module):
             kjt, results = remap_local(self._managed_collision_collection, features)
         else:
             kjt, results = _dist.remap_sharded(self._managed_collision_collection, features,
-                                               self._embedding_module, owners)
+                                               cast(ShardedCollection, self._embedding_module), owners)
         self._reinit_all(results)
         return kjt
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,14 @@ class MCHManagedCollisionModule(nn.Module):
     """
 
     per_rank_state = True  # each rank remaps its own buckets: DDP must not broadcast it (sharded.ddp_ignored_names)
+
+    # buffers (register_buffer in __init__)
+    _mch_raw_ids: torch.Tensor
+    _mch_last_access: torch.Tensor
+    _mch_counts: torch.Tensor
+    _mch_step: torch.Tensor
+    _mch_num_buckets: torch.Tensor
+    _mch_generation: torch.Tensor
 
     def __init__(
         self,
@@ -138,7 +147,8 @@ class MCHManagedCollisionModule(nn.Module):
         self._group = group
         # the wrapper passes the same cached mask every step: skip the O(table) comparison then
         changed_owner = owned is not self._owned and (
-            (owned is None) != (self._owned is None) or (owned is not None and not torch.equal(owned, self._owned))
+            (owned is None) != (self._owned is None)
+            or (owned is not None and not torch.equal(owned, cast(torch.Tensor, self._owned)))
         )
         if self._index is None or changed_owner or int(self._mch_generation) != self._index_generation:
             self._owned = owned
@@ -194,6 +204,7 @@ class MCHManagedCollisionModule(nn.Module):
     def _table_state(self) -> _batch.TableState:
         if self._index is None:
             self.prepare()
+        assert self._index is not None  # prepare() builds it
         return _batch.TableState(self._mch_raw_ids, self._mch_last_access, self._mch_counts, self._index,
                                  int(self._mch_num_buckets), int(self._mch_step), self._eviction_policy.name == "lfu")
 

@@ -30,7 +30,8 @@ class SparseArch(nn.Module):
 
     def __init__(self, embedding_bag_collection: EmbeddingBagCollection) -> None:
         super().__init__()
-        self.embedding_bag_collection = embedding_bag_collection
+        # a collection, or a wrapper called the same way (_ManagedSparseArch's managed collision)
+        self.embedding_bag_collection: nn.Module = embedding_bag_collection
         configs = embedding_bag_collection.embedding_bag_configs()
         if not configs:
             raise ValueError("SparseArch needs an EmbeddingBagCollection with at least one table")
@@ -66,6 +67,8 @@ def _combined(dense_features: torch.Tensor, sparse_features: torch.Tensor) -> to
 class InteractionArch(nn.Module):
     """Dense vector, then the dot products of every pair of ``[dense, sparse_1, ..., sparse_F]``:
     ``[B, D + F + choose(F, 2)]``."""
+
+    triu_indices: torch.Tensor  # a buffer (register_buffer in __init__)
 
     def __init__(self, num_sparse_features: int) -> None:
         super().__init__()

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch import nn
+from lightning.fabric.utilities.data import AttributeDict
+from torchmetrics import MetricCollection
 
 from lightning_rec.configs import EmbeddingBagConfig
 from lightning_rec.embedding_modules import EmbeddingBagCollection
@@ -35,7 +36,8 @@ from lightning_rec.sparse import KeyedJaggedTensor
 
 _EMBEDDING_OPTIMIZERS = ("adagrad", "sgd", "sparse_adam")
 _MC_KEYS = {"eviction_policy", "num_buckets", "zch_size", "tables", "row_init"}
-_POLICIES = {"lru": LRU_EvictionPolicy, "lfu": LFU_EvictionPolicy}
+_POLICIES: dict[str, type[LRU_EvictionPolicy | LFU_EvictionPolicy]] = {
+    "lru": LRU_EvictionPolicy, "lfu": LFU_EvictionPolicy}
 # a bucket of a few rows thrashes (its ids evict each other however stale the rest of the table is)
 _MIN_BUCKET_ROWS = 16
 
@@ -123,7 +125,7 @@ class _ManagedSparseArch(SparseArch):
     """``SparseArch`` over a ``ManagedCollisionEmbeddingBagCollection``: raw ids in, pooled ``[B, F, D]`` out."""
 
     def __init__(self, mc_ebc: ManagedCollisionEmbeddingBagCollection) -> None:
-        super().__init__(mc_ebc.embedding_module)
+        super().__init__(cast(EmbeddingBagCollection, mc_ebc.embedding_module))
         self.embedding_bag_collection = mc_ebc  # state_dict keys as TorchRec's: ..._embedding_module.embedding_bags
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
@@ -253,7 +255,8 @@ class DLRM(RecModule):
         mesh = self.device_mesh
         group = mesh["shard"].size() if mesh is not None else 1
         plan = {}
-        for i, t in enumerate(self.sparse_arch.embedding_bag_collection.embedding_module.embedding_bag_configs()):
+        mc_ebc = cast(ManagedCollisionEmbeddingBagCollection, self.sparse_arch.embedding_bag_collection)
+        for i, t in enumerate(cast(EmbeddingBagCollection, mc_ebc.embedding_module).embedding_bag_configs()):
             m = self._mc_modules.get(t.name)
             plan[t.name] = (row_wise(bucket_aligned_rows(m.zch_size, m.num_buckets, group)) if m is not None
                             else table_wise(i % group))
@@ -262,7 +265,9 @@ class DLRM(RecModule):
     def configure_callbacks(self) -> list[L.Callback]:
         # hit rate and evictions per epoch, logged and printed by rank 0; Lightning would replace a
         # ManagedCollisionCallback the user configured (e.g. with resize_at) by this one, so keep theirs
-        if not self._mc_modules or any(isinstance(c, ManagedCollisionCallback) for c in self.trainer.callbacks):
+        if not self._mc_modules or any(
+                isinstance(c, ManagedCollisionCallback)
+                for c in self.trainer.callbacks):  # type: ignore[attr-defined]  # set by Lightning's callback connector
             return []
         return [ManagedCollisionCallback(print_stats=True)]
 
@@ -287,7 +292,7 @@ class DLRM(RecModule):
         self.log("train_loss", loss, prog_bar=True, batch_size=len(labels))
         return loss
 
-    def _eval_step(self, batch: Any, metrics: nn.Module, prefix: str) -> None:
+    def _eval_step(self, batch: Any, metrics: MetricCollection, prefix: str) -> None:
         loss, logits, labels = self._loss(batch)
         metrics.update(torch.sigmoid(logits.float()).detach(), labels.long())
         self.log(f"{prefix}loss", loss, sync_dist=True, batch_size=len(labels))
@@ -298,7 +303,7 @@ class DLRM(RecModule):
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self._eval_step(batch, self.test_metrics, "test_")
 
-    def _log_metrics(self, metrics: nn.Module) -> None:
+    def _log_metrics(self, metrics: MetricCollection) -> None:
         # compute() already syncs the metric states over every rank (torchmetrics); sync_dist then averages
         # equal values, which changes nothing but tells Lightning the epoch values are global
         self.log_dict({k: v.float() for k, v in metrics.compute().items()}, prog_bar=True, sync_dist=True)
@@ -320,7 +325,7 @@ class DLRM(RecModule):
         # fused tables do not require grad: their kernel updates them inside backward
         emb = [p for p in self.parameters() if id(p) in tables and p.requires_grad]
         dense = [p for p in self.parameters() if id(p) not in tables and p.requires_grad]
-        hp = self.hparams
+        hp = cast(AttributeDict, self.hparams)  # save_hyperparameters() made it an AttributeDict
         opts: list[torch.optim.Optimizer | None] = [torch.optim.Adam(dense, lr=hp.dense_lr) if dense else None]
         if emb:
             kind = hp.embedding_optimizer

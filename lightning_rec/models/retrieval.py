@@ -10,10 +10,12 @@ of the same (local) batch are the negatives.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.fabric.utilities.data import AttributeDict
 from torch import nn
 from torch.utils.data import IterableDataset
 
@@ -119,7 +121,7 @@ class TwoTowerRetrieval(RecModule):
     def scores(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """``[B, B]``: query i against candidate j of the same batch, divided by the temperature."""
         query, cand = self(features)
-        return query @ cand.t() / self.hparams.temperature
+        return query @ cand.t() / cast(AttributeDict, self.hparams).temperature
 
     def loss(self, features: KeyedJaggedTensor) -> torch.Tensor:
         s = self.scores(features)
@@ -135,7 +137,7 @@ class TwoTowerRetrieval(RecModule):
         b = s.size(0)
         own = s.diagonal().unsqueeze(1)
         rank_of_own = (s > own).sum(1)  # candidates scored above the positive
-        recall = (rank_of_own < min(self.hparams.recall_k, b)).float().mean()
+        recall = (rank_of_own < min(cast(AttributeDict, self.hparams).recall_k, b)).float().mean()
         loss = F.cross_entropy(s, torch.arange(b, device=s.device))
         self.log_dict({"val_loss": loss, "val_recall": recall}, sync_dist=True, batch_size=b)
 
@@ -147,9 +149,10 @@ class TwoTowerRetrieval(RecModule):
         tables = {id(p) for p in self.embeddings.parameters()}
         emb = [p for p in self.parameters() if id(p) in tables and p.requires_grad]
         dense = [p for p in self.parameters() if id(p) not in tables and p.requires_grad]
+        hp = cast(AttributeDict, self.hparams)  # save_hyperparameters() made it an AttributeDict
         return CombinedOptimizer([
-            torch.optim.Adam(dense, lr=self.hparams.lr),
-            torch.optim.Adagrad(emb, lr=self.hparams.embedding_lr) if emb else None,
+            torch.optim.Adam(dense, lr=hp.lr),
+            torch.optim.Adagrad(emb, lr=hp.embedding_lr) if emb else None,
             self.fused_optimizer(),
         ])
 

@@ -9,6 +9,7 @@ object is built eagerly; methods after that trust the invariants.
 # no ``from __future__ import annotations``: TorchScript cannot parse some string annotations (torch.device)
 import itertools
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -115,12 +116,15 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
             self._stride = stride
             self._stride_per_key = spk
             self._lengths_offset_per_key = cumsum_list(spk)
-            self._length_per_key: list[int] | None = None
+            # TorchScript reads the attribute's type from this annotation too
+            self._length_per_key: list[int] | None = None  # type: ignore[no-redef]
             # symbolic sizes (torch.export, torch.compile) stay symbols: int() would guard on a data-dependent value
             if length_per_key is not None:
-                self._length_per_key = [_as_int(x) for x in length_per_key]
+                # a SymInt stands in for an int while tracing
+                self._length_per_key = cast("list[int]", [_as_int(x) for x in length_per_key])
             elif offset_per_key is not None:
-                self._length_per_key = [_as_int(b - a) for a, b in itertools.pairwise(offset_per_key)]
+                self._length_per_key = cast(
+                    "list[int]", [_as_int(b - a) for a, b in itertools.pairwise(offset_per_key)])
             if check and self._length_per_key is not None and (
                 len(self._length_per_key) != len(keys) or (covered >= 0 and sum(self._length_per_key) != covered)
             ):

@@ -30,7 +30,7 @@ import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import numpy as np
 import torch
@@ -73,7 +73,7 @@ def describe(sig: int) -> str:
     return name + dtype + (f", {nbytes} bytes" if nbytes else "")
 
 
-def _identity() -> tuple[str, str, int, int]:
+def _identity() -> tuple[str, str, int]:
     """What two processes must share to open each other's descriptors: one host and one pid space."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -232,7 +232,7 @@ class _SharedGroup:
             dtype = pieces[0].dtype if pieces else None
             if len(pieces) > 1 and all(p.dtype == dtype and p.is_contiguous() for p in pieces):
                 # one op for many pieces (they all start aligned to their element size)
-                torch.cat([p.view(-1) for p in pieces], out=buf.view[header:nbytes].view(dtype))
+                torch.cat([p.view(-1) for p in pieces], out=buf.view[header:nbytes].view(cast(torch.dtype, dtype)))
             else:
                 at = header
                 for p in pieces:
@@ -453,6 +453,7 @@ def _setup(group: dist.ProcessGroup | None) -> _SharedGroup | None:
         dist.all_gather_object(made, None if shared is None else shared.address, group=group)
         ok = shared is not None and all(a is not None for a in made)
         if ok:
+            assert shared is not None  # ok says so
             try:
                 shared.connect(made)
             except (OSError, RuntimeError):
