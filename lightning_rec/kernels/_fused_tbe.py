@@ -235,7 +235,7 @@ class FusedPooledKernel(torch.nn.Module):
     def tables(self) -> list[torch.nn.Parameter]:
         """One leaf ``nn.Parameter`` per table (``[rows, dim]``, ``requires_grad=False``), views of the kernel's
         storage: the kernel's updates are visible in them, and writes to them reach the kernel."""
-        return [self._modules[name].weight for name in self.table_names]  # type: ignore[union-attr]
+        return [self._modules[name].weight for name in self.table_names]  # type: ignore[union-attr, misc]
 
     def _check_aliases(self) -> None:
         for name, p, ptr in zip(self.table_names, self.tables(), self._ptrs):
@@ -347,7 +347,7 @@ class FusedPooledKernel(torch.nn.Module):
         lr = self.get_learning_rate()
         if lr != self._lr:  # fbgemm captures the learning rate at forward
             self._push_lr(lr)
-        out = self._tbe(values, offsets, per_sample_weights=psw_in)
+        out = self._tbe(values, offsets, per_sample_weights=psw_in)  # type: ignore[operator]  # fbgemm's TBE, set past nn.Module's registry
         if out.requires_grad and torch.is_grad_enabled():
             out = _FusedBackwardGuard.apply(out, self._counter, grad_scale)
         return out
@@ -401,7 +401,7 @@ class FusedPooledKernel(torch.nn.Module):
         if lr != self._lr:
             self._push_lr(lr)
         with torch.enable_grad():
-            out = self._tbe(values, offsets, per_sample_weights=weights)
+            out = self._tbe(values, offsets, per_sample_weights=weights)  # type: ignore[operator]
             out.backward(grad.to(out.dtype))
 
     def _attach(self, optimizer_ref, index: int) -> None:
@@ -435,7 +435,7 @@ class FusedPooledKernel(torch.nn.Module):
         self._push_lr(lr)
 
     def _push_lr(self, lr: float) -> None:
-        self._tbe.set_learning_rate(lr)
+        self._tbe.set_learning_rate(lr)  # type: ignore[union-attr, operator]
         self._lr = lr
 
     @property
@@ -443,14 +443,14 @@ class FusedPooledKernel(torch.nn.Module):
         """Adam-family step counter (for bias correction); None for other kinds."""
         if not self.spec.info.adam_family:
             return None
-        return int(self._tbe.iter.item())
+        return int(self._tbe.iter.item())  # type: ignore[union-attr, operator]
 
     @optimizer_iter.setter
     def optimizer_iter(self, step: int) -> None:
         if self.optimizer_iter is None:
             raise ValueError(f"fused optimizer {self.spec.kind!r} has no step counter")
-        self._tbe.iter.fill_(int(step))
-        self._tbe.iter_cpu.fill_(int(step))
+        self._tbe.iter.fill_(int(step))  # type: ignore[union-attr, operator]
+        self._tbe.iter_cpu.fill_(int(step))  # type: ignore[union-attr, operator]
 
     def optimizer_states(self) -> dict[str, dict[str, torch.Tensor]]:
         """``{table name: {state name: tensor}}``; the tensors are views of the live state.
@@ -461,7 +461,7 @@ class FusedPooledKernel(torch.nn.Module):
         state_names = self.spec.info.state_names
         if not state_names:
             return {name: {} for name in self.table_names}
-        split = self._tbe.split_optimizer_states()
+        split = self._tbe.split_optimizer_states()  # type: ignore[union-attr, operator]
         return {
             name: dict(zip(state_names, states)) for name, states in zip(self.table_names, split)
         }

@@ -56,7 +56,7 @@ class GroupedPooledLookup:
         self.table_kernels = list(table_kernels)
         self.feature_table = list(feature_table)
         self.feature_dims = list(feature_dims)
-        by_key: dict[object, list[int]] = {}
+        by_key: dict[str | tuple[str, torch.dtype], list[int]] = {}
         for f, t in enumerate(self.feature_table):
             key = "torch" if table_kernels[t] == "torch" else ("fbgemm", table_dtypes[t])
             by_key.setdefault(key, []).append(f)

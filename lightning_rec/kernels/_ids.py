@@ -15,7 +15,7 @@ def check_ids(
     values: torch.Tensor,
     lengths: torch.Tensor,
     rows: torch.Tensor,
-    feature_names: Sequence[str],
+    feature_names: Sequence[object],  # names, or feature indices where the caller has no names
     table_of_feature: Sequence[str],
 ) -> None:
     """Raise a ValueError naming feature, table, value and range for the first id outside ``[0, rows)``.

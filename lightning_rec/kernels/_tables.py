@@ -8,7 +8,7 @@ first ``.`` to find a child, which would misreport the key of a table named ``"u
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -90,7 +90,8 @@ class FusedTables(TableContainer):
     def __init__(self, fused: Sequence[TableKernel], order: Sequence[str]) -> None:
         super().__init__()
         object.__setattr__(self, "_kernels", list(fused))
-        held = {name: k._modules[name] for k in fused for name in k.table_names}
+        # torch types _modules' values Optional; a kernel's tables are all there
+        held = {name: cast(torch.nn.Module, k._modules[name]) for k in fused for name in k.table_names}
         for name in [n for n in order if n in held] + [n for n in held if n not in set(order)]:
             self.add(name, held[name])
 
