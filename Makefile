@@ -43,6 +43,7 @@ gpu-check: $(if $(NO_VENV),,install)
 
 lint: install
 	$(VENV)/bin/ruff check lightning_rec tests benchmarks examples
+	$(VENV)/bin/ruff format --check lightning_rec tests benchmarks examples
 	$(VENV)/bin/mypy lightning_rec
 
 bench: install

@@ -28,8 +28,15 @@ from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_rec.sharding import ShardingPlan, fused_optimizer, row_wise, shard_modules
 from lightning_rec.testing import run_distributed
 
-MODES = [("fused", 1, False), ("fused", 1, True), ("fused", 2, True), ("fused", 4, True),
-         ("torch", 1, False), ("torch", 2, False), ("torch", 4, False)]
+MODES = [
+    ("fused", 1, False),
+    ("fused", 1, True),
+    ("fused", 2, True),
+    ("fused", 4, True),
+    ("torch", 1, False),
+    ("torch", 2, False),
+    ("torch", 4, False),
+]
 LR, EPS = 0.01, 1e-8
 
 
@@ -41,8 +48,10 @@ def _label(mode: tuple[str, int, bool]) -> str:
 
 
 def _build(cfg: dict, mode: tuple[str, int, bool]):
-    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=cfg["rows"], embedding_dim=cfg["dim"],
-                                 feature_names=[f"f{i}"]) for i in range(cfg["tables"])]
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", num_embeddings=cfg["rows"], embedding_dim=cfg["dim"], feature_names=[f"f{i}"])
+        for i in range(cfg["tables"])
+    ]
     torch.manual_seed(0)
     fused = mode[0] == "fused"
     ebc = EmbeddingBagCollection(tables, sparse_grad=not fused)
@@ -92,8 +101,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
         t = next(i for i, m in enumerate(MODES) if m[0] == "torch" and m[1] == k)
         assert cursor[f] == cursor[t]
         fs, ts = built[f][0].state_dict(), built[t][0].state_dict()
-        agree[k] = max(float((fs[n] - ts[n].to_dense() if ts[n].is_sparse else fs[n] - ts[n]).abs().max())
-                       for n in fs)
+        agree[k] = max(float((fs[n] - ts[n].to_dense() if ts[n].is_sparse else fs[n] - ts[n]).abs().max()) for n in fs)
     ids = [sum(int(b.values().numel()) for b in batches[:1])]
     return {"times": times, "kept": kept, "agree": agree, "local_ids": ids[0]}
 
@@ -140,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for i, (kind, k, _acc) in enumerate(MODES):
         vs_torch = f"{step[i] / torch_of[k]:.2f}x" if kind == "fused" else "-"
-        lines.append(f"| {_label(MODES[i])} | {step[i] * 1e3:.1f} | {step[i] / k * 1e3:.1f} | {vs_torch} | "
-                     f"{step[i] / k / base[kind]:.2f}x |")
+        lines.append(
+            f"| {_label(MODES[i])} | {step[i] * 1e3:.1f} | {step[i] / k * 1e3:.1f} | {vs_torch} | "
+            f"{step[i] / k / base[kind]:.2f}x |"
+        )
     lines += [
         "",
         "Bytes kept per micro-batch (fused, k=4, `pending_bytes()` growth after each backward), by rank: "
@@ -150,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         f"receives, ids split evenly: about {', '.join(f'{x:,}' for x in formula)}.",
         "",
         "Largest difference of the final tables, fused vs torch Adagrad after the same micro-batches: "
-        + ", ".join(f"k={k}: {v:.1e}" for k, v in res[0]["agree"].items()) + ".",
+        + ", ".join(f"k={k}: {v:.1e}" for k, v in res[0]["agree"].items())
+        + ".",
         "",
     ]
     Path(cfg["out"]).write_text("\n".join(lines))

@@ -41,8 +41,10 @@ def _rss_mb() -> float:
 
 
 def _tables(n: int, rows: int, dim: int) -> list[EmbeddingBagConfig]:
-    return [EmbeddingBagConfig(name=f"t{i}", num_embeddings=rows, embedding_dim=dim, feature_names=[f"f{i}"])
-            for i in range(n)]
+    return [
+        EmbeddingBagConfig(name=f"t{i}", num_embeddings=rows, embedding_dim=dim, feature_names=[f"f{i}"])
+        for i in range(n)
+    ]
 
 
 def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -97,8 +99,15 @@ def sharded(rank: int, ws: int, n: int, rows: int, dim: int, path: str) -> dict:
     torch.distributed.barrier()
     export_s, export_mb = _timed(lambda: export_state_dict(model, os.path.join(path, "export.pt")))
     size = sum(p.stat().st_size for p in Path(d).iterdir()) / 2**20
-    return {"save_s": save_s, "save_mb": save_mb, "load_s": load_s, "load_mb": load_mb, "size_mb": size,
-            "export_s": export_s, "export_mb": export_mb}
+    return {
+        "save_s": save_s,
+        "save_mb": save_mb,
+        "load_s": load_s,
+        "load_mb": load_mb,
+        "size_mb": size,
+        "export_s": export_s,
+        "export_mb": export_mb,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,11 +141,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{one['load_mb']:.0f} | {one['size_mb']:.0f} |",
     ]
     for r, res in enumerate(per_rank):
-        lines.append(f"| DCP directory, rank {r} of {args.world} | {res['save_s']:.2f} | {res['load_s']:.2f} | "
-                     f"{res['save_mb']:.0f} | {res['load_mb']:.0f} | {res['size_mb']:.0f} (all ranks) |")
+        lines.append(
+            f"| DCP directory, rank {r} of {args.world} | {res['save_s']:.2f} | {res['load_s']:.2f} | "
+            f"{res['save_mb']:.0f} | {res['load_mb']:.0f} | {res['size_mb']:.0f} (all ranks) |"
+        )
     for r, res in enumerate(per_rank):
-        lines.append(f"| export_state_dict (one file), rank {r} | {res['export_s']:.2f} | - | {res['export_mb']:.0f} "
-                     "| - | - |")
+        lines.append(
+            f"| export_state_dict (one file), rank {r} | {res['export_s']:.2f} | - | {res['export_mb']:.0f} | - | - |"
+        )
     text = "\n".join(lines) + "\n"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)

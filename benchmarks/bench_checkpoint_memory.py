@@ -37,8 +37,11 @@ from lightning_rec.testing import run_distributed
 
 def _model(rows: int, dim: int):
     tables = [EmbeddingBagConfig(name="t", num_embeddings=rows, embedding_dim=dim, feature_names=["f"])]
-    model = shard_modules(EmbeddingBagCollection(tables), ShardingPlan({"": {"t": row_wise()}}),
-                          embedding_optimizer={"kind": "rowwise_adagrad", "lr": 0.1})
+    model = shard_modules(
+        EmbeddingBagCollection(tables),
+        ShardingPlan({"": {"t": row_wise()}}),
+        embedding_optimizer={"kind": "rowwise_adagrad", "lr": 0.1},
+    )
     return model, fused_optimizer(model)
 
 
@@ -80,14 +83,20 @@ def main() -> None:
     ap.add_argument("--append", action="store_true")
     args = ap.parse_args()
     weights_mb = args.rows * args.dim * 4 / 2**20
-    lines = [] if args.append else [
-        "# Resume peak memory: fused row-wise Adagrad, one table row-wise over 2 processes", "",
-        f"{args.rows:,} x {args.dim} fp32 = {weights_mb:.0f} MB of weights ({weights_mb / 2:.0f} MB per rank); "
-        f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} cores. MB of resident memory above "
-        "each process's baseline; `peak / steady` is the resume's peak over the memory the resumed model holds.",
-        "", "| code | pieces | rank | steady MB | load peak MB | peak / steady | on disk MB | save s | load s |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = (
+        []
+        if args.append
+        else [
+            "# Resume peak memory: fused row-wise Adagrad, one table row-wise over 2 processes",
+            "",
+            f"{args.rows:,} x {args.dim} fp32 = {weights_mb:.0f} MB of weights ({weights_mb / 2:.0f} MB per rank); "
+            f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} cores. MB of resident memory above "
+            "each process's baseline; `peak / steady` is the resume's peak over the memory the resumed model holds.",
+            "",
+            "| code | pieces | rank | steady MB | load peak MB | peak / steady | on disk MB | save s | load s |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+    )
     for chunk in (True, False) if hasattr(ckpt, "placement") else (False,):
         tmp = Path(tempfile.mkdtemp())
         try:
@@ -96,9 +105,11 @@ def main() -> None:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         for rank, r in enumerate(res):
-            lines.append(f"| {args.label} | {'row blocks' if chunk else 'whole shards'} | {rank} | {r['steady']:.0f} "
-                         f"| {r['peak']:.0f} | {r['peak'] / r['steady']:.2f} | {disk:.0f} | {r['save_s']:.2f} "
-                         f"| {r['load_s']:.2f} |")
+            lines.append(
+                f"| {args.label} | {'row blocks' if chunk else 'whole shards'} | {rank} | {r['steady']:.0f} "
+                f"| {r['peak']:.0f} | {r['peak'] / r['steady']:.2f} | {disk:.0f} | {r['save_s']:.2f} "
+                f"| {r['load_s']:.2f} |"
+            )
     text = "\n".join(lines) + "\n"
     print(text)
     with open(args.out, "a" if args.append else "w") as f:

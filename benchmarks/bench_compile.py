@@ -74,8 +74,13 @@ def make_batches(args: argparse.Namespace) -> list[tuple[torch.Tensor, KeyedJagg
     for _ in range(args.pool):
         lengths = torch.randint(0, args.max_bag + 1, (args.tables * args.batch,), generator=g)
         values = torch.randint(0, args.rows, (int(lengths.sum()),), generator=g)
-        out.append((torch.randn(args.batch, args.dense, generator=g), KeyedJaggedTensor(keys, values, lengths=lengths),
-                    (torch.rand(args.batch, generator=g) < 0.3).float()))
+        out.append(
+            (
+                torch.randn(args.batch, args.dense, generator=g),
+                KeyedJaggedTensor(keys, values, lengths=lengths),
+                (torch.rand(args.batch, generator=g) < 0.3).float(),
+            )
+        )
     return out
 
 
@@ -91,16 +96,28 @@ def step(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
 def make_model(args: argparse.Namespace) -> DLRM:
     torch.manual_seed(0)
     keys = [f"cat_{i}" for i in range(args.tables)]
-    return DLRM(num_dense=args.dense, feature_names=keys, num_embeddings_per_feature=[args.rows] * args.tables,
-                embedding_dim=args.dim, dense_arch_layer_sizes=[64, args.dim], over_arch_layer_sizes=[64, 32, 1],
-                kernel="torch", sparse_grad=False)
+    return DLRM(
+        num_dense=args.dense,
+        feature_names=keys,
+        num_embeddings_per_feature=[args.rows] * args.tables,
+        embedding_dim=args.dim,
+        dense_arch_layer_sizes=[64, args.dim],
+        over_arch_layer_sizes=[64, 32, 1],
+        kernel="torch",
+        sparse_grad=False,
+    )
 
 
 def _sharded_rank(rank: int, ws: int, args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     kinds = [table_wise(rank=0), row_wise(), column_wise(ranks=[1, 0]), data_parallel()]
-    plan = ShardingPlan({"sparse_arch.embedding_bag_collection": {
-        f"cat_{i}": (table_wise(rank=i % ws) if i % 4 == 0 else kinds[i % 4]) for i in range(args.tables)}})
+    plan = ShardingPlan(
+        {
+            "sparse_arch.embedding_bag_collection": {
+                f"cat_{i}": (table_wise(rank=i % ws) if i % 4 == 0 else kinds[i % 4]) for i in range(args.tables)
+            }
+        }
+    )
     eager = shard_modules(make_model(args), plan)
     model = shard_modules(make_model(args), plan)
     args.seed = 1 + rank  # each rank its own batches
@@ -111,8 +128,14 @@ def _sharded_rank(rank: int, ws: int, args: argparse.Namespace) -> dict:
     return _measure(args, eager, compiled, model, batches, rank)
 
 
-def _measure(args: argparse.Namespace, model: torch.nn.Module, compiled: torch.nn.Module, compiled_base: torch.nn.Module,
-             batches: list, rank: int = 0) -> dict:
+def _measure(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    compiled: torch.nn.Module,
+    compiled_base: torch.nn.Module,
+    batches: list,
+    rank: int = 0,
+) -> dict:
     """Check and compile (every pooled batch once), then alternate eager and compiled rounds."""
     start = time.perf_counter()
     for b in batches:

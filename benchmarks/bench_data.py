@@ -87,8 +87,12 @@ def main() -> None:
     torch.set_num_threads(1)
     t_all = time.perf_counter()
     tmp = tempfile.mkdtemp(prefix="bench_data_")
-    paths = {"tsv": os.path.join(tmp, "day_0"), "parquet": os.path.join(tmp, "pq"), "npy": os.path.join(tmp, "npy"),
-             "rows": args.rows}
+    paths = {
+        "tsv": os.path.join(tmp, "day_0"),
+        "parquet": os.path.join(tmp, "pq"),
+        "npy": os.path.join(tmp, "npy"),
+        "rows": args.rows,
+    }
     write_tsv(paths["tsv"], args.rows)
     size_mb = os.path.getsize(paths["tsv"]) / 2**20
     conv = {}
@@ -99,9 +103,11 @@ def main() -> None:
 
     def raw() -> float:
         t = time.perf_counter()
-        table = pacsv.read_csv(paths["tsv"], read_options=pacsv.ReadOptions(autogenerate_column_names=True,
-                                                                              use_threads=False),
-                               parse_options=pacsv.ParseOptions(delimiter="\t"))
+        table = pacsv.read_csv(
+            paths["tsv"],
+            read_options=pacsv.ReadOptions(autogenerate_column_names=True, use_threads=False),
+            parse_options=pacsv.ParseOptions(delimiter="\t"),
+        )
         return table.num_rows / (time.perf_counter() - t)
 
     def one(kind: str) -> float:
@@ -116,8 +122,9 @@ def main() -> None:
     for kind in ("tsv", "parquet", "npy"):
         for world in (1, 2):
             for workers in (0, 2):
-                grid[kind, world, workers] = best(lambda: run_ranks(kind, paths, args.batch, world, workers),
-                                                  max(1, args.repeat - 1))
+                grid[kind, world, workers] = best(
+                    lambda: run_ranks(kind, paths, args.batch, world, workers), max(1, args.repeat - 1)
+                )
     load = os.getloadavg()
     lines = [
         "# Data readers: rows/s",
@@ -138,13 +145,23 @@ def main() -> None:
         "| pyarrow.csv.read_csv, one thread (reference: parse only, no ids hashed, no batches) | "
         f"{raw_rate:,.0f} | 1.00 |",
     ]
-    names = {"tsv": "CriteoTSV (pyarrow + numpy hex/hash)", "parquet": "CriteoParquet", "npy": "CriteoNpy (mmap)",
-             "synthetic": "SyntheticClicks (generated)"}
+    names = {
+        "tsv": "CriteoTSV (pyarrow + numpy hex/hash)",
+        "parquet": "CriteoParquet",
+        "npy": "CriteoNpy (mmap)",
+        "synthetic": "SyntheticClicks (generated)",
+    }
     lines += [f"| {names[k]} | {v:,.0f} | {v / raw_rate:.2f} |" for k, v in single.items()]
-    lines += ["", f"Conversion (`lightning-rec convert`, one process): TSV -> Parquet {conv['parquet']:,.0f} rows/s, "
-              f"TSV -> npy {conv['npy']:,.0f} rows/s.", "",
-              "## Ranks x workers (total rows/s over ranks; each rank reads only its share)", "",
-              "| reader | ranks | workers per rank | rows/s | vs 1 rank, 0 workers |", "|---|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        f"Conversion (`lightning-rec convert`, one process): TSV -> Parquet {conv['parquet']:,.0f} rows/s, "
+        f"TSV -> npy {conv['npy']:,.0f} rows/s.",
+        "",
+        "## Ranks x workers (total rows/s over ranks; each rank reads only its share)",
+        "",
+        "| reader | ranks | workers per rank | rows/s | vs 1 rank, 0 workers |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for (kind, world, workers), v in grid.items():
         lines.append(f"| {kind} | {world} | {workers} | {v:,.0f} | {v / grid[kind, 1, 0]:.2f} |")
     text = "\n".join(lines) + "\n"

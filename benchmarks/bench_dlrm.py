@@ -88,9 +88,15 @@ def _job(rank: int, ws: int, kind: str, args: dict) -> dict:
     ds = SyntheticClicks(num_rows=ws * b * steps, batch_size=b, size=args["size"], rank=rank, world_size=ws)
     batches = list(ds)
     torch.manual_seed(0)
-    model = DLRM(num_dense=ds.num_dense, feature_names=ds.feature_names, num_embeddings_per_feature=ds.cardinalities,
-                 embedding_dim=args["dim"], dense_arch_layer_sizes=[256, 64, args["dim"]],
-                 over_arch_layer_sizes=[256, 64, 1], plan=_plan(kind, model_tables(ds, args["dim"]), ws))
+    model = DLRM(
+        num_dense=ds.num_dense,
+        feature_names=ds.feature_names,
+        num_embeddings_per_feature=ds.cardinalities,
+        embedding_dim=args["dim"],
+        dense_arch_layer_sizes=[256, 64, args["dim"]],
+        over_arch_layer_sizes=[256, 64, 1],
+        plan=_plan(kind, model_tables(ds, args["dim"]), ws),
+    )
 
     class Timer(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -110,10 +116,19 @@ def _job(rank: int, ws: int, kind: str, args: dict) -> dict:
     timer = Timer()
     hosts = _hosts(kind, ws)
     trainer = L.Trainer(
-        accelerator=args["accelerator"], devices=ws // hosts, num_nodes=hosts, max_steps=steps,
-        strategy=RecShardedStrategy(model_parallel_size=ws), logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        use_distributed_sampler=False, callbacks=[timer],
+        accelerator=args["accelerator"],
+        devices=ws // hosts,
+        num_nodes=hosts,
+        max_steps=steps,
+        strategy=RecShardedStrategy(model_parallel_size=ws),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        callbacks=[timer],
     )
     trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     emb = model.sparse_arch.embedding_bag_collection
@@ -124,8 +139,12 @@ def _job(rank: int, ws: int, kind: str, args: dict) -> dict:
             if id(p) in emb_params:
                 state_bytes += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
     peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"seconds": timer.seconds, "peak_bytes": peak, "table_bytes": state_bytes,
-            "types": _types_of(emb, ws) if kind == "auto" else {}}
+    return {
+        "seconds": timer.seconds,
+        "peak_bytes": peak,
+        "table_bytes": state_bytes,
+        "types": _types_of(emb, ws) if kind == "auto" else {},
+    }
 
 
 def model_tables(ds, dim: int):
@@ -147,8 +166,15 @@ def _types_of(emb, ws: int) -> dict[str, int]:
             shards = [s for s in shards if s.rows > 0]
             cols = {s.col_offset for s in shards}
             rows = {s.row_offset for s in shards}
-            kind = ("table_wise" if len(shards) == 1 else "column_wise" if len(rows) == 1
-                    else "row_wise" if len(cols) == 1 else "grid_shard")
+            kind = (
+                "table_wise"
+                if len(shards) == 1
+                else "column_wise"
+                if len(rows) == 1
+                else "row_wise"
+                if len(cols) == 1
+                else "grid_shard"
+            )
         counts[kind] = counts.get(kind, 0) + 1
     return counts
 
@@ -218,19 +244,32 @@ def main() -> None:
     world_sizes = args.world_sizes
     if acc == "cuda":
         world_sizes = [w for w in world_sizes if w <= torch.cuda.device_count()]
-    job_args = {"accelerator": acc, "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size,
-                "size": args.size, "dim": args.dim}
+    job_args = {
+        "accelerator": acc,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "batch_size": args.batch_size,
+        "size": args.size,
+        "dim": args.dim,
+    }
     rows, auto_types = [], {}
     t0 = time.perf_counter()
     for ws in world_sizes:
         for kind in args.types:
             hosts = _hosts(kind, ws)
-            runs = [run_distributed(_job, ws, kind, job_args, init_process_group=False, timeout_s=600,
-                                    ranks_per_node=ws // hosts) for _ in range(args.rounds)]
+            runs = [
+                run_distributed(
+                    _job, ws, kind, job_args, init_process_group=False, timeout_s=600, ranks_per_node=ws // hosts
+                )
+                for _ in range(args.rounds)
+            ]
             res = min(runs, key=lambda rs: max(r["seconds"] for r in rs))
             seconds = max(r["seconds"] for r in res)
             row = {
-                "device": acc, "world_size": ws, "sharding": kind, "hosts": hosts,
+                "device": acc,
+                "world_size": ws,
+                "sharding": kind,
+                "hosts": hosts,
                 "samples_per_s": round(ws * args.batch_size * (args.steps - args.warmup) / seconds),
                 "peak_mib": round(max(r["peak_bytes"] for r in res) / 2**20),
                 "table_mib_max": round(max(r["table_bytes"] for r in res) / 2**20, 1),
@@ -261,32 +300,48 @@ def _write(rows, auto_types, args, acc, world_sizes, total) -> None:
         "",
         f"Machine: {_machine(acc)}.",
         "",
-        (f"Workload: `lightning_rec.models.DLRM` under `Trainer(strategy=RecShardedStrategy())`, 26 tables "
-        f"(Criteo cardinalities x {args.size}: {n_rows:,} rows x {args.dim} dims, "
-        f"{n_rows * args.dim * 4 / 2**20:.0f} MiB of fp32 weights), bottom MLP 13-256-64-{args.dim}, top MLP "
-        f"256-64-1, Adam on the MLPs and sparse-gradient Adagrad on the tables, SyntheticClicks batches of "
-        f"{args.batch_size} rows per process (3 multi-hot features), one thread per process, {args.steps} steps of which {args.warmup} "
-        f"untimed warm-up. Every table uses the row's sharding type; `auto` is the automatic planner. "
-        f"`table_row_wise` / `grid_shard` at 2 and 4 processes pretend to have 2 hosts (see the script). "
-        f"Each configuration ran {args.rounds} times; the table shows the fastest round (the one least disturbed "
-        f"by other work on the machine). Total benchmark time {total / 60:.1f} min."),
+        (
+            f"Workload: `lightning_rec.models.DLRM` under `Trainer(strategy=RecShardedStrategy())`, 26 tables "
+            f"(Criteo cardinalities x {args.size}: {n_rows:,} rows x {args.dim} dims, "
+            f"{n_rows * args.dim * 4 / 2**20:.0f} MiB of fp32 weights), bottom MLP 13-256-64-{args.dim}, top MLP "
+            f"256-64-1, Adam on the MLPs and sparse-gradient Adagrad on the tables, SyntheticClicks batches of "
+            f"{args.batch_size} rows per process (3 multi-hot features), one thread per process, {args.steps} steps of which {args.warmup} "
+            f"untimed warm-up. Every table uses the row's sharding type; `auto` is the automatic planner. "
+            f"`table_row_wise` / `grid_shard` at 2 and 4 processes pretend to have 2 hosts (see the script). "
+            f"Each configuration ran {args.rounds} times; the table shows the fastest round (the one least disturbed "
+            f"by other work on the machine). Total benchmark time {total / 60:.1f} min."
+        ),
         "",
-        (f"samples/s counts all ranks' samples (weak scaling: each process has its own batch). Peak {unit} is "
-         "the maximum over ranks; table MiB is embedding weights plus optimizer state held by the busiest rank "
-         "(max) and by all ranks together (sum)."),
+        (
+            f"samples/s counts all ranks' samples (weak scaling: each process has its own batch). Peak {unit} is "
+            "the maximum over ranks; table MiB is embedding weights plus optimizer state held by the busiest rank "
+            "(max) and by all ranks together (sum)."
+        ),
         "",
         f"| processes | sharding | samples/s | peak {unit} MiB / rank | table MiB max rank | table MiB all ranks |",
         "|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r['world_size']} | {r['sharding']} | {r['samples_per_s']:,} | {r['peak_mib']:,} | "
-                     f"{r['table_mib_max']:,} | {r['table_mib_sum']:,} |")
+        lines.append(
+            f"| {r['world_size']} | {r['sharding']} | {r['samples_per_s']:,} | {r['peak_mib']:,} | "
+            f"{r['table_mib_max']:,} | {r['table_mib_sum']:,} |"
+        )
     if any(auto_types.values()):
-        lines += ["", "Automatic plan chose: " + "; ".join(
-            f"{ws} proc: " + ", ".join(f"{n} {t}" for t, n in sorted(c.items())) for ws, c in auto_types.items())]
+        lines += [
+            "",
+            "Automatic plan chose: "
+            + "; ".join(
+                f"{ws} proc: " + ", ".join(f"{n} {t}" for t, n in sorted(c.items())) for ws, c in auto_types.items()
+            ),
+        ]
     if acc == "cpu" and os.cpu_count() and max(world_sizes) > os.cpu_count():
-        lines += ["", (f"With more processes than the {os.cpu_count()} cores, processes share cores: those figures "
-                       "show communication and scheduling cost, not scaling.")]
+        lines += [
+            "",
+            (
+                f"With more processes than the {os.cpu_count()} cores, processes share cores: those figures "
+                "show communication and scheduling cost, not scaling."
+            ),
+        ]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(RESULTS, "dlrm.md"), "w") as f:
         f.write(text)

@@ -35,8 +35,10 @@ MODES = ("dense (sparse_grad=False)", "default (auto: sparse)")
 
 
 def _build(cfg: dict, explicit_dense: bool):
-    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=cfg["rows"], embedding_dim=cfg["dim"],
-                                 feature_names=[f"f{i}"]) for i in range(cfg["tables"])]
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", num_embeddings=cfg["rows"], embedding_dim=cfg["dim"], feature_names=[f"f{i}"])
+        for i in range(cfg["tables"])
+    ]
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(tables, **({"sparse_grad": False} if explicit_dense else {}))
     ebc = shard_modules(ebc, ShardingPlan({"": {t.name: data_parallel() for t in tables}}))
@@ -64,8 +66,9 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
         for name, (ebc, opt, _) in zip(MODES, built):
             run(ebc, opt, cfg["warmup"])
             times[name].append(run(ebc, opt, cfg["steps"]))
-    same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5)
-               for a, b in zip(built[0][0].parameters(), built[1][0].parameters()))
+    same = all(
+        torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(built[0][0].parameters(), built[1][0].parameters())
+    )
     return {"times": times, "decided": [d[""] for _, _, d in built], "same": same}
 
 

@@ -138,8 +138,9 @@ def _method(name: str, args, values, offsets):
     if name in ("torch", "fbgemm"):
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # a fallback to torch is reported, not timed
-            ebc = EmbeddingBagCollection(_configs(args, args.rows, d), device=dev, kernel=name,
-                                         sparse_grad=name == "torch")
+            ebc = EmbeddingBagCollection(
+                _configs(args, args.rows, d), device=dev, kernel=name, sparse_grad=name == "torch"
+            )
             if name == "fbgemm":
                 kernels.resolve_kernel("fbgemm", list(ebc.parameters()), False)
         opt = torch.optim.SGD(ebc.parameters(), lr=0.01)
@@ -152,8 +153,12 @@ def _method(name: str, args, values, offsets):
 
         return step, ebc
     if name == "fused":
-        k = kernels.FusedPooledKernel([(f"t{i}", args.rows, d, torch.float32) for i in range(t)], list(range(t)),
-                                      FusedOptimizerSpec("sgd", lr=0.01), device=dev)
+        k = kernels.FusedPooledKernel(
+            [(f"t{i}", args.rows, d, torch.float32) for i in range(t)],
+            list(range(t)),
+            FusedOptimizerSpec("sgd", lr=0.01),
+            device=dev,
+        )
 
         def step():
             k(values, offsets).backward(grad)
@@ -224,8 +229,12 @@ class _PlainDLRM(nn.Module):
         values = kjt.values()
         bounds = offsets[::b].tolist()  # where each feature's ids start
         sparse = torch.stack(
-            [m(values[bounds[i] : bounds[i + 1]], offsets[i * b : (i + 1) * b] - bounds[i])
-             for i, m in enumerate(self.bags)], dim=1)
+            [
+                m(values[bounds[i] : bounds[i + 1]], offsets[i * b : (i + 1) * b] - bounds[i])
+                for i, m in enumerate(self.bags)
+            ],
+            dim=1,
+        )
         return self.over_arch(self.inter_arch(self.dense_arch(dense), sparse)).squeeze(1)
 
 
@@ -269,13 +278,26 @@ def part_b(args) -> list[str]:
             _sync()
             self.t1 = time.perf_counter()
 
-    model = DLRM(feature_names=[f"f{i}" for i in range(args.tables)],
-                 num_embeddings_per_feature=[args.dlrm_rows] * args.tables, embedding_dim=args.dlrm_dim)
+    model = DLRM(
+        feature_names=[f"f{i}" for i in range(args.tables)],
+        num_embeddings_per_feature=[args.dlrm_rows] * args.tables,
+        embedding_dim=args.dlrm_dim,
+    )
     timer = Timer()
     accelerator = "gpu" if args.device == "cuda" else "cpu"
-    trainer = L.Trainer(accelerator=accelerator, devices=1, strategy="rec_sharded", max_steps=steps + warm,
-                        callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator=accelerator,
+        devices=1,
+        strategy="rec_sharded",
+        max_steps=steps + warm,
+        callbacks=[timer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     rec_sps = steps * b / (timer.t1 - timer.t0)
     return [
@@ -356,8 +378,10 @@ def part_c(args) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench_gpu.py needs a CUDA device, and torch.cuda.is_available() is False here: nothing measured. "
-                 "Run it on a GPU machine (make gpu-check).")
+        sys.exit(
+            "bench_gpu.py needs a CUDA device, and torch.cuda.is_available() is False here: nothing measured. "
+            "Run it on a GPU machine (make gpu-check)."
+        )
     bw = copy_bandwidth(args.device)
     out = [
         "# GPU benchmarks (benchmarks/bench_gpu.py)",

@@ -66,7 +66,9 @@ RATIOS = [("b", "a"), ("c", "a"), ("d", "a"), ("d", "b"), ("c", "b"), ("d", "c")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--tables", type=int, default=26)
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--dim", type=int, default=64, help="embedding dim (fused TBE needs a multiple of 4)")
@@ -186,8 +188,12 @@ def build_methods(args: argparse.Namespace, kjt: KeyedJaggedTensor, grad_out: to
         from lightning_rec.kernels import FusedPooledKernel
 
         weights = [reference_state[f"embedding_bags.t{t}.weight"] for t in range(args.tables)]  # type: ignore[index]
-        fused = FusedPooledKernel([(f"t{t}", args.rows, args.dim, torch.float32) for t in range(args.tables)],
-                                  list(range(args.tables)), {"kind": "sgd", "lr": args.lr}, weights=weights)
+        fused = FusedPooledKernel(
+            [(f"t{t}", args.rows, args.dim, torch.float32) for t in range(args.tables)],
+            list(range(args.tables)),
+            {"kind": "sgd", "lr": args.lr},
+            weights=weights,
+        )
         values, offsets = kjt.values(), kjt.offsets()
 
         def run_ours() -> None:
@@ -234,7 +240,11 @@ def time_rounds(args: argparse.Namespace, methods: dict[str, Step]) -> dict[str,
 
 
 def report(
-    args: argparse.Namespace, kjt: KeyedJaggedTensor, times: dict[str, list[float]], max_err: float, load: tuple[float, float]
+    args: argparse.Namespace,
+    kjt: KeyedJaggedTensor,
+    times: dict[str, list[float]],
+    max_err: float,
+    load: tuple[float, float],
 ) -> str:
     from importlib import metadata
 
@@ -299,8 +309,16 @@ def main(argv: list[str] | None = None) -> None:
     max_err = check_outputs(methods)
     print(f"setup {time.perf_counter() - t0:.1f}s; outputs agree (max abs diff {max_err:.2g})", file=sys.stderr)
     companions = [
-        subprocess.Popen([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--spin",
-                          "--seed", str(args.seed + 1 + i)])
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                *(argv if argv is not None else sys.argv[1:]),
+                "--spin",
+                "--seed",
+                str(args.seed + 1 + i),
+            ]
+        )
         for i in range(args.busy)
     ]
     try:

@@ -93,9 +93,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tables", type=int, default=26, help="many-table section: tables (0: skip it)")
     p.add_argument("--table-rows", type=int, default=4096, help="many-table section: rows per table")
     p.add_argument("--table-buckets", type=int, default=256, help="many-table section: buckets per table")
-    p.add_argument("--job-before", type=str, default=None,
-                   help="main job: also run the raw-id job with lightning_rec imported from this directory (a "
-                        "checkout of the code before a change, e.g. `git archive <rev> lightning_rec | tar -x -C DIR`)")
+    p.add_argument(
+        "--job-before",
+        type=str,
+        default=None,
+        help="main job: also run the raw-id job with lightning_rec imported from this directory (a "
+        "checkout of the code before a change, e.g. `git archive <rev> lightning_rec | tar -x -C DIR`)",
+    )
     p.add_argument("--out", type=str, default=None, help="write the markdown report here")
     return p.parse_args(argv)
 
@@ -125,8 +129,9 @@ def build(args) -> ManagedCollisionEmbeddingBagCollection:
     torch.manual_seed(0)
     tables = [EmbeddingBagConfig(name="t", num_embeddings=args.rows, embedding_dim=args.dim, feature_names=["f"])]
     policy = LRU_EvictionPolicy() if args.policy == "lru" else LFU_EvictionPolicy()
-    mcc = ManagedCollisionCollection({"t": MCHManagedCollisionModule(args.rows, num_buckets=args.buckets,
-                                                                     eviction_policy=policy)}, tables)
+    mcc = ManagedCollisionCollection(
+        {"t": MCHManagedCollisionModule(args.rows, num_buckets=args.buckets, eviction_policy=policy)}, tables
+    )
     return ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables, kernel="torch", sparse_grad=True), mcc)
 
 
@@ -177,8 +182,10 @@ def sharded_section(args) -> list[str]:
     times = res[0]["times"]
     ids = args.batch * args.bag * args.world
     med = {m: statistics.median(v) * 1e3 for m, v in times.items()}
-    ratio = {(k, base): statistics.median(a / b for a, b in zip(times[k], times[base]))
-             for k, base in (("folded", "lookup"), ("separate", "lookup"), ("folded", "separate"))}
+    ratio = {
+        (k, base): statistics.median(a / b for a, b in zip(times[k], times[base]))
+        for k, base in (("folded", "lookup"), ("separate", "lookup"), ("folded", "separate"))
+    }
     hits = sum(r["stats"]["hits"] for r in res)
     lookups = sum(r["stats"]["lookups"] for r in res)
     evicted = sum(r["stats"]["evicted"] for r in res)
@@ -209,8 +216,16 @@ def per_table_remap(model: ManagedCollisionEmbeddingBagCollection, kjt: KeyedJag
         ids = torch.cat([segs[i] for i in pos]) if pos else torch.zeros(0, dtype=torch.int64)
         if ids.numel() and int(ids.min()) < 0:
             raise ValueError("negative id")
-        res = _remap.remap_step(ids, m._mch_raw_ids, m._mch_last_access, m._mch_counts, m._index,
-                                int(m._mch_num_buckets), int(m._mch_step), m.eviction_policy.name)
+        res = _remap.remap_step(
+            ids,
+            m._mch_raw_ids,
+            m._mch_last_access,
+            m._mch_counts,
+            m._index,
+            int(m._mch_num_buckets),
+            int(m._mch_step),
+            m.eviction_policy.name,
+        )
         m._after_remap(res)
         model._reinit_rows(t, res.admitted_slots, res.admitted_ids)
 
@@ -222,12 +237,18 @@ def many_tables_section(args) -> list[str]:
 
     def build_many():
         torch.manual_seed(0)
-        tables = [EmbeddingBagConfig(name=t, num_embeddings=rows, embedding_dim=args.dim, feature_names=[f"f{t}"])
-                  for t in names]
+        tables = [
+            EmbeddingBagConfig(name=t, num_embeddings=rows, embedding_dim=args.dim, feature_names=[f"f{t}"])
+            for t in names
+        ]
         policy = LRU_EvictionPolicy if args.policy == "lru" else LFU_EvictionPolicy
-        mcc = ManagedCollisionCollection({t: MCHManagedCollisionModule(rows, num_buckets=args.table_buckets,
-                                                                       eviction_policy=policy()) for t in names},
-                                         tables)
+        mcc = ManagedCollisionCollection(
+            {
+                t: MCHManagedCollisionModule(rows, num_buckets=args.table_buckets, eviction_policy=policy())
+                for t in names
+            },
+            tables,
+        )
         return ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables, kernel="torch"), mcc)
 
     rng = np.random.default_rng(1)
@@ -238,8 +259,9 @@ def many_tables_section(args) -> list[str]:
         for _ in range(k):
             ranks = np.minimum(rng.zipf(1.1, n * args.batch) - 1, distinct - 1)
             raw = splitmix64(torch.from_numpy(ranks.astype(np.int64))) & ((1 << 62) - 1)
-            out.append(KeyedJaggedTensor([f"f{t}" for t in names], raw, lengths=torch.ones(n * args.batch,
-                                                                                             dtype=torch.int64)))
+            out.append(
+                KeyedJaggedTensor([f"f{t}" for t in names], raw, lengths=torch.ones(n * args.batch, dtype=torch.int64))
+            )
         return out
 
     one, per = build_many(), build_many()
@@ -288,16 +310,23 @@ def run_job(extra: list[str], root: str, code: str | Path = ROOT) -> tuple[float
     # the job writes runs/dlrm (logs, checkpoint) under its working directory: a temporary one
     cmd = [sys.executable, str(ROOT / "examples" / "dlrm.py"), *extra]
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env={**os.environ, "PYTHONPATH": str(code)},
-                         check=False)
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=root, env={**os.environ, "PYTHONPATH": str(code)}, check=False
+    )
     if out.returncode:
         raise RuntimeError(f"main job failed ({' '.join(cmd)}):\n{out.stderr[-3000:]}")
     return time.perf_counter() - t0, out.stdout
 
 
 def main_job_section(args) -> list[str]:
-    common = ["--data.train_rows", str(args.job_rows), "--trainer.max_epochs", str(args.job_epochs),
-              "--trainer.val_check_interval", "1.0"]
+    common = [
+        "--data.train_rows",
+        str(args.job_rows),
+        "--trainer.max_epochs",
+        str(args.job_epochs),
+        "--trainer.val_check_interval",
+        "1.0",
+    ]
     lines = [
         "## The DLRM main job on raw ids",
         "",
@@ -324,17 +353,23 @@ def main_job_section(args) -> list[str]:
     lines += ["| job | wall s (median) | each run | final line |", "| --- | --- | --- | --- |"]
     for name, (_, out) in runs.items():
         final = [ln for ln in out.splitlines() if ln.startswith("final: ")]
-        lines.append(f"| {name} | {statistics.median(walls[name]):.0f} | {', '.join(f'{w:.0f}' for w in walls[name])} "
-                     f"| `{final[-1] if final else '?'}` |")
+        lines.append(
+            f"| {name} | {statistics.median(walls[name]):.0f} | {', '.join(f'{w:.0f}' for w in walls[name])} "
+            f"| `{final[-1] if final else '?'}` |"
+        )
     if args.job_before:
         after, before = walls["raw ids, managed collision"], walls["raw ids, managed collision, code before"]
         hashed = walls["hashed ids"]
-        lines += ["", f"Paired ratios (median over repeats): raw ids / hashed ids = "
-                      f"{statistics.median(a / h for a, h in zip(after, hashed)):.2f} (code before: "
-                      f"{statistics.median(b / h for b, h in zip(before, hashed)):.2f}); raw ids, now / before = "
-                      f"{statistics.median(a / b for a, b in zip(after, before)):.2f}."]
-    per_epoch = [ln for ln in runs["raw ids, managed collision"][1].splitlines()
-                 if re.match(r"managed collision, epoch", ln)]
+        lines += [
+            "",
+            f"Paired ratios (median over repeats): raw ids / hashed ids = "
+            f"{statistics.median(a / h for a, h in zip(after, hashed)):.2f} (code before: "
+            f"{statistics.median(b / h for b, h in zip(before, hashed)):.2f}); raw ids, now / before = "
+            f"{statistics.median(a / b for a, b in zip(after, before)):.2f}.",
+        ]
+    per_epoch = [
+        ln for ln in runs["raw ids, managed collision"][1].splitlines() if re.match(r"managed collision, epoch", ln)
+    ]
     lines += ["", "Per epoch (printed by the job):", "", *[f"    {ln}" for ln in per_epoch]]
     return lines
 
@@ -409,7 +444,10 @@ def main(argv=None) -> None:
         lines += ["", *sharded_section(args)]
     if args.main_job:
         lines += ["", *main_job_section(args)]
-    lines += ["", f"Load average (1/5/15 min) before: {load_before}; after: {load()} (2 cores, shared with other jobs)."]
+    lines += [
+        "",
+        f"Load average (1/5/15 min) before: {load_before}; after: {load()} (2 cores, shared with other jobs).",
+    ]
     text = "\n".join(lines)
     print(text)
     if args.out:

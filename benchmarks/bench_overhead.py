@@ -44,11 +44,36 @@ from lightning_rec.sharding import (
 
 JOBS = {
     "big": [100_000] * 8,
-    "dlrm": [100_000, 50_000, 20_000, 10_000, 5_000, 2_000, 1_000, 100_000, 30_000, 3_000, 8_000, 60_000, 4_000,
-             100_000, 40_000, 1_500, 25_000, 7_000, 90_000, 2_500, 15_000, 70_000, 1_200, 12_000, 6_000, 80_000],
+    "dlrm": [
+        100_000,
+        50_000,
+        20_000,
+        10_000,
+        5_000,
+        2_000,
+        1_000,
+        100_000,
+        30_000,
+        3_000,
+        8_000,
+        60_000,
+        4_000,
+        100_000,
+        40_000,
+        1_500,
+        25_000,
+        7_000,
+        90_000,
+        2_500,
+        15_000,
+        70_000,
+        1_200,
+        12_000,
+        6_000,
+        80_000,
+    ],
 }
-PLANS = {"table_wise": lambda: table_wise(0), "row_wise": row_wise,
-         "data_parallel": data_parallel}
+PLANS = {"table_wise": lambda: table_wise(0), "row_wise": row_wise, "data_parallel": data_parallel}
 
 
 def make_batches(rows: list[int], batch: int, n: int, seed: int = 0) -> list[KeyedJaggedTensor]:
@@ -60,7 +85,7 @@ def make_batches(rows: list[int], batch: int, n: int, seed: int = 0) -> list[Key
         vals = []
         for r, k in zip(rows, per):
             u = torch.rand(k, generator=gen, dtype=torch.float64)
-            vals.append(((r ** u - 1).long().clamp_(0, r - 1) * 7919) % r)  # Zipf-like, scattered
+            vals.append(((r**u - 1).long().clamp_(0, r - 1) * 7919) % r)  # Zipf-like, scattered
         out.append(KeyedJaggedTensor([f"f{i}" for i in range(len(rows))], torch.cat(vals), lengths=lengths))
     return out
 
@@ -69,8 +94,11 @@ def bare_kernel(rows: list[int], dim: int):
     tbe = fbgemm_training()
     return tbe.SplitTableBatchedEmbeddingBagsCodegen(
         embedding_specs=[(r, dim, tbe.EmbeddingLocation.HOST, tbe.ComputeDevice.CPU) for r in rows],
-        optimizer=tbe.OptimType.EXACT_SGD, learning_rate=0.01, pooling_mode=tbe.PoolingMode.SUM,
-        device=torch.device("cpu"), bounds_check_mode=tbe.BoundsCheckMode.NONE,
+        optimizer=tbe.OptimType.EXACT_SGD,
+        learning_rate=0.01,
+        pooling_mode=tbe.PoolingMode.SUM,
+        device=torch.device("cpu"),
+        bounds_check_mode=tbe.BoundsCheckMode.NONE,
     )
 
 
@@ -102,8 +130,9 @@ def run(job: str, plan_name: str, steps: int, batch: int) -> dict[str, float]:
 
     for i in range(steps + 3):
         kjt = batches[i % len(batches)]
-        for name, fn in (("ours", ours_step), ("bare", bare_step)) if i % 2 else (("bare", bare_step),
-                                                                                   ("ours", ours_step)):
+        for name, fn in (
+            (("ours", ours_step), ("bare", bare_step)) if i % 2 else (("bare", bare_step), ("ours", ours_step))
+        ):
             fwd, total = fn(kjt)
             if i >= 3:
                 times[f"{name}_fwd"].append(fwd)
@@ -126,9 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         for job in args.jobs.split(","):
             for plan in args.plans.split(","):
                 r = run(job, plan, args.steps, args.batch)
-                print(f"| {job} | {plan} | {r['ours_fwd']:.1f} | {r['bare_fwd']:.1f} | "
-                      f"{r['ours_fwd'] / r['bare_fwd']:.2f}x | {r['ours_step']:.1f} | {r['bare_step']:.1f} | "
-                      f"{r['ours_step'] / r['bare_step']:.2f}x |", flush=True)
+                print(
+                    f"| {job} | {plan} | {r['ours_fwd']:.1f} | {r['bare_fwd']:.1f} | "
+                    f"{r['ours_fwd'] / r['bare_fwd']:.2f}x | {r['ours_step']:.1f} | {r['bare_step']:.1f} | "
+                    f"{r['ours_step'] / r['bare_step']:.2f}x |",
+                    flush=True,
+                )
         dist.destroy_process_group()
     return 0
 

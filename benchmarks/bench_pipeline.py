@@ -92,8 +92,12 @@ def run_config(contender: str, rank: int, world: int, cmd: dict) -> dict:
     dist.barrier()
     elapsed = time.perf_counter() - t0
     busy1 = busy_seconds()
-    return {"elapsed": elapsed, "step_times": times, "own_cpu": time.process_time() - cpu0,
-            "busy": None if busy0 is None or busy1 is None else busy1 - busy0}
+    return {
+        "elapsed": elapsed,
+        "step_times": times,
+        "own_cpu": time.process_time() - cpu0,
+        "busy": None if busy0 is None or busy1 is None else busy1 - busy0,
+    }
 
 
 def worker(contender: str, rank: int, world: int, port: int) -> None:
@@ -116,8 +120,24 @@ class Group:
         env["PYTHONPATH"] = before if contender == "before" else str(ROOT)
         port = free_port()
         self.procs = [
-            subprocess.Popen([sys.executable, __file__, "--worker", contender, "--rank", str(r), "--world", str(world),
-                              "--port", str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    contender,
+                    "--rank",
+                    str(r),
+                    "--world",
+                    str(world),
+                    "--port",
+                    str(port),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
             for r in range(world)
         ]
 
@@ -130,7 +150,7 @@ class Group:
             line = p.stdout.readline()
             while line and not line.startswith(RESULT):
                 line = p.stdout.readline()
-            out.append(json.loads(line[len(RESULT):]) if line else {"ok": False, "error": "worker exited"})
+            out.append(json.loads(line[len(RESULT) :]) if line else {"ok": False, "error": "worker exited"})
         return out
 
     def close(self) -> None:
@@ -149,8 +169,12 @@ def summarize(res: list[dict], cfg: dict, world: int) -> dict | str:
     busy = res[0]["busy"]
     others = None if busy is None else max(0.0, busy - sum(r["own_cpu"] for r in res)) / res[0]["elapsed"]
     cpu_ms = 1e3 * statistics.mean(r["own_cpu"] for r in res) / cfg["steps"]
-    return {"sps": world * cfg["batch"] * cfg["steps"] / elapsed, "med": world * cfg["batch"] / med, "others": others,
-            "cpu_ms": cpu_ms}
+    return {
+        "sps": world * cfg["batch"] * cfg["steps"] / elapsed,
+        "med": world * cfg["batch"] / med,
+        "others": others,
+        "cpu_ms": cpu_ms,
+    }
 
 
 def cell(s: dict | str) -> str:
@@ -178,8 +202,19 @@ def main() -> int:
     if args.worker:
         worker(args.worker, args.rank, args.world, args.port)
         return 0
-    cfg = {"big_tables": 8, "rows": 100_000, "dlrm_scale": 1.0, "dim": 64, "batch": args.batch, "ids": 20,
-           "zipf": 1.05, "lr": 0.5, "warmup": args.warmup, "steps": args.steps, "distinct": 4}
+    cfg = {
+        "big_tables": 8,
+        "rows": 100_000,
+        "dlrm_scale": 1.0,
+        "dim": 64,
+        "batch": args.batch,
+        "ids": 20,
+        "zipf": 1.05,
+        "lr": 0.5,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "distinct": 4,
+    }
     contenders = [c for c in CONTENDERS if c != "before" or args.before]
     load0, t0 = load(), time.monotonic()
     groups = {c: Group(c, args.world, args.before or "") for c in contenders}
@@ -222,7 +257,9 @@ def main() -> int:
     for job, plan, variant, first, got in rows:
         cells = " | ".join(cell(got[c]) for c in contenders)
         ab = ratio(got["after"], got["before"]) if "before" in got else "-"
-        lines.append(f"| {job} | {plan} | {variant} | {first} | {cells} | {ab} | {ratio(got['pipelined'], got['after'])} |")
+        lines.append(
+            f"| {job} | {plan} | {variant} | {first} | {cells} | {ab} | {ratio(got['pipelined'], got['after'])} |"
+        )
     lines += ["", f"Command: `python benchmarks/bench_pipeline.py {' '.join(sys.argv[1:])}`", ""]
     Path(args.out).write_text("\n".join(lines))
     print("\n".join(lines))

@@ -49,11 +49,18 @@ from lightning_rec.testing import run_distributed
 
 def planner_runtime(mp: int) -> tuple[float, str]:
     rng = random.Random(0)
-    tables = [EmbeddingBagConfig(int(10 ** rng.uniform(3, 7.3)), rng.choice([16, 32, 64, 128, 256]), f"table_{i}",
-                                 [f"f{i}"]) for i in range(1000)]
+    tables = [
+        EmbeddingBagConfig(int(10 ** rng.uniform(3, 7.3)), rng.choice([16, 32, 64, 128, 256]), f"table_{i}", [f"f{i}"])
+        for i in range(1000)
+    ]
     pooling = {f"f{i}": rng.choice([1, 1, 5, 20, 50]) for i in range(1000)}
-    planner = Planner(Topology(4096, mp, min(8, mp), device_memory="80GB", host_memory="2TB", device="cuda"),
-                      batch_size=512, pooling_factors=pooling, optimizer="rowwise_adagrad", gradients="fused")
+    planner = Planner(
+        Topology(4096, mp, min(8, mp), device_memory="80GB", host_memory="2TB", device="cuda"),
+        batch_size=512,
+        pooling_factors=pooling,
+        optimizer="rowwise_adagrad",
+        gradients="fused",
+    )
     t0 = time.perf_counter()
     planner.plan(tables)
     dt = time.perf_counter() - t0
@@ -89,7 +96,7 @@ def worker(rank: int, world: int, plans: dict[str, ShardingPlan], cfg: dict) -> 
     times: dict[str, list[float]] = {k: [] for k in plans}
     names = list(plans)
     for r in range(cfg["rounds"]):
-        for name in names[r % len(names):] + names[: r % len(names)]:  # rotate: no plan always runs first
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate: no plan always runs first
             plan = plans[name]
             torch.manual_seed(0)
             model = shard_modules(EmbeddingBagCollection(make_tables(cfg), device="meta", sparse_grad=True), plan)
@@ -128,23 +135,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--distinct", type=int, default=2)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "planner.md"))
     args = ap.parse_args(argv)
-    cfg = {k: getattr(args, k) for k in ("tables", "rows", "dim", "batch", "ids", "zipf", "steps", "warmup",
-                                         "rounds", "distinct")}
+    cfg = {
+        k: getattr(args, k)
+        for k in ("tables", "rows", "dim", "batch", "ids", "zipf", "steps", "warmup", "rounds", "distinct")
+    }
     load0 = load()
-    lines = ["# Planner: run time and the throughput of its plans", "", f"Machine: {machine()}.", "",
-             "## Planner run time, 1,000 tables x 4,096 ranks", "",
-             "| model-parallel group | ranks per host | planner s | plan |", "|---:|---:|---:|---|"]
+    lines = [
+        "# Planner: run time and the throughput of its plans",
+        "",
+        f"Machine: {machine()}.",
+        "",
+        "## Planner run time, 1,000 tables x 4,096 ranks",
+        "",
+        "| model-parallel group | ranks per host | planner s | plan |",
+        "|---:|---:|---:|---|",
+    ]
     for mp in (8, 4096):
         dt, what = planner_runtime(mp)
         print(f"planner 1000 tables x 4096 ranks, mp {mp}: {dt:.2f} s; {what}", flush=True)
         lines.append(f"| {mp} | {min(8, mp)} | {dt:.2f} | {what} |")
-    lines += ["", "## Plans on the benchmark workload (gloo, CPU)", "",
-              f"Workload: {cfg['tables']} tables x {cfg['rows']:,} rows x {cfg['dim']} (fp32, SUM), {cfg['batch']:,} "
-              f"samples per rank, bags of ~{cfg['ids']} Zipf-like ids, `sparse_grad=True` + SGD; {cfg['rounds']} "
-              f"interleaved rounds x {cfg['steps']} timed steps after {cfg['warmup']} warm-up per plan. "
-              "samples/s = world x batch / median over steps of the slowest rank's step time.", "",
-              "| world | plan | estimated ms | measured median ms | samples/s | vs planner |",
-              "|---:|---|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "## Plans on the benchmark workload (gloo, CPU)",
+        "",
+        f"Workload: {cfg['tables']} tables x {cfg['rows']:,} rows x {cfg['dim']} (fp32, SUM), {cfg['batch']:,} "
+        f"samples per rank, bags of ~{cfg['ids']} Zipf-like ids, `sparse_grad=True` + SGD; {cfg['rounds']} "
+        f"interleaved rounds x {cfg['steps']} timed steps after {cfg['warmup']} warm-up per plan. "
+        "samples/s = world x batch / median over steps of the slowest rank's step time.",
+        "",
+        "| world | plan | estimated ms | measured median ms | samples/s | vs planner |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
     for world in args.world_sizes:
         plans, est, kinds = plans_for(cfg, world)
         print(f"world {world}: planner chose {kinds}", flush=True)
@@ -152,12 +173,18 @@ def main(argv: list[str] | None = None) -> int:
         med = {k: statistics.median(v) for k, v in times.items()}
         sps = {k: world * cfg["batch"] / v for k, v in med.items()}
         for k in plans:
-            lines.append(f"| {world} | {k}{' ' + kinds if k == 'planner' else ''} | {est[k]:.0f} | {1e3 * med[k]:.0f} "
-                         f"| {sps[k]:,.0f} | {sps[k] / sps['planner']:.2f}x |")
+            lines.append(
+                f"| {world} | {k}{' ' + kinds if k == 'planner' else ''} | {est[k]:.0f} | {1e3 * med[k]:.0f} "
+                f"| {sps[k]:,.0f} | {sps[k] / sps['planner']:.2f}x |"
+            )
             print(lines[-1], flush=True)
-    lines += ["", f"Load average at start: {load0}; at end: {load()}. With 2 cores, world 4 runs 4 processes on 2 "
-              "cores: its times measure oversubscription, which the cost model does not know about.", "",
-              f"Command: `python benchmarks/bench_planner.py {' '.join(sys.argv[1:] if argv is None else argv)}`"]
+    lines += [
+        "",
+        f"Load average at start: {load0}; at end: {load()}. With 2 cores, world 4 runs 4 processes on 2 "
+        "cores: its times measure oversubscription, which the cost model does not know about.",
+        "",
+        f"Command: `python benchmarks/bench_planner.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
+    ]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     from bench_planner_cost import SECTION
 

@@ -50,16 +50,43 @@ from lightning_rec.sharding import (
 from lightning_rec.testing import run_distributed
 
 # Criteo Kaggle's 26 categorical cardinalities
-CRITEO = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992, 5461306, 10,
-          5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
+CRITEO = [
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
+]
 MULTI_HOT = {2: 20, 3: 8, 11: 30, 15: 5, 20: 12}  # feature index -> ids per sample; others one
 SECTION = "## Cost model: estimated vs measured (fused SGD, Criteo-like, 2 processes)"
 SPEC = {"kind": "sgd", "lr": 0.01}
 
 
 def make_tables(cfg: dict) -> list[EmbeddingBagConfig]:
-    return [EmbeddingBagConfig(max(int(n * cfg["scale"]), 4), cfg["dim"], f"t{i}", [f"f{i}"])
-            for i, n in enumerate(CRITEO)]
+    return [
+        EmbeddingBagConfig(max(int(n * cfg["scale"]), 4), cfg["dim"], f"t{i}", [f"f{i}"]) for i, n in enumerate(CRITEO)
+    ]
 
 
 def pooling() -> dict[str, float]:
@@ -73,14 +100,18 @@ def make_batches(cfg: dict, seed: int) -> list[KeyedJaggedTensor]:
         lengths, values = [], []
         for i, t in enumerate(tables):
             k = MULTI_HOT.get(i, 1)
-            ln = torch.randint(max(k // 2, 1), k + k // 2 + 1, (cfg["batch"],), generator=g) if k > 1 else \
-                torch.ones(cfg["batch"], dtype=torch.long)
+            ln = (
+                torch.randint(max(k // 2, 1), k + k // 2 + 1, (cfg["batch"],), generator=g)
+                if k > 1
+                else torch.ones(cfg["batch"], dtype=torch.long)
+            )
             lengths.append(ln)
             # Zipf-like ids: most traffic on few rows, as in click logs
             u = torch.rand(int(ln.sum()), generator=g)
             values.append((t.num_embeddings * u.pow(3)).long().clamp_(max=t.num_embeddings - 1))
-        out.append(KeyedJaggedTensor([f"f{i}" for i in range(len(tables))], torch.cat(values),
-                                     lengths=torch.cat(lengths)))
+        out.append(
+            KeyedJaggedTensor([f"f{i}" for i in range(len(tables))], torch.cat(values), lengths=torch.cat(lengths))
+        )
     return out
 
 
@@ -106,12 +137,15 @@ def plans_for(cfg: dict, world: int, planner: Planner) -> dict[str, ShardingPlan
         "table_wise all on rank 0": plan({n: table_wise(0) for n in names}),
         "row_wise": plan({n: row_wise() for n in names}),
         "column_wise": plan({n: column_wise(cols) for n in names}),
-        "row_wise big, table_wise rest": plan({n: row_wise() if n in big_names else table_wise(i % world)
-                                               for i, n in enumerate(names)}),
-        "column_wise big, table_wise rest": plan({n: column_wise(cols) if n in big_names else table_wise(i % world)
-                                                  for i, n in enumerate(names)}),
-        "data_parallel small, table_wise big": plan({n: table_wise(i % world) if n in big_names else data_parallel()
-                                                     for i, n in enumerate(names)}),
+        "row_wise big, table_wise rest": plan(
+            {n: row_wise() if n in big_names else table_wise(i % world) for i, n in enumerate(names)}
+        ),
+        "column_wise big, table_wise rest": plan(
+            {n: column_wise(cols) if n in big_names else table_wise(i % world) for i, n in enumerate(names)}
+        ),
+        "data_parallel small, table_wise big": plan(
+            {n: table_wise(i % world) if n in big_names else data_parallel() for i, n in enumerate(names)}
+        ),
         "data_parallel": plan({n: data_parallel() for n in names}),
     }
 
@@ -137,8 +171,12 @@ def calibrate_transport(rank: int, world: int) -> dict:
         for _ in range(5):
             transport.all_to_all_single(y, x, [n] * world, [n] * world, None)
         # ten collectives per timing: a barrier and a max of one would dominate a microsecond collective
-        out[key] = _median_time(lambda: [transport.all_to_all_single(y, x, [n] * world, [n] * world, None)
-                                         for _ in range(10)], 15) / 10
+        out[key] = (
+            _median_time(
+                lambda: [transport.all_to_all_single(y, x, [n] * world, [n] * world, None) for _ in range(10)], 15
+            )
+            / 10
+        )
     latency = out["tiny"]
     peer_bytes = (world - 1) * 8 * (1 << 20)  # sent to (and received from) the other ranks
     return {"collective_latency": latency, "transport_bandwidth": peer_bytes / max(out["big"] - latency, 1e-9)}
@@ -166,10 +204,11 @@ def time_plans(rank: int, world: int, plans: dict[str, ShardingPlan], cfg: dict)
     times: dict[str, list[float]] = {k: [] for k in plans}
     names = list(plans)
     for r in range(cfg["rounds"]):
-        for name in names[r % len(names):] + names[: r % len(names)]:  # rotate: no plan always runs first
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate: no plan always runs first
             torch.manual_seed(0)
-            model = shard_modules(EmbeddingBagCollection(make_tables(cfg), device="meta"), plans[name],
-                                  embedding_optimizer=SPEC)
+            model = shard_modules(
+                EmbeddingBagCollection(make_tables(cfg), device="meta"), plans[name], embedding_optimizer=SPEC
+            )
             times[name].append(_median_time_of_steps(model, batches, cfg))
     return times
 
@@ -185,17 +224,26 @@ def measured_hardware(cfg: dict, base: Hardware, comm: dict, local_step_s: float
     """The defaults with the measured speeds: latency and transport bandwidth as measured; lookup and update
     bandwidths scaled by one factor so the default model's lookup + update time of the local step matches."""
     tables = make_tables(cfg)
-    planner = Planner(Topology(1, hardware=dataclasses.replace(base, collective_latency=0.0)), batch_size=cfg["batch"],
-                      pooling_factors=pooling(), optimizer="sgd", gradients="fused")
+    planner = Planner(
+        Topology(1, hardware=dataclasses.replace(base, collective_latency=0.0)),
+        batch_size=cfg["batch"],
+        pooling_factors=pooling(),
+        optimizer="sgd",
+        gradients="fused",
+    )
     rep = planner.estimate(tables, ShardingPlan({"": {t.name: table_wise(0) for t in tables}}))
     modelled = float(rep.time[0:2].sum())  # lookup + update of the one rank
     k = modelled / local_step_s
     bw = comm["transport_bandwidth"]
-    return dataclasses.replace(base, lookup_bandwidth=base.lookup_bandwidth * k,
-                               update_bandwidth=base.update_bandwidth * k,
-                               host_lookup_bandwidth=base.host_lookup_bandwidth * k,
-                               intra_host_bandwidth=bw, inter_host_bandwidth=bw,
-                               collective_latency=comm["collective_latency"])
+    return dataclasses.replace(
+        base,
+        lookup_bandwidth=base.lookup_bandwidth * k,
+        update_bandwidth=base.update_bandwidth * k,
+        host_lookup_bandwidth=base.host_lookup_bandwidth * k,
+        intra_host_bandwidth=bw,
+        inter_host_bandwidth=bw,
+        collective_latency=comm["collective_latency"],
+    )
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -225,8 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     tables = make_tables(cfg)
 
     def planner_with(hw: Hardware) -> Planner:
-        return Planner(Topology(world, hardware=hw), batch_size=cfg["batch"], pooling_factors=pooling(),
-                       optimizer="sgd", gradients="fused")
+        return Planner(
+            Topology(world, hardware=hw),
+            batch_size=cfg["batch"],
+            pooling_factors=pooling(),
+            optimizer="sgd",
+            gradients="fused",
+        )
 
     plans = plans_for(cfg, world, planner_with(default))
     plans["planner (measured speeds)"] = planner_with(fitted).plan(tables)
@@ -240,29 +293,44 @@ def main(argv: list[str] | None = None) -> int:
         ratio = [est[k] / med[k] for k in names]
         summary.append((label, rho, ratio, est))
     best = min(med.values())
-    lines = [SECTION, "", f"Date: {datetime.date.today()}. Machine: {machine()}.", "",
-             f"Workload: 26 tables of Criteo's categorical sizes x {args.scale} (min 4 rows), dim {args.dim}, fp32; "
-             f"{args.batch:,} samples per rank; features {sorted(MULTI_HOT)} multi-hot "
-             f"({sorted(MULTI_HOT.values())} ids), the others one id; Zipf-like ids; fused SGD; {world} processes; "
-             f"{args.rounds} interleaved rounds x median of {args.steps} steps after {args.warmup} warm-up.", "",
-             f"Calibration: per-collective latency {1e6 * comm['collective_latency']:.0f} us, transport "
-             f"{comm['transport_bandwidth'] / 1e9:.2f} GB/s per peer, one process's local step "
-             f"{1e3 * local_step:.2f} ms -> lookup {fitted.lookup_bandwidth / 1e9:.2f} GB/s, update "
-             f"{fitted.update_bandwidth / 1e9:.2f} GB/s.", "",
-             "| plan | measured ms | est. default ms | ratio | est. measured-speeds ms | ratio |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        SECTION,
+        "",
+        f"Date: {datetime.date.today()}. Machine: {machine()}.",
+        "",
+        f"Workload: 26 tables of Criteo's categorical sizes x {args.scale} (min 4 rows), dim {args.dim}, fp32; "
+        f"{args.batch:,} samples per rank; features {sorted(MULTI_HOT)} multi-hot "
+        f"({sorted(MULTI_HOT.values())} ids), the others one id; Zipf-like ids; fused SGD; {world} processes; "
+        f"{args.rounds} interleaved rounds x median of {args.steps} steps after {args.warmup} warm-up.",
+        "",
+        f"Calibration: per-collective latency {1e6 * comm['collective_latency']:.0f} us, transport "
+        f"{comm['transport_bandwidth'] / 1e9:.2f} GB/s per peer, one process's local step "
+        f"{1e3 * local_step:.2f} ms -> lookup {fitted.lookup_bandwidth / 1e9:.2f} GB/s, update "
+        f"{fitted.update_bandwidth / 1e9:.2f} GB/s.",
+        "",
+        "| plan | measured ms | est. default ms | ratio | est. measured-speeds ms | ratio |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for k in plans:
         mark = " (best)" if med[k] == best else ""
-        lines.append(f"| {k}{mark} | {med[k]:.2f} | {summary[0][3][k]:.2f} | {summary[0][3][k] / med[k]:.2f} "
-                     f"| {summary[1][3][k]:.2f} | {summary[1][3][k] / med[k]:.2f} |")
+        lines.append(
+            f"| {k}{mark} | {med[k]:.2f} | {summary[0][3][k]:.2f} | {summary[0][3][k] / med[k]:.2f} "
+            f"| {summary[1][3][k]:.2f} | {summary[1][3][k] / med[k]:.2f} |"
+        )
     lines.append("")
     for label, rho, ratio, _ in summary:
-        lines.append(f"- {label} speeds: Spearman {rho:.2f}; estimate/measured median {statistics.median(ratio):.2f} "
-                     f"(range {min(ratio):.2f}-{max(ratio):.2f})")
+        lines.append(
+            f"- {label} speeds: Spearman {rho:.2f}; estimate/measured median {statistics.median(ratio):.2f} "
+            f"(range {min(ratio):.2f}-{max(ratio):.2f})"
+        )
     for k in ("planner", "planner (measured speeds)"):
         lines.append(f"- {k}: {med[k]:.2f} ms measured, {100 * (med[k] / best - 1):.1f}% above the best measured")
-    lines += ["", f"Load average at start: {load0}; at end: {load()}.", "",
-              f"Command: `python benchmarks/bench_planner_cost.py {' '.join(sys.argv[1:] if argv is None else argv)}`"]
+    lines += [
+        "",
+        f"Load average at start: {load0}; at end: {load()}.",
+        "",
+        f"Command: `python benchmarks/bench_planner_cost.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
+    ]
     text = "\n".join(lines)
     print(text)
     if not args.no_write:

@@ -48,8 +48,11 @@ def _job(rank: int, ws: int, rows: int, dim: int, build: str, fused: bool) -> di
     def build_and_shard():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the large-table warning of the cpu build
-            return shard_modules(EmbeddingBagCollection(tables, device=build), ShardingPlan({"": {"t": row_wise()}}),
-                                 embedding_optimizer=optimizer)
+            return shard_modules(
+                EmbeddingBagCollection(tables, device=build),
+                ShardingPlan({"": {"t": row_wise()}}),
+                embedding_optimizer=optimizer,
+            )
 
     t0 = time.perf_counter()
     model, peak = peak_during(build_and_shard)
@@ -74,22 +77,30 @@ def main() -> None:
     ap.add_argument("--append", action="store_true")
     args = ap.parse_args()
     full = args.rows * args.dim * 4 / 2**20
-    lines = [] if args.append else [
-        "# Peak memory per rank while sharding one table row-wise over 2 processes", "",
-        f"{args.rows:,} x {args.dim} fp32 = {full:,.0f} MiB of weights ({full / 2:,.0f} MiB per rank); "
-        f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} cores. MiB of resident memory "
-        "above each process's baseline: `peak` while building and sharding, `steady` after one training step "
-        "(`plain`: SGD over the shard's Parameter, whose dense gradient adds a shard-sized buffer; `fused`: "
-        "fbgemm's row-wise Adagrad, one state value per row).",
-        "", "| code | build | update | rank | peak MiB | steady MiB | peak / steady | shard s |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    lines = (
+        []
+        if args.append
+        else [
+            "# Peak memory per rank while sharding one table row-wise over 2 processes",
+            "",
+            f"{args.rows:,} x {args.dim} fp32 = {full:,.0f} MiB of weights ({full / 2:,.0f} MiB per rank); "
+            f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} cores. MiB of resident memory "
+            "above each process's baseline: `peak` while building and sharding, `steady` after one training step "
+            "(`plain`: SGD over the shard's Parameter, whose dense gradient adds a shard-sized buffer; `fused`: "
+            "fbgemm's row-wise Adagrad, one state value per row).",
+            "",
+            "| code | build | update | rank | peak MiB | steady MiB | peak / steady | shard s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+    )
     for config in args.configs.split(","):
         build, update = config.split(":")
         res = run_distributed(_job, 2, args.rows, args.dim, build, update == "fused", timeout_s=1200)
         for rank, r in enumerate(res):
-            lines.append(f"| {args.label} | {build} | {update} | {rank} | {r['peak']:,.0f} | {r['steady']:,.0f} "
-                         f"| {r['peak'] / r['steady']:.2f} | {r['shard_s']:.1f} |")
+            lines.append(
+                f"| {args.label} | {build} | {update} | {rank} | {r['peak']:,.0f} | {r['steady']:,.0f} "
+                f"| {r['peak'] / r['steady']:.2f} | {r['shard_s']:.1f} |"
+            )
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     print(text)

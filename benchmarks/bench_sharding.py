@@ -319,8 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--distinct", type=int, default=2, help="distinct batches per rank, cycled")
-    ap.add_argument("--fused", action="store_true",
-                    help="sharded tables update inside backward (fbgemm EXACT_SGD) instead of sparse-grad SGD")
+    ap.add_argument(
+        "--fused",
+        action="store_true",
+        help="sharded tables update inside backward (fbgemm EXACT_SGD) instead of sparse-grad SGD",
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "sharding.md"))
     args = ap.parse_args(argv)
     cfg = {

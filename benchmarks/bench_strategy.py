@@ -33,8 +33,12 @@ def _model():
             super().__init__()
             torch.manual_seed(0)
             self.ebc = EmbeddingBagCollection(
-                [EmbeddingBagConfig(name=f"t{i}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{i}"])
-                 for i in range(TABLES)], sparse_grad=True)
+                [
+                    EmbeddingBagConfig(name=f"t{i}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{i}"])
+                    for i in range(TABLES)
+                ],
+                sparse_grad=True,
+            )
             self.head = torch.nn.Sequential(torch.nn.Linear(TABLES * DIM, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
 
         def forward(self, kjt):
@@ -61,8 +65,10 @@ class _Batches(torch.utils.data.IterableDataset):
         for _ in range(self.steps):
             lengths = torch.randint(0, 2 * IDS, (TABLES * BATCH,), generator=g)
             values = (torch.rand(int(lengths.sum()), generator=g) ** 4 * ROWS).long()
-            yield KeyedJaggedTensor([f"f{i}" for i in range(TABLES)], values, lengths=lengths), \
-                (torch.rand(BATCH, generator=g) < 0.3).float()
+            yield (
+                KeyedJaggedTensor([f"f{i}" for i in range(TABLES)], values, lengths=lengths),
+                (torch.rand(BATCH, generator=g) < 0.3).float(),
+            )
 
 
 def _plan():
@@ -112,9 +118,18 @@ def _strategy(rank: int, ws: int, steps: int) -> float:
 
     timer = Timer()
     batches = list(_Batches(steps, rank))
-    trainer = L.Trainer(accelerator="cpu", devices=ws, strategy=RecShardedStrategy(plan=_plan()), max_steps=steps,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False, callbacks=[timer])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=ws,
+        strategy=RecShardedStrategy(plan=_plan()),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[timer],
+    )
     trainer.fit(_model(), train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     return timer.seconds
 

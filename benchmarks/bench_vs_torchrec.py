@@ -357,8 +357,16 @@ def kernel_only(rank: int, world: int, cmd: dict) -> dict:
         F.binary_cross_entropy_with_logits(tbe(values, offsets).mean(1), labels).backward()
 
     timing, _ = timed_steps(step, cfg)
-    return {**timing, "setup_s": 0.0, "checksum": 0, "last_loss": None, "losses": [], "trained": None,
-            "opt_numel": None, "bare": None}
+    return {
+        **timing,
+        "setup_s": 0.0,
+        "checksum": 0,
+        "last_loss": None,
+        "losses": [],
+        "trained": None,
+        "opt_numel": None,
+        "bare": None,
+    }
 
 
 def timed_steps(step, cfg: dict) -> tuple[dict, list]:
@@ -377,8 +385,12 @@ def timed_steps(step, cfg: dict) -> tuple[dict, list]:
     dist.barrier()
     elapsed = time.perf_counter() - t0
     cpu, busy1 = time.process_time() - cpu0, busy_seconds()
-    return {"elapsed": elapsed, "step_times": step_times, "own_cpu": cpu,
-            "busy": None if busy0 is None or busy1 is None else busy1 - busy0}, results
+    return {
+        "elapsed": elapsed,
+        "step_times": step_times,
+        "own_cpu": cpu,
+        "busy": None if busy0 is None or busy1 is None else busy1 - busy0,
+    }, results
 
 
 def run_config(lib: str, rank: int, world: int, cmd: dict) -> dict:
@@ -474,8 +486,10 @@ def split_step(step, kjts: list, cfg: dict, opt) -> dict:
 
     kernel_calls: list[list] = []
     coll_calls: list[list] = []
-    real = {name: getattr(transport, name) for name in
-            ("all_to_all_single", "all_gather_single", "all_to_all_views", "all_to_all_pieces")}
+    real = {
+        name: getattr(transport, name)
+        for name in ("all_to_all_single", "all_gather_single", "all_to_all_views", "all_to_all_pieces")
+    }
     real_forward = FusedPooledKernel.forward
 
     def forward(self, *a, **kw):
@@ -488,10 +502,19 @@ def split_step(step, kjts: list, cfg: dict, opt) -> dict:
         return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in ts]
 
     def a2a(output, input, output_split_sizes, input_split_sizes, group, async_op=False):
-        coll_calls[-1].append(("all_to_all_single", (torch.empty_like(output), torch.empty_like(input),
-                               list(output_split_sizes), list(input_split_sizes), group)))
-        return real["all_to_all_single"](output, input, output_split_sizes, input_split_sizes, group,
-                                         async_op=async_op)
+        coll_calls[-1].append(
+            (
+                "all_to_all_single",
+                (
+                    torch.empty_like(output),
+                    torch.empty_like(input),
+                    list(output_split_sizes),
+                    list(input_split_sizes),
+                    group,
+                ),
+            )
+        )
+        return real["all_to_all_single"](output, input, output_split_sizes, input_split_sizes, group, async_op=async_op)
 
     def gather(output, input, group):
         coll_calls[-1].append(("all_gather_single", (torch.empty_like(output), torch.empty_like(input), group)))
@@ -503,13 +526,26 @@ def split_step(step, kjts: list, cfg: dict, opt) -> dict:
 
     def pieces(sends, recv_sizes, consume, group, device, async_op=False):
         # replayed with one copy out of what arrived, as the input dist's route-major cat does
-        coll_calls[-1].append(("all_to_all_pieces", ([fresh(x) for x in sends], recv_sizes,
-                                                     lambda got: torch.cat([t for x in got for t in x]), group,
-                                                     device)))
+        coll_calls[-1].append(
+            (
+                "all_to_all_pieces",
+                (
+                    [fresh(x) for x in sends],
+                    recv_sizes,
+                    lambda got: torch.cat([t for x in got for t in x]),
+                    group,
+                    device,
+                ),
+            )
+        )
         return real["all_to_all_pieces"](sends, recv_sizes, consume, group, device, async_op=async_op)
 
-    patched = {"all_to_all_single": a2a, "all_gather_single": gather, "all_to_all_views": views,
-               "all_to_all_pieces": pieces}
+    patched = {
+        "all_to_all_single": a2a,
+        "all_gather_single": gather,
+        "all_to_all_views": views,
+        "all_to_all_pieces": pieces,
+    }
     FusedPooledKernel.forward = forward
     for name, fn in patched.items():
         setattr(transport, name, fn)
@@ -536,8 +572,12 @@ def split_step(step, kjts: list, cfg: dict, opt) -> dict:
 
     kernel_timing, _ = timed_steps(kernels_alone, cfg)
     comm_timing, _ = timed_steps(collectives_alone, cfg)
-    return {"kernel_elapsed": kernel_timing["elapsed"], "comm_elapsed": comm_timing["elapsed"],
-            "kernel_calls": len(kernel_calls[0]), "collectives": len(coll_calls[0])}
+    return {
+        "kernel_elapsed": kernel_timing["elapsed"],
+        "comm_elapsed": comm_timing["elapsed"],
+        "kernel_calls": len(kernel_calls[0]),
+        "collectives": len(coll_calls[0]),
+    }
 
 
 def profile_steps(step, kjts: list, cfg: dict, path: str | None) -> None:
@@ -569,8 +609,10 @@ def transport_line() -> str:
     if os.environ.get("LIGHTNING_REC_SHM", "1") == "0":
         ours = "gloo (LIGHTNING_REC_SHM=0)"
     else:
-        ours = ("shared memory between the processes of this host for its all-to-alls, all-gathers and "
-                "all-reduces (`lightning_rec/transport/__init__.py`, the default; LIGHTNING_REC_SHM=0 for gloo)")
+        ours = (
+            "shared memory between the processes of this host for its all-to-alls, all-gathers and "
+            "all-reduces (`lightning_rec/transport/__init__.py`, the default; LIGHTNING_REC_SHM=0 for gloo)"
+        )
     return f"Collectives: TorchRec through gloo; lightning_rec through {ours}."
 
 
@@ -579,10 +621,15 @@ def malloc_line(torchrec_malloc: bool) -> str:
     if os.environ.get("LIGHTNING_REC_MALLOC", "1") == "0":
         ours = "glibc's defaults (LIGHTNING_REC_MALLOC=0)"
     else:
-        ours = ("glibc keeping freed memory for reuse (mmap threshold 256 MiB, trim threshold 1 GiB: "
-                "`lightning_rec/memory/malloc.py`, the default)")
-    theirs = ("the same thresholds, set through glibc's MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ "
-              "(--torchrec-malloc)" if torchrec_malloc else "glibc's defaults")
+        ours = (
+            "glibc keeping freed memory for reuse (mmap threshold 256 MiB, trim threshold 1 GiB: "
+            "`lightning_rec/memory/malloc.py`, the default)"
+        )
+    theirs = (
+        "the same thresholds, set through glibc's MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ (--torchrec-malloc)"
+        if torchrec_malloc
+        else "glibc's defaults"
+    )
     return f"Host memory: lightning_rec's workers (and the bare kernel, which runs in them) with {ours}; TorchRec's with {theirs}."
 
 
@@ -615,8 +662,16 @@ def free_port() -> int:
 class Group:
     """``world`` persistent worker processes of one library."""
 
-    def __init__(self, lib: str, world: int, python: str, log_dir: Path, nice: int, malloc_env: bool = False,
-                 baseline: Path | None = None) -> None:
+    def __init__(
+        self,
+        lib: str,
+        world: int,
+        python: str,
+        log_dir: Path,
+        nice: int,
+        malloc_env: bool = False,
+        baseline: Path | None = None,
+    ) -> None:
         self.lib, self.world = lib, world
         label = lib
         if baseline is not None and lib == "torchrec":  # --baseline: the first column is lightning_rec from there
@@ -640,8 +695,11 @@ class Group:
             log = open(log_dir / f"{label}-w{world}-r{r}.log", "a")  # noqa: SIM115 (kept open with the process)
             cmd = [
                 python,
-                str((baseline or ROOT) / "benchmarks" / Path(__file__).name if label == "baseline"
-                    else Path(__file__).resolve()),
+                str(
+                    (baseline or ROOT) / "benchmarks" / Path(__file__).name
+                    if label == "baseline"
+                    else Path(__file__).resolve()
+                ),
                 "--worker",
                 lib,
                 "--rank",
@@ -675,8 +733,10 @@ class Group:
                 p.stdin.write(line)
                 p.stdin.flush()
             except OSError:  # it died since the last configuration (killed for memory, say): a failed row
-                return [{"ok": False, "error": f"worker exited (code {p.poll()}) before this configuration"}
-                        for _ in self.procs]
+                return [
+                    {"ok": False, "error": f"worker exited (code {p.poll()}) before this configuration"}
+                    for _ in self.procs
+                ]
         deadline = time.monotonic() + timeout_s
         out: list[dict | None] = [None] * len(self.procs)
         while any(r is None for r in out):
@@ -779,8 +839,14 @@ def ok(s: dict | None) -> bool:
     return bool(s) and "error" not in s
 
 
-def write_report(path: Path, rows: list[dict], cfg: dict, args: argparse.Namespace, total_s: float,
-                 limits: dict[tuple[str, int], dict] | None = None) -> None:
+def write_report(
+    path: Path,
+    rows: list[dict],
+    cfg: dict,
+    args: argparse.Namespace,
+    total_s: float,
+    limits: dict[tuple[str, int], dict] | None = None,
+) -> None:
     from lightning_rec.memory.huge_pages import thp_mode  # (the side environment never writes the report)
 
     dlrm_rows = [r for _, r, _ in job_tables("dlrm", cfg)]
@@ -989,11 +1055,16 @@ def write_before_after(out: Path, rows: list[dict], cfg: dict, args, total: floa
     for row in rows:
         a, b = row["torchrec"], row["lightning_rec"]
         ratio = f"{b['sps'] / a['sps']:.2f}" if ok(a) and ok(b) else "-"
-        lines.append(f"| {row['job']} | {row['world']} | {row['plan']} | {row['variant']} | "
-                     f"{fmt_cell(a)} | {fmt_cell(b)} | {ratio} | {spread(a) if ok(a) else '-'} | "
-                     f"{spread(b) if ok(b) else '-'} |")
-    lines += ["", f"Total {total / 60:.1f} min. Command: `python benchmarks/bench_vs_torchrec.py "
-              f"{' '.join(sys.argv[1:])}`", ""]
+        lines.append(
+            f"| {row['job']} | {row['world']} | {row['plan']} | {row['variant']} | "
+            f"{fmt_cell(a)} | {fmt_cell(b)} | {ratio} | {spread(a) if ok(a) else '-'} | "
+            f"{spread(b) if ok(b) else '-'} |"
+        )
+    lines += [
+        "",
+        f"Total {total / 60:.1f} min. Command: `python benchmarks/bench_vs_torchrec.py {' '.join(sys.argv[1:])}`",
+        "",
+    ]
     out.write_text("\n".join(lines))
 
 
@@ -1022,12 +1093,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--distinct", type=int, default=4, help="distinct batches per rank, cycled")
     ap.add_argument("--small", action="store_true", help="smoke test: tiny tables and batches, few steps")
     ap.add_argument(
-        "--rounds", type=int, default=1,
+        "--rounds",
+        type=int,
+        default=1,
         help="run every configuration this many times per library, alternating which goes first (A B, B A, "
         "...), and report each library's median round: less sensitive to the machine drifting between runs",
     )
     ap.add_argument(
-        "--kernel-limit", action=argparse.BooleanOptionalAction, default=True,
+        "--kernel-limit",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="also time the bare fbgemm kernel on every rank's own batches at each world size, with no "
         "communication: what the cores reach with no sharding at all (the denominator of 'of limit')",
     )
@@ -1046,19 +1121,23 @@ def main(argv: list[str] | None = None) -> int:
         "library's step in the same process (each library's overhead over the kernel, robust to machine load)",
     )
     ap.add_argument(
-        "--split", action=argparse.BooleanOptionalAction, default=True,
+        "--split",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="lightning_rec's fused rows at world >= 2: also time its kernel calls alone and its collectives "
         "alone (recorded from real steps, replayed on every rank at once): where the step goes",
     )
     ap.add_argument(
-        "--torchrec-malloc", action="store_true",
+        "--torchrec-malloc",
+        action="store_true",
         help="run TorchRec's workers with the glibc malloc thresholds lightning_rec sets for itself "
         "(memory/malloc.py), through glibc's environment tunables: how much of the gap that setting is",
     )
     ap.add_argument(
-        "--baseline", type=Path,
+        "--baseline",
+        type=Path,
         help="a checkout of an earlier lightning_rec (e.g. a git worktree): it takes TorchRec's place, so the run "
-             "compares the two versions side by side (A B, B A rounds); the report is a before / after table",
+        "compares the two versions side by side (A B, B A rounds); the report is a before / after table",
     )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_torchrec.md"))
     ap.add_argument("--worker", choices=LIBS, help=argparse.SUPPRESS)
@@ -1124,8 +1203,9 @@ def main(argv: list[str] | None = None) -> int:
                         continue  # a configuration that failed once fails again: no second timeout
                     key = (lib, world)
                     if key not in groups:
-                        groups[key] = Group(lib, world, pythons[lib], log_dir, args.nice, args.torchrec_malloc,
-                                            args.baseline)
+                        groups[key] = Group(
+                            lib, world, pythons[lib], log_dir, args.nice, args.torchrec_malloc, args.baseline
+                        )
                     res = groups[key].run(cmd, args.timeout)
                     if not all(r.get("ok") for r in res):  # a failed group may be stuck: a fresh one next time
                         groups.pop(key).close(kill=True)
@@ -1156,8 +1236,12 @@ def main(argv: list[str] | None = None) -> int:
                     key = ("lightning_rec", world)
                     if key not in groups:
                         groups[key] = Group("lightning_rec", world, pythons["lightning_rec"], log_dir, args.nice)
-                    got = [summarize(groups[key].run({"cfg": cfg, "job": job, "kernel_only": True}, args.timeout),
-                                     cfg, world) for _ in range(args.rounds)]
+                    got = [
+                        summarize(
+                            groups[key].run({"cfg": cfg, "job": job, "kernel_only": True}, args.timeout), cfg, world
+                        )
+                        for _ in range(args.rounds)
+                    ]
                     limits[(job, world)] = median_round(got)
                     print(f"{job} w{world} bare kernel, no communication: {fmt_cell(limits[(job, world)])}", flush=True)
     finally:

@@ -79,11 +79,11 @@ Remaining failures, by reason:
   collected here).
 """
 
-CONFTEST = '''
+CONFTEST = """
 from pathlib import Path
 from tests.torchrec_alias import install
 install({helpers})
-'''
+"""
 
 
 def _read(src: Path, rel: str) -> str:
@@ -110,8 +110,20 @@ def _run(src: Path, files: list[str], tmp: Path) -> ET.Element:
         parts = Path(rel).parts  # torchrec/<dir>/tests/test_<name>.py
         (tmp / f"test_{parts[1]}__{Path(rel).name[5:]}").write_text(_read(src, rel))
     report = tmp / "junit.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", str(tmp),
-           f"--junitxml={report}", str(tmp)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        "--rootdir",
+        str(tmp),
+        f"--junitxml={report}",
+        str(tmp),
+    ]
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}
     subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
     return ET.parse(report).getroot()
@@ -129,8 +141,10 @@ def _summarise(root: ET.Element) -> tuple[list[str], list[str]]:
         elif bad is not None:
             counts[1] += 1
             msg = (bad.get("message") or "").strip().splitlines()
-            failures.append(f"- `{mod}::{case.get('classname', '').split('.')[-1]}::{case.get('name')}`: "
-                            f"{(msg[0] if msg else '?')[:200]}")
+            failures.append(
+                f"- `{mod}::{case.get('classname', '').split('.')[-1]}::{case.get('name')}`: "
+                f"{(msg[0] if msg else '?')[:200]}"
+            )
         else:
             counts[0] += 1
     lines = ["| file | passed | failed | skipped |", "|---|---|---|---|"]
@@ -152,9 +166,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "torchrec_tests.md")
     args = ap.parse_args()
     suites = list(SUITES) if args.suite == "all" else [args.suite]
-    md = ["# TorchRec's unit tests run against lightning_rec", "",
-          "`python benchmarks/run_torchrec_tests.py --torchrec <torchrec source>`: TorchRec's own test files, "
-          "unchanged, with `torchrec` imported as lightning_rec (tests/torchrec_alias.py). CUDA-only tests skip.", ""]
+    md = [
+        "# TorchRec's unit tests run against lightning_rec",
+        "",
+        "`python benchmarks/run_torchrec_tests.py --torchrec <torchrec source>`: TorchRec's own test files, "
+        "unchanged, with `torchrec` imported as lightning_rec (tests/torchrec_alias.py). CUDA-only tests skip.",
+        "",
+    ]
     rev = subprocess.run(["git", f"--git-dir={args.torchrec}", "rev-parse", "HEAD"], capture_output=True, text=True)
     if rev.returncode:  # a checkout rather than a bare repository
         rev = subprocess.run(["git", "-C", str(args.torchrec), "rev-parse", "HEAD"], capture_output=True, text=True)

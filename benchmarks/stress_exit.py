@@ -25,9 +25,18 @@ def child() -> None:
     from tests.lightning.models import ClickModule
 
     plan = ShardingPlan({"ebc": {"user": row_wise(), "item": table_wise(rank=1), "geo": data_parallel()}})
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=RecShardedStrategy(), max_steps=3, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=1, num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=RecShardedStrategy(),
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(ClickModule(plan=plan))
 
 
@@ -41,16 +50,24 @@ def main() -> None:
         return
     bad, t0 = [], time.monotonic()
     for i in range(args.runs):
-        p = subprocess.run([sys.executable, __file__, "--child"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        p = subprocess.run(
+            [sys.executable, __file__, "--child"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
         aborted = "terminate called" in p.stderr or "Aborted" in p.stderr
         if p.returncode != 0 or aborted:
             bad.append((i, p.returncode, p.stderr[-2000:]))
             print(f"run {i}: exit {p.returncode}\n{p.stderr[-2000:]}", flush=True)
         else:
             print(f"run {i}: ok ({time.monotonic() - t0:.0f} s)", flush=True)  # a stopped run still tells how far
-    print(f"{args.runs - len(bad)} of {args.runs} runs exited 0 on every rank with no abort "
-          f"({time.monotonic() - t0:.0f} s)")
+    print(
+        f"{args.runs - len(bad)} of {args.runs} runs exited 0 on every rank with no abort "
+        f"({time.monotonic() - t0:.0f} s)"
+    )
     sys.exit(1 if bad else 0)
 
 

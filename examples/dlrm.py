@@ -41,18 +41,34 @@ class DLRMCLI(LightningCLI):
     """LightningCLI that sizes the model from the data module (available right after its ``__init__``)."""
 
     def add_arguments_to_parser(self, parser: Any) -> None:
-        for source, target in (("num_dense", "num_dense"), ("feature_names", "feature_names"),
-                               ("cardinalities", "num_embeddings_per_feature"), ("raw_ids", "raw_ids")):
+        for source, target in (
+            ("num_dense", "num_dense"),
+            ("feature_names", "feature_names"),
+            ("cardinalities", "num_embeddings_per_feature"),
+            ("raw_ids", "raw_ids"),
+        ):
             parser.link_arguments(f"data.{source}", f"model.{target}", apply_on="instantiate")
-        parser.add_argument("--ckpt_path", type=str | None, default=None,
-                            help="resume from a checkpoint directory (any world size, layout or plan)")
-        parser.add_argument("--export_program", type=str | None, default=None,
-                            help="at the end of training, write a torch.export program of the unsharded model to "
-                                 "this .pt2 file; serve it with torch.export.load(path).module()(dense, values, "
-                                 "lengths)")
-        parser.add_argument("--trust_checkpoint", type=bool, default=False,
-                            help="load --ckpt_path with full unpickling, which runs code the files name; only for "
-                                 "checkpoints you wrote whose hyper-parameters hold arbitrary objects")
+        parser.add_argument(
+            "--ckpt_path",
+            type=str | None,
+            default=None,
+            help="resume from a checkpoint directory (any world size, layout or plan)",
+        )
+        parser.add_argument(
+            "--export_program",
+            type=str | None,
+            default=None,
+            help="at the end of training, write a torch.export program of the unsharded model to "
+            "this .pt2 file; serve it with torch.export.load(path).module()(dense, values, "
+            "lengths)",
+        )
+        parser.add_argument(
+            "--trust_checkpoint",
+            type=bool,
+            default=False,
+            help="load --ckpt_path with full unpickling, which runs code the files name; only for "
+            "checkpoints you wrote whose hyper-parameters hold arbitrary objects",
+        )
 
     def before_instantiate_classes(self) -> None:
         """Keep each run's files apart: dlrm.yaml's paths under runs/dlrm (logs, checkpoints) follow
@@ -69,7 +85,7 @@ class DLRMCLI(LightningCLI):
             for key in ("save_dir", "dirpath"):
                 path = getattr(init, key, None)
                 if isinstance(path, str) and (path == RUN_DIR or path.startswith(RUN_DIR + "/")):
-                    setattr(init, key, root + path[len(RUN_DIR):])
+                    setattr(init, key, root + path[len(RUN_DIR) :])
 
 
 def final_line(metrics: dict[str, Any], seconds: float, achievable: float | None = None) -> str:
@@ -90,7 +106,10 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     torch.sparse.check_sparse_tensor_invariants.disable()
     start = time.perf_counter()
     cli = DLRMCLI(
-        DLRM, ClickDataModule, run=False, args=args,
+        DLRM,
+        ClickDataModule,
+        run=False,
+        args=args,
         parser_kwargs={"default_config_files": [str(DEFAULT_CONFIG)]},
         save_config_kwargs={"overwrite": True},
     )
@@ -101,8 +120,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
         cli.trainer.strategy.trusted_checkpoints = True
     if cli.config.get("export_program"):
         cli.trainer.callbacks.append(ExportProgram(cli.config["export_program"]))
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"),
-                    weights_only=not trust)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"), weights_only=not trust)
     metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
     if cli.trainer.is_global_zero:
         print(final_line(metrics, time.perf_counter() - start, achievable_auc(cli.datamodule)), flush=True)
@@ -113,8 +131,15 @@ def achievable_auc(dm: ClickDataModule) -> float | None:
     """The hidden model's AUC on the synthetic validation rows: the ceiling for any model (None for real data)."""
     if dm.source != "synthetic" or not dm.rows["val"]:
         return None
-    return SyntheticClicks(dm.rows["val"], dm.batch_size, seed=dm.seed, split="val", multi_hot=dm.multi_hot,
-                           cardinalities=dm.cardinalities, raw_ids=dm.raw_ids).achievable_auc()
+    return SyntheticClicks(
+        dm.rows["val"],
+        dm.batch_size,
+        seed=dm.seed,
+        split="val",
+        multi_hot=dm.multi_hot,
+        cardinalities=dm.cardinalities,
+        raw_ids=dm.raw_ids,
+    ).achievable_auc()
 
 
 if __name__ == "__main__":

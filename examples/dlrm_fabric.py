@@ -45,8 +45,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--val-rows", type=int, default=16384)
     p.add_argument("--size", type=float, default=1e-3, help="table sizes as a fraction of Criteo's")
     p.add_argument("--embedding-dim", type=int, default=16)
-    p.add_argument("--embedding-optimizer", type=json.loads, default=None,
-                   help='a fused optimizer spec as JSON, e.g. \'{"kind": "rowwise_adagrad", "lr": 0.05}\'')
+    p.add_argument(
+        "--embedding-optimizer",
+        type=json.loads,
+        default=None,
+        help='a fused optimizer spec as JSON, e.g. \'{"kind": "rowwise_adagrad", "lr": 0.05}\'',
+    )
     p.add_argument("--model-parallel-size", type=int, default=None)
     p.add_argument("--root", default="runs/dlrm_fabric", help="where the checkpoint goes")
     p.add_argument("--resume", default=None, help="a checkpoint directory written by either front end")
@@ -71,19 +75,29 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse(argv)
     torch.sparse.check_sparse_tensor_invariants.disable()  # as examples/dlrm.py: torch's own ops build them
     start = time.perf_counter()
-    strategy = RecShardedFabricStrategy(embedding_optimizer=args.embedding_optimizer,
-                                        model_parallel_size=args.model_parallel_size)
+    strategy = RecShardedFabricStrategy(
+        embedding_optimizer=args.embedding_optimizer, model_parallel_size=args.model_parallel_size
+    )
     fabric = Fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy)
     fabric.launch()
     fabric.seed_everything(args.seed)
     cards = scaled_cardinalities(args.size)
-    data = dict(batch_size=args.batch_size, seed=args.seed, rank=fabric.global_rank, world_size=fabric.world_size,
-                cardinalities=cards)
+    data = dict(
+        batch_size=args.batch_size,
+        seed=args.seed,
+        rank=fabric.global_rank,
+        world_size=fabric.world_size,
+        cardinalities=cards,
+    )
     train = ClickLoader(SyntheticClicks(args.train_rows, split="train", **data), what="train loader")
     val = ClickLoader(SyntheticClicks(args.val_rows, split="val", **data), what="val loader")
 
-    model = DLRM(num_dense=NUM_DENSE, feature_names=list(FEATURE_NAMES), num_embeddings_per_feature=cards,
-                 embedding_dim=args.embedding_dim)
+    model = DLRM(
+        num_dense=NUM_DENSE,
+        feature_names=list(FEATURE_NAMES),
+        num_embeddings_per_feature=cards,
+        embedding_dim=args.embedding_dim,
+    )
     model = fabric.setup_module(model)  # shards the tables (the planner: no plan given), DDP for the rest
     optimizer = fabric.setup_optimizers(model.configure_optimizers())  # built from this rank's shards
     state = {"model": model, "optimizer": optimizer, "epoch": 0}

@@ -138,8 +138,14 @@ def train(
 
 
 def _spawned(rank: int, world_size: int, port: int, kwargs: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     losses = train(**kwargs)
     if rank == 0:
         print(f"rank 0: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
@@ -154,8 +160,12 @@ def main() -> None:
     parser.add_argument("--embedding-dim", type=int, default=128)
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args()
-    kwargs = dict(num_embeddings=args.num_embeddings, embedding_dim=args.embedding_dim,
-                  num_iterations=args.iterations, seed=args.seed)
+    kwargs = dict(
+        num_embeddings=args.num_embeddings,
+        embedding_dim=args.embedding_dim,
+        num_iterations=args.iterations,
+        seed=args.seed,
+    )
     if args.spawn:
         port = 29500 + os.getpid() % 1000
         mp.spawn(_spawned, args=(args.spawn, port, kwargs), nprocs=args.spawn)

@@ -31,26 +31,32 @@ from lightning_rec.testing import run_distributed
 
 TABLES = [
     EmbeddingBagConfig(name="user", num_embeddings=5_000, embedding_dim=16, feature_names=["user_id"]),
-    EmbeddingBagConfig(name="item", num_embeddings=20_000, embedding_dim=16, feature_names=["item_id", "clicked_items"],
-                       pooling="mean"),
+    EmbeddingBagConfig(
+        name="item", num_embeddings=20_000, embedding_dim=16, feature_names=["item_id", "clicked_items"], pooling="mean"
+    ),
     EmbeddingBagConfig(name="category", num_embeddings=100, embedding_dim=16, feature_names=["category"]),
     EmbeddingBagConfig(name="city", num_embeddings=1_000, embedding_dim=16, feature_names=["city"]),
-    EmbeddingBagConfig(name="query terms", num_embeddings=8_000, embedding_dim=16, feature_names=["query"],
-                       pooling="mean"),
+    EmbeddingBagConfig(
+        name="query terms", num_embeddings=8_000, embedding_dim=16, feature_names=["query"], pooling="mean"
+    ),
     EmbeddingBagConfig(name="ad.campaign", num_embeddings=3_000, embedding_dim=16, feature_names=["campaign"]),
 ]
 BATCH, LR = 256, 0.05
 
 
 def plan(world_size: int) -> ShardingPlan:
-    return ShardingPlan({"ebc": {
-        "user": row_wise(),
-        "item": table_row_wise(host_index=0),
-        "category": data_parallel(),
-        "city": table_wise(rank=world_size - 1),
-        "query terms": column_wise(ranks=list(range(world_size))[:2]),
-        "ad.campaign": grid_shard(host_indexes=[0]),
-    }})
+    return ShardingPlan(
+        {
+            "ebc": {
+                "user": row_wise(),
+                "item": table_row_wise(host_index=0),
+                "category": data_parallel(),
+                "city": table_wise(rank=world_size - 1),
+                "query terms": column_wise(ranks=list(range(world_size))[:2]),
+                "ad.campaign": grid_shard(host_indexes=[0]),
+            }
+        }
+    )
 
 
 class ClickModel(torch.nn.Module):
@@ -122,8 +128,10 @@ def main() -> None:
     print(plan(args.world_size))
     res = run_distributed(train, args.world_size, args.steps)[0]
     samples = args.steps * BATCH * args.world_size
-    print(f"trained {args.steps} steps on {args.world_size} processes: {samples / res['seconds']:.0f} samples/s, "
-          f"last loss {res['loss']:.4f}")
+    print(
+        f"trained {args.steps} steps on {args.world_size} processes: {samples / res['seconds']:.0f} samples/s, "
+        f"last loss {res['loss']:.4f}"
+    )
     print(f"max |sharded - single-process| over all weights after training: {res['max_err']:.2e}")
     if res["max_err"] > 1e-4:
         raise SystemExit("sharded training diverged from the single-process reference")

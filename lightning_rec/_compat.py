@@ -76,8 +76,10 @@ def check_versions(torch_version: str, fbgemm: tuple[str, str] | None) -> None:
     hint = "pip install torch==2.13.0 'fbgemm-gpu-cpu==1.8.0'  (CPU) or 'fbgemm-gpu==1.8.0' (CUDA)"
     own = fbgemm_for_torch(torch_version)
     if own is not None:
-        hint = (f"pip install 'fbgemm-gpu-cpu=={own}' (CPU) or 'fbgemm-gpu=={own}' (CUDA) for torch "
-                f"{_minor(torch_version)}, or {hint}")
+        hint = (
+            f"pip install 'fbgemm-gpu-cpu=={own}' (CPU) or 'fbgemm-gpu=={own}' (CUDA) for torch "
+            f"{_minor(torch_version)}, or {hint}"
+        )
     if fbgemm is None:
         raise ImportError(f"lightning_rec needs the fbgemm-gpu kernels, which are not installed. Install: {hint}")
     dist, version = fbgemm
@@ -154,13 +156,22 @@ class _Pieces(LocalShardsWrapper):
     the default dtype, and a DTensor over it takes its dtype from there: a float16 table would read as float32)."""
 
     @staticmethod
-    def __new__(cls, local_shards: list[torch.Tensor], local_offsets: list[tuple[int, ...]],
-                dtype: torch.dtype | None = None, device: Any = None) -> _Pieces:
+    def __new__(
+        cls,
+        local_shards: list[torch.Tensor],
+        local_offsets: list[tuple[int, ...]],
+        dtype: torch.dtype | None = None,
+        device: Any = None,
+    ) -> _Pieces:
         base = LocalShardsWrapper(local_shards, local_offsets)
         if local_shards:
             dtype, device = local_shards[0].dtype, local_shards[0].device
-        r = torch.Tensor._make_wrapper_subclass(cls, base.size(), dtype=dtype or torch.get_default_dtype(),
-                                                device=device if device is not None else base.device)
+        r = torch.Tensor._make_wrapper_subclass(
+            cls,
+            base.size(),
+            dtype=dtype or torch.get_default_dtype(),
+            device=device if device is not None else base.device,
+        )
         r._local_shards, r._storage_meta = base._local_shards, base._storage_meta
         return r
 
@@ -229,10 +240,16 @@ def make_dtensor(
         mesh = mesh if mesh is not None else DeviceMesh.from_group(process_group, device_type)
         wrapper = _Pieces([t for t, _ in pieces], [tuple(off) for _, off in pieces], dtype, device)
         out = DTensor.from_local(wrapper, mesh, [Shard(0)], run_check=False, shape=size, stride=stride)
-    record = tuple((tuple(int(o) for o in e[0]), tuple(int(s) for s in e[1]), int(e[2])) for e in shards
-                   if all(s > 0 for s in e[1]))
-    ranks = torch.distributed.get_process_group_ranks(process_group) if process_group is not None else \
-        mesh.mesh.flatten().tolist()
+    record = tuple(
+        (tuple(int(o) for o in e[0]), tuple(int(s) for s in e[1]), int(e[2]))
+        for e in shards
+        if all(s > 0 for s in e[1])
+    )
+    ranks = (
+        torch.distributed.get_process_group_ranks(process_group)
+        if process_group is not None
+        else mesh.mesh.flatten().tolist()
+    )
     setattr(out, _RECORD, ShardRecord(dtype, record, tuple(ranks)))
     return out
 
@@ -265,8 +282,9 @@ def local_pieces(x: Any) -> list[tuple[list[int], torch.Tensor]]:
         pairs = [([int(o) for o in off], t) for off, t in zip(local.local_offsets(), local.local_shards())]
     elif record is not None:  # ours: the record names this rank's shard (torch's helper needs a real device)
         me = torch.distributed.get_rank()
-        pairs = [(list(off), local) for off, size, rank in record.shards
-                 if rank == me and list(size) == list(local.shape)]
+        pairs = [
+            (list(off), local) for off, size, rank in record.shards if rank == me and list(size) == list(local.shape)
+        ]
     else:
         _, offsets = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
         pairs = [([int(o) for o in offsets], local)]
@@ -295,8 +313,12 @@ def synced_grad_scaler(scaler: torch.amp.GradScaler, group: distributed_c10d.Pro
     if isinstance(scaler, ShardedGradScaler):
         return scaler
     return ShardedGradScaler(
-        device=scaler._device, init_scale=scaler._init_scale, backoff_factor=scaler._backoff_factor,
-        growth_factor=scaler._growth_factor, growth_interval=scaler._growth_interval, enabled=scaler._enabled,
+        device=scaler._device,
+        init_scale=scaler._init_scale,
+        backoff_factor=scaler._backoff_factor,
+        growth_factor=scaler._growth_factor,
+        growth_interval=scaler._growth_interval,
+        enabled=scaler._enabled,
         process_group=group,
     )
 
@@ -346,6 +368,7 @@ DcpStorageInfo = _StorageInfo
 def tensor_version(t: torch.Tensor) -> int:
     """How often ``t`` was modified in place (torch's private version counter)."""
     return t._version
+
 
 # how a pytree node flattens against an exported program's input spec (TorchRec registers its sparse types)
 register_pytree_flatten_spec = _fx_pytree.register_pytree_flatten_spec

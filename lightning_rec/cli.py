@@ -30,8 +30,20 @@ from lightning_rec.data import convert
 from lightning_rec.plans.kinds import ParameterSharding, kind_of
 from lightning_rec.plans.planner import OPTIMIZER_STATE, Planner, PlannerError, TableConstraint, Topology
 
-_TABLE_KEYS = {"name", "num_embeddings", "embedding_dim", "feature_names", "dtype", "pooling", "pooling_factor",
-               "pooling_factors", "sharding_types", "placement", "allow_host_memory", "sequence"}
+_TABLE_KEYS = {
+    "name",
+    "num_embeddings",
+    "embedding_dim",
+    "feature_names",
+    "dtype",
+    "pooling",
+    "pooling_factor",
+    "pooling_factors",
+    "sharding_types",
+    "placement",
+    "allow_host_memory",
+    "sequence",
+}
 
 
 class TableFileError(ValueError):
@@ -70,13 +82,15 @@ def load_tables(path: str | Path) -> tuple[list, dict[str, float], dict[str, Tab
         keys = {k.value: v for k, v in root.value}
         unknown = sorted(set(keys) - {"tables", "together"})
         if unknown or "tables" not in keys:
-            raise TableFileError(f"{path} line {_line(root)}: expected keys 'tables' (and optionally 'together'), "
-                                 f"found {sorted(keys)}")
+            raise TableFileError(
+                f"{path} line {_line(root)}: expected keys 'tables' (and optionally 'together'), found {sorted(keys)}"
+            )
         if "together" in keys:
             together = _plain(keys["together"])
             if not isinstance(together, list) or not all(isinstance(g, list) for g in together):
-                raise TableFileError(f"{path} line {_line(keys['together'])}: 'together' must be a list of lists of "
-                                     "table names")
+                raise TableFileError(
+                    f"{path} line {_line(keys['together'])}: 'together' must be a list of lists of table names"
+                )
         root = keys["tables"]
     if not isinstance(root, yaml.SequenceNode) or not root.value:
         raise TableFileError(f"{path}: expected a non-empty list of tables (or a mapping with 'tables')")
@@ -97,8 +111,11 @@ def load_tables(path: str | Path) -> tuple[list, dict[str, float], dict[str, Tab
         if missing:
             raise TableFileError(f"{where}, {label}: missing {missing}")
         try:
-            kw = {k: spec[k] for k in ("name", "num_embeddings", "embedding_dim", "feature_names", "dtype", "pooling")
-                  if k in spec}
+            kw = {
+                k: spec[k]
+                for k in ("name", "num_embeddings", "embedding_dim", "feature_names", "dtype", "pooling")
+                if k in spec
+            }
             if isinstance(kw["feature_names"], str):
                 raise ValueError(f"feature_names must be a list, got {kw['feature_names']!r}")
             cfg = (EmbeddingConfig if spec.get("sequence") else EmbeddingBagConfig)(**kw)
@@ -111,8 +128,10 @@ def load_tables(path: str | Path) -> tuple[list, dict[str, float], dict[str, Tab
             if "pooling_factor" in spec:
                 factors = dict.fromkeys(cfg.feature_names, spec["pooling_factor"]) | factors
             if not isinstance(factors, dict) or set(factors) - set(cfg.feature_names):
-                raise ValueError(f"pooling_factors must map this table's features {cfg.feature_names} to ids per "
-                                 f"sample, got {factors!r}")
+                raise ValueError(
+                    f"pooling_factors must map this table's features {cfg.feature_names} to ids per "
+                    f"sample, got {factors!r}"
+                )
             pooling.update(factors)
             if "sharding_types" in spec or "placement" in spec or "allow_host_memory" in spec:
                 if placement is not None:
@@ -137,8 +156,10 @@ def _placement(spec: object) -> ParameterSharding:
     accepted = {"sharding_type", "compute_kernel", *kind.fields}
     unknown = sorted(set(spec) - accepted)
     if unknown:
-        raise ValueError(f"placement keys {unknown} do not apply to {kind.sharding_type.value}; it takes "
-                         f"{sorted(accepted - {'sharding_type'})}")
+        raise ValueError(
+            f"placement keys {unknown} do not apply to {kind.sharding_type.value}; it takes "
+            f"{sorted(accepted - {'sharding_type'})}"
+        )
     for k in kind.fields:
         if k in spec and not isinstance(spec[k], list):
             raise ValueError(f"placement {k} must be a list of integers, got {spec[k]!r}")
@@ -173,11 +194,26 @@ def plan_command(args: argparse.Namespace) -> int:
         if not out.parent.is_dir():  # say so before planning, not after
             raise CliError(f"--json {args.json}: the directory {str(out.parent)!r} does not exist")
     configs, pooling, constraints, together = load_tables(args.tables)
-    topo = Topology(args.world_size, args.model_parallel_size, args.local_size, args.device_memory, args.host_memory,
-                    device=args.device, backend=args.backend)
-    planner = Planner(topo, batch_size=args.batch_size, pooling_factors=pooling,
-                      default_pooling_factor=args.pooling_factor, optimizer=args.optimizer, gradients=args.gradients,
-                      constraints=constraints, together=together, min_column_width=args.min_column_width)
+    topo = Topology(
+        args.world_size,
+        args.model_parallel_size,
+        args.local_size,
+        args.device_memory,
+        args.host_memory,
+        device=args.device,
+        backend=args.backend,
+    )
+    planner = Planner(
+        topo,
+        batch_size=args.batch_size,
+        pooling_factors=pooling,
+        default_pooling_factor=args.pooling_factor,
+        optimizer=args.optimizer,
+        gradients=args.gradients,
+        constraints=constraints,
+        together=together,
+        min_column_width=args.min_column_width,
+    )
     planner.plan(configs)
     report = planner.explain()
     if args.json == "-":

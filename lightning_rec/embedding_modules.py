@@ -38,8 +38,9 @@ class Table(nn.Module):
         del unexpected_keys[n:]
 
 
-def check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type = BaseEmbeddingConfig,
-                 allow_shared: bool = False) -> None:
+def check_tables(
+    tables: Sequence[BaseEmbeddingConfig], kind: type = BaseEmbeddingConfig, allow_shared: bool = False
+) -> None:
     """Refuse repeated table names and, unless ``allow_shared``, a feature read by several tables.
 
     The sharded collections and the planner make the same check with the same messages.
@@ -80,19 +81,23 @@ class FeatureLayout:
         self.dims = [tables[i].embedding_dim for i in self.feature_table]
         self.rows = [tables[i].num_embeddings for i in self.feature_table]
         # every table is an EmbeddingBagConfig or an EmbeddingConfig
-        self.is_mean = [cast("EmbeddingBagConfig | EmbeddingConfig", tables[i]).pooling == PoolingType.MEAN
-                        for i in self.feature_table]
+        self.is_mean = [
+            cast("EmbeddingBagConfig | EmbeddingConfig", tables[i]).pooling == PoolingType.MEAN
+            for i in self.feature_table
+        ]
         self._index = {f: i for i, f in enumerate(self.feature_names)}
 
     def mismatch(self, keys: list[str], missing: list[str], duplicated: Sequence[str] = ()) -> str:
         """The error for a KJT with ``keys``: what is missing, unexpected or repeated, and every key it has."""
         ignored = [k for k in keys if k not in self._index]
-        found = (f"missing {missing}, unexpected {ignored}" if self.strict else f"missing {missing}")
+        found = f"missing {missing}, unexpected {ignored}" if self.strict else f"missing {missing}"
         found += f", duplicated {list(duplicated)}" if duplicated else ""
         # without strict, unexpected keys were dropped silently: naming them shows a misspelt or wrong input
         ignoring = "" if self.strict or not ignored else f"; no table reads {ignored}, ignored as strict_features=False"
-        return (f"KeyedJaggedTensor keys do not match the collection's features: {found} (expected "
-                f"{self.feature_names}; the KeyedJaggedTensor has keys {list(keys)}{ignoring})")
+        return (
+            f"KeyedJaggedTensor keys do not match the collection's features: {found} (expected "
+            f"{self.feature_names}; the KeyedJaggedTensor has keys {list(keys)}{ignoring})"
+        )
 
     def select(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Return ``features`` in config order with int64 ids; raise listing missing and unexpected keys."""
@@ -118,8 +123,12 @@ class FeatureLayout:
             features = features.permute([pos[f] for f in self.feature_names])
         if features.values().dtype != torch.long or features.lengths().dtype != torch.long:
             features = KeyedJaggedTensor(
-                features.keys(), features.values().long(), weights=features.weights_or_none(),
-                lengths=features.lengths().long(), stride=features.stride(), length_per_key=features.length_per_key(),
+                features.keys(),
+                features.values().long(),
+                weights=features.weights_or_none(),
+                lengths=features.lengths().long(),
+                stride=features.stride(),
+                length_per_key=features.length_per_key(),
             )
         if checks_enabled() and features.values().device.type != "meta":
             features = _drop_trailing(features)
@@ -152,8 +161,15 @@ def _drop_trailing(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
     v, w = kjt.values(), kjt.weights_or_none()
     if v.size(0) == n and (w is None or w.size(0) == n):
         return kjt
-    return KeyedJaggedTensor(kjt.keys(), v[:n], weights=None if w is None else w[:n], lengths=kjt.lengths(),
-                             offsets=kjt.offsets(), stride=kjt.stride(), length_per_key=lpk)
+    return KeyedJaggedTensor(
+        kjt.keys(),
+        v[:n],
+        weights=None if w is None else w[:n],
+        lengths=kjt.lengths(),
+        offsets=kjt.offsets(),
+        stride=kjt.stride(),
+        length_per_key=lpk,
+    )
 
 
 def _expand_variable_batch(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
@@ -175,8 +191,13 @@ def _expand_variable_batch(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
     lengths = kjt.lengths()[idx]
     gather = segment_gather_index(kjt.offsets()[:-1][idx].long(), lengths.long())
     w = kjt.weights_or_none()
-    return KeyedJaggedTensor(kjt.keys(), kjt.values()[gather], weights=None if w is None else w[gather],
-                             lengths=lengths, stride=inv_t.size(1))
+    return KeyedJaggedTensor(
+        kjt.keys(),
+        kjt.values()[gather],
+        weights=None if w is None else w[gather],
+        lengths=lengths,
+        stride=inv_t.size(1),
+    )
 
 
 def _make_tables(tables: Sequence[BaseEmbeddingConfig], device: torch.device | str | None) -> kernels.TableContainer:
@@ -234,8 +255,10 @@ class _CollectionBase(nn.Module):
             # fx names a parameter by its dotted module path: a table named "geo.city" has no such path
             dotted = [name for name in tables._modules if "." in name]
             if dotted:
-                raise ValueError(f"torch.fx cannot address tables {dotted}: their names hold a '.', which fx reads as "
-                                 "a module path. Trace with lightning_rec.export.fx_trace(model), which renames them")
+                raise ValueError(
+                    f"torch.fx cannot address tables {dotted}: their names hold a '.', which fx reads as "
+                    "a module path. Trace with lightning_rec.export.fx_trace(model), which renames them"
+                )
             return [cast(torch.Tensor, cast(kernels.TableContainer, tables)[name].weight) for name in self._table_names]
         return [getattr(tables, name).weight for name in self._table_names]  # TorchScript's C++ module
 
@@ -312,8 +335,11 @@ class EmbeddingBagCollection(_CollectionBase):
             if missing:
                 raise ValueError(layout.mismatch(features.keys(), missing))
             dtype = kernels.promoted_dtype([w.dtype for w in self._weights()])
-            return KeyedTensor(layout.embedding_names, layout.dims,
-                               torch.empty(features.stride(), sum(layout.dims), dtype=dtype, device="meta"))
+            return KeyedTensor(
+                layout.embedding_names,
+                layout.dims,
+                torch.empty(features.stride(), sum(layout.dims), dtype=dtype, device="meta"),
+            )
         kjt = layout.select(features)
         psw = None
         if self._is_weighted:
@@ -350,11 +376,17 @@ class EmbeddingBagCollection(_CollectionBase):
         for i, t in enumerate(self._layout.feature_table):
             w = tables[t]
             bag_offsets = offsets[i * b : (i + 1) * b + 1] - offsets[i * b]
-            outs.append(F.embedding_bag(
-                values.narrow(0, opk[i], lpk[i]), w, bag_offsets, mode="sum", include_last_offset=True,
-                per_sample_weights=None if psw is None else psw.narrow(0, opk[i], lpk[i]).to(w.dtype),
-                sparse=self.sparse_grad,
-            ))
+            outs.append(
+                F.embedding_bag(
+                    values.narrow(0, opk[i], lpk[i]),
+                    w,
+                    bag_offsets,
+                    mode="sum",
+                    include_last_offset=True,
+                    per_sample_weights=None if psw is None else psw.narrow(0, opk[i], lpk[i]).to(w.dtype),
+                    sparse=self.sparse_grad,
+                )
+            )
         return torch.cat(outs, dim=1)
 
     def _traced_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -371,8 +403,15 @@ class EmbeddingBagCollection(_CollectionBase):
             if self._is_weighted:
                 psw = jt.weights().to(w.dtype)
             # norm_type as a float: fx records every argument, and TorchScript refuses torch's int default
-            out = F.embedding_bag(jt.values().long(), w, jt.offsets().long(), mode="sum", per_sample_weights=psw,
-                                  include_last_offset=True, norm_type=2.0)
+            out = F.embedding_bag(
+                jt.values().long(),
+                w,
+                jt.offsets().long(),
+                mode="sum",
+                per_sample_weights=psw,
+                include_last_offset=True,
+                norm_type=2.0,
+            )
             if self._is_mean[i]:
                 out = out / jt.lengths().clamp(min=1).unsqueeze(1).to(out.dtype)
             outs.append(out)
@@ -433,8 +472,11 @@ class EmbeddingCollection(_CollectionBase):
         b = kjt.stride()
         opk = kjt.offset_per_key()
         return {
-            name: JaggedTensor(e, lengths=kjt.lengths()[i * b : (i + 1) * b],
-                               weights=kjt.values()[opk[i] : opk[i + 1]] if self._need_indices else None)
+            name: JaggedTensor(
+                e,
+                lengths=kjt.lengths()[i * b : (i + 1) * b],
+                weights=kjt.values()[opk[i] : opk[i + 1]] if self._need_indices else None,
+            )
             for i, (name, e) in enumerate(zip(layout.embedding_names, embs))
         }
 

@@ -173,9 +173,11 @@ def _skeleton(state: dict[str, Any], path: Path, tmp: Path) -> tuple[Any, dict[s
 
 def _disk_full(e: Exception, tmp: Path, state: dict[str, Any]) -> Exception:
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-        need = sum((v.size().numel() * _compat.sharded_dtype(v).itemsize)
-                   if _compat.is_sharded(v) else v.nbytes for v in state.values()
-                   if torch.is_tensor(v) or _compat.is_sharded(v))
+        need = sum(
+            (v.size().numel() * _compat.sharded_dtype(v).itemsize) if _compat.is_sharded(v) else v.nbytes
+            for v in state.values()
+            if torch.is_tensor(v) or _compat.is_sharded(v)
+        )
         return DiskFullError(tmp, need, 0)
     return e
 
@@ -192,8 +194,13 @@ class ExportStateDict(L.Callback):
     The file loads with ``torch.load`` into the unsharded module: ``model.load_state_dict(torch.load(path))``.
     """
 
-    def __init__(self, dirpath: str | None = None, filename: str = "model-step={step}.pt", every_n_epochs: int = 0,
-                 on_train_end: bool = True) -> None:
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        filename: str = "model-step={step}.pt",
+        every_n_epochs: int = 0,
+        on_train_end: bool = True,
+    ) -> None:
         self.dirpath = dirpath
         self.filename = filename
         self.every_n_epochs = every_n_epochs
@@ -245,8 +252,9 @@ class _ExportTables(TableContainer):
 def _unsharded_twin(m: ShardedCollection, full: dict[str, torch.Tensor], prefix: str) -> nn.Module:
     """The unsharded collection of sharded ``m`` on CPU, holding the gathered full tables (torch kernel)."""
     if isinstance(m, ShardedEmbeddingBagCollection):
-        twin: nn.Module = EmbeddingBagCollection(cast("list[EmbeddingBagConfig]", m.tables),
-                                                 is_weighted=m.is_weighted(), device="meta", kernel="torch")
+        twin: nn.Module = EmbeddingBagCollection(
+            cast("list[EmbeddingBagConfig]", m.tables), is_weighted=m.is_weighted(), device="meta", kernel="torch"
+        )
     else:
         twin = EmbeddingCollection(cast("list[EmbeddingConfig]", m.tables), device="meta")
     attr = m.table_attr
@@ -356,7 +364,7 @@ class TensorInputs(nn.Module):
     def forward(self, *inputs: torch.Tensor) -> Any:
         f = len(self.keys)
         dense = inputs[0] if self.num_dense is not None else None
-        values, lengths = inputs[(0 if dense is None else 1):][:2]
+        values, lengths = inputs[(0 if dense is None else 1) :][:2]
         weights = inputs[-1] if self.weighted else None
         b = dense.size(0) if dense is not None else lengths.numel() // f
         # key k's bags move k places on: one empty bag ends every key
@@ -378,8 +386,9 @@ def _first_samples(out: Any, b: Any) -> Any:
     return type(out)(_first_samples(o, b) for o in out)
 
 
-def _example(keys: list[str], rows: dict[str, int], num_dense: int | None, weighted: bool,
-             batch_size: int) -> tuple[torch.Tensor, ...]:
+def _example(
+    keys: list[str], rows: dict[str, int], num_dense: int | None, weighted: bool, batch_size: int
+) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(0)
     # bags of 1 to 3 ids: no size 0 or 1 the tracer could specialise on
     lengths = torch.randint(1, 4, (len(keys) * batch_size,), generator=g)
@@ -397,8 +406,10 @@ def _keys(model: nn.Module, keys: Sequence[str] | None) -> tuple[list[str], dict
     keys = list(rows) if keys is None else list(keys)
     unknown = [k for k in keys if k not in rows]
     if not keys or unknown:
-        raise ValueError(f"export_program: keys {unknown or keys} are not features of the model's embedding "
-                         f"collections (features: {list(rows)})")
+        raise ValueError(
+            f"export_program: keys {unknown or keys} are not features of the model's embedding "
+            f"collections (features: {list(rows)})"
+        )
     return keys, rows, features
 
 
@@ -407,13 +418,16 @@ def _num_dense(model: nn.Module, num_dense: int | str | None) -> int | None:
         return num_dense  # type: ignore[return-value]
     dense = getattr(model, "num_dense", None)
     if dense is None:
-        raise ValueError("export_program: the model has no `num_dense` attribute; pass num_dense= (the "
-                         "number of dense features) or num_dense=None for a model called as model(kjt)")
+        raise ValueError(
+            "export_program: the model has no `num_dense` attribute; pass num_dense= (the "
+            "number of dense features) or num_dense=None for a model called as model(kjt)"
+        )
     return dense
 
 
-def _trace(model: nn.Module, keys: Sequence[str] | None, num_dense: int | None, weighted: bool,
-           batch_size: int) -> tuple[torch.export.ExportedProgram, dict[str, Any]]:
+def _trace(
+    model: nn.Module, keys: Sequence[str] | None, num_dense: int | None, weighted: bool, batch_size: int
+) -> tuple[torch.export.ExportedProgram, dict[str, Any]]:
     keys, rows, _ = _keys(model, keys)
     # a collection reading other features (or another order) permutes the KJT: its per-key id counts are
     # symbols in the program (KeyedJaggedTensor keeps them symbolic), so any mix of collections exports
@@ -426,8 +440,13 @@ def _trace(model: nn.Module, keys: Sequence[str] | None, num_dense: int | None, 
     with torch.no_grad():
         program = torch.export.export(wrapper, example, dynamic_shapes=(tuple(shapes),))  # one *inputs
     names = ([] if num_dense is None else ["dense"]) + ["values", "lengths"] + (["weights"] if weighted else [])
-    signature = {"inputs": names, "keys": keys, "num_dense": num_dense, "weighted": weighted,
-                 "rows": {k: rows[k] for k in keys}}
+    signature = {
+        "inputs": names,
+        "keys": keys,
+        "num_dense": num_dense,
+        "weighted": weighted,
+        "rows": {k: rows[k] for k in keys},
+    }
     return program, signature
 
 
@@ -466,8 +485,10 @@ def export_program(
     extra file ``SIGNATURE_FILE`` (JSON).
     """
     if checkpoint_dir is not None and collective.distributed() and dist.get_world_size() > 1:
-        raise ValueError("export_program(checkpoint_dir=...) runs in one process (it loads the checkpoint into an "
-                         "unsharded copy); under a process group, load the checkpoint into the model first")
+        raise ValueError(
+            "export_program(checkpoint_dir=...) runs in one process (it loads the checkpoint into an "
+            "unsharded copy); under a process group, load the checkpoint into the model first"
+        )
     path = collective.broadcast_path(path)
     twin = inference_model(model)  # None on ranks other than 0
     error: BaseException | None = None
@@ -488,8 +509,9 @@ def export_program(
     return path
 
 
-def fx_trace(model: nn.Module, *, keys: Sequence[str] | None = None, num_dense: int | str | None = "auto",
-             weighted: bool = False) -> torch.fx.GraphModule | None:
+def fx_trace(
+    model: nn.Module, *, keys: Sequence[str] | None = None, num_dense: int | str | None = "auto", weighted: bool = False
+) -> torch.fx.GraphModule | None:
     """``torch.fx.symbolic_trace`` of ``model``'s unsharded inference copy behind the plain-tensor signature
     (:class:`TensorInputs`), for fx inference transforms. Arguments as :func:`export_program`; collective for a
     sharded model (rank 0 gets the GraphModule, the other ranks None). The model's forward must be fx-traceable

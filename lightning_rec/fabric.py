@@ -80,8 +80,9 @@ class RecShardedFabricStrategy(ShardedFrontEnd, DDPStrategy):
     ) -> None:
         require_popen(kwargs, "RecShardedFabricStrategy")
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method="popen", **kwargs)
-        self.core = ShardSetup(plan, model_parallel_size, data_parallel_size, embedding_grad, embedding_optimizer,
-                               trusted_checkpoints)
+        self.core = ShardSetup(
+            plan, model_parallel_size, data_parallel_size, embedding_grad, embedding_optimizer, trusted_checkpoints
+        )
         self.embedding_optimizer = self.core.given_embedding_optimizer
         self.mesh_info: MeshInfo | None = None
         self.planner: Planner | None = None
@@ -90,12 +91,18 @@ class RecShardedFabricStrategy(ShardedFrontEnd, DDPStrategy):
         self._backward_sync_control = _BackwardSync()
 
     @override
-    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer],
-                                    scheduler: Any = None) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
-        tables = {id(p): f"{path}.{n}" if path else n for path, m in module.named_modules()
-                  if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection)) for n, p in m.named_parameters()}
-        held = sorted({tables[id(p)] for o in optimizers for g in o.param_groups for p in g["params"]
-                       if id(p) in tables})
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
+    ) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
+        tables = {
+            id(p): f"{path}.{n}" if path else n
+            for path, m in module.named_modules()
+            if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))
+            for n, p in m.named_parameters()
+        }
+        held = sorted(
+            {tables[id(p)] for o in optimizers for g in o.param_groups for p in g["params"] if id(p) in tables}
+        )
         if held:
             raise ValueError(
                 f"rec_sharded: the optimizer was built before sharding and holds the unsharded tables {held[:5]}"
@@ -111,8 +118,9 @@ class RecShardedFabricStrategy(ShardedFrontEnd, DDPStrategy):
         """Shard the collections (collective), then wrap the dense rest in DDP (the module itself when nothing
         dense trains)."""
         assert self.mesh_info is not None
-        self.embedding_optimizer, self.planner = self.core.shard(module, self.mesh_info, self.root_device,
-                                                                 self.world_size)
+        self.embedding_optimizer, self.planner = self.core.shard(
+            module, self.mesh_info, self.root_device, self.world_size
+        )
         module.to(self.root_device)
         self._module = module
         if not ignore_in_ddp(module):
@@ -136,8 +144,14 @@ class RecShardedFabricStrategy(ShardedFrontEnd, DDPStrategy):
         return optimizer
 
     @override
-    def clip_gradients_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | int,
-                            norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
         """Clip by the norm over every table once (this rank's shards reduced over their group), as the Trainer
         strategy does: torch's ``clip_grad_norm_`` would see only this rank's shards."""
         self.precision.unscale_gradients(optimizer)
@@ -161,8 +175,9 @@ class RecShardedFabricStrategy(ShardedFrontEnd, DDPStrategy):
         return name, module.module if isinstance(module, DistributedDataParallel) else module, opts
 
     @override
-    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any = None,
-                        filter: dict[str, Any] | None = None) -> None:
+    def save_checkpoint(
+        self, path: Any, state: dict[str, Any], storage_options: Any = None, filter: dict[str, Any] | None = None
+    ) -> None:
         """Write a checkpoint directory at ``path``, as the Trainer strategy does; collective."""
         if storage_options is not None or filter:
             raise TypeError("rec_sharded writes torch.distributed.checkpoint directories: no storage_options or filter")
@@ -175,14 +190,17 @@ class RecShardedFabricStrategy(ShardedFrontEnd, DDPStrategy):
         self.core.write_checkpoint(path, module, self.mesh_info, self.world_size, checkpoint)
 
     @override
-    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Restore ``state`` in place from a checkpoint directory (written by either strategy, at any world size
         or plan) and return what the checkpoint holds beyond it. Collective."""
         if not isinstance(state, dict) or not state or not ckpt.is_checkpoint_dir(path):
             if ckpt.is_checkpoint_dir(path):
-                raise ValueError("fabric.load of a rec_sharded checkpoint directory needs the state to restore: "
-                                 "{'model': model, 'optimizer': optimizer, ...}")
+                raise ValueError(
+                    "fabric.load of a rec_sharded checkpoint directory needs the state to restore: "
+                    "{'model': model, 'optimizer': optimizer, ...}"
+                )
             if self.core.trusted_checkpoints or weights_only is False:
                 return super().load_checkpoint(path, state, strict, weights_only=False)
             with refusing_unsafe(path):  # never run code from a file we were not told to trust

@@ -22,8 +22,10 @@ def _check(probs: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | Non
     if not probs.is_floating_point():
         raise ValueError(f"{name}: probs must be floating point probabilities, got {probs.dtype}")
     if probs.numel() and not bool(((probs >= 0) & (probs <= 1)).all()):
-        raise ValueError(f"{name}: probs must lie in [0, 1] (got min {float(probs.min())}, max {float(probs.max())}); "
-                         "pass sigmoid(logits), not logits")
+        raise ValueError(
+            f"{name}: probs must lie in [0, 1] (got min {float(probs.min())}, max {float(probs.max())}); "
+            "pass sigmoid(logits), not logits"
+        )
     if target.numel() and not bool(((target == 0) | (target == 1)).all()):
         raise ValueError(f"{name}: target must hold only 0 and 1")
     if weight is not None:
@@ -101,8 +103,10 @@ class _RecMetricCollection(MetricCollection):
     def update(self, *args, **kwargs) -> None:
         # BinaryAUROC would silently drop per-sample weights; refuse them rather than mix weighted and unweighted
         if kwargs.get("weight") is not None or len(args) > 2:
-            raise ValueError("rec_metrics: auroc does not support sample weights; update NormalizedEntropy / "
-                             "Calibration / LogLoss with weights separately")
+            raise ValueError(
+                "rec_metrics: auroc does not support sample weights; update NormalizedEntropy / "
+                "Calibration / LogLoss with weights separately"
+            )
         kwargs.pop("weight", None)
         super().update(*args, **kwargs)
 

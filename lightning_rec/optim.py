@@ -203,7 +203,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             warnings.warn(
                 f"FusedOptimizer.state_dict() between micro-batches: the gradients of {pending} lookups wait for "
                 "the next step and are not part of the state; a checkpoint taken now resumes from the start of "
-                "this step's accumulation (Lightning saves only at step boundaries)", stacklevel=2)
+                "this step's accumulation (Lightning saves only at step boundaries)",
+                stacklevel=2,
+            )
         groups, tables = [], {}
         for i, (group, k) in enumerate(zip(self.param_groups, self._kernels)):
             entry = {key: v for key, v in group.items() if key != "params"}
@@ -224,9 +226,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Load a :meth:`state_dict`, matching tables by name. Checks everything before changing anything."""
         if not isinstance(state_dict, Mapping) or "tables" not in state_dict or "param_groups" not in state_dict:
             keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
-            raise ValueError(
-                f"not a FusedOptimizer state_dict (expected keys 'param_groups' and 'tables', got {keys})"
-            )
+            raise ValueError(f"not a FusedOptimizer state_dict (expected keys 'param_groups' and 'tables', got {keys})")
         saved_tables = state_dict["tables"]
         mine = {name: k for i, k in enumerate(self._kernels) for name in self.table_names(i)}
         missing = [n for n in mine if n not in saved_tables]
@@ -249,6 +249,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     f"table {name!r}: the checkpoint's fused optimizer is {g.get('kind')!r} but this one is "
                     f"{k.spec.kind!r}"
                 )
+
         def local(i: int) -> dict[str, Any]:
             return {n: saved_tables[q] for n, q in zip(self._kernels[i].table_names, self.table_names(i))}
 

@@ -86,8 +86,14 @@ class RecModule(L.LightningModule):
             if trusted and weights_only is None:
                 weights_only = False
             # Lightning annotates str | Path and accepts any os.PathLike
-            return super().load_from_checkpoint(checkpoint_path, map_location, hparams_file, strict,  # type: ignore[arg-type]
-                                                weights_only, **kwargs)
+            return super().load_from_checkpoint(
+                checkpoint_path,  # type: ignore[arg-type]
+                map_location,
+                hparams_file,  # type: ignore[arg-type]
+                strict,
+                weights_only,
+                **kwargs,
+            )
         checkpoint = ckpt.read_checkpoint(path, trusted=trusted, device=_stored_device(map_location))
         if hparams_file is not None:  # as Lightning: the file replaces the saved hyper-parameters
             extension = str(hparams_file).rsplit(".", 1)[-1].lower()

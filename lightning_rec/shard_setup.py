@@ -60,8 +60,15 @@ class ShardSetup:
     ``data_parallel_size``, ``embedding_grad``, ``embedding_optimizer`` and ``trusted_checkpoints``.
     """
 
-    def __init__(self, plan: ShardingPlan | None, model_parallel_size: int | None, data_parallel_size: int | None,
-                 embedding_grad: str, embedding_optimizer: Any, trusted_checkpoints: bool) -> None:
+    def __init__(
+        self,
+        plan: ShardingPlan | None,
+        model_parallel_size: int | None,
+        data_parallel_size: int | None,
+        embedding_grad: str,
+        embedding_optimizer: Any,
+        trusted_checkpoints: bool,
+    ) -> None:
         grad_scale(embedding_grad, 1)  # validates the mode now, not at fit time
         if plan is not None and not isinstance(plan, ShardingPlan):
             raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
@@ -82,8 +89,9 @@ class ShardSetup:
         local = mp if num_nodes == 1 else num_processes
         return init_2d_mesh(mp, replicas, "cuda" if device.type == "cuda" else "cpu", local)
 
-    def shard(self, module: nn.Module, mesh: MeshInfo, device: torch.device, world_size: int,
-              batch_size: int | None = None) -> tuple[FusedOptimizerSpec | None, Planner | None]:
+    def shard(
+        self, module: nn.Module, mesh: MeshInfo, device: torch.device, world_size: int, batch_size: int | None = None
+    ) -> tuple[FusedOptimizerSpec | None, Planner | None]:
         """Shard every collection of ``module`` in place; collective.
 
         The plan is the one given, else ``module.configure_sharding()``, else the planner's (whose planner is
@@ -104,9 +112,16 @@ class ShardSetup:
             planner = automatic_plan(module, mesh.model_parallel_size, mesh.local_size, world_size, spec, **kw)
             plan = planner.plan(module)
             planner = planner if plan.plan else None
-        shard_modules(module, plan, process_group=mesh.shard_group, replica_group=mesh.replica_group,
-                      device=device, embedding_grad=self.embedding_grad, local_size=mesh.local_size,
-                      embedding_optimizer=spec)
+        shard_modules(
+            module,
+            plan,
+            process_group=mesh.shard_group,
+            replica_group=mesh.replica_group,
+            device=device,
+            embedding_grad=self.embedding_grad,
+            local_size=mesh.local_size,
+            embedding_optimizer=spec,
+        )
         fused = fused_optimizer(module)
         for p in [] if fused is None else [p for g in fused.param_groups for p in g["params"]]:
             p._in_backward_optimizers = [fused]  # as DMP: in_backward_optimizer_filter leaves fused tables out
@@ -115,12 +130,16 @@ class ShardSetup:
     @staticmethod
     def sharding_record(module: nn.Module, mesh: MeshInfo, world_size: int) -> dict[str, Any]:
         """What a checkpoint records of the layout that wrote it."""
-        return {"world_size": world_size, "model_parallel_size": mesh.model_parallel_size,
-                "data_parallel_size": world_size // mesh.model_parallel_size,
-                "tables": ckpt.sharding_layout(module)}
+        return {
+            "world_size": world_size,
+            "model_parallel_size": mesh.model_parallel_size,
+            "data_parallel_size": world_size // mesh.model_parallel_size,
+            "tables": ckpt.sharding_layout(module),
+        }
 
-    def write_checkpoint(self, path: Any, module: nn.Module, mesh: MeshInfo, world_size: int,
-                         checkpoint: dict[str, Any]) -> None:
+    def write_checkpoint(
+        self, path: Any, module: nn.Module, mesh: MeshInfo, world_size: int, checkpoint: dict[str, Any]
+    ) -> None:
         """Write Lightning's checkpoint dict (``state_dict``, ``optimizer_states`` as ``ckpt.optimizer_state``
         gives them, anything else) as a checkpoint directory; collective and all-or-nothing."""
         checkpoint = dict(checkpoint)
@@ -133,12 +152,19 @@ class ShardSetup:
         checkpoint["rec_sharding"] = self.sharding_record(module, mesh, world_size)
         ckpt.write(path, tensors, checkpoint)
 
-    def read_checkpoint(self, path: Any, module: nn.Module, optimizers: list[torch.optim.Optimizer], strict: bool,
-                        weights_only: bool | None) -> dict[str, Any]:
+    def read_checkpoint(
+        self,
+        path: Any,
+        module: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        strict: bool,
+        weights_only: bool | None,
+    ) -> dict[str, Any]:
         """Load a checkpoint directory into ``module`` and ``optimizers`` (any plan or world size wrote it);
         returns the rest of what it holds. Collective."""
-        meta = ckpt.load(path, module, optimizers, strict=strict,
-                         trusted=self.trusted_checkpoints or weights_only is False)
+        meta = ckpt.load(
+            path, module, optimizers, strict=strict, trusted=self.trusted_checkpoints or weights_only is False
+        )
         meta.pop("format", None)
         return meta
 

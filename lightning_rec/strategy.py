@@ -98,8 +98,9 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         require_popen(kwargs, "RecShardedStrategy")
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method="popen", **kwargs)
         # shared with the Fabric strategy (shard_setup.py)
-        self.core = ShardSetup(plan, model_parallel_size, data_parallel_size, embedding_grad, embedding_optimizer,
-                               trusted_checkpoints)
+        self.core = ShardSetup(
+            plan, model_parallel_size, data_parallel_size, embedding_grad, embedding_optimizer, trusted_checkpoints
+        )
         self._plan = plan
         # the planner of an automatic plan (when none was given), its report
         self.planner: Planner | None = None
@@ -144,8 +145,9 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
                 batch_size = int(lightning_getattr(module, "batch_size"))  # type: ignore[arg-type]
         except (AttributeError, TypeError, ValueError):
             pass
-        self.embedding_optimizer, self.planner = self.core.shard(module, self.mesh_info, self.root_device,
-                                                                 self.world_size, batch_size)
+        self.embedding_optimizer, self.planner = self.core.shard(
+            module, self.mesh_info, self.root_device, self.world_size, batch_size
+        )
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
@@ -199,10 +201,17 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         # data-parallel tables take sparse gradients where the optimizers make that exact (grad_mode.py);
         # clipping (Lightning's or the module's own hook), loss scaling and manual optimization keep them dense
         module = self.lightning_module
-        clipping = bool(trainer.gradient_clip_val) or not module.automatic_optimization or is_overridden(
-            "configure_gradient_clipping", module, L.LightningModule)
-        use_sparse_grads_where_possible(module, self.optimizers, gradient_clipping=clipping,
-                                        grad_scaler=getattr(self.precision_plugin, "scaler", None))
+        clipping = (
+            bool(trainer.gradient_clip_val)
+            or not module.automatic_optimization
+            or is_overridden("configure_gradient_clipping", module, L.LightningModule)
+        )
+        use_sparse_grads_where_possible(
+            module,
+            self.optimizers,
+            gradient_clipping=clipping,
+            grad_scaler=getattr(self.precision_plugin, "scaler", None),
+        )
 
     def _sync_grad_scaler(self) -> None:
         # Each rank sees only its own shards' gradients: a rank whose shards overflowed would skip the step
@@ -216,9 +225,11 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         if self.embedding_optimizer is None:
             return
         fused = fused_optimizer(self.lightning_module) if self.lightning_module is not None else None
-        if fused is not None and (trainer.accumulate_grad_batches > 1 or any(
-                isinstance(c, GradientAccumulationScheduler)
-                for c in trainer.callbacks)):  # type: ignore[attr-defined]  # set by Lightning's callback connector
+        if fused is not None and (
+            trainer.accumulate_grad_batches > 1
+            # trainer.callbacks: set by Lightning's callback connector, not declared on the Trainer
+            or any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks)  # type: ignore[attr-defined]
+        ):
             # Lightning steps the optimizer once every k batches: the kernels keep each backward's gradient
             # and apply one update from their sum at that step (kernels/_accumulate.py)
             fused.accumulate = True
@@ -264,8 +275,9 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
             dataloader = AgreedLoader(cast(Iterable[Any], dataloader), what="rec_sharded dataloader")
         if self._prefetcher is not None and self.lightning_module.trainer.training:
             device = self.root_device
-            dataloader = PipelinedLoader(cast(Iterable[Any], dataloader), self._prefetcher,
-                                         lambda b: move_data_to_device(b, device))
+            dataloader = PipelinedLoader(
+                cast(Iterable[Any], dataloader), self._prefetcher, lambda b: move_data_to_device(b, device)
+            )
         return dataloader
 
     @override
@@ -332,8 +344,10 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         The directory appears only when complete, so a save killed part-way leaves the previous one intact.
         """
         if storage_options is not None:
-            raise TypeError("RecShardedStrategy.save_checkpoint writes torch.distributed.checkpoint directories and "
-                            "takes no storage_options")
+            raise TypeError(
+                "RecShardedStrategy.save_checkpoint writes torch.distributed.checkpoint directories and "
+                "takes no storage_options"
+            )
         assert self.mesh_info is not None and self.lightning_module is not None
         self.core.write_checkpoint(filepath, self.lightning_module, self.mesh_info, self.world_size, checkpoint)
 

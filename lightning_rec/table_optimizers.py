@@ -26,29 +26,40 @@ def marked_embedding_optimizer(module: nn.Module, given: FusedOptimizerSpec | No
     Raises naming the collections when marks disagree with each other or with ``given``, or when some
     collections are marked and others not (one fused optimizer serves every collection, or none).
     """
-    found = {path or "<root>": in_backward_spec(m) for path, m in module.named_modules()
-             if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))}
+    found = {
+        path or "<root>": in_backward_spec(m)
+        for path, m in module.named_modules()
+        if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))
+    }
     marked = {p: s for p, s in found.items() if s is not None}
     if not marked:
         return given
     if len(set(marked.values())) > 1:
-        raise ValueError(f"rec_sharded: the collections' in-backward optimizers differ ({marked}); one fused "
-                         "optimizer serves every collection: mark them all alike")
+        raise ValueError(
+            f"rec_sharded: the collections' in-backward optimizers differ ({marked}); one fused "
+            "optimizer serves every collection: mark them all alike"
+        )
     sequence = sorted(p or "<root>" for p, m in module.named_modules() if isinstance(m, EmbeddingCollection))
     if sequence:
-        raise ValueError(f"rec_sharded: collections {sorted(marked)} carry an in-backward optimizer "
-                         f"(apply_optimizer_in_backward), which becomes a fused kernel for every collection, but "
-                         f"the fused kernels pool and cannot serve the EmbeddingCollections {sequence}; train the "
-                         "tables with torch optimizers instead (remove the marks)")
+        raise ValueError(
+            f"rec_sharded: collections {sorted(marked)} carry an in-backward optimizer "
+            f"(apply_optimizer_in_backward), which becomes a fused kernel for every collection, but "
+            f"the fused kernels pool and cannot serve the EmbeddingCollections {sequence}; train the "
+            "tables with torch optimizers instead (remove the marks)"
+        )
     unmarked = sorted(p for p, s in found.items() if s is None)
     if unmarked:
-        raise ValueError(f"rec_sharded: collections {sorted(marked)} carry an in-backward optimizer "
-                         f"(apply_optimizer_in_backward) but {unmarked} do not; one fused optimizer serves every "
-                         "collection: mark them all, or none and give RecShardedStrategy(embedding_optimizer=...)")
+        raise ValueError(
+            f"rec_sharded: collections {sorted(marked)} carry an in-backward optimizer "
+            f"(apply_optimizer_in_backward) but {unmarked} do not; one fused optimizer serves every "
+            "collection: mark them all, or none and give RecShardedStrategy(embedding_optimizer=...)"
+        )
     spec = next(iter(marked.values()))
     if given is not None and given != spec:
-        raise ValueError(f"rec_sharded: embedding_optimizer={given} differs from the tables' in-backward optimizer "
-                         f"{spec} (apply_optimizer_in_backward); give one of them")
+        raise ValueError(
+            f"rec_sharded: embedding_optimizer={given} differs from the tables' in-backward optimizer "
+            f"{spec} (apply_optimizer_in_backward); give one of them"
+        )
     return spec
 
 
@@ -58,8 +69,14 @@ def warn_unoptimized_tables(module: nn.Module, optimizers: Sequence[torch.optim.
     Collective over the world: each rank holds only its own shards. Returns the names warned about.
     """
     held = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
-    mine = sorted({f"{path}.{n}" if path else n for path, c in sharded_collections(module)
-                   for n, p in c.named_parameters() if p.requires_grad and id(p) not in held})
+    mine = sorted(
+        {
+            f"{path}.{n}" if path else n
+            for path, c in sharded_collections(module)
+            for n, p in c.named_parameters()
+            if p.requires_grad and id(p) not in held
+        }
+    )
     names = mine
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered: list[list[str] | None] = [None] * dist.get_world_size()
@@ -77,8 +94,14 @@ def warn_unoptimized_tables(module: nn.Module, optimizers: Sequence[torch.optim.
 
 # torch optimizer class -> the planner's optimizer kind (its state size); a fused optimizer's kind is its spec's
 # (lightning_rec.fused_kinds.FUSED_KINDS)
-_OPTIMIZER_KINDS = {"SGD": "sgd", "Adagrad": "adagrad", "Adam": "adam", "AdamW": "adam", "SparseAdam": "adam",
-                    "LAMB": "lamb"}
+_OPTIMIZER_KINDS = {
+    "SGD": "sgd",
+    "Adagrad": "adagrad",
+    "Adam": "adam",
+    "AdamW": "adam",
+    "SparseAdam": "adam",
+    "LAMB": "lamb",
+}
 
 
 def _local_kind(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
@@ -128,6 +151,9 @@ def automatic_plan_report(planner, module: nn.Module, optimizers: Sequence[torch
     report = planner.estimate(module)
     for new, old in zip(report.tables, chosen.tables):
         new.fixed, new.runner_up, new.rejected_because = old.fixed, old.runner_up, old.rejected_because
-    report.notes = [*chosen.notes, f"placed assuming optimizer={planned} (the optimizers did not exist yet); the "
-                    f"estimates here are for the tables' optimizer, {kind}"]
+    report.notes = [
+        *chosen.notes,
+        f"placed assuming optimizer={planned} (the optimizers did not exist yet); the "
+        f"estimates here are for the tables' optimizer, {kind}",
+    ]
     return report

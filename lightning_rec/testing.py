@@ -28,10 +28,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_job(fn, rank: int, world_size: int, port: int, args: tuple, timeout_s: float, init: bool,
-             per_node: int) -> tuple[int, bool, Any]:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node), NODE_RANK=str(rank // per_node))
+def _run_job(
+    fn, rank: int, world_size: int, port: int, args: tuple, timeout_s: float, init: bool, per_node: int
+) -> tuple[int, bool, Any]:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank % per_node),
+        LOCAL_WORLD_SIZE=str(per_node),
+        NODE_RANK=str(rank // per_node),
+    )
     torch.set_num_threads(1)
     try:
         if init:
@@ -64,8 +72,9 @@ class _Pool:
         ctx = mp.get_context("spawn")
         self.results = ctx.SimpleQueue()
         self.jobs = [ctx.SimpleQueue() for _ in range(world_size)]
-        self.procs = [ctx.Process(target=_serve, args=(r, self.jobs[r], self.results), daemon=daemon)
-                      for r in range(world_size)]
+        self.procs = [
+            ctx.Process(target=_serve, args=(r, self.jobs[r], self.results), daemon=daemon) for r in range(world_size)
+        ]
         for p in self.procs:
             p.start()
 

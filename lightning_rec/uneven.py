@@ -81,8 +81,12 @@ class UnevenEvaluation:
         bad = unreplayable(gathered) if finite else []
         if not finite or bad or len({len(g) for g in gathered}) > 1:
             limit = {"validation": "val", "test": "test", "prediction": "predict"}[stage]
-            why = (f"rank {bad[0][0]} has no {stage} batch of dataloader {bad[0][1]} while other ranks have some, "
-                   "so it cannot join their lookups" if bad else "a loader without a length runs beside sized ones")
+            why = (
+                f"rank {bad[0][0]} has no {stage} batch of dataloader {bad[0][1]} while other ranks have some, "
+                "so it cannot join their lookups"
+                if bad
+                else "a loader without a length runs beside sized ones"
+            )
             raise ValueError(
                 f"rec_sharded: ranks would run different numbers of {stage} batches (by rank: {gathered}) and {why}. "
                 "Every sharded lookup is a collective across ranks. Give every rank at least one batch of each "
@@ -101,10 +105,12 @@ class UnevenEvaluation:
             return
         features = args[0] if args else kwargs.get("features")
         if not isinstance(features, KeyedJaggedTensor):
-            raise TypeError(f"rec_sharded: {type(module).__name__} was given a {type(features).__name__}, "
-                            "not a KeyedJaggedTensor")
-        self._recording.append(_Call(module, tuple(features.keys()), features.weights_or_none() is not None,
-                                     features.values().device))
+            raise TypeError(
+                f"rec_sharded: {type(module).__name__} was given a {type(features).__name__}, not a KeyedJaggedTensor"
+            )
+        self._recording.append(
+            _Call(module, tuple(features.keys()), features.weights_or_none() is not None, features.values().device)
+        )
 
     def step(self, run: Any, *args: Any, **kwargs: Any) -> Any:
         """Run one evaluation step (``run(*args, **kwargs)``); after this rank's last batch of a dataloader,
@@ -133,9 +139,13 @@ class UnevenEvaluation:
     def _replay(self) -> None:
         for call in self._calls:
             empty = torch.zeros(0, dtype=torch.long, device=call.device)
-            kjt = KeyedJaggedTensor(list(call.keys), empty,
-                                    weights=torch.zeros(0, device=call.device) if call.weighted else None,
-                                    lengths=torch.zeros(0, dtype=torch.long, device=call.device), stride=0)
+            kjt = KeyedJaggedTensor(
+                list(call.keys),
+                empty,
+                weights=torch.zeros(0, device=call.device) if call.weighted else None,
+                lengths=torch.zeros(0, dtype=torch.long, device=call.device),
+                stride=0,
+            )
             call.module(kjt)
 
 

@@ -44,8 +44,11 @@ _SOURCES: dict[str, list[str]] = {
     "torchrec.datasets.criteo": ["lightning_rec.data"],
     "torchrec.distributed": ["lightning_rec.distributed", "lightning_rec.sharding"],
     "torchrec.distributed.types": ["lightning_rec.sharding", "lightning_rec.distributed", "lightning_rec.configs"],
-    "torchrec.distributed.sharding_plan": ["lightning_rec.sharding", "lightning_rec.plans.plan",
-                                           "lightning_rec.distributed"],
+    "torchrec.distributed.sharding_plan": [
+        "lightning_rec.sharding",
+        "lightning_rec.plans.plan",
+        "lightning_rec.distributed",
+    ],
     "torchrec.distributed.planner": ["lightning_rec.sharding"],
     "torchrec.distributed.model_parallel": ["lightning_rec.distributed"],
     "torchrec.distributed.embeddingbag": ["lightning_rec.distributed"],

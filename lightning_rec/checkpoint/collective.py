@@ -44,8 +44,11 @@ def agree(error: BaseException | None, what: str) -> None:
     Every rank must reach this call whatever happened locally, so failures are caught, not raised, before it.
     """
     # a CheckpointError travels as itself (a full disk is a DiskFullError on every rank), others as text
-    mine = None if error is None else (f"{type(error).__name__}: {error}",
-                                       error if isinstance(error, CheckpointError) else None)
+    mine = (
+        None
+        if error is None
+        else (f"{type(error).__name__}: {error}", error if isinstance(error, CheckpointError) else None)
+    )
     if distributed() and dist.get_world_size() > 1:
         errors: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(errors, mine)

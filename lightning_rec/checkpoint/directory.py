@@ -70,8 +70,9 @@ def _unwrap(e: BaseException, path: Path, what: str) -> CheckpointError:
                 return cast(CheckpointError, failures[r])
         first = min(failures)
         exc = failures[first]
-        return CheckpointError(f"{what} {path} failed on rank(s) {sorted(failures)}; rank {first}: "
-                               f"{type(exc).__name__}: {exc}")
+        return CheckpointError(
+            f"{what} {path} failed on rank(s) {sorted(failures)}; rank {first}: {type(exc).__name__}: {exc}"
+        )
     full = as_disk_full(e, path, 0, collective.rank())
     if full is not None:
         return full
@@ -153,14 +154,16 @@ def read_meta(path: str | os.PathLike, trusted: bool = False) -> dict[str, Any]:
     meta = load_meta(p / META_FILE, trusted=trusted)
     if not isinstance(meta, dict) or meta.get("format") not in _READABLE:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise CheckpointError(f"{p} is not a lightning_rec checkpoint this version reads (format {found!r}; "
-                              f"readable: {', '.join(_READABLE)})")
+        raise CheckpointError(
+            f"{p} is not a lightning_rec checkpoint this version reads (format {found!r}; "
+            f"readable: {', '.join(_READABLE)})"
+        )
     return meta
 
 
 def _check_model(saved: Mapping[str, Any], path: Path, model_state: Mapping[str, Any], strict: bool) -> None:
     prefix = "state_dict."
-    have = {k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)}
+    have = {k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix)}
     problems = []
     for key, value in model_state.items():
         if not (torch.is_tensor(value) or _compat.is_sharded(value)):
@@ -205,8 +208,9 @@ def load(
         reader = CheckedReader(path, collective.rank(), meta.get("checksums"), trusted=trusted)
         model_state = model.state_dict()
         _check_model(reader.read_metadata().state_dict_metadata, path, model_state, strict)
-        targets: dict[str, Any] = {"state_dict": {k: v for k, v in model_state.items()
-                                                  if torch.is_tensor(v) or _compat.is_sharded(v)}}
+        targets: dict[str, Any] = {
+            "state_dict": {k: v for k, v in model_state.items() if torch.is_tensor(v) or _compat.is_sharded(v)}
+        }
         optimizers = list(optimizers)
         saved_opts = meta.get("optimizer_layouts", [])
         if optimizers:
@@ -257,9 +261,11 @@ def read_checkpoint(path: str | os.PathLike, trusted: bool = False, device: Any 
     reader = CheckedReader(path, collective.rank(), meta.pop("checksums", None), trusted=trusted)
     prefix = "state_dict."
     # tensors only, as load() reads: DCP unpickles other stored values with full pickle, which would run code
-    state = {k[len(prefix):]: torch.empty(tuple(m.size), dtype=m.properties.dtype, device=device)
-             for k, m in reader.read_metadata().state_dict_metadata.items()
-             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    state = {
+        k[len(prefix) :]: torch.empty(tuple(m.size), dtype=m.properties.dtype, device=device)
+        for k, m in reader.read_metadata().state_dict_metadata.items()
+        if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+    }
     _read({"state_dict": state}, reader, path, dcp.DefaultLoadPlanner(), alone=True)
     meta.pop("format", None)
     return {**meta, "state_dict": state}

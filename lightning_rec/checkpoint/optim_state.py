@@ -28,6 +28,7 @@ def _leaves(optimizer: Any) -> dict[str, torch.optim.Optimizer]:
 
     A rank that holds no fused tables has no fused optimizer, so the fused leaf is matched by name, not position.
     """
+
     def flat(o: Any) -> list[torch.optim.Optimizer]:
         o = getattr(o, "_optimizer", o)  # LightningOptimizer
         return [x for c in o.optimizers for x in flat(c)] if isinstance(o, CombinedOptimizer) else [o]
@@ -61,8 +62,10 @@ def _leaf_groups(leaf: torch.optim.Optimizer, names: Mapping[int, str]) -> list[
         first = leaf.state_dict()["param_groups"][0]
         hp = {k: v for k, v in first.items() if k != "tables"}
         return [{"hparams": hp, "params": [names[id(p)] for g in leaf.param_groups for p in g["params"]]}]
-    return [{"hparams": {k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-            for g in leaf.param_groups]
+    return [
+        {"hparams": {k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+        for g in leaf.param_groups
+    ]
 
 
 def _key(leaf: str, name: str, state: str) -> str:
@@ -118,8 +121,11 @@ def _flatten(model: nn.Module, optimizer: Any, tensors: dict[str, Any], leaves_m
                     columns = place.column_offsets() if place is not None else [0]
                     layout.setdefault(name, {})[k] = ("rows", global_shape, v.dtype, columns)
                     col = v.detach()[:, None]
-                    tensors[_key(j, name, k)] = col if place is None else \
-                        place.rows_sharded(col, len(columns), columns.index(place.local_offsets[1]))
+                    tensors[_key(j, name, k)] = (
+                        col
+                        if place is None
+                        else place.rows_sharded(col, len(columns), columns.index(place.local_offsets[1]))
+                    )
                 else:
                     raise ValueError(
                         f"optimizer state {k!r} of parameter {name!r} has shape {list(v.shape)}; checkpoints support "
@@ -139,8 +145,9 @@ def _merge_over_ranks(leaves: dict[str, dict[str, Any]], error: Exception | None
         raise error
     failed = [(r, x["error"]) for r, x in enumerate(gathered) if "error" in x]
     if failed:
-        raise CheckpointError(f"collecting optimizer state failed on rank {failed[0][0]} (so every rank stops): "
-                              f"{failed[0][1]}")
+        raise CheckpointError(
+            f"collecting optimizer state failed on rank {failed[0][0]} (so every rank stops): {failed[0][1]}"
+        )
     plain = [sorted(k for k in x if k != "fused") for x in gathered]
     if any(p != plain[0] for p in plain):
         raise ValueError(f"ranks disagree on their optimizers: {[[x[k]['kind'] for k in x] for x in gathered]}")
@@ -181,8 +188,13 @@ def optimizer_targets(model: nn.Module, optimizer: Any, saved: dict[str, dict[st
         )
     holder = {names[id(p)]: j for j, leaf in leaves.items() for g in leaf.param_groups for p in g["params"]}
     # state the optimizers already hold (Adagrad's sums, fused kernels' state): loaded in place, no extra copy
-    live = {(j, names[id(p)], k): v for j, leaf in leaves.items() for p, st in _leaf_state(leaf)
-            for k, v in st.items() if torch.is_tensor(v)}
+    live = {
+        (j, names[id(p)], k): v
+        for j, leaf in leaves.items()
+        for p, st in _leaf_state(leaf)
+        for k, v in st.items()
+        if torch.is_tensor(v)
+    }
     targets: dict[str, Any] = {}
     loaded: dict[str, dict[str, dict[str, Any]]] = {j: {} for j in leaves}
     for j, leaf in leaves.items():
@@ -237,8 +249,13 @@ def optimizer_targets(model: nn.Module, optimizer: Any, saved: dict[str, dict[st
                     loaded[j].setdefault(name, {})[k] = ("rows", rows, _column_weights(entry[3], expect[1], place))
                     continue
                 buf = live.get((j, name, k))
-                if form != "elementwise" or buf is None or buf.shape != param.shape or buf.dtype != dtype \
-                        or not buf.is_contiguous():
+                if (
+                    form != "elementwise"
+                    or buf is None
+                    or buf.shape != param.shape
+                    or buf.dtype != dtype
+                    or not buf.is_contiguous()
+                ):
                     buf = torch.empty(param.shape, dtype=dtype, device=param.device)
                 if param.numel():
                     targets[_key(j, name, k)] = buf if place is None else place.sharded(buf)
@@ -266,15 +283,16 @@ def _rows_target(param: torch.Tensor, place: Placement | None, dtype: torch.dtyp
     if target is not None:
         return target, buf
     whole = torch.empty(place.global_shape[0], k, dtype=dtype, device=param.device)
-    return whole, whole[row0:row0 + nr]
+    return whole, whole[row0 : row0 + nr]
 
 
 def _column_weights(saved_columns: list[int], width: int, place: Placement | None) -> torch.Tensor:
     """How many of this shard's columns fall in each saved column piece."""
     c0, nc = (place.local_offsets[1], place.local_sizes[1]) if place is not None else (0, width)
     ends = [*saved_columns[1:], width]
-    return torch.tensor([max(0, min(e, c0 + nc) - max(s, c0)) for s, e in zip(saved_columns, ends)],
-                        dtype=torch.float64)
+    return torch.tensor(
+        [max(0, min(e, c0 + nc) - max(s, c0)) for s, e in zip(saved_columns, ends)], dtype=torch.float64
+    )
 
 
 def _restore(v: Any) -> Any:
@@ -322,5 +340,3 @@ def _load_fused(leaf, names, loaded: dict[str, dict[str, Any]], saved: dict[str,
             tables[table] = dict(loaded.get(names[id(p)], {}))
         groups.append({**hp, "tables": leaf.table_names(i)})
     leaf.load_state_dict({"param_groups": groups, "tables": tables})
-
-

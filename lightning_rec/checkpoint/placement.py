@@ -32,8 +32,14 @@ class Placement:
 
     def sharded(self, local: torch.Tensor, dtype: torch.dtype | None = None) -> Any:
         """``local`` (this rank's piece of a tensor shaped like the table) as a DTensor laid out like the table."""
-        return table_dtensor([(local, self.local_offsets)], self.shards, self.global_shape, dtype or local.dtype,
-                             local.device, self.group)
+        return table_dtensor(
+            [(local, self.local_offsets)],
+            self.shards,
+            self.global_shape,
+            dtype or local.dtype,
+            local.device,
+            self.group,
+        )
 
     def column_offsets(self) -> list[int]:
         """The distinct column offsets of the table's shards: the column pieces of row-wise state."""
@@ -42,10 +48,19 @@ class Placement:
     def rows_sharded(self, local: torch.Tensor, columns: int, column: int) -> Any:
         """``local`` ([local rows, 1]) as column ``column`` of a [table rows, ``columns``] DTensor."""
         cols = self.column_offsets()
-        pieces = [ShardMeta(s.row_offset, s.rows, cols.index(s.col_offset), 1, s.rank) for s in self.shards
-                  if s.rows > 0 and s.cols > 0]
-        return table_dtensor([(local, [self.local_offsets[0], column])], pieces, [self.global_shape[0], columns],
-                             local.dtype, local.device, self.group)
+        pieces = [
+            ShardMeta(s.row_offset, s.rows, cols.index(s.col_offset), 1, s.rank)
+            for s in self.shards
+            if s.rows > 0 and s.cols > 0
+        ]
+        return table_dtensor(
+            [(local, [self.local_offsets[0], column])],
+            pieces,
+            [self.global_shape[0], columns],
+            local.dtype,
+            local.device,
+            self.group,
+        )
 
     def rows_target(self, buf: torch.Tensor) -> Any:
         """A load target for the rows ``[local_offsets[0], + len(buf))`` of a [table rows, k] tensor.
@@ -54,8 +69,14 @@ class Placement:
         """
         if buf.shape[0] == self.global_shape[0]:
             return None  # the caller reads the whole tensor instead
-        return _compat.make_dtensor([(buf, [self.local_offsets[0], 0])], [], [self.global_shape[0], buf.shape[1]],
-                                    buf.dtype, buf.device, self.group)
+        return _compat.make_dtensor(
+            [(buf, [self.local_offsets[0], 0])],
+            [],
+            [self.global_shape[0], buf.shape[1]],
+            buf.dtype,
+            buf.device,
+            self.group,
+        )
 
 
 def placements(model: nn.Module) -> dict[str, Placement]:
@@ -67,17 +88,29 @@ def placements(model: nn.Module) -> dict[str, Placement]:
             t = tables[ti]
             name = f"{path}.{m.table_attr}.{t.name}.weight" if path else f"{m.table_attr}.{t.name}.weight"
             shards = cast("list[ShardMeta]", all_shards[t.name])  # a table with a local shard is sharded
-            out[name] = Placement(t.name, [t.num_embeddings, t.embedding_dim], list(shards),
-                                  [s.row_offset, s.col_offset], [s.rows, s.cols], m.shard_group, dtypes[ti])
+            out[name] = Placement(
+                t.name,
+                [t.num_embeddings, t.embedding_dim],
+                list(shards),
+                [s.row_offset, s.col_offset],
+                [s.rows, s.cols],
+                m.shard_group,
+                dtypes[ti],
+            )
     return out
 
 
 def sharding_layout(model: nn.Module) -> dict[str, dict[str, Any]]:
     """``{collection path: {table: [[row_offset, rows, col_offset, cols, shard rank], ...] or "data_parallel"}}``."""
     return {
-        path: {name: ("data_parallel" if shards is None else
-                      [[s.row_offset, s.rows, s.col_offset, s.cols, s.rank] for s in shards])
-               for name, shards in m.shards.items()}
+        path: {
+            name: (
+                "data_parallel"
+                if shards is None
+                else [[s.row_offset, s.rows, s.col_offset, s.cols, s.rank] for s in shards]
+            )
+            for name, shards in m.shards.items()
+        }
         for path, m in sharded_collections(model)
     }
 
@@ -96,12 +129,13 @@ def chunked(value: Any) -> Any:
     local = []
     for (r, c), t in pieces:
         step = max(1, CHUNK_BYTES // max(t.shape[1] * t.element_size(), 1))
-        local += [(t[r0:r0 + step], [r + r0, c]) for r0 in range(0, t.shape[0], step)]
+        local += [(t[r0 : r0 + step], [r + r0, c]) for r0 in range(0, t.shape[0], step)]
     record = _compat.shard_record(value)
     if record is None:  # not one of ours: written as it is
         return value
-    return _compat.make_dtensor(local, [], list(value.size()), record.dtype, pieces[0][1].device, None,
-                                mesh=value.device_mesh)
+    return _compat.make_dtensor(
+        local, [], list(value.size()), record.dtype, pieces[0][1].device, None, mesh=value.device_mesh
+    )
 
 
 def chunk_tree(tree: Any) -> Any:

@@ -28,9 +28,18 @@ from lightning_rec.configs import DataType, EmbeddingBagConfig, EmbeddingConfig,
 # Types the meta file may hold beyond torch's weights_only set (tensors, dtypes, plain containers): paths and
 # namespaces, which hyper-parameters commonly are, and lightning_rec's table configs (a model's hyper-parameters
 # may list its tables). Lightning writes hyper-parameters as a plain dict.
-META_GLOBALS: list[Any] = [argparse.Namespace, pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath,
-                           pathlib.PureWindowsPath, DataType, EmbeddingBagConfig, EmbeddingConfig, PoolingType,
-                           ShardingType]
+META_GLOBALS: list[Any] = [
+    argparse.Namespace,
+    pathlib.PosixPath,
+    pathlib.PurePosixPath,
+    pathlib.WindowsPath,
+    pathlib.PureWindowsPath,
+    DataType,
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+    PoolingType,
+    ShardingType,
+]
 
 # DCP's metadata: its own dataclasses and enums, and the torch values inside them. The private names are the
 # ones DCP's own pickles refer to (``_StorageInfo``, ``_MEM_FORMAT_ENCODING``, ``_get_layout``); a torch that
@@ -40,12 +49,24 @@ _DCP_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch.serialization", "_get_layout"): serialization_get_layout,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): DcpStorageInfo,
     ("collections", "OrderedDict"): collections.OrderedDict,
-    **{("pathlib", c.__name__): c for c in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath,
-                                             pathlib.PureWindowsPath, pathlib.Path)},
-    **{("torch.distributed.checkpoint.metadata", n): getattr(dcp_metadata, n)
-       for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                 "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
-       if hasattr(dcp_metadata, n)},
+    **{
+        ("pathlib", c.__name__): c
+        for c in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath, pathlib.Path)
+    },
+    **{
+        ("torch.distributed.checkpoint.metadata", n): getattr(dcp_metadata, n)
+        for n in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+        if hasattr(dcp_metadata, n)
+    },
 }
 
 

@@ -79,8 +79,9 @@ class CheckedReader(FileSystemReader):
     without checksums; only lengths are checked).
     """
 
-    def __init__(self, path: str | os.PathLike, rank: int, checksums: dict[str, Any] | None = None,
-                 trusted: bool = False) -> None:
+    def __init__(
+        self, path: str | os.PathLike, rank: int, checksums: dict[str, Any] | None = None, trusted: bool = False
+    ) -> None:
         super().__init__(path)
         self.reader_rank, self.checksums, self.trusted = rank, checksums, trusted
         self._names: dict[tuple[str, int], str] = {}
@@ -109,8 +110,10 @@ class CheckedReader(FileSystemReader):
         if self.checksums is not None:
             want = self.checksums.get(sinfo.relative_path, {}).get(sinfo.offset)
             if want is None:
-                raise CheckpointError(f"checkpoint file {where}: no checksum recorded for tensor {tensor!r} "
-                                      f"(rank {self.reader_rank}); the directory mixes files of two saves")
+                raise CheckpointError(
+                    f"checkpoint file {where}: no checksum recorded for tensor {tensor!r} "
+                    f"(rank {self.reader_rank}); the directory mixes files of two saves"
+                )
             got = crc32_range(file, sinfo.offset, sinfo.length)
             if (sinfo.length, got) != tuple(want):
                 raise CheckpointError(

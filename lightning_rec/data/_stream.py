@@ -44,8 +44,18 @@ class ClickStream(torch.utils.data.IterableDataset):
     num_dense: int
     feature_names: list[str]
 
-    def _init_stream(self, num_rows: int, batch_size: int, rank: int, world_size: int, drop_last: bool,
-                     shuffle: bool, shuffle_block: int, seed: int, what: str) -> None:
+    def _init_stream(
+        self,
+        num_rows: int,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        drop_last: bool,
+        shuffle: bool,
+        shuffle_block: int,
+        seed: int,
+        what: str,
+    ) -> None:
         if shuffle_block < 1:
             raise ValueError(f"{what}: shuffle_block must be >= 1, got {shuffle_block}")
         self.num_rows, self.batch_size, self.rank, self.world_size = int(num_rows), int(batch_size), rank, world_size
@@ -136,5 +146,9 @@ class ClickStream(torch.utils.data.IterableDataset):
         return [self.row_ids(a, b) for a, b in self._remaining()[0]]
 
     def describe(self) -> dict[str, Any]:
-        return {"num_rows": self.num_rows, "shuffle": self.shuffle, "shuffle_block": self.shuffle_block,
-                "seed": self.seed}
+        return {
+            "num_rows": self.num_rows,
+            "shuffle": self.shuffle,
+            "shuffle_block": self.shuffle_block,
+            "seed": self.seed,
+        }

@@ -22,12 +22,17 @@ NUM_CAT = len(CRITEO_CARDINALITIES)
 NUM_COLUMNS = 1 + NUM_DENSE + NUM_CAT
 _EVERY = 256  # lines between indexed byte offsets
 _NAMES = ["label"] + [f"i{j}" for j in range(NUM_DENSE)] + [f"c{j}" for j in range(NUM_CAT)]
-_TYPES = {"label": pa.int8(), **{f"i{j}": pa.int64() for j in range(NUM_DENSE)},
-          **{f"c{j}": pa.binary() for j in range(NUM_CAT)}}
-_PARSE = pacsv.ParseOptions(delimiter="\t", quote_char=False, double_quote=False, escape_char=False,
-                            ignore_empty_lines=False)
-_CONVERT = pacsv.ConvertOptions(column_types=_TYPES, null_values=[""], strings_can_be_null=False,
-                                quoted_strings_can_be_null=False)
+_TYPES = {
+    "label": pa.int8(),
+    **{f"i{j}": pa.int64() for j in range(NUM_DENSE)},
+    **{f"c{j}": pa.binary() for j in range(NUM_CAT)},
+}
+_PARSE = pacsv.ParseOptions(
+    delimiter="\t", quote_char=False, double_quote=False, escape_char=False, ignore_empty_lines=False
+)
+_CONVERT = pacsv.ConvertOptions(
+    column_types=_TYPES, null_values=[""], strings_can_be_null=False, quoted_strings_can_be_null=False
+)
 _INT_FIELD = re.compile(rb"(?:-?[0-9]+)?")
 _HEX_FIELD = re.compile(rb"[0-9a-fA-F]{0,16}")
 _FEATURE_KEYS = np.asarray([key_of(j) for j in range(NUM_CAT)], dtype=np.uint64)
@@ -81,8 +86,10 @@ class LineIndex:
         nl = np.flatnonzero(np.frombuffer(buf, dtype=np.uint8) == 10)
         skip, want = a - k0 * _EVERY, b - a
         if nl.size < skip + want:
-            raise RuntimeError(f"CriteoTSV: {self.path} has fewer lines than when it was indexed ({self.lines}); "
-                               "did the file change while reading?")
+            raise RuntimeError(
+                f"CriteoTSV: {self.path} has fewer lines than when it was indexed ({self.lines}); "
+                "did the file change while reading?"
+            )
         start = int(nl[skip - 1]) + 1 if skip else 0
         return buf[start : int(nl[skip + want - 1]) + 1]
 
@@ -91,8 +98,10 @@ def explain_bad_line(line: bytes, where: str) -> str | None:
     """Why ``line`` is not a Criteo line (naming ``where`` and the column), or None if it is one."""
     fields = line.rstrip(b"\r\n").split(b"\t")
     if len(fields) != NUM_COLUMNS:
-        return (f"{where}: expected {NUM_COLUMNS} tab-separated columns (label, {NUM_DENSE} integers, {NUM_CAT} "
-                f"hex categorical ids), got {len(fields)}")
+        return (
+            f"{where}: expected {NUM_COLUMNS} tab-separated columns (label, {NUM_DENSE} integers, {NUM_CAT} "
+            f"hex categorical ids), got {len(fields)}"
+        )
     if fields[0] not in (b"0", b"1"):
         return f"{where}: column 1 (label) must be 0 or 1, got {fields[0][:40]!r}"
     for j, v in enumerate(fields[1 : 1 + NUM_DENSE]):
@@ -100,8 +109,10 @@ def explain_bad_line(line: bytes, where: str) -> str | None:
             return f"{where}: column {j + 2} (integer feature {j}) must be a 64-bit integer or empty, got {v[:40]!r}"
     for j, v in enumerate(fields[1 + NUM_DENSE :]):
         if not _HEX_FIELD.fullmatch(v):
-            return (f"{where}: column {j + 2 + NUM_DENSE} (categorical feature {FEATURE_NAMES[j]}) must be a hex id "
-                    f"of at most 16 digits or empty, got {v[:40]!r}")
+            return (
+                f"{where}: column {j + 2 + NUM_DENSE} (categorical feature {FEATURE_NAMES[j]}) must be a hex id "
+                f"of at most 16 digits or empty, got {v[:40]!r}"
+            )
     return None
 
 
@@ -137,9 +148,14 @@ def parse_raw(buf: bytes, path: str, first_line: int) -> tuple[np.ndarray, np.nd
     a missing id, else 1) and the ids' uint64 values, key-major. ``path`` / ``first_line`` (1-based) name a
     bad line in the error."""
     try:
-        table = pacsv.read_csv(pa.py_buffer(buf), read_options=pacsv.ReadOptions(
-            column_names=_NAMES, use_threads=False, block_size=max(len(buf), 1 << 16) + 1),
-            parse_options=_PARSE, convert_options=_CONVERT)
+        table = pacsv.read_csv(
+            pa.py_buffer(buf),
+            read_options=pacsv.ReadOptions(
+                column_names=_NAMES, use_threads=False, block_size=max(len(buf), 1 << 16) + 1
+            ),
+            parse_options=_PARSE,
+            convert_options=_CONVERT,
+        )
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
         raise _bad_range(buf, path, first_line, str(e)) from None
     labels = table.column("label").to_numpy(zero_copy_only=False)
@@ -181,8 +197,10 @@ def hash_ids(raw: np.ndarray, lengths: np.ndarray, cardinalities: np.ndarray) ->
     """Key-major raw ids -> ``[0, cardinality)`` per feature, as ``hash_into(raw, feature, cardinality)``."""
     counts = lengths.sum(1)
     with np.errstate(over="ignore"):
-        return (mix64(raw ^ np.repeat(_FEATURE_KEYS, counts)) %
-                np.repeat(np.asarray(cardinalities, dtype=np.uint64), counts)).astype(np.int64)
+        return (
+            mix64(raw ^ np.repeat(_FEATURE_KEYS, counts))
+            % np.repeat(np.asarray(cardinalities, dtype=np.uint64), counts)
+        ).astype(np.int64)
 
 
 def parse_lines(buf: bytes, path: str, first_line: int, cardinalities: np.ndarray):

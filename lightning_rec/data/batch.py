@@ -39,8 +39,10 @@ class Batch:
         dense_features: torch.Tensor | None = None,
         sparse_features: KeyedJaggedTensor | None = None,
     ) -> None:
-        for ours, theirs, a, b in (("dense", "dense_features", dense, dense_features),
-                                   ("sparse", "sparse_features", sparse, sparse_features)):
+        for ours, theirs, a, b in (
+            ("dense", "dense_features", dense, dense_features),
+            ("sparse", "sparse_features", sparse, sparse_features),
+        ):
             if a is not None and b is not None:
                 raise TypeError(f"Batch: give {ours}= or {theirs}=, not both")
             if a is None and b is None:
@@ -76,12 +78,13 @@ class Batch:
         with ``pin_memory=True``) to CUDA, so the copy overlaps work already queued on the GPU. Lightning moves
         batches with ``batch.to(device)``: this default is what makes its copies non-blocking."""
         if non_blocking is None:
-            non_blocking = (torch.device(device).type == "cuda" and torch.cuda.is_available()
-                            and self.labels.is_pinned())
-        return Batch(self.dense.to(device, non_blocking=non_blocking),
-                     # KeyedJaggedTensor.to takes a str too; TorchScript limits its annotation to torch.device
-                     self.sparse.to(device, non_blocking=non_blocking),  # type: ignore[arg-type]
-                     self.labels.to(device, non_blocking=non_blocking))
+            non_blocking = torch.device(device).type == "cuda" and torch.cuda.is_available() and self.labels.is_pinned()
+        return Batch(
+            self.dense.to(device, non_blocking=non_blocking),
+            # KeyedJaggedTensor.to takes a str too; TorchScript limits its annotation to torch.device
+            self.sparse.to(device, non_blocking=non_blocking),  # type: ignore[arg-type]
+            self.labels.to(device, non_blocking=non_blocking),
+        )
 
     def pin_memory(self) -> Batch:
         # called by DataLoader(pin_memory=True) in its pinning thread
@@ -97,8 +100,11 @@ def batch_from_arrays(
     """Wrap numpy arrays (dense ``[B, D]``, key-major ``lengths [F, B]`` and ``values``, ``labels [B]``)."""
     return Batch(
         dense=torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
-        sparse=KeyedJaggedTensor(list(keys), torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)),
-                                 lengths=torch.from_numpy(np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1))),
+        sparse=KeyedJaggedTensor(
+            list(keys),
+            torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)),
+            lengths=torch.from_numpy(np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1)),
+        ),
         labels=torch.from_numpy(np.ascontiguousarray(labels, dtype=np.float32)),
     )
 

@@ -56,16 +56,23 @@ def convert(
     start, done = time.perf_counter(), 0
     try:
         if fmt == "npy":
-            arrays = {name: np.lib.format.open_memmap(os.path.join(tmp, f"{name}.npy"), mode="w+", dtype=dt,
-                                                      shape=shape)
-                      for name, dt, shape in (("X_int", np.int32, (total, NUM_DENSE)),
-                                              ("X_cat", np.int64, (total, NUM_CAT)), ("y", np.int8, (total,)))}
+            arrays = {
+                name: np.lib.format.open_memmap(os.path.join(tmp, f"{name}.npy"), mode="w+", dtype=dt, shape=shape)
+                for name, dt, shape in (
+                    ("X_int", np.int32, (total, NUM_DENSE)),
+                    ("X_cat", np.int64, (total, NUM_CAT)),
+                    ("y", np.int8, (total,)),
+                )
+            }
         for ix in indexes:
             writer = None
             if fmt == "parquet":
                 # ids are nearly all distinct: dictionary-encoding them costs time and saves nothing
-                writer = pq.ParquetWriter(os.path.join(tmp, os.path.basename(ix.path) + ".parquet"), SCHEMA,
-                                          use_dictionary=[LABEL, *INT_COLUMNS])
+                writer = pq.ParquetWriter(
+                    os.path.join(tmp, os.path.basename(ix.path) + ".parquet"),
+                    SCHEMA,
+                    use_dictionary=[LABEL, *INT_COLUMNS],
+                )
             try:
                 for a in range(0, ix.lines, chunk_rows):
                     b = min(ix.lines, a + chunk_rows)
@@ -95,8 +102,9 @@ def _write_npy(arrays, row: int, labels, ints, lengths, raw, cards, path: str, f
     n = labels.shape[0]
     big = np.flatnonzero(np.abs(ints).max(1) > np.iinfo(np.int32).max)
     if big.size:
-        raise ValueError(f"convert: {path}:{first + 1 + big[0]}: an integer feature does not fit the npy "
-                         "layout's int32")
+        raise ValueError(
+            f"convert: {path}:{first + 1 + big[0]}: an integer feature does not fit the npy layout's int32"
+        )
     full = np.zeros((NUM_CAT, n), dtype=np.uint64)
     full[lengths > 0] = raw  # key-major, row order within a key: the same order as the boolean mask
     ids = hash_ids(full.reshape(-1), np.ones((NUM_CAT, n), dtype=np.int64), cards).reshape(NUM_CAT, n)
@@ -118,9 +126,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def command(args: argparse.Namespace) -> int:
     """Run ``lightning-rec convert``."""
+
     def report(done: int, total: int, seconds: float) -> None:
-        print(f"convert: {done:,}/{total:,} rows ({100 * done / max(total, 1):.0f}%), "
-              f"{done / max(seconds, 1e-9):,.0f} rows/s", file=sys.stderr, flush=True)
+        print(
+            f"convert: {done:,}/{total:,} rows ({100 * done / max(total, 1):.0f}%), "
+            f"{done / max(seconds, 1e-9):,.0f} rows/s",
+            file=sys.stderr,
+            flush=True,
+        )
 
     cards = scaled_cardinalities(args.size) if args.size else None
     n = convert(args.src, args.out, args.format, args.chunk_rows, cards, None if args.quiet else report)

@@ -72,8 +72,10 @@ def raw_id_values(raw: np.ndarray, lengths: np.ndarray, what: str) -> np.ndarray
     bad = np.flatnonzero(raw >= np.uint64(1 << 63))
     if bad.size:
         f = int(np.searchsorted(np.cumsum(lengths.sum(1)), bad[0], side="right"))
-        raise ValueError(f"{what}: feature {FEATURE_NAMES[f]} has raw id {int(raw[bad[0]]):#x}, which does not fit "
-                         "a non-negative int64 (raw ids must be below 2**63); read it hashed (raw_ids=False)")
+        raise ValueError(
+            f"{what}: feature {FEATURE_NAMES[f]} has raw id {int(raw[bad[0]]):#x}, which does not fit "
+            "a non-negative int64 (raw ids must be below 2**63); read it hashed (raw_ids=False)"
+        )
     return raw.astype(np.int64)
 
 
@@ -206,8 +208,10 @@ class CriteoNpy(ClickStream):
         n = y.shape[0] if y.ndim else -1
         for arr, name, want in ((x_int, "X_int", (n, NUM_DENSE)), (x_cat, "X_cat", (n, NUM_CAT))):
             if arr.shape != want:
-                raise ValueError(f"CriteoNpy: {self._names[name]} has shape {arr.shape}, expected {want} "
-                                 f"({want[1]} columns, one row per label in {self._names['y']})")
+                raise ValueError(
+                    f"CriteoNpy: {self._names[name]} has shape {arr.shape}, expected {want} "
+                    f"({want[1]} columns, one row per label in {self._names['y']})"
+                )
         if y.ndim == 2 and y.shape[1] == 1:
             y = y.reshape(-1)
         if y.ndim != 1:
@@ -233,8 +237,9 @@ class CriteoNpy(ClickStream):
         with np.load(path) as z:
             missing = [k for k in cls.FILES if k not in z.files]
             if missing:
-                raise ValueError(f"CriteoNpy: {path!r} lacks arrays {missing} (has {z.files}); "
-                                 "expected X_int, X_cat, y")
+                raise ValueError(
+                    f"CriteoNpy: {path!r} lacks arrays {missing} (has {z.files}); expected X_int, X_cat, y"
+                )
             return [z[k] for k in cls.FILES], {k: f"{path}[{k}]" for k in cls.FILES}
 
     def read_rows(self, start: int, stop: int):
@@ -243,12 +248,15 @@ class CriteoNpy(ClickStream):
         bad: np.ndarray = np.argwhere(cat < 0)
         if bad.size:
             r, j = bad[0]
-            raise ValueError(f"CriteoNpy: {self._names['X_cat']} row {a + r} (0-based), feature {FEATURE_NAMES[j]}: "
-                             f"id {cat[r, j]} is negative")
+            raise ValueError(
+                f"CriteoNpy: {self._names['X_cat']} row {a + r} (0-based), feature {FEATURE_NAMES[j]}: "
+                f"id {cat[r, j]} is negative"
+            )
         bad = np.flatnonzero((y != 0) & (y != 1))
         if bad.size:
-            raise ValueError(f"CriteoNpy: {self._names['y']} row {a + bad[0]} (0-based): label {y[bad[0]]} "
-                             "is not 0 or 1")
+            raise ValueError(
+                f"CriteoNpy: {self._names['y']} row {a + bad[0]} (0-based): label {y[bad[0]]} is not 0 or 1"
+            )
         if np.issubdtype(x_int.dtype, np.floating):
             if not np.isfinite(x_int).all():
                 r = int(np.argwhere(~np.isfinite(x_int))[0][0])

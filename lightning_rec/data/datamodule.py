@@ -16,7 +16,10 @@ from lightning_rec.data.synthetic import FEATURE_NAMES, NUM_DENSE, SyntheticClic
 
 SOURCES = ("synthetic", "criteo_tsv", "criteo_npy", "criteo_parquet")
 _READERS: dict[str, type[CriteoTSV | CriteoNpy | CriteoParquet]] = {
-    "criteo_tsv": CriteoTSV, "criteo_npy": CriteoNpy, "criteo_parquet": CriteoParquet}
+    "criteo_tsv": CriteoTSV,
+    "criteo_npy": CriteoNpy,
+    "criteo_parquet": CriteoParquet,
+}
 
 
 class ClickDataModule(L.LightningDataModule):
@@ -85,8 +88,9 @@ class ClickDataModule(L.LightningDataModule):
             if source in ("criteo_tsv", "criteo_parquet"):
                 resolve_paths(path)  # fail now, not at the first epoch
             if multi_hot:
-                raise ValueError("ClickDataModule: multi_hot applies to synthetic data only; "
-                                 "Criteo features are one id")
+                raise ValueError(
+                    "ClickDataModule: multi_hot applies to synthetic data only; Criteo features are one id"
+                )
         for name, v in (("train_rows", train_rows), ("val_rows", val_rows), ("test_rows", test_rows)):
             if v is not None and v < 0:
                 raise ValueError(f"ClickDataModule: {name} must be >= 0, got {v}")
@@ -100,19 +104,25 @@ class ClickDataModule(L.LightningDataModule):
         self.num_dense: int = NUM_DENSE
         self.feature_names: list[str] = list(FEATURE_NAMES)
         self.cardinalities: list[int] = (
-            [int(c) for c in cardinalities] if cardinalities is not None
+            [int(c) for c in cardinalities]
+            if cardinalities is not None
             else scaled_cardinalities(size, min_cardinality)
         )
         if len(self.cardinalities) != len(self.feature_names) or min(self.cardinalities) < 1:
-            raise ValueError(f"ClickDataModule: cardinalities must be {len(self.feature_names)} positive ints, "
-                             f"got {self.cardinalities}")
+            raise ValueError(
+                f"ClickDataModule: cardinalities must be {len(self.feature_names)} positive ints, "
+                f"got {self.cardinalities}"
+            )
         self._total_rows: int | None = None
 
     def table_configs(self, embedding_dim: int, pooling: str = "sum") -> list[EmbeddingBagConfig]:
         """One table per feature, named ``t_<feature>``, sized by ``cardinalities``."""
-        return [EmbeddingBagConfig(name=f"t_{f}", num_embeddings=n, embedding_dim=embedding_dim, feature_names=[f],
-                                   pooling=pooling)
-                for f, n in zip(self.feature_names, self.cardinalities)]
+        return [
+            EmbeddingBagConfig(
+                name=f"t_{f}", num_embeddings=n, embedding_dim=embedding_dim, feature_names=[f], pooling=pooling
+            )
+            for f, n in zip(self.feature_names, self.cardinalities)
+        ]
 
     def _rank(self) -> tuple[int, int]:
         trainer = self.trainer
@@ -131,8 +141,10 @@ class ClickDataModule(L.LightningDataModule):
         train = self.rows["train"] if self.rows["train"] is not None else self._total_rows - val - test
         need = train + val + test
         if train < 0 or need > self._total_rows:
-            raise ValueError(f"ClickDataModule: {self.path!r} has {self._total_rows} rows, fewer than train_rows "
-                             f"+ val_rows + test_rows = {self.rows['train']} + {val} + {test}")
+            raise ValueError(
+                f"ClickDataModule: {self.path!r} has {self._total_rows} rows, fewer than train_rows "
+                f"+ val_rows + test_rows = {self.rows['train']} + {val} + {test}"
+            )
         return {"train": (0, train), "val": (train, val), "test": (train + val, test)}[split]
 
     def dataset(self, split: str) -> ClickStream:
@@ -142,21 +154,45 @@ class ClickDataModule(L.LightningDataModule):
         rows = "test" if split == "predict" else split
         if self.source == "synthetic":
             # __init__ refuses train_rows=None for synthetic data
-            return SyntheticClicks(cast(int, self.rows[rows]), self.batch_size, seed=self.seed, rank=rank,
-                                   world_size=world, multi_hot=self.multi_hot, drop_last=drop_last, split=rows,
-                                   cardinalities=self.cardinalities, raw_ids=self.raw_ids)
+            return SyntheticClicks(
+                cast(int, self.rows[rows]),
+                self.batch_size,
+                seed=self.seed,
+                rank=rank,
+                world_size=world,
+                multi_hot=self.multi_hot,
+                drop_last=drop_last,
+                split=rows,
+                cardinalities=self.cardinalities,
+                raw_ids=self.raw_ids,
+            )
         start, n = self._window(rows)
         assert self.path is not None  # __init__ requires it for the Criteo sources
-        return _READERS[self.source](self.path, self.batch_size, self.cardinalities, rank=rank, world_size=world,
-                                     drop_last=drop_last, start=start, num_rows=n, seed=self.seed,
-                                     shuffle=self.shuffle and split == "train", shuffle_block=self.shuffle_block,
-                                     raw_ids=self.raw_ids)
+        return _READERS[self.source](
+            self.path,
+            self.batch_size,
+            self.cardinalities,
+            rank=rank,
+            world_size=world,
+            drop_last=drop_last,
+            start=start,
+            num_rows=n,
+            seed=self.seed,
+            shuffle=self.shuffle and split == "train",
+            shuffle_block=self.shuffle_block,
+            raw_ids=self.raw_ids,
+        )
 
     def _loader(self, split: str) -> ClickLoader:
         trainer = self.trainer
         hint = (lambda: trainer.current_epoch) if split == "train" and trainer is not None else None
-        return ClickLoader(self.dataset(split), num_workers=self.num_workers, pin_memory=self.pin_memory,
-                           what=f"ClickDataModule {split} loader", epoch_hint=hint)
+        return ClickLoader(
+            self.dataset(split),
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            what=f"ClickDataModule {split} loader",
+            epoch_hint=hint,
+        )
 
     def train_dataloader(self) -> ClickLoader:
         return self._loader("train")

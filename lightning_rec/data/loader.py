@@ -134,9 +134,16 @@ class ClickLoader:
 
     _epoch: int | None  # the epoch being read (None before the first, and after a load_state_dict)
 
-    def __init__(self, dataset: ClickStream, num_workers: int = 0, pin_memory: bool = False,
-                 prefetch_factor: int | None = None, what: str | None = None,
-                 multiprocessing_context: str | None = None, epoch_hint: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self,
+        dataset: ClickStream,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+        what: str | None = None,
+        multiprocessing_context: str | None = None,
+        epoch_hint: Callable[[], int] | None = None,
+    ) -> None:
         # not `.dataset`: Lightning warns on every run about an IterableDataset with a length behind `.dataset`,
         # a hazard of hand-sharded datasets that the stream's own sharding avoids
         self.stream = dataset
@@ -147,10 +154,15 @@ class ClickLoader:
         # otherwise spawn them too, re-importing everything every epoch); they never touch the process group.
         if multiprocessing_context is None and self.num_workers and "fork" in mp.get_all_start_methods():
             multiprocessing_context = "fork"
-        self._loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
-                                  prefetch_factor=prefetch_factor if self.num_workers else None,
-                                  persistent_workers=False,
-                                  multiprocessing_context=multiprocessing_context if self.num_workers else None)
+        self._loader = DataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            prefetch_factor=prefetch_factor if self.num_workers else None,
+            persistent_workers=False,
+            multiprocessing_context=multiprocessing_context if self.num_workers else None,
+        )
         self.what = what or type(dataset).__name__
         self._next_epoch, self._resume, self._resume_batches = 0, 0, 0
         self._epoch, self._start, self._start_batches, self._yielded = None, 0, 0, 0
@@ -185,8 +197,13 @@ class ClickLoader:
         else:
             epoch, position = self._epoch, self.stream.position_after(self._yielded)
             batches = self._start_batches + self._yielded
-        return {"epoch": epoch, "position": position, "batches": batches,
-                "layout": [self.stream.world_size, self.stream.batch_size], **self.stream.describe()}
+        return {
+            "epoch": epoch,
+            "position": position,
+            "batches": batches,
+            "layout": [self.stream.world_size, self.stream.batch_size],
+            **self.stream.describe(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state``'s position (a finished epoch resumes at the start of the next one); saved at
@@ -194,14 +211,18 @@ class ClickLoader:
         mine = self.stream.describe()
         differ = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
         if differ:
-            raise ValueError(f"{self.what}: the loader state was saved for other data (saved vs now: {differ}); "
-                             "resume with the same rows, shuffle and seed")
+            raise ValueError(
+                f"{self.what}: the loader state was saved for other data (saved vs now: {differ}); "
+                "resume with the same rows, shuffle and seed"
+            )
         epoch, position, batches = int(state["epoch"]), int(state["position"]), int(state.get("batches", 0))
         self.stream.set_position(epoch, position)
         if self.stream.epoch_done(position):
             epoch, position, batches = epoch + 1, 0, 0
         elif state.get("layout", [self.stream.world_size, self.stream.batch_size]) != [
-                self.stream.world_size, self.stream.batch_size]:
+            self.stream.world_size,
+            self.stream.batch_size,
+        ]:
             left = self.stream.batches_left()
             if batches + left > len(self):
                 # Lightning counts batches across the resume and stops the epoch at len(loader) batches
@@ -210,5 +231,7 @@ class ClickLoader:
                     f"{[self.stream.world_size, self.stream.batch_size]}) after {batches} batches, with {left} "
                     f"batches of this epoch left, but the epoch has {len(self)} batches in this layout: a Lightning "
                     f"fit loop ends this epoch after {len(self) - batches} of them, skipping the rest of its rows. "
-                    "Resume at the same layout, or at the end of an epoch, to read every row", stacklevel=2)
+                    "Resume at the same layout, or at the end of an epoch, to read every row",
+                    stacklevel=2,
+                )
         self._next_epoch, self._resume, self._resume_batches, self._epoch = epoch, position, batches, None

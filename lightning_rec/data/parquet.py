@@ -19,8 +19,9 @@ from lightning_rec.data.synthetic import NUM_DENSE
 LABEL = "label"
 INT_COLUMNS = [f"i{j}" for j in range(NUM_DENSE)]
 CAT_COLUMNS = [f"c{j}" for j in range(NUM_CAT)]
-SCHEMA = pa.schema([(LABEL, pa.int8()), *[(c, pa.int64()) for c in INT_COLUMNS],
-                    *[(c, pa.uint64()) for c in CAT_COLUMNS]])
+SCHEMA = pa.schema(
+    [(LABEL, pa.int8()), *[(c, pa.int64()) for c in INT_COLUMNS], *[(c, pa.uint64()) for c in CAT_COLUMNS]]
+)
 
 
 def table_of(labels: np.ndarray, ints: np.ndarray, lengths: np.ndarray, raw: np.ndarray) -> pa.Table:
@@ -121,4 +122,3 @@ class CriteoParquet(_CriteoFiles):
         f, g, _ = self._groups[k]
         ids = self._ids(raw, lengths, f"CriteoParquet: {self.paths[f]} row group {g}")
         return dense_of(ints), lengths, ids, _values(labels).astype(np.float32)
-

@@ -60,8 +60,10 @@ class RandomRecDataset(IterableDataset):
         self.min_ids = _per_key("min_ids_per_features", low, min_ids_per_features, 0, self.keys)
         for k, lo, hi, h in zip(self.keys, self.min_ids, self.max_ids, self.hash_sizes):
             if not 0 <= lo <= hi or h <= 0:
-                raise ValueError(f"RandomRecDataset: key {k!r} needs 0 <= min ids ({lo}) <= ids ({hi}) and a "
-                                 f"positive hash size ({h})")
+                raise ValueError(
+                    f"RandomRecDataset: key {k!r} needs 0 <= min ids ({lo}) <= ids ({hi}) and a "
+                    f"positive hash size ({h})"
+                )
         self.num_dense = num_dense
         self.num_batches = num_batches
         self._generator = None

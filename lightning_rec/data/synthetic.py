@@ -14,8 +14,32 @@ from lightning_rec.data._stream import Arrays, ClickStream
 # Criteo Terabyte click logs: distinct values per categorical feature (the counts TorchRec's and MLPerf's
 # DLRM use as table sizes).
 CRITEO_CARDINALITIES: list[int] = [
-    45833188, 36746, 17245, 7413, 20243, 3, 7114, 1441, 62, 29275261, 1572176, 345138, 10,
-    2209, 11267, 128, 4, 974, 14, 48937457, 11316796, 40094537, 452104, 12606, 104, 35,
+    45833188,
+    36746,
+    17245,
+    7413,
+    20243,
+    3,
+    7114,
+    1441,
+    62,
+    29275261,
+    1572176,
+    345138,
+    10,
+    2209,
+    11267,
+    128,
+    4,
+    974,
+    14,
+    48937457,
+    11316796,
+    40094537,
+    452104,
+    12606,
+    104,
+    35,
 ]
 NUM_DENSE = 13
 FEATURE_NAMES: list[str] = [f"cat_{i}" for i in range(len(CRITEO_CARDINALITIES))]
@@ -137,23 +161,27 @@ class SyntheticClicks(ClickStream):
         multi_hot = dict(DEFAULT_MULTI_HOT if multi_hot is None else multi_hot)
         for name, m in multi_hot.items():
             if name not in FEATURE_NAMES:
-                raise ValueError(f"SyntheticClicks: multi_hot names unknown feature {name!r}; "
-                                 f"features are {FEATURE_NAMES}")
+                raise ValueError(
+                    f"SyntheticClicks: multi_hot names unknown feature {name!r}; features are {FEATURE_NAMES}"
+                )
             if not isinstance(m, int) or not 1 <= m <= _MAX_HOT:
                 raise ValueError(f"SyntheticClicks: multi_hot[{name!r}] must be an int in [1, {_MAX_HOT}], got {m!r}")
         if not zipf_exponent > 0:
             raise ValueError(f"SyntheticClicks: zipf_exponent must be > 0, got {zipf_exponent}")
         if not (raw_id_space >= 1 and raw_id_drift >= 0):
-            raise ValueError(f"SyntheticClicks: raw_id_space must be >= 1 and raw_id_drift >= 0, got "
-                             f"{raw_id_space} and {raw_id_drift}")
+            raise ValueError(
+                f"SyntheticClicks: raw_id_space must be >= 1 and raw_id_drift >= 0, got "
+                f"{raw_id_space} and {raw_id_drift}"
+            )
         self.raw_ids, self.raw_id_space, self.raw_id_drift = bool(raw_ids), float(raw_id_space), float(raw_id_drift)
         self.split = split
         self.cardinalities = cardinalities
         self.feature_names = list(FEATURE_NAMES)
         self.multi_hot = multi_hot
         self.fresh_epochs = split == "train" if fresh_epochs is None else bool(fresh_epochs)
-        self._init_stream(num_rows, batch_size, rank, world_size, drop_last, False, 1, seed,
-                          f"SyntheticClicks(split={split!r})")
+        self._init_stream(
+            num_rows, batch_size, rank, world_size, drop_last, False, 1, seed, f"SyntheticClicks(split={split!r})"
+        )
         self._init_hidden_model(zipf_exponent)
 
     def _init_hidden_model(self, zipf_exponent: float) -> None:
@@ -194,8 +222,11 @@ class SyntheticClicks(ClickStream):
         """Rows ``[start, stop)`` of the split in ``epoch``: dense, lengths ``[F, B]``, values, labels, true
         probabilities."""
         b, f = stop - start, len(self.feature_names)
-        row_key = (key_of(self.seed, SPLITS[self.split], epoch) if self.fresh_epochs and epoch
-                   else key_of(self.seed, SPLITS[self.split]))
+        row_key = (
+            key_of(self.seed, SPLITS[self.split], epoch)
+            if self.fresh_epochs and epoch
+            else key_of(self.seed, SPLITS[self.split])
+        )
         rows = np.arange(start, stop, dtype=np.uint64) * np.uint64(_STRIDE)
         u = uniform(row_key, rows[:, None] + np.arange(2 * NUM_DENSE, dtype=np.uint64))
         z = np.sqrt(-2.0 * np.log1p(-u[:, :NUM_DENSE])) * np.cos(2 * np.pi * u[:, NUM_DENSE:])

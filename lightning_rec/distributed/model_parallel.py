@@ -55,11 +55,14 @@ class ModuleSharder:
 
     module_type: type[nn.Module] = nn.Module
 
-    def __init__(self, fused_params: Mapping[str, Any] | None = None, qcomm_codecs_registry: Any = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, fused_params: Mapping[str, Any] | None = None, qcomm_codecs_registry: Any = None, **kwargs: Any
+    ) -> None:
         if qcomm_codecs_registry is not None:
-            raise ValueError("quantized comms (qcomm_codecs_registry) are not supported; pass None "
-                             "(embeddings travel in their own dtype)")
+            raise ValueError(
+                "quantized comms (qcomm_codecs_registry) are not supported; pass None "
+                "(embeddings travel in their own dtype)"
+            )
         unknown = sorted(k for k, v in kwargs.items() if v not in (None, False))
         if unknown:
             raise ValueError(f"{type(self).__name__}: options {unknown} are not supported")
@@ -73,8 +76,15 @@ class ModuleSharder:
         return {} if tables is None else {name: m.weight for name, m in tables.named_children()}
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
-        return ["data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise", "grid_shard",
-                "table_column_wise"]
+        return [
+            "data_parallel",
+            "table_wise",
+            "row_wise",
+            "column_wise",
+            "table_row_wise",
+            "grid_shard",
+            "table_column_wise",
+        ]
 
 
 class EmbeddingBagCollectionSharder(ModuleSharder):
@@ -110,12 +120,16 @@ def _embedding_optimizer(module: nn.Module, sharders: list[ModuleSharder]) -> Fu
             continue
         sharder = by_type.get(type(m))
         if sharder is None:
-            raise ValueError(f"no sharder for {type(m).__name__} at {path or '<root>'!r}; sharders given: "
-                             f"{[type(s).__name__ for s in sharders]}")
+            raise ValueError(
+                f"no sharder for {type(m).__name__} at {path or '<root>'!r}; sharders given: "
+                f"{[type(s).__name__ for s in sharders]}"
+            )
         from_params, from_sharder = in_backward_spec(m), sharder.embedding_optimizer
         if from_params is not None and from_sharder is not None and from_params != from_sharder:
-            raise ValueError(f"{path or '<root>'!r}: the sharder's fused_params optimizer {from_sharder} differs "
-                             f"from the tables' in-backward optimizer {from_params}; give one")
+            raise ValueError(
+                f"{path or '<root>'!r}: the sharder's fused_params optimizer {from_sharder} differs "
+                f"from the tables' in-backward optimizer {from_params}; give one"
+            )
         found[path] = from_params or from_sharder
     specs = set(found.values())
     if len(specs) > 1:
@@ -169,8 +183,10 @@ class DistributedModelParallel(nn.Module):
             raise ValueError("data_parallel_wrapper is not supported: the dense part is wrapped in DDP")
         if env is None:
             if not dist.is_available() or not dist.is_initialized():
-                raise RuntimeError("DistributedModelParallel needs torch.distributed: call "
-                                   "torch.distributed.init_process_group first (world_size=1 is fine)")
+                raise RuntimeError(
+                    "DistributedModelParallel needs torch.distributed: call "
+                    "torch.distributed.init_process_group first (world_size=1 is fine)"
+                )
             env = ShardingEnv.from_process_group(dist.group.WORLD)  # type: ignore[arg-type]  # set once initialized
         if env.process_group is None:
             raise ValueError("DistributedModelParallel needs a ShardingEnv with a process group")
@@ -181,8 +197,14 @@ class DistributedModelParallel(nn.Module):
         if plan is not None and not isinstance(plan, ShardingPlan):
             plan = ShardingPlan({k: dict(v) for k, v in plan.items()})
         spec = _embedding_optimizer(module, self.sharders)
-        sharded = shard_modules(module, plan, process_group=env.process_group, device=self.device,
-                                embedding_grad=embedding_grad, embedding_optimizer=spec)
+        sharded = shard_modules(
+            module,
+            plan,
+            process_group=env.process_group,
+            device=self.device,
+            embedding_grad=embedding_grad,
+            embedding_optimizer=spec,
+        )
         self._plan = self._resolved_plan(sharded, plan)
         self._dmp_wrapped_module: nn.Module = sharded
         self._fused = fused_optimizer(sharded)
@@ -202,10 +224,16 @@ class DistributedModelParallel(nn.Module):
             gsize = dist.get_world_size(m.shard_group)
             local = default_local_size(gsize)
             given = plan.get_plan_for_module(path) if plan is not None else None
-            out[path] = {t.name: with_resolved_ranks(t, given[t.name] if given else placement_of(m.shards[t.name],
-                                                                                                   gsize, local),
-                                                     gsize, local, self.device.type)
-                         for t in m.tables}
+            out[path] = {
+                t.name: with_resolved_ranks(
+                    t,
+                    given[t.name] if given else placement_of(m.shards[t.name], gsize, local),
+                    gsize,
+                    local,
+                    self.device.type,
+                )
+                for t in m.tables
+            }
         return ShardingPlan(out)
 
     def _init_parameters(self, module: nn.Module) -> None:
@@ -218,8 +246,9 @@ class DistributedModelParallel(nn.Module):
                 fresh = False
                 for name, p in list(m._parameters.items()):
                     if p is not None and p.device.type == "meta":
-                        m._parameters[name] = nn.Parameter(torch.empty_like(p, device=self.device),
-                                                           requires_grad=p.requires_grad)
+                        m._parameters[name] = nn.Parameter(
+                            torch.empty_like(p, device=self.device), requires_grad=p.requires_grad
+                        )
                         fresh = True
                 for name, b in list(m._buffers.items()):
                     if b is not None and b.device.type == "meta":
@@ -242,8 +271,10 @@ class DistributedModelParallel(nn.Module):
                 if p.device != self.device:
                     p.data = p.data.to(self.device)
             self._dmp_wrapped_module = DistributedDataParallel(
-                model, device_ids=None if self.device.type == "cpu" else [self.device],
-                process_group=self._env.process_group, gradient_as_bucket_view=True,
+                model,
+                device_ids=None if self.device.type == "cpu" else [self.device],
+                process_group=self._env.process_group,
+                gradient_as_bucket_view=True,
             )
         self._ddp_wrapped = True
 
@@ -272,10 +303,12 @@ class DistributedModelParallel(nn.Module):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
         return self.module.named_parameters(prefix, recurse, remove_duplicate)
 
-    def named_buffers(self, prefix: str = "", recurse: bool = True,
-                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         return self.module.named_buffers(prefix, recurse, remove_duplicate)

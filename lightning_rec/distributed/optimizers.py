@@ -40,12 +40,23 @@ class RowWiseAdagrad(torch.optim.Optimizer):
         maximize: bool = False,
         **unused: Any,
     ) -> None:
-        for name, v in (("lr", lr), ("lr_decay", lr_decay), ("weight_decay", weight_decay),
-                        ("initial_accumulator_value", initial_accumulator_value), ("eps", eps)):
+        for name, v in (
+            ("lr", lr),
+            ("lr_decay", lr_decay),
+            ("weight_decay", weight_decay),
+            ("initial_accumulator_value", initial_accumulator_value),
+            ("eps", eps),
+        ):
             if not v >= 0.0:
                 raise ValueError(f"RowWiseAdagrad: {name} must be >= 0, got {v}")
-        defaults = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize,
-                        initial_accumulator_value=initial_accumulator_value)
+        defaults = dict(
+            lr=lr,
+            lr_decay=lr_decay,
+            weight_decay=weight_decay,
+            eps=eps,
+            maximize=maximize,
+            initial_accumulator_value=initial_accumulator_value,
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -63,8 +74,12 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)
-                    state["sum"] = torch.full((p.shape[0] if p.dim() else 1,), group["initial_accumulator_value"],
-                                              dtype=torch.float32, device=p.device)
+                    state["sum"] = torch.full(
+                        (p.shape[0] if p.dim() else 1,),
+                        group["initial_accumulator_value"],
+                        dtype=torch.float32,
+                        device=p.device,
+                    )
                 state["step"] += 1
                 rows = grad.reshape(state["sum"].numel(), -1).float()
                 w = p.view(rows.shape)
@@ -157,15 +172,31 @@ def spec_from_optimizer(optimizer_class: type, optimizer_kwargs: Mapping[str, An
     kind = _kind_of_class(optimizer_class)
     name = getattr(optimizer_class, "__name__", repr(optimizer_class))
     if kind is None:
-        raise ValueError(f"in-backward optimizer {name} has no fused embedding kernel; use torch.optim.SGD, "
-                         "torch.optim.Adagrad, RowWiseAdagrad (CPU and CUDA) or torch.optim.Adam (CUDA)")
+        raise ValueError(
+            f"in-backward optimizer {name} has no fused embedding kernel; use torch.optim.SGD, "
+            "torch.optim.Adagrad, RowWiseAdagrad (CPU and CUDA) or torch.optim.Adam (CUDA)"
+        )
     opts = {**_defaults(optimizer_class), **dict(optimizer_kwargs)}
     for key, neutral in _NEUTRAL[kind].items():
         if key in opts and opts[key] not in (neutral, None):
-            raise ValueError(f"in-backward optimizer {name}: {key}={opts[key]!r} is not supported by the fused "
-                             f"{kind} kernel (only {key}={neutral!r})")
-    known = {"params", "self", "lr", "eps", "betas", "weight_decay", "foreach", "differentiable", "fused",
-             "capturable", "unused", *_NEUTRAL[kind]}
+            raise ValueError(
+                f"in-backward optimizer {name}: {key}={opts[key]!r} is not supported by the fused "
+                f"{kind} kernel (only {key}={neutral!r})"
+            )
+    known = {
+        "params",
+        "self",
+        "lr",
+        "eps",
+        "betas",
+        "weight_decay",
+        "foreach",
+        "differentiable",
+        "fused",
+        "capturable",
+        "unused",
+        *_NEUTRAL[kind],
+    }
     unknown = sorted(k for k in dict(optimizer_kwargs) if k not in known)
     if unknown:
         raise ValueError(f"in-backward optimizer {name}: options {unknown} are not supported by the fused kernel")
@@ -181,8 +212,13 @@ def spec_from_optimizer(optimizer_class: type, optimizer_kwargs: Mapping[str, An
 
 
 # TorchRec's fused_params keys -> FusedOptimizerSpec fields
-_FUSED_PARAM_KEYS = {"learning_rate": "lr", "lr": "lr", "eps": "eps", "weight_decay": "weight_decay",
-                     "stochastic_rounding": "stochastic_rounding"}
+_FUSED_PARAM_KEYS = {
+    "learning_rate": "lr",
+    "lr": "lr",
+    "eps": "eps",
+    "weight_decay": "weight_decay",
+    "stochastic_rounding": "stochastic_rounding",
+}
 _OPTIM_TYPE_TO_KIND = {k.optim_type: name for name, k in FUSED_KINDS.items()}
 _OPTIM_TYPE_TO_KIND.update({"ROWWISE_ADAGRAD": "rowwise_adagrad", "ADAGRAD": "adagrad", "SGD": "sgd"})
 
@@ -195,8 +231,10 @@ def spec_from_fused_params(fused_params: Mapping[str, Any]) -> FusedOptimizerSpe
     opt = params.pop("optimizer", None)
     unknown = sorted(k for k in params if k not in _FUSED_PARAM_KEYS and k not in ("beta1", "beta2"))
     if unknown:
-        raise ValueError(f"fused_params {unknown} are not supported; lightning_rec takes 'optimizer' with "
-                         f"{sorted(_FUSED_PARAM_KEYS)} and beta1 / beta2")
+        raise ValueError(
+            f"fused_params {unknown} are not supported; lightning_rec takes 'optimizer' with "
+            f"{sorted(_FUSED_PARAM_KEYS)} and beta1 / beta2"
+        )
     if opt is None:
         if params:
             raise ValueError(f"fused_params {sorted(params)} given without an 'optimizer'")
@@ -210,8 +248,10 @@ def spec_from_fused_params(fused_params: Mapping[str, Any]) -> FusedOptimizerSpe
     name = getattr(opt, "name", str(opt))
     kind = opt if opt in FUSED_KINDS else _OPTIM_TYPE_TO_KIND.get(str(name).upper())
     if kind is None:
-        raise ValueError(f"fused_params optimizer {opt!r} is not a fused kind; choose one of {list(FUSED_KINDS)} "
-                         f"(or fbgemm's EmbOptimType {sorted(_OPTIM_TYPE_TO_KIND)})")
+        raise ValueError(
+            f"fused_params optimizer {opt!r} is not a fused kind; choose one of {list(FUSED_KINDS)} "
+            f"(or fbgemm's EmbOptimType {sorted(_OPTIM_TYPE_TO_KIND)})"
+        )
     return as_spec({"kind": kind, "lr": spec.pop("lr", 0.01), **spec})
 
 
@@ -272,8 +312,10 @@ class KeyedOptimizerWrapper(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         inner, keys = self._optimizer.state_dict(), self._keys()
-        return {"state": {keys[i]: s for i, s in inner["state"].items()},
-                "param_groups": [{**g, "params": [keys[i] for i in g["params"]]} for g in inner["param_groups"]]}
+        return {
+            "state": {keys[i]: s for i, s in inner["state"].items()},
+            "param_groups": [{**g, "params": [keys[i] for i in g["params"]]} for g in inner["param_groups"]],
+        }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
         keys = self._keys()
@@ -281,7 +323,9 @@ class KeyedOptimizerWrapper(torch.optim.Optimizer):
         unknown = sorted(set(state_dict.get("state", {})) - set(index))
         if unknown:
             raise ValueError(f"optimizer state names parameters {unknown} this optimizer does not hold")
-        self._optimizer.load_state_dict({
-            "state": {index[k]: s for k, s in state_dict["state"].items()},
-            "param_groups": [{**g, "params": [index[k] for k in g["params"]]} for g in state_dict["param_groups"]],
-        })
+        self._optimizer.load_state_dict(
+            {
+                "state": {index[k]: s for k, s in state_dict["state"].items()},
+                "param_groups": [{**g, "params": [index[k] for k in g["params"]]} for g in state_dict["param_groups"]],
+            }
+        )

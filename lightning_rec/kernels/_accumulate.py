@@ -129,8 +129,9 @@ def weights_grad(kernel: DeferringKernel, mb: MicroBatch, grad: torch.Tensor) ->
     return out
 
 
-def union_of(batches: list[MicroBatch], n_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                                                  torch.Tensor] | None:
+def union_of(
+    batches: list[MicroBatch], n_features: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
     """``(values, offsets, weights, grad)`` of one feature-major batch holding every micro-batch's bags (None
     when none has a sample).
 
@@ -163,5 +164,4 @@ def union_of(batches: list[MicroBatch], n_features: int) -> tuple[torch.Tensor, 
     torch.cumsum(union_lengths, 0, out=offsets[1:])
     grads = [mb.grad for mb in batches]
     assert all(g is not None for g in grads)
-    return (feature_major(values), offsets, feature_major(weights) if weighted else None,
-            torch.cat(grads, 0))  # type: ignore[arg-type]
+    return (feature_major(values), offsets, feature_major(weights) if weighted else None, torch.cat(grads, 0))  # type: ignore[arg-type]

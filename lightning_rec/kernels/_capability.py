@@ -120,7 +120,8 @@ def resolve_kernel(requested: str, tables: Sequence[torch.Tensor], sparse_grad: 
             _warned.add((DENSE_LOOKUP_OP, device.type))
             warnings.warn(
                 f"kernel={requested!r}: using the torch kernel on {device.type} because {missing}",
-                RuntimeWarning, stacklevel=3,
+                RuntimeWarning,
+                stacklevel=3,
             )
         return "torch"
     return "fbgemm"
@@ -159,5 +160,7 @@ def resolve_table_kernel(
     try:
         return resolve_kernel(requested, [torch.empty(0, dtype=dtype, device=device)], sparse_grad)
     except ValueError as e:
-        raise ValueError(f"table {table!r}: compute_kernel='fbgemm' cannot be used: "
-                         f"{str(e).split(': ', 1)[-1].replace('Use kernel=', 'Use compute_kernel=')}") from None
+        raise ValueError(
+            f"table {table!r}: compute_kernel='fbgemm' cannot be used: "
+            f"{str(e).split(': ', 1)[-1].replace('Use kernel=', 'Use compute_kernel=')}"
+        ) from None

@@ -49,15 +49,30 @@ class _CpuLookup(torch.autograd.Function):
     and the per-sample weights. The kernels are the ones fbgemm's own op runs, so results are bitwise its."""
 
     @staticmethod
-    def forward(ctx, meta: dict, flat: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,  # type: ignore[override]
-                psw: torch.Tensor | None, *params: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx,
+        meta: dict,
+        flat: torch.Tensor,
+        values: torch.Tensor,
+        offsets: torch.Tensor,  # type: ignore[override]
+        psw: torch.Tensor | None,
+        *params: torch.Tensor,
+    ) -> torch.Tensor:
         ctx.meta, ctx.shapes = meta, [p.shape for p in params]
         ctx.save_for_backward(flat, values, offsets, psw)
         # as fbgemm's op: half / byte tables pool into fp32, others in their own dtype (-1)
         out_dtype = 0 if flat.dtype in (torch.float16, torch.uint8) else -1
         return torch.ops.fbgemm.split_embedding_codegen_forward_cpu(
-            flat, meta["weights_offsets"], meta["D_offsets"], meta["total_D"], meta["hash_size_cumsum"], values,
-            offsets, 0, psw, out_dtype,
+            flat,
+            meta["weights_offsets"],
+            meta["D_offsets"],
+            meta["total_D"],
+            meta["hash_size_cumsum"],
+            values,
+            offsets,
+            0,
+            psw,
+            out_dtype,
         )
 
     @staticmethod
@@ -72,8 +87,18 @@ class _CpuLookup(torch.autograd.Function):
         grads: list[torch.Tensor | None] = [None] * len(ctx.shapes)
         if any(ctx.needs_input_grad[5:]):
             g = torch.ops.fbgemm.split_embedding_backward_codegen_dense_cpu(
-                grad, flat, meta["weights_offsets"], meta["D_offsets"], meta["max_D"], meta["hash_size_cumsum"],
-                meta["total_hash_size_bits"], values, offsets, 0, psw, 0.0,
+                grad,
+                flat,
+                meta["weights_offsets"],
+                meta["D_offsets"],
+                meta["max_D"],
+                meta["hash_size_cumsum"],
+                meta["total_hash_size_bits"],
+                values,
+                offsets,
+                0,
+                psw,
+                0.0,
             )
             start = 0
             for i, shape in enumerate(ctx.shapes):
@@ -175,4 +200,3 @@ class FbgemmPooledKernel:
             **meta,
         )
         return out.to(tables[0].dtype)
-

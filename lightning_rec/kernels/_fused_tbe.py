@@ -375,8 +375,10 @@ class FusedPooledKernel(torch.nn.Module):
     @accumulate.setter
     def accumulate(self, on: bool) -> None:
         if not on and self._pending:
-            raise RuntimeError(f"{len(self._pending)} lookups' gradients wait for the step of the kernel with tables "
-                               f"{self.table_names}; call FusedOptimizer.step() before turning accumulation off")
+            raise RuntimeError(
+                f"{len(self._pending)} lookups' gradients wait for the step of the kernel with tables "
+                f"{self.table_names}; call FusedOptimizer.step() before turning accumulation off"
+            )
         self._accumulate = bool(on)
 
     def pending_bytes(self) -> int:
@@ -462,9 +464,7 @@ class FusedPooledKernel(torch.nn.Module):
         if not state_names:
             return {name: {} for name in self.table_names}
         split = self._tbe.split_optimizer_states()  # type: ignore[union-attr, operator]
-        return {
-            name: dict(zip(state_names, states)) for name, states in zip(self.table_names, split)
-        }
+        return {name: dict(zip(state_names, states)) for name, states in zip(self.table_names, split)}
 
     def _check_optimizer_states(self, states: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         missing = [n for n in self.table_names if n not in states]
@@ -496,4 +496,3 @@ class FusedPooledKernel(torch.nn.Module):
             for name, own in self.optimizer_states().items():
                 for key, t in own.items():
                     t.copy_(states[name][key])
-

@@ -67,4 +67,3 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         return grad * ctx.scale, None
-

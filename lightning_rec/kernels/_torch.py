@@ -56,8 +56,13 @@ def torch_pooled(
         seg_off = offsets[f0 * b : f1 * b + 1] - lo
         psw = None if per_sample_weights is None else per_sample_weights[lo:hi].to(w.dtype)
         out = F.embedding_bag(
-            values[lo:hi].long(), w, seg_off.long(), mode="sum", per_sample_weights=psw,
-            include_last_offset=True, sparse=sparse_grad,
+            values[lo:hi].long(),
+            w,
+            seg_off.long(),
+            mode="sum",
+            per_sample_weights=psw,
+            include_last_offset=True,
+            sparse=sparse_grad,
         )
         if f1 - f0 > 1:  # [features * batch, D] -> [batch, features * D]
             out = out.view(f1 - f0, b, w.shape[1]).transpose(0, 1).reshape(b, (f1 - f0) * w.shape[1])

@@ -64,8 +64,10 @@ def remap_batch(ids: list[torch.Tensor], tables: list[TableState], update: bool 
         bucket_off[t] = bucket_off[t - 1] + nbs[t - 1]
     if sum(nbs) >= _SAT or sum(nbs) * max(bss) >= 1 << 62:
         # packed sort keys: (global bucket, flags, step) and (global bucket, rank) must fit in int64
-        raise ValueError(f"managed collision: {sum(nbs)} buckets of up to {max(bss)} rows over all tables in one "
-                         "collection are too many to remap together")
+        raise ValueError(
+            f"managed collision: {sum(nbs)} buckets of up to {max(bss)} rows over all tables in one "
+            "collection are too many to remap together"
+        )
     # per table: unique ids, index probe, hits' metadata (state lives per table)
     uniqs: list[torch.Tensor] = []
     inverses: list[torch.Tensor] = []
@@ -189,8 +191,9 @@ def remap_batch(ids: list[torch.Tensor], tables: list[TableState], update: bool 
         adm_rows_g, adm_ids, adm_occ = adm_rows_g[adm_order], adm_ids[adm_order], adm_occ[adm_order]
     adm_rows_l, adm_ids_l, adm_occ_l = (torch.split(x, adm_per_tab) for x in (adm_rows_g, adm_ids, adm_occ))
     out = []
-    for t, (s, sl, inv, n) in enumerate(zip(tables, torch.split(gslot, [u.numel() for u in uniqs]), inverses,
-                                           adm_per_tab)):
+    for t, (s, sl, inv, n) in enumerate(
+        zip(tables, torch.split(gslot, [u.numel() for u in uniqs]), inverses, adm_per_tab)
+    ):
         a_slots, a_ids = empty, empty
         if n:
             a_slots, a_ids = adm_rows_l[t] - row_off[t], adm_ids_l[t]
@@ -201,13 +204,15 @@ def remap_batch(ids: list[torch.Tensor], tables: list[TableState], update: bool 
             s.raw_ids[a_slots] = a_ids
             s.last_access[a_slots] = s.step
             s.counts[a_slots] = adm_occ_l[t]
-        out.append(StepResult(
-            slots=(sl - row_off[t])[inv] if inv.numel() else empty,
-            admitted_slots=a_slots,
-            admitted_ids=a_ids,
-            lookups=ids[t].numel(),
-            hits=hits[t],
-            evicted=evicted[t],
-            unadmitted=unadmitted[t],
-        ))
+        out.append(
+            StepResult(
+                slots=(sl - row_off[t])[inv] if inv.numel() else empty,
+                admitted_slots=a_slots,
+                admitted_ids=a_ids,
+                lookups=ids[t].numel(),
+                hits=hits[t],
+                evicted=evicted[t],
+                unadmitted=unadmitted[t],
+            )
+        )
     return out

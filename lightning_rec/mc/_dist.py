@@ -143,8 +143,11 @@ def remap_sharded(
     recv_counts = _all_to_all(counts.flatten(), [nf + 1] * world, [nf + 1] * world, group).view(world, nf + 1)
     bad = recv_counts[:, nf].nonzero().flatten().tolist()
     if problem or bad:
-        raise ValueError(problem or f"managed collision: the input of shard-group rank(s) {bad} is invalid "
-                                    "(their error says why); no rank remapped this step")
+        raise ValueError(
+            problem
+            or f"managed collision: the input of shard-group rank(s) {bad} is invalid "
+            "(their error says why); no rank remapped this step"
+        )
     counts, recv_counts = counts[:, :nf], recv_counts[:, :nf]
     send_split, recv_split = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
     recv_vals = _all_to_all(send_vals, send_split, recv_split, group)
@@ -199,8 +202,9 @@ def remap_received(
     for k, r in enumerate(mine):
         if names[r.table] in routes_of:
             routes_of[names[r.table]].append(k)
-    ids = [torch.cat([segs[k] for k in ks]).cpu() if ks else torch.zeros(0, dtype=torch.int64)
-           for ks in routes_of.values()]
+    ids = [
+        torch.cat([segs[k] for k in ks]).cpu() if ks else torch.zeros(0, dtype=torch.int64) for ks in routes_of.values()
+    ]
     results = dict(zip(mods, remap_tables(list(mods.values()), ids)))
     for ks, res in zip(routes_of.values(), results.values()):
         for k, rows in zip(ks, torch.split(res.slots, [segs[k].numel() for k in ks])):

@@ -60,8 +60,9 @@ def hashed_uniform(ids: torch.Tensor, dim: int, seed: int, low: float, high: flo
     return low + (high - low) * u
 
 
-def hashed_uniform_rows(ids: torch.Tensor, dim: int, seeds: torch.Tensor, low: torch.Tensor | float,
-                        high: torch.Tensor | float) -> torch.Tensor:
+def hashed_uniform_rows(
+    ids: torch.Tensor, dim: int, seeds: torch.Tensor, low: torch.Tensor | float, high: torch.Tensor | float
+) -> torch.Tensor:
     """``hashed_uniform`` of several tables at once: row ``i`` uses ``seeds[i]``, ``low[i]``, ``high[i]`` (float64
     tensors, or one float for every row).
 

@@ -33,8 +33,13 @@ class ManagedCollisionCallback(L.Callback):
         print_stats: rank 0 also prints one line per epoch with those totals.
     """
 
-    def __init__(self, resize_at: Mapping[int, int | Mapping[str, int]] | None = None, log_stats: bool = True,
-                 print_stats: bool = False, resize_by: Mapping[int, float] | None = None) -> None:
+    def __init__(
+        self,
+        resize_at: Mapping[int, int | Mapping[str, int]] | None = None,
+        log_stats: bool = True,
+        print_stats: bool = False,
+        resize_by: Mapping[int, float] | None = None,
+    ) -> None:
         self.resize_at = {int(k): (dict(v) if isinstance(v, Mapping) else int(v)) for k, v in (resize_at or {}).items()}
         self.resize_by = {int(k): float(v) for k, v in (resize_by or {}).items()}
         both = sorted(set(self.resize_at) & set(self.resize_by))
@@ -56,9 +61,11 @@ class ManagedCollisionCallback(L.Callback):
                 counts = m.scaled_num_buckets(factor, skip_unfit=True)
                 kept = sorted(set(m.mc_stats()) - set(counts))
                 if kept:
-                    rank_zero_warn(f"ManagedCollisionCallback: resize_by={factor} at epoch {trainer.current_epoch} "
-                                   f"does not fit tables {kept} (their rows do not split into that many buckets); "
-                                   "they keep their bucket counts")
+                    rank_zero_warn(
+                        f"ManagedCollisionCallback: resize_by={factor} at epoch {trainer.current_epoch} "
+                        f"does not fit tables {kept} (their rows do not split into that many buckets); "
+                        "they keep their bucket counts"
+                    )
                 m.resize(counts)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
@@ -82,11 +89,17 @@ class ManagedCollisionCallback(L.Callback):
         if self.log_stats:
             # every rank holds the same (all-reduced) values; a MAX "sync" keeps them exact and tells Lightning
             # the values are global
-            values = {f"mc/{k}/{what}": v for k, (n, h, e) in zip(keys, t.tolist())
-                      for what, v in (("hit_rate", h / max(n, 1.0)), ("evicted", e))}
+            values = {
+                f"mc/{k}/{what}": v
+                for k, (n, h, e) in zip(keys, t.tolist())
+                for what, v in (("hit_rate", h / max(n, 1.0)), ("evicted", e))
+            }
             values.update({"mc/hit_rate": total["hit_rate"], "mc/evicted": evicted})
             pl_module.log_dict(values, sync_dist=True, reduce_fx="max")
         if self.print_stats and trainer.is_global_zero:
-            print(f"managed collision, epoch {trainer.current_epoch}: hit rate {total['hit_rate']:.4f} "
-                  f"({int(hits):,} of {int(lookups):,} ids held a row), {int(evicted):,} ids evicted "
-                  f"({len(keys)} tables)", flush=True)
+            print(
+                f"managed collision, epoch {trainer.current_epoch}: hit rate {total['hit_rate']:.4f} "
+                f"({int(hits):,} of {int(lookups):,} ids held a row), {int(evicted):,} ids evicted "
+                f"({len(keys)} tables)",
+                flush=True,
+            )

@@ -45,8 +45,9 @@ class _ManagedCollisionWrapper(nn.Module):
         configs = {c.name: c for c in cast(FeatureLayout, embedding_module._layout).tables}
         for t, m in managed_collision_collection.modules_by_table().items():
             if t not in configs or configs[t].num_embeddings != m.zch_size:
-                raise ValueError(f"managed collision table {t!r} is not a table of the embedding module with "
-                                 f"{m.zch_size} rows")
+                raise ValueError(
+                    f"managed collision table {t!r} is not a table of the embedding module with {m.zch_size} rows"
+                )
         if not (row_init in ("uniform", "zeros", None) or callable(row_init)):
             raise ValueError(f"row_init must be 'uniform', 'zeros', None or a callable, got {row_init!r}")
         self._embedding_module = embedding_module
@@ -149,17 +150,25 @@ class _ManagedCollisionWrapper(nn.Module):
             lows, highs = [c.weight_init_min for c in cfgs], [c.weight_init_max for c in cfgs]
             one_range = len(set(lows)) == 1 and len(set(highs)) == 1  # scalars: cheaper than per-row tensors
             vals = _remap.hashed_uniform_rows(
-                torch.cat([admitted[t].admitted_ids for t in tables]), dim,
+                torch.cat([admitted[t].admitted_ids for t in tables]),
+                dim,
                 per_row([self._table_seed(t) for t in tables], torch.int64),
                 # the configs' __post_init__ fills in the default bounds
                 cast(float, lows[0]) if one_range else per_row(lows, torch.float64),
-                cast(float, highs[0]) if one_range else per_row(highs, torch.float64))
+                cast(float, highs[0]) if one_range else per_row(highs, torch.float64),
+            )
             out.update(zip(tables, torch.split(vals, n.tolist())))
         return out
 
-    def _reinit_rows(self, table: str, rows: torch.Tensor, ids: torch.Tensor,
-                     held: tuple[torch.Tensor, int] | None = None, fused: dict | None = None,
-                     values: torch.Tensor | None = None) -> None:
+    def _reinit_rows(
+        self,
+        table: str,
+        rows: torch.Tensor,
+        ids: torch.Tensor,
+        held: tuple[torch.Tensor, int] | None = None,
+        fused: dict | None = None,
+        values: torch.Tensor | None = None,
+    ) -> None:
         if rows.numel() == 0:
             return
         if held is None:
@@ -183,8 +192,9 @@ class _ManagedCollisionWrapper(nn.Module):
 
     def _reinit_values(self, table: str, ids: torch.Tensor, cfg) -> torch.Tensor:
         # a pure function of (seed, table, id): every rank and layout re-initialises a row identically
-        return _remap.hashed_uniform(ids, cfg.embedding_dim, self._table_seed(table), cfg.weight_init_min,
-                                     cfg.weight_init_max)
+        return _remap.hashed_uniform(
+            ids, cfg.embedding_dim, self._table_seed(table), cfg.weight_init_min, cfg.weight_init_max
+        )
 
     def _table_seed(self, table: str) -> int:
         seed = self._table_seeds.get(table)
@@ -220,8 +230,10 @@ class _ManagedCollisionWrapper(nn.Module):
                     self._owner_cache[key] = _dist.ownership(coll, t, m)
                 owners[t] = self._owner_cache[key]
         for t, m in self._managed_collision_collection.modules_by_table().items():
-            m.prepare(None if owners is None else owners[t].owned_rows,
-                      None if owners is None else cast(ShardedCollection, coll).shard_group)
+            m.prepare(
+                None if owners is None else owners[t].owned_rows,
+                None if owners is None else cast(ShardedCollection, coll).shard_group,
+            )
             if m.pending_resize():
                 self._resize_table(t, m, m.num_buckets, owners)
         return owners
@@ -273,8 +285,9 @@ class _ManagedCollisionWrapper(nn.Module):
             n = m.num_buckets * f
             try:
                 if n.denominator != 1:
-                    raise ValueError(f"managed collision table {t!r}: {m.num_buckets} buckets x {factor} is not a "
-                                     "whole bucket count")
+                    raise ValueError(
+                        f"managed collision table {t!r}: {m.num_buckets} buckets x {factor} is not a whole bucket count"
+                    )
                 m.check_num_buckets(int(n), m.num_buckets)
             except ValueError:
                 if skip_unfit:
@@ -289,8 +302,9 @@ class _ManagedCollisionWrapper(nn.Module):
         if owners is None:
             kjt, results = remap_local(self._managed_collision_collection, features)
         else:
-            kjt, results = _dist.remap_sharded(self._managed_collision_collection, features,
-                                               cast(ShardedCollection, self._embedding_module), owners)
+            kjt, results = _dist.remap_sharded(
+                self._managed_collision_collection, features, cast(ShardedCollection, self._embedding_module), owners
+            )
         self._reinit_all(results)
         return kjt
 
@@ -357,8 +371,9 @@ class ManagedCollisionEmbeddingBagCollection(_ManagedCollisionWrapper):
         row_init: str | RowInit | None = "uniform",
         seed: int = 0,
     ) -> None:
-        super().__init__(embedding_bag_collection, managed_collision_collection, return_remapped_features,
-                         row_init, seed)
+        super().__init__(
+            embedding_bag_collection, managed_collision_collection, return_remapped_features, row_init, seed
+        )
 
     def forward(self, features: KeyedJaggedTensor) -> tuple[KeyedTensor, KeyedJaggedTensor | None]:
         return self._lookup(features)
@@ -381,8 +396,7 @@ class ManagedCollisionEmbeddingCollection(_ManagedCollisionWrapper):
         row_init: str | RowInit | None = "uniform",
         seed: int = 0,
     ) -> None:
-        super().__init__(embedding_collection, managed_collision_collection, return_remapped_features,
-                         row_init, seed)
+        super().__init__(embedding_collection, managed_collision_collection, return_remapped_features, row_init, seed)
 
     def forward(self, features: KeyedJaggedTensor) -> tuple[dict[str, JaggedTensor], KeyedJaggedTensor | None]:
         return self._lookup(features)

@@ -173,13 +173,22 @@ class MCHManagedCollisionModule(nn.Module):
                 f"bucket's rows for {nb} buckets, or an id in two rows)"
             )
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,  # type: ignore[override]
-                              error_msgs):
+    def _load_from_state_dict(
+        self,
+        state_dict,
+        prefix,
+        local_metadata,
+        strict,
+        missing_keys,
+        unexpected_keys,  # type: ignore[override]
+        error_msgs,
+    ):
         # with tables "a" and "a.b", the key "a.b._mch_raw_ids" starts with this module's prefix "a." but is
         # the other table's; the container checks unexpected keys
         n = len(unexpected_keys)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
         del unexpected_keys[n:]
 
     def pending_resize(self) -> bool:
@@ -205,14 +214,26 @@ class MCHManagedCollisionModule(nn.Module):
         if self._index is None:
             self.prepare()
         assert self._index is not None  # prepare() builds it
-        return _batch.TableState(self._mch_raw_ids, self._mch_last_access, self._mch_counts, self._index,
-                                 int(self._mch_num_buckets), int(self._mch_step), self._eviction_policy.name == "lfu")
+        return _batch.TableState(
+            self._mch_raw_ids,
+            self._mch_last_access,
+            self._mch_counts,
+            self._index,
+            int(self._mch_num_buckets),
+            int(self._mch_step),
+            self._eviction_policy.name == "lfu",
+        )
 
     def _after_remap(self, res: _remap.StepResult) -> None:
         if res.admitted_slots.numel():
             self._touch()
-        self.last_stats = {"lookups": res.lookups, "hits": res.hits, "evicted": res.evicted,
-                           "admitted": int(res.admitted_slots.numel()), "unadmitted": res.unadmitted}
+        self.last_stats = {
+            "lookups": res.lookups,
+            "hits": res.hits,
+            "evicted": res.evicted,
+            "admitted": int(res.admitted_slots.numel()),
+            "unadmitted": res.unadmitted,
+        }
 
     def resize_plan(self, num_buckets: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Move ids to ``num_buckets`` buckets; returns ``(src_rows, dst_rows, evicted)`` for the caller's rows."""
@@ -309,8 +330,9 @@ class ManagedCollisionCollection(nn.Module):
                 m._name = t
         self._embedding_configs = list(embedding_configs)
         self._managed_collision_modules = _ModuleMap(managed_collision_modules)
-        self._feature_to_table = {f: c.name for c in embedding_configs for f in c.feature_names
-                                  if c.name in managed_collision_modules}
+        self._feature_to_table = {
+            f: c.name for c in embedding_configs for f in c.feature_names if c.name in managed_collision_modules
+        }
 
     def embedding_configs(self) -> list[BaseEmbeddingConfig]:
         return list(self._embedding_configs)
@@ -354,8 +376,9 @@ def split_by_table(mcc: ManagedCollisionCollection, kjt: KeyedJaggedTensor):
 def rebuild(kjt: KeyedJaggedTensor, segs: list[torch.Tensor]) -> KeyedJaggedTensor:
     values = torch.cat(segs) if segs else kjt.values()
     values = values.to(device=kjt.values().device, dtype=kjt.values().dtype)
-    return KeyedJaggedTensor(kjt.keys(), values, weights=kjt.weights_or_none(),
-                             lengths=kjt.lengths(), stride=kjt.stride())
+    return KeyedJaggedTensor(
+        kjt.keys(), values, weights=kjt.weights_or_none(), lengths=kjt.lengths(), stride=kjt.stride()
+    )
 
 
 def remap_local(

@@ -102,8 +102,9 @@ class InteractionProjectionArch(nn.Module):
     """Two MLP branches over the flattened inputs, multiplied as ``[B, F1, D] x [B, D, F2]``:
     ``[B, D + F1 * F2]``."""
 
-    def __init__(self, num_sparse_features: int, interaction_branch1: nn.Module,
-                 interaction_branch2: nn.Module) -> None:
+    def __init__(
+        self, num_sparse_features: int, interaction_branch1: nn.Module, interaction_branch2: nn.Module
+    ) -> None:
         super().__init__()
         self.F = num_sparse_features
         self.interaction_branch1 = interaction_branch1
@@ -199,14 +200,16 @@ class DLRM_Projection(DLRM):
         interaction_branch2_layer_sizes: list[int],
         dense_device: torch.device | None = None,
     ) -> None:
-        super().__init__(embedding_bag_collection, dense_in_features, dense_arch_layer_sizes,
-                         over_arch_layer_sizes, dense_device)
+        super().__init__(
+            embedding_bag_collection, dense_in_features, dense_arch_layer_sizes, over_arch_layer_sizes, dense_device
+        )
         d = dense_arch_layer_sizes[-1]
         f = len(self.sparse_arch.sparse_feature_names)
         for name, sizes in (("branch1", interaction_branch1_layer_sizes), ("branch2", interaction_branch2_layer_sizes)):
             if sizes[-1] % d:
-                raise ValueError(f"the last interaction {name} layer size ({sizes[-1]}) is not a multiple of "
-                                 f"the embedding dim ({d})")
+                raise ValueError(
+                    f"the last interaction {name} layer size ({sizes[-1]}) is not a multiple of the embedding dim ({d})"
+                )
         self.inter_arch = InteractionProjectionArch(
             num_sparse_features=f,
             interaction_branch1=DenseArch(f * d + d, interaction_branch1_layer_sizes, device=dense_device),
@@ -229,8 +232,9 @@ class DLRM_DCN(DLRM):
         dcn_low_rank_dim: int,
         dense_device: torch.device | None = None,
     ) -> None:
-        super().__init__(embedding_bag_collection, dense_in_features, dense_arch_layer_sizes,
-                         over_arch_layer_sizes, dense_device)
+        super().__init__(
+            embedding_bag_collection, dense_in_features, dense_arch_layer_sizes, over_arch_layer_sizes, dense_device
+        )
         d = dense_arch_layer_sizes[-1]
         f = len(self.sparse_arch.sparse_feature_names)
         self.inter_arch = InteractionDCNArch(

@@ -37,7 +37,9 @@ from lightning_rec.sparse import KeyedJaggedTensor
 _EMBEDDING_OPTIMIZERS = ("adagrad", "sgd", "sparse_adam")
 _MC_KEYS = {"eviction_policy", "num_buckets", "zch_size", "tables", "row_init"}
 _POLICIES: dict[str, type[LRU_EvictionPolicy | LFU_EvictionPolicy]] = {
-    "lru": LRU_EvictionPolicy, "lfu": LFU_EvictionPolicy}
+    "lru": LRU_EvictionPolicy,
+    "lfu": LFU_EvictionPolicy,
+}
 # a bucket of a few rows thrashes (its ids evict each other however stale the rest of the table is)
 _MIN_BUCKET_ROWS = 16
 
@@ -63,8 +65,9 @@ def tables_from_cardinalities(
             "(num_embeddings_per_feature); give one per feature"
         )
     return [
-        EmbeddingBagConfig(name=f, num_embeddings=int(n), embedding_dim=embedding_dim, feature_names=[f],
-                           pooling=pooling)
+        EmbeddingBagConfig(
+            name=f, num_embeddings=int(n), embedding_dim=embedding_dim, feature_names=[f], pooling=pooling
+        )
         for f, n in zip(feature_names, num_embeddings_per_feature)
     ]
 
@@ -109,8 +112,9 @@ def managed_tables(
         nb = min(buckets, max(1, rows // _MIN_BUCKET_ROWS))
         rows = -(-rows // nb) * nb
         out.append(dataclasses.replace(t, num_embeddings=rows))
-        modules[t.name] = MCHManagedCollisionModule(rows, eviction_policy=_POLICIES[policy](), num_buckets=nb,
-                                                    name=t.name)
+        modules[t.name] = MCHManagedCollisionModule(
+            rows, eviction_policy=_POLICIES[policy](), num_buckets=nb, name=t.name
+        )
     return out, modules
 
 
@@ -236,7 +240,8 @@ class DLRM(RecModule):
             mcc = ManagedCollisionCollection(mc_modules, tables)
             row_init = (managed_collision or {}).get("row_init", "uniform")
             self.sparse_arch: SparseArch = _ManagedSparseArch(
-                ManagedCollisionEmbeddingBagCollection(ebc, mcc, row_init=row_init))
+                ManagedCollisionEmbeddingBagCollection(ebc, mcc, row_init=row_init)
+            )
         else:
             self.sparse_arch = SparseArch(ebc)
         self._mc_modules = dict(mc_modules)
@@ -258,16 +263,17 @@ class DLRM(RecModule):
         mc_ebc = cast(ManagedCollisionEmbeddingBagCollection, self.sparse_arch.embedding_bag_collection)
         for i, t in enumerate(cast(EmbeddingBagCollection, mc_ebc.embedding_module).embedding_bag_configs()):
             m = self._mc_modules.get(t.name)
-            plan[t.name] = (row_wise(bucket_aligned_rows(m.zch_size, m.num_buckets, group)) if m is not None
-                            else table_wise(i % group))
+            plan[t.name] = (
+                row_wise(bucket_aligned_rows(m.zch_size, m.num_buckets, group))
+                if m is not None
+                else table_wise(i % group)
+            )
         return ShardingPlan({"sparse_arch.embedding_bag_collection._embedding_module": plan})
 
     def configure_callbacks(self) -> list[L.Callback]:
         # hit rate and evictions per epoch, logged and printed by rank 0; Lightning would replace a
         # ManagedCollisionCallback the user configured (e.g. with resize_at) by this one, so keep theirs
-        if not self._mc_modules or any(
-                isinstance(c, ManagedCollisionCallback)
-                for c in self.trainer.callbacks):  # type: ignore[attr-defined]  # set by Lightning's callback connector
+        if not self._mc_modules or any(isinstance(c, ManagedCollisionCallback) for c in self.trainer.callbacks):  # type: ignore[attr-defined]  # set by Lightning's callback connector
             return []
         return [ManagedCollisionCallback(print_stats=True)]
 

@@ -37,7 +37,6 @@ def _one_per_sample(name: str, jt: JaggedTensor) -> torch.Tensor:
     return jt.values()
 
 
-
 def mlp(in_features: int, layer_sizes: Sequence[int], last_activation: bool = True) -> nn.Sequential:
     """Linear layers with ReLU between them (and after the last one unless ``last_activation=False``)."""
     layers: list[nn.Module] = []
@@ -47,6 +46,7 @@ def mlp(in_features: int, layer_sizes: Sequence[int], last_activation: bool = Tr
             layers.append(nn.ReLU())
         in_features = out
     return nn.Sequential(*layers)
+
 
 class TwoTowerRetrieval(RecModule):
     """Two-tower retrieval: ``query(user, history sequence)`` and ``candidate(item)`` vectors, dot-product scored.
@@ -84,12 +84,19 @@ class TwoTowerRetrieval(RecModule):
         super().__init__()
         self.save_hyperparameters(ignore=["plan"])
         sizes = list(tower_sizes) if tower_sizes else [32, 16]
-        self.embeddings = EmbeddingCollection([
-            EmbeddingConfig(name="users", num_embeddings=num_users, embedding_dim=embedding_dim,
-                            feature_names=["user_id"]),
-            EmbeddingConfig(name="items", num_embeddings=num_items, embedding_dim=embedding_dim,
-                            feature_names=["history", "candidate"]),
-        ])
+        self.embeddings = EmbeddingCollection(
+            [
+                EmbeddingConfig(
+                    name="users", num_embeddings=num_users, embedding_dim=embedding_dim, feature_names=["user_id"]
+                ),
+                EmbeddingConfig(
+                    name="items",
+                    num_embeddings=num_items,
+                    embedding_dim=embedding_dim,
+                    feature_names=["history", "candidate"],
+                ),
+            ]
+        )
         self.position = nn.Embedding(max_history, embedding_dim)
         self.query_tower = mlp(2 * embedding_dim, sizes, last_activation=False)
         self.candidate_tower = mlp(embedding_dim, sizes, last_activation=False)
@@ -150,11 +157,13 @@ class TwoTowerRetrieval(RecModule):
         emb = [p for p in self.parameters() if id(p) in tables and p.requires_grad]
         dense = [p for p in self.parameters() if id(p) not in tables and p.requires_grad]
         hp = cast(AttributeDict, self.hparams)  # save_hyperparameters() made it an AttributeDict
-        return CombinedOptimizer([
-            torch.optim.Adam(dense, lr=hp.lr),
-            torch.optim.Adagrad(emb, lr=hp.embedding_lr) if emb else None,
-            self.fused_optimizer(),
-        ])
+        return CombinedOptimizer(
+            [
+                torch.optim.Adam(dense, lr=hp.lr),
+                torch.optim.Adagrad(emb, lr=hp.embedding_lr) if emb else None,
+                self.fused_optimizer(),
+            ]
+        )
 
 
 class SyntheticSessions(IterableDataset):
@@ -215,8 +224,9 @@ class SyntheticSessions(IterableDataset):
         history = torch.where(noise, torch.randint(0, self.num_items, history.shape, generator=g), history)
         candidate = self._items_in_clusters(cluster, g)
         ones = torch.ones(b, dtype=torch.long)
-        return KeyedJaggedTensor(list(FEATURES), torch.cat([users, history, candidate]),
-                                 lengths=torch.cat([ones, lengths, ones]))
+        return KeyedJaggedTensor(
+            list(FEATURES), torch.cat([users, history, candidate]), lengths=torch.cat([ones, lengths, ones])
+        )
 
     def __iter__(self) -> Iterator[KeyedJaggedTensor]:
         rank, world = self._shard()

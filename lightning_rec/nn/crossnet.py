@@ -102,7 +102,8 @@ class LowRankMixtureCrossNet(nn.Module):
         self.bias = nn.ParameterList([_zeros(in_features, 1) for _ in range(num_layers)])
         self.gates = (
             nn.ModuleList([nn.Linear(in_features, 1, bias=False) for _ in range(num_experts)])
-            if num_experts > 1 else None
+            if num_experts > 1
+            else None
         )
         self._activation = activation
         self.C_kernels = nn.ParameterList([_xavier(num_experts, low_rank, low_rank) for _ in range(num_layers)])

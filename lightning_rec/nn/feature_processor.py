@@ -29,14 +29,19 @@ def _position_weights_of(key: str, jt: JaggedTensor, weight: torch.Tensor) -> to
 
 # fx.wrap: one graph node each (the traced input is a Proxy whose keys cannot be iterated)
 @torch.fx.wrap
-def _weight_jt_dict(features: dict[str, JaggedTensor], keys: list[str], weights: list[torch.Tensor]
-                    ) -> dict[str, JaggedTensor]:
+def _weight_jt_dict(
+    features: dict[str, JaggedTensor], keys: list[str], weights: list[torch.Tensor]
+) -> dict[str, JaggedTensor]:
     table = dict(zip(keys, weights))
     out = {}
     for key, jt in features.items():
         if key in table:
-            jt = JaggedTensor(jt.values(), weights=_position_weights_of(key, jt, table[key]), lengths=jt.lengths(),
-                              offsets=jt.offsets())
+            jt = JaggedTensor(
+                jt.values(),
+                weights=_position_weights_of(key, jt, table[key]),
+                lengths=jt.lengths(),
+                offsets=jt.offsets(),
+            )
         out[key] = jt
     return out
 
@@ -46,13 +51,18 @@ def _weight_kjt(features: KeyedJaggedTensor, keys: list[str], weights: list[torc
     table = dict(zip(keys, weights))
     jts = features.to_dict()
     per_key = [
-        _position_weights_of(k, jts[k], table[k]) if k in table
+        _position_weights_of(k, jts[k], table[k])
+        if k in table
         else torch.ones(jts[k].values().size(0), device=features.device)
         for k in features.keys()  # noqa: SIM118 (a KJT, not a dict)
     ]
     return KeyedJaggedTensor(
-        features.keys(), features.values(), weights=torch.cat(per_key) if per_key else None,
-        lengths=features.lengths(), offsets=features.offsets(), stride=features.stride(),
+        features.keys(),
+        features.values(),
+        weights=torch.cat(per_key) if per_key else None,
+        lengths=features.lengths(),
+        offsets=features.offsets(),
+        stride=features.stride(),
         stride_per_key_per_rank=features.stride_per_key_per_rank() if features.variable_stride_per_key() else None,
     )
 

@@ -72,11 +72,19 @@ class MLP(nn.Module):
     ) -> None:
         super().__init__()
         sizes = [in_size, *layer_sizes]
-        self._mlp = nn.Sequential(*[
-            Perceptron(sizes[i], sizes[i + 1], bias=bias,
-                       activation=_layer_activation(activation, sizes[i + 1], device), device=device, dtype=dtype)
-            for i in range(len(layer_sizes))
-        ])
+        self._mlp = nn.Sequential(
+            *[
+                Perceptron(
+                    sizes[i],
+                    sizes[i + 1],
+                    bias=bias,
+                    activation=_layer_activation(activation, sizes[i + 1], device),
+                    device=device,
+                    dtype=dtype,
+                )
+                for i in range(len(layer_sizes))
+            ]
+        )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self._mlp(input)

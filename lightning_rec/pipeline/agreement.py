@@ -25,11 +25,13 @@ _DEVICE_TYPES = ("cpu", "cuda")
 def describe_table(t: BaseEmbeddingConfig, shards: Sequence[ShardMeta] | None) -> str:
     """A canonical text of one table's config and resolved layout (equal on ranks that agree)."""
     pooling = getattr(t, "pooling", None)
-    layout = "data_parallel" if shards is None else [
-        (s.row_offset, s.rows, s.col_offset, s.cols, s.rank) for s in shards
-    ]
-    return (f"rows={t.num_embeddings} dim={t.embedding_dim} features={list(t.feature_names)} "
-            f"pooling={getattr(pooling, 'value', pooling)} dtype={t.dtype} shards={layout}")
+    layout = (
+        "data_parallel" if shards is None else [(s.row_offset, s.rows, s.col_offset, s.cols, s.rank) for s in shards]
+    )
+    return (
+        f"rows={t.num_embeddings} dim={t.embedding_dim} features={list(t.feature_names)} "
+        f"pooling={getattr(pooling, 'value', pooling)} dtype={t.dtype} shards={layout}"
+    )
 
 
 def _digest(text: str) -> list[int]:
@@ -74,8 +76,10 @@ def check_agreement(
     if error is not None:
         raise error
     if failed:
-        raise ValueError(f"shard_modules: {_ranks(failed)} could not resolve the sharding plan (see the error raised "
-                         "there); stopping this rank too")
+        raise ValueError(
+            f"shard_modules: {_ranks(failed)} could not resolve the sharding plan (see the error raised "
+            "there); stopping this rank too"
+        )
     digests: dict[tuple[int, ...], list[int]] = {}
     for r, row in rows.items():
         digests.setdefault(tuple(row[1:3]), []).append(r)
@@ -103,5 +107,7 @@ def _mismatch_message(by_rank: dict[int, tuple[dict, str]]) -> str:
         options.setdefault(opts, []).append(r)
     if len(options) > 1:
         lines.append("sharding options differ (" + "; ".join(f"{_ranks(rs)}: {o}" for o, rs in options.items()) + ")")
-    return ("shard_modules: the ranks disagree on what to shard, so they would exchange mismatched data; every rank "
-            "must pass the same tables and plan. " + " ".join(lines))
+    return (
+        "shard_modules: the ranks disagree on what to shard, so they would exchange mismatched data; every rank "
+        "must pass the same tables and plan. " + " ".join(lines)
+    )

@@ -32,8 +32,9 @@ def _norm_power(grads: list[torch.Tensor], norm_type: float, device: torch.devic
     return out
 
 
-def clip_grad_norm_(model: nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
-                    norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    model: nn.Module, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
     """Scale the gradients of ``parameters`` so their total norm (over every rank's shards) is at most ``max_norm``.
 
     ``model`` is the sharded model the parameters belong to; returns the total norm. Collective: every rank

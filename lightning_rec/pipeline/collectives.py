@@ -256,8 +256,11 @@ def _sum_touched_rows(
     out = []
     for g, u, r, part in zip(grads, unions, rows, torch.split(buf, [r.numel() for r in rows])):
         summed = part.view(r.shape).to(r.dtype)
-        out.append(torch.sparse_coo_tensor(u.unsqueeze(0), summed, g.shape, check_invariants=False) if g.is_sparse
-                   else g.index_copy(0, u, summed))
+        out.append(
+            torch.sparse_coo_tensor(u.unsqueeze(0), summed, g.shape, check_invariants=False)
+            if g.is_sparse
+            else g.index_copy(0, u, summed)
+        )
     return out
 
 
@@ -280,8 +283,10 @@ def _sum_touched_rows_sparse(
         transport.all_reduce_sum(piece, group)
     if wire_buf is not buf:
         buf.copy_(wire_buf)
-    return [torch.sparse_coo_tensor(u.unsqueeze(0), part, g.shape, check_invariants=False, is_coalesced=True)
-            for g, u, part in zip(grads, unions, pieces)]
+    return [
+        torch.sparse_coo_tensor(u.unsqueeze(0), part, g.shape, check_invariants=False, is_coalesced=True)
+        for g, u, part in zip(grads, unions, pieces)
+    ]
 
 
 class _EmbeddingGrad(torch.autograd.Function):

@@ -65,8 +65,9 @@ class DataParallelGradMode:
             return "fused: updated inside backward"
         if not self._dp_sparse_auto:
             return f"sparse_grad={self.sparse_grad} was given explicitly"
-        explicit = [self._layout.tables[ti].name for ti in self._routing.dp_tables
-                    if self._requested_kernels[ti] == "fbgemm"]
+        explicit = [
+            self._layout.tables[ti].name for ti in self._routing.dp_tables if self._requested_kernels[ti] == "fbgemm"
+        ]
         if explicit:
             return f"tables {explicit} ask for compute_kernel='fbgemm', which makes dense gradients"
         return None

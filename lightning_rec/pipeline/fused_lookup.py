@@ -30,16 +30,22 @@ def fused_width_problem(name: str, dim: int, widths: Sequence[int]) -> str | Non
     sizes = f"{lower} or {upper}" if lower else f"{upper}"
     no_fused = "or use embedding_optimizer=None (plain parameters stepped by a torch optimizer)"
     if all(w == dim for w in widths):  # not column-split: only the table's own width can be wrong
-        return (f"table {name!r}: embedding_dim={dim} is not a multiple of 4, which the fused fbgemm kernel needs; "
-                f"give the table a width that is a multiple of 4 (e.g. {sizes}), {no_fused}")
+        return (
+            f"table {name!r}: embedding_dim={dim} is not a multiple of 4, which the fused fbgemm kernel needs; "
+            f"give the table a width that is a multiple of 4 (e.g. {sizes}), {no_fused}"
+        )
     if dim % 4:  # no split of these columns can help: the shard widths would not add up to dim
-        return (f"table {name!r}: embedding_dim={dim} is not a multiple of 4 and its column shards are {widths} "
-                "wide; the fused fbgemm kernel needs every column shard to be a multiple of 4 wide, which no "
-                f"split of {dim} columns gives: give the table a width that is a multiple of 4 (e.g. {sizes}) "
-                f"and column shards that are multiples of 4, {no_fused}")
-    return (f"table {name!r}: a column shard of it is {bad[0]} wide (column shards {widths} of embedding_dim="
-            f"{dim}); the fused fbgemm kernel needs every column shard to be a multiple of 4 wide: choose column "
-            f"shards that are (or do not split the columns), {no_fused}")
+        return (
+            f"table {name!r}: embedding_dim={dim} is not a multiple of 4 and its column shards are {widths} "
+            "wide; the fused fbgemm kernel needs every column shard to be a multiple of 4 wide, which no "
+            f"split of {dim} columns gives: give the table a width that is a multiple of 4 (e.g. {sizes}) "
+            f"and column shards that are multiples of 4, {no_fused}"
+        )
+    return (
+        f"table {name!r}: a column shard of it is {bad[0]} wide (column shards {widths} of embedding_dim="
+        f"{dim}); the fused fbgemm kernel needs every column shard to be a multiple of 4 wide: choose column "
+        f"shards that are (or do not split the columns), {no_fused}"
+    )
 
 
 def check_fused(
@@ -98,8 +104,11 @@ def build_kernels(
     def build(names: list[str], ft: list[int]) -> kernels.FusedPooledKernel:
         entries = [sources[n] for n in names]
         return kernels.FusedPooledKernel(
-            [(n, shape[0], shape[1], dtype) for n, (shape, dtype, _) in zip(names, entries)], ft, spec,
-            device=device, weights=[w for _, _, w in entries],
+            [(n, shape[0], shape[1], dtype) for n, (shape, dtype, _) in zip(names, entries)],
+            ft,
+            spec,
+            device=device,
+            weights=[w for _, _, w in entries],
         )
 
     shard_kernel = dp_kernel = None
@@ -171,8 +180,8 @@ def union_lookup(
         weights = dists.from_int64(pieces[2], weights.dtype)
     elif weights is not None:
         seg = [c for row in id_counts for c in row]
-        weights = dists.regroup(comm.gather_union(weights, [sum(c) for c in id_counts], group), seg,
-                                len(batches), n)
-    union = kernel(union_values, offsets_from_lengths(union_lengths), weights, grad_scale=scale,
-                   ids_checked=ids_checked)
+        weights = dists.regroup(comm.gather_union(weights, [sum(c) for c in id_counts], group), seg, len(batches), n)
+    union = kernel(
+        union_values, offsets_from_lengths(union_lengths), weights, grad_scale=scale, ids_checked=ids_checked
+    )
     return comm.own_rows_of_union(union, batches, group)

@@ -116,10 +116,18 @@ def _route_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing
     by_feature = kjt.lengths().long().view(len(kjt.keys()), kjt.stride())
     values = kjt.values().long()
     order = routing.route_features
-    return _Outgoing(None, None, None, sent, positions, pieces=(
-        [by_feature[f] for f in order], [values[opk[f] : opk[f + 1]] for f in order],
-        None if weights is None else [weights[opk[f] : opk[f + 1]] for f in order],
-    ))
+    return _Outgoing(
+        None,
+        None,
+        None,
+        sent,
+        positions,
+        pieces=(
+            [by_feature[f] for f in order],
+            [values[opk[f] : opk[f + 1]] for f in order],
+            None if weights is None else [weights[opk[f] : opk[f + 1]] for f in order],
+        ),
+    )
 
 
 def _keyed(kjt: KeyedJaggedTensor, row_keys: Mapping[int, RowKey] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -136,8 +144,9 @@ def _keyed(kjt: KeyedJaggedTensor, row_keys: Mapping[int, RowKey] | None) -> tup
     return keyed, raw
 
 
-def _bucket_ids(kjt: KeyedJaggedTensor, keyed: torch.Tensor, routing: RoutingTable
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _bucket_ids(
+    kjt: KeyedJaggedTensor, keyed: torch.Tensor, routing: RoutingTable
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Every id's bag (counted over all features), feature, bucket (its feature's row block), and rank among
     the earlier ids of its bag in the same bucket (None where a stable sort must find the order instead).
 
@@ -178,8 +187,9 @@ def _slot_order(slot: torch.Tensor, n_slots: int, rank: torch.Tensor | None) -> 
 _BUCKETIZE = "fbgemm::block_bucketize_sparse_features"
 
 
-def _fbgemm_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable,
-                    with_positions: bool) -> _Outgoing:
+def _fbgemm_payload(
+    kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable, with_positions: bool
+) -> _Outgoing:
     """:func:`_bucketed_payload` in one pass of fbgemm's block bucketize kernel, for ids already checked.
 
     Only for checked ids: fbgemm hashes an id outside its table into some block instead of keeping it out of
@@ -193,8 +203,14 @@ def _fbgemm_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routin
     ordered = with_positions or weights is not None
     load_fbgemm()
     lengths, ids, _, _, where = torch.ops.fbgemm.block_bucketize_sparse_features(
-        kjt.lengths(), values, False, ordered, torch.ones(n_keys, dtype=values.dtype, device=values.device),
-        n_blocks, None, block_bucketize_pos=list(routing.block_bounds),
+        kjt.lengths(),
+        values,
+        False,
+        ordered,
+        torch.ones(n_keys, dtype=values.dtype, device=values.device),
+        n_blocks,
+        None,
+        block_bucketize_pos=list(routing.block_bounds),
     )
     seg_ids = lengths.view(n_blocks * n_keys, b).sum(1).tolist() if b else [0] * (n_blocks * n_keys)
     first = offsets_of(seg_ids)  # the one host sync of the send side: the all-to-all needs split sizes
@@ -214,14 +230,27 @@ def _fbgemm_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routin
         opk = kjt.offset_per_key()
         positions = [order[first[s] : first[s + 1]] - opk[f] for s, f in zip(segs, routing.route_features)]
     lengths = lengths.long()
-    return _Outgoing(None, None, None, sent, positions, pieces=(
-        [lengths[s * b : (s + 1) * b] for s in segs], [ids[first[s] : first[s + 1]] for s in segs],
-        None if ws is None else [ws[first[s] : first[s + 1]] for s in segs],
-    ))
+    return _Outgoing(
+        None,
+        None,
+        None,
+        sent,
+        positions,
+        pieces=(
+            [lengths[s * b : (s + 1) * b] for s in segs],
+            [ids[first[s] : first[s + 1]] for s in segs],
+            None if ws is None else [ws[first[s] : first[s + 1]] for s in segs],
+        ),
+    )
 
 
-def _bucketed_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable,
-                      with_positions: bool, row_keys: Mapping[int, RowKey] | None = None) -> _Outgoing:
+def _bucketed_payload(
+    kjt: KeyedJaggedTensor,
+    weights: torch.Tensor | None,
+    routing: RoutingTable,
+    with_positions: bool,
+    row_keys: Mapping[int, RowKey] | None = None,
+) -> _Outgoing:
     """Every route's payload, ids bucketed by row block and made local to it: the same few ops for all features.
 
     Ids are ordered by (bucket, bag) (:func:`_bucket_ids`), which keeps every bucket's ids in bag order; a
@@ -252,12 +281,22 @@ def _bucketed_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, rout
         route_first = feature_first[torch.tensor(routing.route_features, dtype=torch.long, device=dev)]
         base = torch.repeat_interleave(route_first, route_size, output_size=gather.numel())
         positions = list(torch.split(gather - base, sent))
-    return _Outgoing(counts[routing.route_bucket].reshape(-1), local[gather],
-                     None if weights is None else weights[gather], sent, positions)
+    return _Outgoing(
+        counts[routing.route_bucket].reshape(-1),
+        local[gather],
+        None if weights is None else weights[gather],
+        sent,
+        positions,
+    )
 
 
-def _sorted_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable,
-                    with_positions: bool, row_keys: Mapping[int, RowKey] | None = None) -> _Outgoing:
+def _sorted_payload(
+    kjt: KeyedJaggedTensor,
+    weights: torch.Tensor | None,
+    routing: RoutingTable,
+    with_positions: bool,
+    row_keys: Mapping[int, RowKey] | None = None,
+) -> _Outgoing:
     """:func:`_bucketed_payload` when every row block is read by one route: ids ordered by (route, bag).
 
     Every id gets the slot ``route * b + bag within the feature`` (ids of unrouted features after all
@@ -282,13 +321,11 @@ def _sorted_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routin
     if with_positions:
         feature_first = kjt.offsets()[torch.arange(n_keys, device=dev) * b]
         route_first = feature_first[torch.tensor(routing.route_features, dtype=torch.long, device=dev)]
-        positions = list(torch.split(order - torch.repeat_interleave(route_first, route_size, output_size=total),
-                                     sent))
+        positions = list(torch.split(order - torch.repeat_interleave(route_first, route_size, output_size=total), sent))
     local = keyed.index_select(0, order) - first_row
     if raw is not None:
         local = torch.where(raw.index_select(0, order), values.index_select(0, order), local)
-    return _Outgoing(counts, local,
-                     None if weights is None else weights.index_select(0, order), sent, positions)
+    return _Outgoing(counts, local, None if weights is None else weights.index_select(0, order), sent, positions)
 
 
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -356,8 +393,13 @@ def start_input_dist(
     b = 0 if kjt is None else kjt.stride()
     n_ranks, n_mine, n_routes = routing.group_size, len(routing.my_routes), len(routing.route_features)
     if kjt is None or rejected:
-        out = _Outgoing(torch.zeros(n_routes * b, dtype=torch.long, device=device),
-                        torch.zeros(0, dtype=torch.long, device=device), None, [0] * n_routes, [])
+        out = _Outgoing(
+            torch.zeros(n_routes * b, dtype=torch.long, device=device),
+            torch.zeros(0, dtype=torch.long, device=device),
+            None,
+            [0] * n_routes,
+            [],
+        )
     elif routing.single_block:
         out = _route_payload(kjt, weights, routing)
     elif ids_checked and not row_keys and has_fbgemm_op(_BUCKETIZE, device.type):
@@ -368,8 +410,15 @@ def start_input_dist(
         if rejected:
             raise InputRejected("this rank rejected its input")
         lengths, values, ws = out.flat(b, device)
-        recv = Received(lengths=lengths, values=values, weights=ws, ids_from=[out.sent],
-                        positions=out.positions, sent=out.sent, batches=(b,))
+        recv = Received(
+            lengths=lengths,
+            values=values,
+            weights=ws,
+            ids_from=[out.sent],
+            positions=out.positions,
+            sent=out.sent,
+            batches=(b,),
+        )
         return PendingInputDist(recv)
     weighted = out.weights is not None or (out.pieces is not None and out.pieces[2] is not None)
     w_grad = weighted and weights is not None and weights.requires_grad and torch.is_grad_enabled()
@@ -379,8 +428,9 @@ def start_input_dist(
         header += [b, int(rejected), int(w_grad), *out.sent[i : i + k]]
         i += k
     h = 3 + n_mine
-    got = comm.all_to_all(torch.tensor(header, dtype=torch.long, device=device), [h] * n_ranks,
-                          [3 + k for k in per_dest], group).tolist()
+    got = comm.all_to_all(
+        torch.tensor(header, dtype=torch.long, device=device), [h] * n_ranks, [3 + k for k in per_dest], group
+    ).tolist()
     bad = [s if ranks is None else ranks[s] for s in range(n_ranks) if got[s * h + 1]]
     if bad:
         raise InputRejected(f"ranks {bad} rejected their input (see the error raised there); stopping this rank too")
@@ -407,15 +457,22 @@ def start_input_dist(
         w = w if w is not None else torch.zeros(0, device=device)
         separate = comm.all_to_all(w, [sum(x) for x in ids_from], value_counts, group, differentiable=True)
     return PendingInputDist(
-        work=work, batches=batches, ids_from=ids_from, sent=out.sent, positions=out.positions,
-        packed_dtype=weights.dtype if packed and weights is not None else None, separate_weights=separate,
+        work=work,
+        batches=batches,
+        ids_from=ids_from,
+        sent=out.sent,
+        positions=out.positions,
+        packed_dtype=weights.dtype if packed and weights is not None else None,
+        separate_weights=separate,
         n_mine=n_mine,
     )
 
 
-def _route_major(got: list[list[torch.Tensor]], n_mine: int, packed: bool, device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _route_major(
+    got: list[list[torch.Tensor]], n_mine: int, packed: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Every source's ``[lengths | ids | weights][route]`` pieces as route-major lengths, ids, weight bits."""
+
     def cat(at: int) -> torch.Tensor:
         parts = [pieces[at + k] for k in range(n_mine) for pieces in got]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
@@ -434,5 +491,12 @@ def _unpack(work, batches, ids_from, sent, positions, packed_dtype, separate_wei
         weights = from_int64(weights, packed_dtype)
     if separate_weights is not None:
         weights = regroup(separate_weights, [c for row in ids_from for c in row], len(batches), n_mine)
-    return Received(lengths=lengths, values=values, weights=weights, ids_from=ids_from, positions=positions,
-                    sent=sent, batches=batches)
+    return Received(
+        lengths=lengths,
+        values=values,
+        weights=weights,
+        ids_from=ids_from,
+        positions=positions,
+        sent=sent,
+        batches=batches,
+    )

@@ -61,8 +61,9 @@ def init_shard(table: BaseEmbeddingConfig, weight: torch.Tensor, shard: ShardMet
         cast(Callable[..., object], fn)(weight, row_offset=rows, col_offset=cols)  # _takes_offsets(fn)
 
 
-def materialize(table: BaseEmbeddingConfig, full: torch.Tensor, shard: ShardMeta | None,
-                device: torch.device) -> torch.Tensor:
+def materialize(
+    table: BaseEmbeddingConfig, full: torch.Tensor, shard: ShardMeta | None, device: torch.device
+) -> torch.Tensor:
     """This rank's piece of ``table`` on ``device``: from ``init_fn`` when the module is on the meta device,
     else cut from ``full`` with one copy (none when the piece is the whole table already on ``device``)."""
     shape = tuple(full.shape) if shard is None else (shard.rows, shard.cols)
@@ -84,8 +85,12 @@ def filler(table: BaseEmbeddingConfig, full: torch.Tensor, shard: ShardMeta | No
     return full if shard is None else shard.of(full)
 
 
-def warn_large_tables(tables: list[BaseEmbeddingConfig], weights: list[torch.Tensor],
-                      shards: Mapping[str, list[ShardMeta] | None], me: int) -> None:
+def warn_large_tables(
+    tables: list[BaseEmbeddingConfig],
+    weights: list[torch.Tensor],
+    shards: Mapping[str, list[ShardMeta] | None],
+    me: int,
+) -> None:
     """Warn (once per table) when a large full table sits on this rank only to be cut into a smaller piece."""
     for t, w in zip(tables, weights):
         pieces = shards[t.name]
@@ -102,7 +107,8 @@ def warn_large_tables(tables: list[BaseEmbeddingConfig], weights: list[torch.Ten
             f"materialized on this rank, which keeps {kept / w.numel():.0%} of it; build the collection on the "
             "meta device (device='meta') and shard_modules allocates only the local shard, initialised from the "
             "table config's init_fn",
-            UserWarning, stacklevel=5,
+            UserWarning,
+            stacklevel=5,
         )
 
 

@@ -32,8 +32,11 @@ def _put(out: torch.Tensor, blocks: list[tuple[torch.Tensor, tuple[ColumnGroup, 
     """Each ``(block, groups, adds)``'s column groups copied (or added) into ``out``, in order. A copy that the
     next group adds onto (the same columns: row blocks of a table) is one ``add`` of the two, one pass fewer
     over those columns, with the same bits."""
-    ops = [(geom, _group_view(block, geom[0], geom[2], geom[3], geom[2]), add)
-           for block, groups, adds in blocks for geom, add in zip(groups, adds)]
+    ops = [
+        (geom, _group_view(block, geom[0], geom[2], geom[3], geom[2]), add)
+        for block, groups, adds in blocks
+        for geom, add in zip(groups, adds)
+    ]
     i = 0
     while i < len(ops):
         (_, dst, n, count, step), piece, add = ops[i]
@@ -56,8 +59,14 @@ def _take(block: torch.Tensor, grad: torch.Tensor, groups: tuple[ColumnGroup, ..
 
 
 @torch.compiler.disable
-def pooled_output_dist(pooled: torch.Tensor, dp_pooled: torch.Tensor | None, routing: RoutingTable,
-                       batches: list[int], b: int, group: dist.ProcessGroup) -> torch.Tensor:
+def pooled_output_dist(
+    pooled: torch.Tensor,
+    dp_pooled: torch.Tensor | None,
+    routing: RoutingTable,
+    batches: list[int],
+    b: int,
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
     """The ``[b, width]`` output of this rank's samples: every rank's pooled rows for them (``pooled`` is this
     rank's lookup, ``[sum(batches), its route columns]``) and ``dp_pooled``, the data-parallel tables' pooled
     rows (or None), each in its columns. Backward runs on every rank (an anchor needs a gradient even where
@@ -77,8 +86,7 @@ class _PooledOutputDist(torch.autograd.Function):
     def forward(ctx, pooled, anchor, routing: RoutingTable, batches, b: int, group, *dp):  # type: ignore[override]
         runs, adds, cols_from = routing.colmap_runs, routing.colmap_add, routing.cols_from
         zero = routing.colmap_kind == "sum"
-        out = (torch.zeros if zero else torch.empty)(b, routing.feat_off[-1], dtype=pooled.dtype,
-                                                      device=pooled.device)
+        out = (torch.zeros if zero else torch.empty)(b, routing.feat_off[-1], dtype=pooled.dtype, device=pooled.device)
         mine = pooled.shape[1]
         sends = [[x] for x in torch.split(pooled.reshape(-1), [n * mine for n in batches])]
 
@@ -144,8 +152,10 @@ def sequence_output_dist(
     send = [sum(recv.ids_from[s][k] * cols[k] for k in range(n_mine)) for s in range(n_ranks)]
     all_routes = routing.all_routes
     starts = offsets_of([len(x) for x in routing.routes_to])
-    recv_sizes = [sum(n * r.shard.cols for n, r in zip(recv.sent[i0 : i0 + len(lst)], lst))
-                  for i0, lst in zip(starts, routing.routes_to)]
+    recv_sizes = [
+        sum(n * r.shard.cols for n, r in zip(recv.sent[i0 : i0 + len(lst)], lst))
+        for i0, lst in zip(starts, routing.routes_to)
+    ]
     back = comm.all_to_all(flat, recv_sizes, send, group, differentiable=torch.is_grad_enabled())
     chunks = torch.split(back, [n * r.shard.cols for n, r in zip(recv.sent, all_routes)])
     pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in dims]

@@ -82,8 +82,11 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         layout, routing, kjt, recv = self._layout, self._routing, ctx.kjt, ctx.received
         b = kjt.stride()
         if recv is None:  # every table data-parallel: their columns are the output, in config order
-            out = ctx.dp_out if ctx.dp_out is not None else torch.zeros(b, 0, dtype=self._out_dtype(),
-                                                                          device=self._device)
+            out = (
+                ctx.dp_out
+                if ctx.dp_out is not None
+                else torch.zeros(b, 0, dtype=self._out_dtype(), device=self._device)
+            )
         else:
             out = pooled_output_dist(ctx.shard_out, ctx.dp_out, routing, list(recv.batches), b, self._group)
             if not routing.my_routes and recv.weights is not None and recv.weights.requires_grad:
@@ -104,22 +107,36 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         psw = self._wire_weights(sub.weights_or_none()) if self._is_weighted else None
         if self._dp_fused is not None:
             group = self._dp_group if dist.get_world_size(self._dp_group) > 1 else None
-            return self._fused_lookup(self._dp_fused, sub.lengths(), sub.values(), psw, sub.length_per_key(), b,
-                                      group).to(dtype)
+            return self._fused_lookup(
+                self._dp_fused, sub.lengths(), sub.values(), psw, sub.length_per_key(), b, group
+            ).to(dtype)
         assert self._dp_table_lookup is not None
-        return self._dp_table_lookup(self._dp_weights(kjt), sub.values(), sub.offsets(), b, psw, self._dp_sparse_grad,
-                                     storage=self._dp_params()).to(dtype)
+        return self._dp_table_lookup(
+            self._dp_weights(kjt), sub.values(), sub.offsets(), b, psw, self._dp_sparse_grad, storage=self._dp_params()
+        ).to(dtype)
 
     def _lookup_shards(self, recv, b_global: int) -> torch.Tensor:
         """SUM-pool every received bag over this rank's shards: ``[b_global, route columns]``."""
         dtype, routing = self._out_dtype(), self._routing
         if self._fused is not None:
-            return self._fused_lookup(self._fused, recv.lengths, recv.values, recv.weights, recv.ids_per_route(),
-                                      b_global, self._replica_group).to(dtype)
+            return self._fused_lookup(
+                self._fused,
+                recv.lengths,
+                recv.values,
+                recv.weights,
+                recv.ids_per_route(),
+                b_global,
+                self._replica_group,
+            ).to(dtype)
         if not routing.my_routes:
             return torch.zeros(b_global, 0, dtype=dtype, device=self._device)
         assert self._shard_lookup is not None
         return self._shard_lookup(
-            self._shard_weights(recv), recv.values, offsets_from_lengths(recv.lengths), b_global, recv.weights,
-            self.sparse_grad, storage=self._shard_params(),
+            self._shard_weights(recv),
+            recv.values,
+            offsets_from_lengths(recv.lengths),
+            b_global,
+            recv.weights,
+            self.sparse_grad,
+            storage=self._shard_params(),
         ).to(dtype)

@@ -115,15 +115,17 @@ class RoutingTable:
         return [r for lst in self.routes_to for r in lst]
 
     def to(self, device: torch.device | str) -> RoutingTable:
-        return dataclasses.replace(self, bucket_bounds=self.bucket_bounds.to(device),
-                                   bucket_start=self.bucket_start.to(device),
-                                   route_bucket=self.route_bucket.to(device),
-                                   route_row_start=self.route_row_start.to(device),
-                                   feature_bucket=self.feature_bucket.to(device),
-                                   block_cuts=self.block_cuts.to(device),
-                                   block_bounds=tuple(t.to(device) for t in self.block_bounds),
-                                   bucket_route_rel=None if self.bucket_route_rel is None
-                                   else self.bucket_route_rel.to(device))
+        return dataclasses.replace(
+            self,
+            bucket_bounds=self.bucket_bounds.to(device),
+            bucket_start=self.bucket_start.to(device),
+            route_bucket=self.route_bucket.to(device),
+            route_row_start=self.route_row_start.to(device),
+            feature_bucket=self.feature_bucket.to(device),
+            block_cuts=self.block_cuts.to(device),
+            block_bounds=tuple(t.to(device) for t in self.block_bounds),
+            bucket_route_rel=None if self.bucket_route_rel is None else self.bucket_route_rel.to(device),
+        )
 
 
 def build_routing(
@@ -198,24 +200,31 @@ def build_routing(
             starts_of_buckets.append(start)
     all_routes = [r for lst in routes_to for r in lst]
     route_bucket = [first_bucket[r.feature] + block_of[(r.table, r.shard.row_offset)] for r in all_routes]
-    bucket_feature = [f for f in range(len(feature_table))
-                      for _ in range((first_bucket + [len(bounds)])[f + 1] - first_bucket[f])]
+    bucket_feature = [
+        f for f in range(len(feature_table)) for _ in range((first_bucket + [len(bounds)])[f + 1] - first_bucket[f])
+    ]
     rel = [len(all_routes)] * len(bucket_feature)
     for i, bk in enumerate(route_bucket):
         rel[bk] = i - bucket_feature[bk]
-    per_feature = [[start for bf, start in zip(bucket_feature, starts_of_buckets) if bf == f][1:]
-                   for f in range(len(feature_table))]
+    per_feature = [
+        [start for bf, start in zip(bucket_feature, starts_of_buckets) if bf == f][1:]
+        for f in range(len(feature_table))
+    ]
     n_cuts = max((len(c) for c in per_feature), default=0)
     cuts = [c + [KEY_SPAN] * (n_cuts - len(c)) for c in per_feature]
     ends = [max((s.row_offset + s.rows for s in table_shards[ti] or []), default=_NO_END) for ti in feature_table]
     ends = [e if ti in routed_tables else _NO_END for e, ti in zip(ends, feature_table)]
-    block_bounds = tuple(torch.tensor([0, *c, *[e] * (1 + n_cuts - len(c))], dtype=torch.long, device=device)
-                         for c, e in zip(per_feature, ends))
-    route_segment = tuple((bk - first_bucket[r.feature]) * len(feature_table) + r.feature
-                          for bk, r in zip(route_bucket, all_routes))
+    block_bounds = tuple(
+        torch.tensor([0, *c, *[e] * (1 + n_cuts - len(c))], dtype=torch.long, device=device)
+        for c, e in zip(per_feature, ends)
+    )
+    route_segment = tuple(
+        (bk - first_bucket[r.feature]) * len(feature_table) + r.feature for bk, r in zip(route_bucket, all_routes)
+    )
     unique = len(set(route_bucket)) == len(route_bucket)
-    if len(feature_table) >= (1 << 62) // KEY_SPAN or any(s.row_offset + s.rows > KEY_SPAN for shards in table_shards
-                                                           for s in shards or []):
+    if len(feature_table) >= (1 << 62) // KEY_SPAN or any(
+        s.row_offset + s.rows > KEY_SPAN for shards in table_shards for s in shards or []
+    ):
         raise ValueError(f"more than {(1 << 62) // KEY_SPAN} features or a table of more than {KEY_SPAN} rows")
     return RoutingTable(
         group_rank=group_rank,
@@ -268,8 +277,7 @@ def _runs(cols: list[int]) -> tuple[ColumnGroup, ...]:
     return tuple(ColumnGroup(a, c, n, k, step) for a, c, n, k, step in groups)
 
 
-def _adds(groups_per_part: tuple[tuple[ColumnGroup, ...], ...]
-          ) -> tuple[tuple[tuple[bool, ...], ...], bool, int]:
+def _adds(groups_per_part: tuple[tuple[ColumnGroup, ...], ...]) -> tuple[tuple[tuple[bool, ...], ...], bool, int]:
     """Per group, whether its columns were written by an earlier group (in part order): it must add. Also
     whether every group's columns were either all written or all fresh, and how many columns the groups
     cover: with both, the output needs no zero fill (fresh groups copy, the others add)."""

@@ -35,13 +35,23 @@ class ShardedEmbeddingCollection(ShardedCollection):
         ctx.dp_out = {}
         if routing.dp_tables:
             sub = ctx.kjt.permute(list(routing.dp_features))
-            embs = kernels.torch_sequence(self._dp_weights(ctx.kjt), self._dp_feature_tables(), sub.values(),
-                                          sub.length_per_key(), self._dp_sparse_grad)
+            embs = kernels.torch_sequence(
+                self._dp_weights(ctx.kjt),
+                self._dp_feature_tables(),
+                sub.values(),
+                sub.length_per_key(),
+                self._dp_sparse_grad,
+            )
             ctx.dp_out = dict(zip(routing.dp_features, embs))
         recv = ctx.wait()
         if recv is not None:
-            ctx.shard_out = kernels.torch_sequence(self._shard_weights(recv), list(routing.my_route_table),
-                                                   recv.values, recv.ids_per_route(), self.sparse_grad)
+            ctx.shard_out = kernels.torch_sequence(
+                self._shard_weights(recv),
+                list(routing.my_route_table),
+                recv.values,
+                recv.ids_per_route(),
+                self.sparse_grad,
+            )
         return ctx
 
     def output_dist(self, ctx: LookupContext) -> dict[str, JaggedTensor]:
@@ -52,18 +62,25 @@ class ShardedEmbeddingCollection(ShardedCollection):
         dtypes = [self._table_dtypes[ti] for ti in layout.feature_table]
         pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in layout.feature_names]
         if recv is not None:
-            pieces = sequence_output_dist(ctx.shard_out, recv, self._routing, layout.dims, self._out_dtype(),
-                                          self._group, self._device)
+            pieces = sequence_output_dist(
+                ctx.shard_out, recv, self._routing, layout.dims, self._out_dtype(), self._group, self._device
+            )
         out = {}
         for f, name in enumerate(layout.feature_names):
             if f in ctx.dp_out:
                 emb = ctx.dp_out[f]
             else:
                 d, n = layout.dims[f], lpk[f]
-                idx = (torch.cat([i for i, _ in pieces[f]]) if pieces[f]
-                       else torch.zeros(0, dtype=torch.long, device=self._device))
-                src = (torch.cat([c for _, c in pieces[f]]) if pieces[f]
-                       else torch.zeros(0, dtype=self._out_dtype(), device=self._device))
+                idx = (
+                    torch.cat([i for i, _ in pieces[f]])
+                    if pieces[f]
+                    else torch.zeros(0, dtype=torch.long, device=self._device)
+                )
+                src = (
+                    torch.cat([c for _, c in pieces[f]])
+                    if pieces[f]
+                    else torch.zeros(0, dtype=self._out_dtype(), device=self._device)
+                )
                 emb = torch.zeros(n * d, dtype=src.dtype, device=self._device).index_add(0, idx, src).view(n, d)
             lengths = kjt.lengths()[f * b : (f + 1) * b]
             out[name] = JaggedTensor(emb.to(self._output_dtype or dtypes[f]), lengths=lengths)

@@ -129,17 +129,31 @@ def shard_modules(
         resolved = _resolve(model, plan, targets, gsize, local, gsize * replicas, embedding_optimizer, kernels_of)
     except (ValueError, TypeError, KeyError) as e:
         error = e
-    described = {(path, t.name): f"{type(m).__name__} " + describe_table(t, shards[t.name])
-                 for path, m, shards in resolved for t in _configs(m)}
-    options = f"embedding_grad={embedding_grad} embedding_optimizer={as_spec(embedding_optimizer)!r} " \
-              f"shard_group_size={gsize} replicas={replicas} collections={[p for p, _ in targets]}"
+    described = {
+        (path, t.name): f"{type(m).__name__} " + describe_table(t, shards[t.name])
+        for path, m, shards in resolved
+        for t in _configs(m)
+    }
+    options = (
+        f"embedding_grad={embedding_grad} embedding_optimizer={as_spec(embedding_optimizer)!r} "
+        f"shard_group_size={gsize} replicas={replicas} collections={[p for p, _ in targets]}"
+    )
     here = target_device(targets[0][1], device) if targets else _compat.indexed_device(device or "cpu")
-    peers = check_agreement(described, options, error, agree_group, here,
-                            collective_device=here if here.type == "cuda" else None)
+    peers = check_agreement(
+        described, options, error, agree_group, here, collective_device=here if here.type == "cuda" else None
+    )
     for path, m, shards in resolved:
-        sharded = _SHARDED[type(m)](m, shards, group, embedding_grad=embedding_grad, device=device,
-                                    replica_group=replica_group, embedding_optimizer=embedding_optimizer,
-                                    peer_devices=peers, compute_kernels=kernels_of[path])
+        sharded = _SHARDED[type(m)](
+            m,
+            shards,
+            group,
+            embedding_grad=embedding_grad,
+            device=device,
+            replica_group=replica_group,
+            embedding_optimizer=embedding_optimizer,
+            peer_devices=peers,
+            compute_kernels=kernels_of[path],
+        )
         if path == "":
             return sharded
         parent_path, _, name = path.rpartition(".")
@@ -147,8 +161,16 @@ def shard_modules(
     return model
 
 
-def _resolve(model, plan, targets, gsize: int, local: int, world: int, embedding_optimizer,
-             kernels_of: dict[str, dict[str, str | None]]) -> list[tuple]:
+def _resolve(
+    model,
+    plan,
+    targets,
+    gsize: int,
+    local: int,
+    world: int,
+    embedding_optimizer,
+    kernels_of: dict[str, dict[str, str | None]],
+) -> list[tuple]:
     """``(path, module, {table: shards or None})`` for every collection to shard; raises on a bad plan.
 
     Fills ``kernels_of[path]`` with each table's planned ``compute_kernel``."""
@@ -157,8 +179,10 @@ def _resolve(model, plan, targets, gsize: int, local: int, world: int, embedding
         paths = {p for p, m in model.named_modules() if type(m) in _SHARDED or isinstance(m, ShardedCollection)}
         unknown = [p for p in plan.plan if p not in paths]
         if unknown:
-            raise ValueError(f"the plan names modules {unknown} that are not embedding collections of the model; "
-                             f"collections found: {sorted(paths)}")
+            raise ValueError(
+                f"the plan names modules {unknown} that are not embedding collections of the model; "
+                f"collections found: {sorted(paths)}"
+            )
     resolved, auto = [], None
     for path, m in targets:
         tables = _configs(m)

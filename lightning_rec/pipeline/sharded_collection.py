@@ -69,8 +69,9 @@ class LookupContext:
 
 def _versions(kjt: KeyedJaggedTensor) -> tuple[int, ...]:
     """In-place modification counters of the KJT's tensors: a prefetched input dist is valid while they hold."""
-    return tuple(_compat.tensor_version(t) for t in (kjt.values(), kjt.lengths(), kjt.weights_or_none())
-                 if t is not None)
+    return tuple(
+        _compat.tensor_version(t) for t in (kjt.values(), kjt.lengths(), kjt.weights_or_none()) if t is not None
+    )
 
 
 class ShardedCollection(DataParallelGradMode, nn.Module):
@@ -141,12 +142,11 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         # every table's lookup kernel, resolved before anything is allocated or exchanged: a table fbgemm
         # cannot serve raises here, on every rank alike
         self._module_kernel = kernels.validate_kernel(getattr(module, "kernel", "auto"))
-        self._requested_kernels = [requested_kernel((compute_kernels or {}).get(t.name), self._module_kernel)
-                                   for t in tables]
+        self._requested_kernels = [
+            requested_kernel((compute_kernels or {}).get(t.name), self._module_kernel) for t in tables
+        ]
         self._fused_spec = fused
-        self._table_kernels = self._resolve_kernels(
-            [source[t.name].weight.dtype for t in tables], dev
-        )
+        self._table_kernels = self._resolve_kernels([source[t.name].weight.dtype for t in tables], dev)
         container = kernels.TableContainer()
         if fused is not None:  # before any shard is allocated
             check_fused(self._attr, tables, shards, fused)
@@ -187,13 +187,23 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         setattr(self, self._attr, container)
 
         self._routing: RoutingTable = build_routing(
-            self._layout.feature_table, self._layout.dims, [shards[t.name] for t in tables],
-            [ti for ti, _ in self._local_shards], me, self._group_size, dev,
+            self._layout.feature_table,
+            self._layout.dims,
+            [shards[t.name] for t in tables],
+            [ti for ti, _ in self._local_shards],
+            me,
+            self._group_size,
+            dev,
         )
         if fused is not None:
             shard_kernel, dp_kernel = build_kernels(
-                sources, fused, [t.name for t in tables], self._layout.feature_table, self._routing,
-                [ti for ti, _ in self._local_shards], dev,
+                sources,
+                fused,
+                [t.name for t in tables],
+                self._layout.feature_table,
+                self._routing,
+                [ti for ti, _ in self._local_shards],
+                dev,
             )
             object.__setattr__(self, "_fused", shard_kernel)
             object.__setattr__(self, "_dp_fused", dp_kernel)
@@ -278,9 +288,12 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
             return ["fused"] * len(dtypes)
         pooled = self._attr == "embedding_bags"
         dp = {ti for ti, t in enumerate(self._layout.tables) if self._shards[t.name] is None}
-        return [kernels.resolve_table_kernel(req, t.name, d, device, self._dp_sparse_grad if ti in dp else
-                                             self.sparse_grad, pooled)
-                for ti, (t, req, d) in enumerate(zip(self._layout.tables, self._requested_kernels, dtypes))]
+        return [
+            kernels.resolve_table_kernel(
+                req, t.name, d, device, self._dp_sparse_grad if ti in dp else self.sparse_grad, pooled
+            )
+            for ti, (t, req, d) in enumerate(zip(self._layout.tables, self._requested_kernels, dtypes))
+        ]
 
     def _build_lookups(self) -> None:
         """The pooled lookups of this rank's shards and of the data-parallel tables, grouped by kernel."""
@@ -291,12 +304,16 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         routing, kinds, dtypes = self._routing, self._table_kernels, self._table_dtypes
         local = [ti for ti, _ in self._local_shards]
         self._shard_lookup = kernels.GroupedPooledLookup(
-            [kinds[ti] for ti in local], [dtypes[ti] for ti in local], routing.my_route_table,
+            [kinds[ti] for ti in local],
+            [dtypes[ti] for ti in local],
+            routing.my_route_table,
             [r.shard.cols for r in routing.my_routes],
         )
         dp = routing.dp_tables
         self._dp_table_lookup = kernels.GroupedPooledLookup(
-            [kinds[ti] for ti in dp], [dtypes[ti] for ti in dp], self._dp_feature_tables(),
+            [kinds[ti] for ti in dp],
+            [dtypes[ti] for ti in dp],
+            self._dp_feature_tables(),
             [self._layout.dims[f] for f in routing.dp_features],
         )
 
@@ -350,8 +367,10 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         try:
             kjt = (self._raw_id_layout or self._layout).select(features)
             if kjt.device != self._device:
-                raise ValueError(f"the KeyedJaggedTensor is on {kjt.device} but this sharded collection is on "
-                                 f"{self._device}; move the batch (or the module) with .to()")
+                raise ValueError(
+                    f"the KeyedJaggedTensor is on {kjt.device} but this sharded collection is on "
+                    f"{self._device}; move the batch (or the module) with .to()"
+                )
             self._check_weights(kjt)
         except (ValueError, TypeError) as e:
             return None, e
@@ -384,9 +403,17 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         weights = self._wire_weights(kjt.weights_or_none()) if kjt is not None and self._uses_weights() else None
         try:
             pending = dists.start_input_dist(
-                kjt, weights, self._routing, self._group, self._device, rejected=err is not None,
-                with_positions=self._attr == "embeddings", async_op=async_op, ranks=self._global_ranks,
-                row_keys=self._row_keys, ids_checked=checks_enabled(),
+                kjt,
+                weights,
+                self._routing,
+                self._group,
+                self._device,
+                rejected=err is not None,
+                with_positions=self._attr == "embeddings",
+                async_op=async_op,
+                ranks=self._global_ranks,
+                row_keys=self._row_keys,
+                ids_checked=checks_enabled(),
             )
         except dists.InputRejected:
             if err is not None:
@@ -472,23 +499,36 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
     def _fused_lookup(self, kernel, lengths, values, weights, ids_per_feature, batch, group) -> torch.Tensor:
         # select() checked every id of this step against its table (and each rank its own), unless checks
         # are off (compiling): then the kernel checks them itself
-        return union_lookup(kernel, lengths, values, weights, ids_per_feature, batch, group, self._scale, self._device,
-                            ids_checked=checks_enabled())
+        return union_lookup(
+            kernel,
+            lengths,
+            values,
+            weights,
+            ids_per_feature,
+            batch,
+            group,
+            self._scale,
+            self._device,
+            ids_checked=checks_enabled(),
+        )
 
     def _dp_weights(self, kjt: KeyedJaggedTensor) -> list[torch.Tensor]:
         """The data-parallel tables as the lookup sees them (their backward sums the touched rows over ranks)."""
         layout, dp_tables = self._layout, self._routing.dp_tables
         opk = kjt.offset_per_key()
-        ids = [torch.cat([kjt.values()[opk[f] : opk[f + 1]] for f, t in enumerate(layout.feature_table) if t == ti])
-               for ti in dp_tables]
+        ids = [
+            torch.cat([kjt.values()[opk[f] : opk[f + 1]] for f, t in enumerate(layout.feature_table) if t == ti])
+            for ti in dp_tables
+        ]
         return comm.embedding_grad([self._table_param(ti) for ti in dp_tables], ids, self._dp_group, self._scale)
 
     def _dp_feature_tables(self) -> list[int]:
         pos = {ti: k for k, ti in enumerate(self._routing.dp_tables)}
         return [pos[self._layout.feature_table[f]] for f in self._routing.dp_features]
 
-    def route_raw_ids(self, row_of: Mapping[str, dists.RowKey] | None,
-                      on_received: Callable[[Received], Received] | None) -> None:
+    def route_raw_ids(
+        self, row_of: Mapping[str, dists.RowKey] | None, on_received: Callable[[Received], Received] | None
+    ) -> None:
         """Let tables take raw ids (managed collision) until called again with ``None``.
 
         ``row_of[table](ids)`` is, for each raw id, a global row of the row block that must receive it (the
@@ -512,7 +552,9 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         ids = [empty] * len(self._local_shards)
         if self._replica_group is not None and self._local_shards:
             route_ids = torch.split(recv.values, recv.ids_per_route())
-            ids = [torch.cat([route_ids[j] for j, t in enumerate(my_route_table) if t == k] or [empty])
-                   for k in range(len(self._local_shards))]
+            ids = [
+                torch.cat([route_ids[j] for j, t in enumerate(my_route_table) if t == k] or [empty])
+                for k in range(len(self._local_shards))
+            ]
         weights = [self._table_param(ti) for ti, _ in self._local_shards]
         return comm.embedding_grad(weights, ids, self._replica_group, self._scale)

@@ -77,8 +77,14 @@ def sharded_state_dict_hook(module: _ShardedTables, state_dict: dict, prefix: st
         key = table_key(module, t.name, prefix)
         piece = state_dict.pop(key, None)
         pieces = [(piece, [s.row_offset, s.col_offset]) for j, s in local if j == i and piece is not None]
-        state_dict[key] = table_dtensor(pieces, shards, [t.num_embeddings, t.embedding_dim], dtypes[i],
-                                        device if piece is None else piece.device, module.shard_group)
+        state_dict[key] = table_dtensor(
+            pieces,
+            shards,
+            [t.num_embeddings, t.embedding_dim],
+            dtypes[i],
+            device if piece is None else piece.device,
+            module.shard_group,
+        )
     return state_dict
 
 
@@ -103,8 +109,11 @@ def load_hook(module: _ShardedTables, state_dict: dict, prefix: str) -> None:
             if not mine:
                 continue
             (s,) = mine
-            found = [t for off, t in _compat.local_pieces(value)
-                     if off == [s.row_offset, s.col_offset] and list(t.shape) == [s.rows, s.cols]]
+            found = [
+                t
+                for off, t in _compat.local_pieces(value)
+                if off == [s.row_offset, s.col_offset] and list(t.shape) == [s.rows, s.cols]
+            ]
             if not found:
                 if s.rows == 0:
                     continue

@@ -28,8 +28,20 @@ PLACEMENT_FIELDS = ("ranks", "row_sizes", "col_sizes", "host_indexes")
 
 #: TorchRec's compute kernel names (accepted in plans; the lookup kernel here is chosen by "auto" / "torch" /
 #: "fbgemm", and TorchRec's names pick "auto")
-COMPUTE_KERNELS = ("auto", "torch", "fbgemm", "dense", "fused", "fused_uvm", "fused_uvm_caching", "quant",
-                   "quant_uvm", "quant_uvm_caching", "key_value", "customized_kernel")
+COMPUTE_KERNELS = (
+    "auto",
+    "torch",
+    "fbgemm",
+    "dense",
+    "fused",
+    "fused_uvm",
+    "fused_uvm_caching",
+    "quant",
+    "quant_uvm",
+    "quant_uvm_caching",
+    "key_value",
+    "customized_kernel",
+)
 
 
 # -- TorchRec's shard descriptions (torch's ShardMetadata / EnumerableShardingSpec, which live in the deprecated
@@ -161,8 +173,10 @@ class ParameterSharding:
             raise ValueError(f"num_buckets applies to row_wise only, not {self.sharding_type.value}")
         spec = self.sharding_spec
         if spec is not None and not isinstance(spec, EnumerableShardingSpec):
-            raise TypeError(f"sharding_spec must be an EnumerableShardingSpec of ShardMetadata (TorchRec's), got "
-                            f"{type(spec).__name__}")
+            raise TypeError(
+                f"sharding_spec must be an EnumerableShardingSpec of ShardMetadata (TorchRec's), got "
+                f"{type(spec).__name__}"
+            )
 
 
 def _as_ints(table: str, field_name: str, values: Iterable[object] | None) -> list[int] | None:
@@ -215,8 +229,9 @@ def _col_sizes(table: BaseEmbeddingConfig, ps: ParameterSharding, n: int) -> lis
 def _bucket_rows(table: BaseEmbeddingConfig, num_buckets: int, group_size: int) -> list[int]:
     """TorchRec's bucketized row-wise sizes: equal buckets, the first ``num_buckets % group_size`` ranks one more."""
     if table.num_embeddings % num_buckets:
-        raise ValueError(f"table {table.name!r}: num_buckets={num_buckets} does not divide "
-                         f"num_embeddings={table.num_embeddings}")
+        raise ValueError(
+            f"table {table.name!r}: num_buckets={num_buckets} does not divide num_embeddings={table.num_embeddings}"
+        )
     size, per_rank, extra = table.num_embeddings // num_buckets, num_buckets // group_size, num_buckets % group_size
     return [size * (per_rank + (r < extra)) for r in range(group_size)]
 
@@ -266,20 +281,27 @@ class ShardingKind:
                 )
         placement: dict[str, Any] = {f: _as_ints(name, f, getattr(ps, f)) for f in PLACEMENT_FIELDS}
         return ParameterSharding(
-            self.sharding_type, **placement, compute_kernel=ps.compute_kernel, num_buckets=ps.num_buckets,
+            self.sharding_type,
+            **placement,
+            compute_kernel=ps.compute_kernel,
+            num_buckets=ps.num_buckets,
         )
 
-    def tiling(self, table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int,
-               local_size: int) -> Tiling | None:
+    def tiling(
+        self, table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int, local_size: int
+    ) -> Tiling | None:
         """Validate ``ps`` for ``table`` and return its rectangles (None: a full replica on every rank)."""
         ps = self.normalized(table.name, ps)
         if self.needs_hosts and group_size % local_size:
-            raise ValueError(f"table {table.name!r}: local_size={local_size} does not divide the group size "
-                             f"{group_size}, so hosts are undefined")
+            raise ValueError(
+                f"table {table.name!r}: local_size={local_size} does not divide the group size "
+                f"{group_size}, so hosts are undefined"
+            )
         given = ps.ranks if "ranks" not in self.fields else None
         if given is not None:
-            ps = ParameterSharding(ps.sharding_type, None, ps.row_sizes, ps.col_sizes, ps.host_indexes,
-                                   ps.compute_kernel, ps.num_buckets)
+            ps = ParameterSharding(
+                ps.sharding_type, None, ps.row_sizes, ps.col_sizes, ps.host_indexes, ps.compute_kernel, ps.num_buckets
+            )
         tiling = self._tile(table, ps, group_size, local_size)
         if given is not None:
             derived = resolved_ranks(tiling, group_size)
@@ -291,13 +313,15 @@ class ShardingKind:
                 )
         return tiling
 
-    def layout(self, table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int,
-               local_size: int) -> Tiling | None:
+    def layout(
+        self, table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int, local_size: int
+    ) -> Tiling | None:
         """:meth:`tiling` of a placement already checked (the planner's own candidates; resolved plans)."""
         return self._tile(table, ps, group_size, local_size)
 
-    def _tile(self, table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int,
-              local_size: int) -> Tiling | None:
+    def _tile(
+        self, table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int, local_size: int
+    ) -> Tiling | None:
         raise NotImplementedError
 
     def candidates(self, space: CandidateSpace) -> list[ParameterSharding]:
@@ -380,8 +404,9 @@ class ColumnWise(ShardingKind):
         for r in ranks:
             _check_rank(table.name, r, group_size, "column shard rank")
         if len(set(ranks)) != len(ranks):
-            raise ValueError(f"table {table.name!r}: column_wise ranks {ranks} repeat a rank; give each shard its "
-                             "own rank")
+            raise ValueError(
+                f"table {table.name!r}: column_wise ranks {ranks} repeat a rank; give each shard its own rank"
+            )
         cols = _col_sizes(table, ps, len(ranks))
         return Tiling.grid([table.num_embeddings], cols, ranks)
 
@@ -402,8 +427,10 @@ class TableColumnWise(ColumnWise):
         tiling = super()._tile(table, ps, group_size, local_size)
         hosts = sorted({r // local_size for r in ps.ranks or []})
         if len(hosts) > 1:
-            raise ValueError(f"table {table.name!r}: table_column_wise ranks {ps.ranks} span hosts {hosts} "
-                             f"(local_size={local_size}); keep them on one host, or use column_wise")
+            raise ValueError(
+                f"table {table.name!r}: table_column_wise ranks {ps.ranks} span hosts {hosts} "
+                f"(local_size={local_size}); keep them on one host, or use column_wise"
+            )
         return tiling
 
     def candidates(self, space):
@@ -419,12 +446,16 @@ class TableRowWise(ShardingKind):
 
     def _tile(self, table, ps, group_size, local_size):
         if not ps.host_indexes or len(ps.host_indexes) != 1:
-            raise ValueError(f"table {table.name!r}: table_row_wise needs one host index, e.g. "
-                             "table_row_wise(host_index=0)")
+            raise ValueError(
+                f"table {table.name!r}: table_row_wise needs one host index, e.g. table_row_wise(host_index=0)"
+            )
         host = ps.host_indexes[0]
         _check_host(table.name, host, group_size, local_size)
-        return Tiling.grid(even_blocks(table.num_embeddings, local_size), [table.embedding_dim],
-                           host * local_size + np.arange(local_size))
+        return Tiling.grid(
+            even_blocks(table.num_embeddings, local_size),
+            [table.embedding_dim],
+            host * local_size + np.arange(local_size),
+        )
 
     def candidates(self, space):
         if space.local_size == 1 or space.num_hosts == 1:  # the same as table_wise / row_wise then
@@ -448,8 +479,10 @@ class GridShard(ShardingKind):
         for h in hosts:
             _check_host(table.name, h, group_size, local_size)
         if len(set(hosts)) != len(hosts):
-            raise ValueError(f"table {table.name!r}: grid_shard host_indexes {hosts} repeat a host; give each column "
-                             "shard its own host")
+            raise ValueError(
+                f"table {table.name!r}: grid_shard host_indexes {hosts} repeat a host; give each column "
+                "shard its own host"
+            )
         cols = _col_sizes(table, ps, len(hosts))
         rows = even_blocks(table.num_embeddings, local_size)
         return Tiling.grid(rows, cols, np.asarray(hosts)[:, None] * local_size + np.arange(local_size))
@@ -489,14 +522,17 @@ def placement_of(shards: list[ShardMeta] | None, group_size: int, local_size: in
     if len(shards) == 1:
         return ParameterSharding(ShardingType.TABLE_WISE, ranks=[shards[0].rank])
     if len(by_col) == len(shards):
-        return ParameterSharding(ShardingType.COLUMN_WISE,
-                                 ranks=[s.rank for s in sorted(shards, key=lambda s: s.col_offset)], col_sizes=sizes)
+        return ParameterSharding(
+            ShardingType.COLUMN_WISE,
+            ranks=[s.rank for s in sorted(shards, key=lambda s: s.col_offset)],
+            col_sizes=sizes,
+        )
     if len(by_col) == 1:
         if len(ranks) == group_size:
-            return ParameterSharding(ShardingType.ROW_WISE,
-                                     row_sizes=[s.rows for s in sorted(shards, key=lambda s: s.rank)])
+            return ParameterSharding(
+                ShardingType.ROW_WISE, row_sizes=[s.rows for s in sorted(shards, key=lambda s: s.rank)]
+            )
         return ParameterSharding(ShardingType.TABLE_ROW_WISE, host_indexes=[ranks[0] // local_size])
     # grid: the host of each column block, in column order
     host_of_col = {s.col_offset: s.rank // local_size for s in shards}
-    return ParameterSharding(ShardingType.GRID_SHARD, host_indexes=[host_of_col[o] for o, _ in by_col],
-                             col_sizes=sizes)
+    return ParameterSharding(ShardingType.GRID_SHARD, host_indexes=[host_of_col[o] for o, _ in by_col], col_sizes=sizes)

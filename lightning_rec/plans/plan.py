@@ -66,8 +66,9 @@ def row_wise(
     if sizes_placement is not None and num_buckets is not None:
         raise ValueError("row_wise: give sizes_placement or num_buckets, not both")
     sizes = None if sizes_placement is None else list(sizes_placement)
-    return ParameterSharding(ShardingType.ROW_WISE, row_sizes=sizes, compute_kernel=cast(str, compute_kernel),
-                             num_buckets=num_buckets)
+    return ParameterSharding(
+        ShardingType.ROW_WISE, row_sizes=sizes, compute_kernel=cast(str, compute_kernel), num_buckets=num_buckets
+    )
 
 
 def column_wise(
@@ -91,30 +92,40 @@ def column_wise(
         for d in device_types:
             _check_device(d, "device type")
         if len(set(device_types)) > 1:
-            raise ValueError(f"column_wise: device_types {list(device_types)} mix devices; the shards of a "
-                             "collection all live on its device")
+            raise ValueError(
+                f"column_wise: device_types {list(device_types)} mix devices; the shards of a "
+                "collection all live on its device"
+            )
     return ParameterSharding(
-        ShardingType.COLUMN_WISE, ranks=list(ranks), col_sizes=None if size_per_rank is None else list(size_per_rank),
+        ShardingType.COLUMN_WISE,
+        ranks=list(ranks),
+        col_sizes=None if size_per_rank is None else list(size_per_rank),
         compute_kernel=cast(str, compute_kernel),
     )
 
 
 def table_row_wise(host_index: int, compute_kernel: str | None = None) -> ParameterSharding:
     """Rows split over the ranks of one host (``local_size`` consecutive ranks)."""
-    return ParameterSharding(ShardingType.TABLE_ROW_WISE, host_indexes=[host_index],
-                             compute_kernel=cast(str, compute_kernel))
+    return ParameterSharding(
+        ShardingType.TABLE_ROW_WISE, host_indexes=[host_index], compute_kernel=cast(str, compute_kernel)
+    )
 
 
-def table_column_wise(ranks: list[int], size_per_rank: list[int] | None = None,
-                      compute_kernel: str | None = None) -> ParameterSharding:
+def table_column_wise(
+    ranks: list[int], size_per_rank: list[int] | None = None, compute_kernel: str | None = None
+) -> ParameterSharding:
     """TorchRec's table-column-wise: column shards as :func:`column_wise`, on ranks of one host."""
-    return ParameterSharding(ShardingType.TABLE_COLUMN_WISE, ranks=list(ranks),
-                             col_sizes=None if size_per_rank is None else list(size_per_rank),
-                             compute_kernel=cast(str, compute_kernel))
+    return ParameterSharding(
+        ShardingType.TABLE_COLUMN_WISE,
+        ranks=list(ranks),
+        col_sizes=None if size_per_rank is None else list(size_per_rank),
+        compute_kernel=cast(str, compute_kernel),
+    )
 
 
-def grid_shard(host_indexes: list[int], size_per_shard: list[int] | None = None,
-               compute_kernel: str | None = None) -> ParameterSharding:
+def grid_shard(
+    host_indexes: list[int], size_per_shard: list[int] | None = None, compute_kernel: str | None = None
+) -> ParameterSharding:
     """Columns split into ``len(host_indexes)`` shards, each row-split over the ranks of its host."""
     return ParameterSharding(
         ShardingType.GRID_SHARD,
@@ -176,16 +187,22 @@ def shard_placement(rank: int, device_type: str, local_size: int) -> str:
     return f"rank:{rank}/{device_type}"
 
 
-def sharding_spec_of(shards: list[ShardMeta] | None, device_type: str,
-                     local_size: int) -> EnumerableShardingSpec | None:
+def sharding_spec_of(
+    shards: list[ShardMeta] | None, device_type: str, local_size: int
+) -> EnumerableShardingSpec | None:
     """TorchRec's ``sharding_spec`` of resolved shards (None for a data-parallel table), in the shards' order."""
     if shards is None:
         return None
-    return EnumerableShardingSpec([
-        ShardMetadata(shard_offsets=[s.row_offset, s.col_offset], shard_sizes=[s.rows, s.cols],
-                      placement=shard_placement(s.rank, device_type, local_size))
-        for s in shards
-    ])
+    return EnumerableShardingSpec(
+        [
+            ShardMetadata(
+                shard_offsets=[s.row_offset, s.col_offset],
+                shard_sizes=[s.rows, s.cols],
+                placement=shard_placement(s.rank, device_type, local_size),
+            )
+            for s in shards
+        ]
+    )
 
 
 def _rw_sizes_offsets(row_sizes: list[int], columns: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -324,9 +341,11 @@ def construct_module_sharding_plan(
     run the collection's own kernel choice here).
     """
     if isinstance(sharder, int) and not isinstance(sharder, bool):
-        raise TypeError("construct_module_sharding_plan(module, per_param_sharding, sharder, local_size, "
-                        "world_size, device_type): the third argument is the sharder (TorchRec's order); pass "
-                        "local_size= by keyword")
+        raise TypeError(
+            "construct_module_sharding_plan(module, per_param_sharding, sharder, local_size, "
+            "world_size, device_type): the third argument is the sharder (TorchRec's order); pass "
+            "local_size= by keyword"
+        )
     module_type = getattr(sharder, "module_type", None)
     if sharder is not None and (module_type is None or not isinstance(module, module_type)):
         raise ValueError(f"sharder {type(sharder).__name__} does not shard a {type(module).__name__}")
@@ -347,10 +366,12 @@ def construct_module_sharding_plan(
             weight = getattr(modules.get(name), "weight", None)
             ps = ps(weight, local_size, world_size, device_type, sharder)
         if isinstance(ps, ParameterSharding) and ps.compute_kernel == "auto":
-            fused = (ps.sharding_type != ShardingType.DATA_PARALLEL
-                     and hasattr(getattr(modules.get(name), "weight", None), "_in_backward_optimizers"))
+            fused = ps.sharding_type != ShardingType.DATA_PARALLEL and hasattr(
+                getattr(modules.get(name), "weight", None), "_in_backward_optimizers"
+            )
             ps = replace(ps, compute_kernel="fused" if fused else "dense")
         plan[name] = ps
     resolve_module_plan(tables, plan, world_size, local_size)
     return EmbeddingModuleShardingPlan(
-        {n: with_resolved_ranks(by_name[n], ps, world_size, local_size, device_type) for n, ps in plan.items()})
+        {n: with_resolved_ranks(by_name[n], ps, world_size, local_size, device_type) for n, ps in plan.items()}
+    )

@@ -67,10 +67,14 @@ class Tiling:
     owners: np.ndarray  # [k, n]
 
     @staticmethod
-    def grid(row_sizes: Sequence[int] | np.ndarray, col_sizes: Sequence[int],
-             owners: Sequence[Sequence[int]] | np.ndarray) -> Tiling:
-        return Tiling(np.asarray(row_sizes, dtype=np.int64), np.asarray(col_sizes, dtype=np.int64),
-                      np.asarray(owners, dtype=np.int64).reshape(len(col_sizes), -1))
+    def grid(
+        row_sizes: Sequence[int] | np.ndarray, col_sizes: Sequence[int], owners: Sequence[Sequence[int]] | np.ndarray
+    ) -> Tiling:
+        return Tiling(
+            np.asarray(row_sizes, dtype=np.int64),
+            np.asarray(col_sizes, dtype=np.int64),
+            np.asarray(owners, dtype=np.int64).reshape(len(col_sizes), -1),
+        )
 
     @property
     def col_blocks(self) -> int:
@@ -91,8 +95,13 @@ class Tiling:
     def shards(self) -> list[ShardMeta]:
         row_offs, col_offs = offsets_of(self.row_sizes.tolist()), offsets_of(self.col_sizes.tolist())
         owners = self.owners.tolist()
-        return [ShardMeta(row_offs[r], row_offs[r + 1] - row_offs[r], col_offs[c], col_offs[c + 1] - col_offs[c],
-                          owners[c][r]) for c in range(len(self.col_sizes)) for r in range(len(self.row_sizes))]
+        return [
+            ShardMeta(
+                row_offs[r], row_offs[r + 1] - row_offs[r], col_offs[c], col_offs[c + 1] - col_offs[c], owners[c][r]
+            )
+            for c in range(len(self.col_sizes))
+            for r in range(len(self.row_sizes))
+        ]
 
 
 def block_shards(
@@ -127,8 +136,11 @@ def dtensor_placement(shards: Sequence[ShardMeta], num_rows: int, dim: int, grou
         sizes = even_split(total, group_size)
         offs = offsets_of(sizes)
         want = {(offs[r], sizes[r], r) for r in range(group_size) if sizes[r] > 0}
-        got = {((s.row_offset, s.rows) if d == 0 else (s.col_offset, s.cols)) + (s.rank,) for s in full
-               if ((s.col_offset, s.cols) if d == 0 else (s.row_offset, s.rows)) == (0, dim if d == 0 else num_rows)}
+        got = {
+            ((s.row_offset, s.rows) if d == 0 else (s.col_offset, s.cols)) + (s.rank,)
+            for s in full
+            if ((s.col_offset, s.cols) if d == 0 else (s.row_offset, s.rows)) == (0, dim if d == 0 else num_rows)
+        }
         if len(got) == len(full) and got == want and total > 0:
             return ("shard", d)
     return None

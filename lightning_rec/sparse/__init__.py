@@ -47,9 +47,16 @@ def _flatten_kjt(kjt: KeyedJaggedTensor) -> tuple[list, tuple]:
 def _unflatten_kjt(children: list, ctx: tuple) -> KeyedJaggedTensor:
     keys, stride, spkpr, inv_keys = ctx
     inv = children[4] if len(children) > 4 else None
-    return KeyedJaggedTensor(keys, children[0], weights=children[1], lengths=children[2], offsets=children[3],
-                             stride=stride, stride_per_key_per_rank=spkpr,
-                             inverse_indices=None if inv is None or inv_keys is None else (inv_keys, inv))
+    return KeyedJaggedTensor(
+        keys,
+        children[0],
+        weights=children[1],
+        lengths=children[2],
+        offsets=children[3],
+        stride=stride,
+        stride_per_key_per_rank=spkpr,
+        inverse_indices=None if inv is None or inv_keys is None else (inv_keys, inv),
+    )
 
 
 def _flatten_kt(kt: KeyedTensor) -> tuple[list, tuple]:

@@ -17,11 +17,12 @@ def bags(values: torch.Tensor, offsets: torch.Tensor, lo: int = 0, hi: int | Non
 def jagged(name: str, values: torch.Tensor, weights: torch.Tensor | None, offsets: torch.Tensor) -> str:
     if weights is None:
         return f"{name}({{\n    {bags(values, offsets)}\n}})\n"
-    return (f'{name}({{\n    "values": {bags(values, offsets)},\n    "weights": {bags(weights, offsets)}\n}})\n')
+    return f'{name}({{\n    "values": {bags(values, offsets)},\n    "weights": {bags(weights, offsets)}\n}})\n'
 
 
-def keyed_jagged(keys: list[str], values: torch.Tensor, weights: torch.Tensor | None, offsets: torch.Tensor,
-                 bag_bounds: list[int]) -> str:
+def keyed_jagged(
+    keys: list[str], values: torch.Tensor, weights: torch.Tensor | None, offsets: torch.Tensor, bag_bounds: list[int]
+) -> str:
     if not keys:
         return "KeyedJaggedTensor()\n"
     parts = []
@@ -30,8 +31,10 @@ def keyed_jagged(keys: list[str], values: torch.Tensor, weights: torch.Tensor | 
         if weights is None:
             parts.append(f'    "{k}": {bags(values, offsets, lo, hi)}')
         else:
-            parts.append(f'    "{k}": {{\n        "values": {bags(values, offsets, lo, hi)},\n'
-                         f'        "weights": {bags(weights, offsets, lo, hi)}\n    }}')
+            parts.append(
+                f'    "{k}": {{\n        "values": {bags(values, offsets, lo, hi)},\n'
+                f'        "weights": {bags(weights, offsets, lo, hi)}\n    }}'
+            )
     return "KeyedJaggedTensor({\n" + ",\n".join(parts) + "\n})\n"
 
 

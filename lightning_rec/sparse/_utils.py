@@ -79,8 +79,9 @@ def lengths_and_offsets(
         if check:
             _check_integer("offsets", offsets, what)
         if offsets.numel() == 0:  # TorchRec accepts an empty offsets tensor for no bags
-            offsets = torch.zeros(1, dtype=torch.long if offsets.is_floating_point() else offsets.dtype,
-                                  device=offsets.device)
+            offsets = torch.zeros(
+                1, dtype=torch.long if offsets.is_floating_point() else offsets.dtype, device=offsets.device
+            )
         if check and int(offsets[0]) != 0:
             raise SparseInputError(f"{what}: `offsets` must start with 0 and have one more entry than bags")
         lengths = offsets[1:] - offsets[:-1]
@@ -92,9 +93,7 @@ def lengths_and_offsets(
         if total > values.size(0):
             raise SparseInputError(f"{what}: lengths sum to {total} but `values` has only {values.size(0)} entries")
         if weights is not None and total > weights.size(0):
-            raise SparseInputError(
-                f"{what}: lengths sum to {total} but `weights` has only {weights.size(0)} entries"
-            )
+            raise SparseInputError(f"{what}: lengths sum to {total} but `weights` has only {weights.size(0)} entries")
     return lengths, offsets, total
 
 

@@ -71,8 +71,10 @@ class JaggedTensor(metaclass=SparseMeta):
     ) -> "JaggedTensor":
         weights = torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None
         return JaggedTensor(
-            torch.empty(0, dtype=values_dtype, device=device), weights,
-            torch.empty(0, dtype=lengths_dtype, device=device), None,
+            torch.empty(0, dtype=values_dtype, device=device),
+            weights,
+            torch.empty(0, dtype=lengths_dtype, device=device),
+            None,
         )
 
     @staticmethod

@@ -124,9 +124,12 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
                 self._length_per_key = cast("list[int]", [_as_int(x) for x in length_per_key])
             elif offset_per_key is not None:
                 self._length_per_key = cast(
-                    "list[int]", [_as_int(b - a) for a, b in itertools.pairwise(offset_per_key)])
-            if check and self._length_per_key is not None and (
-                len(self._length_per_key) != len(keys) or (covered >= 0 and sum(self._length_per_key) != covered)
+                    "list[int]", [_as_int(b - a) for a, b in itertools.pairwise(offset_per_key)]
+                )
+            if (
+                check
+                and self._length_per_key is not None
+                and (len(self._length_per_key) != len(keys) or (covered >= 0 and sum(self._length_per_key) != covered))
             ):
                 raise SparseInputError(
                     f"KeyedJaggedTensor: length_per_key {self._length_per_key} does not split the {covered} "
@@ -145,8 +148,15 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
         stride_per_key_per_rank: list[list[int]] | None = None,
         inverse_indices: tuple[list[str], torch.Tensor] | None = None,
     ) -> "KeyedJaggedTensor":
-        return KeyedJaggedTensor(keys, values, weights=weights, lengths=lengths, stride=stride,
-                                 stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
+        return KeyedJaggedTensor(
+            keys,
+            values,
+            weights=weights,
+            lengths=lengths,
+            stride=stride,
+            stride_per_key_per_rank=stride_per_key_per_rank,
+            inverse_indices=inverse_indices,
+        )
 
     @staticmethod
     def from_offsets_sync(
@@ -158,8 +168,15 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
         stride_per_key_per_rank: list[list[int]] | None = None,
         inverse_indices: tuple[list[str], torch.Tensor] | None = None,
     ) -> "KeyedJaggedTensor":
-        return KeyedJaggedTensor(keys, values, weights=weights, offsets=offsets, stride=stride,
-                                 stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
+        return KeyedJaggedTensor(
+            keys,
+            values,
+            weights=weights,
+            offsets=offsets,
+            stride=stride,
+            stride_per_key_per_rank=stride_per_key_per_rank,
+            inverse_indices=inverse_indices,
+        )
 
     @staticmethod
     def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> "KeyedJaggedTensor":
@@ -331,9 +348,7 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
                 lpk = [self._values.size(0) // n] * n
                 lpk[0] += self._values.size(0) % n
             elif not self._variable_stride:
-                lpk = torch.jit.annotate(
-                    list[int], self._lengths.view(len(self._keys), self._stride).sum(1).tolist()
-                )
+                lpk = torch.jit.annotate(list[int], self._lengths.view(len(self._keys), self._stride).sum(1).tolist())
             else:
                 bounds = self._offsets[self._lengths_offset_per_key]
                 lpk = torch.jit.annotate(list[int], (bounds[1:] - bounds[:-1]).tolist())
@@ -393,12 +408,20 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
             lo, hi = opk[k], opk[k + s]
             out.append(
                 KeyedJaggedTensor(
-                    self._keys[k : k + s], self._values[lo:hi], weights=None if w is None else w[lo:hi],
-                    lengths=self._lengths[lopk[k] : lopk[k + s]], offsets=None, stride=self._stride,
-                    stride_per_key_per_rank=self._stride_per_key_per_rank[k : k + s] if self._variable_stride
-                    else None,
-                    stride_per_key=None, length_per_key=lpk[k : k + s], lengths_offset_per_key=None,
-                    offset_per_key=None, index_per_key=None, jt_dict=None, inverse_indices=self._inverse_indices,
+                    self._keys[k : k + s],
+                    self._values[lo:hi],
+                    weights=None if w is None else w[lo:hi],
+                    lengths=self._lengths[lopk[k] : lopk[k + s]],
+                    offsets=None,
+                    stride=self._stride,
+                    stride_per_key_per_rank=self._stride_per_key_per_rank[k : k + s] if self._variable_stride else None,
+                    stride_per_key=None,
+                    length_per_key=lpk[k : k + s],
+                    lengths_offset_per_key=None,
+                    offset_per_key=None,
+                    index_per_key=None,
+                    jt_dict=None,
+                    inverse_indices=self._inverse_indices,
                 )
             )
             k += s
@@ -434,11 +457,20 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
         w = self._weights
         spkpr = [self._stride_per_key_per_rank[i] for i in indices] if self._variable_stride else None
         return KeyedJaggedTensor(
-            [self._keys[i] for i in indices], self._values[gather], weights=None if w is None else w[gather],
-            lengths=lengths, offsets=None, stride=self._stride,
+            [self._keys[i] for i in indices],
+            self._values[gather],
+            weights=None if w is None else w[gather],
+            lengths=lengths,
+            offsets=None,
+            stride=self._stride,
             stride_per_key_per_rank=spkpr,
-            stride_per_key=None, length_per_key=new_lpk, lengths_offset_per_key=None, offset_per_key=None,
-            index_per_key=None, jt_dict=None, inverse_indices=self._inverse_indices,
+            stride_per_key=None,
+            length_per_key=new_lpk,
+            lengths_offset_per_key=None,
+            offset_per_key=None,
+            index_per_key=None,
+            jt_dict=None,
+            inverse_indices=self._inverse_indices,
         )
 
     # (inside methods every constructor argument is given: TorchScript compiles methods before it knows the
@@ -447,16 +479,25 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
     def _apply(self, fn: Callable) -> "KeyedJaggedTensor":  # (no Callable[[...]]: TorchScript reads hints)
         inv = self._inverse_indices
         return KeyedJaggedTensor(
-            self._keys, fn(self._values), weights=None if self._weights is None else fn(self._weights),
-            lengths=fn(self._lengths), offsets=fn(self._offsets), stride=self._stride,
+            self._keys,
+            fn(self._values),
+            weights=None if self._weights is None else fn(self._weights),
+            lengths=fn(self._lengths),
+            offsets=fn(self._offsets),
+            stride=self._stride,
             stride_per_key_per_rank=self._stride_per_key_per_rank if self._variable_stride else None,
-            stride_per_key=None, length_per_key=self._length_per_key, lengths_offset_per_key=None,
-            offset_per_key=None, index_per_key=None, jt_dict=None,
+            stride_per_key=None,
+            length_per_key=self._length_per_key,
+            lengths_offset_per_key=None,
+            offset_per_key=None,
+            index_per_key=None,
+            jt_dict=None,
             inverse_indices=None if inv is None else (inv[0], fn(inv[1])),
         )
 
-    def to(self, device: torch.device, non_blocking: bool = False, dtype: torch.dtype | None = None
-           ) -> "KeyedJaggedTensor":
+    def to(
+        self, device: torch.device, non_blocking: bool = False, dtype: torch.dtype | None = None
+    ) -> "KeyedJaggedTensor":
         if not torch.jit.is_scripting():
             device = torch.device(device)  # a string too
         w, inv = self._weights, self._inverse_indices
@@ -467,12 +508,19 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
             if dtype is not None:
                 w = w.to(dtype)
         return KeyedJaggedTensor(
-            self._keys, self._values.to(device, non_blocking=non_blocking), weights=w,
+            self._keys,
+            self._values.to(device, non_blocking=non_blocking),
+            weights=w,
             lengths=self._lengths.to(device, non_blocking=non_blocking),
-            offsets=self._offsets.to(device, non_blocking=non_blocking), stride=self._stride,
+            offsets=self._offsets.to(device, non_blocking=non_blocking),
+            stride=self._stride,
             stride_per_key_per_rank=self._stride_per_key_per_rank if self._variable_stride else None,
-            stride_per_key=None, length_per_key=self._length_per_key, lengths_offset_per_key=None,
-            offset_per_key=None, index_per_key=None, jt_dict=None,
+            stride_per_key=None,
+            length_per_key=self._length_per_key,
+            lengths_offset_per_key=None,
+            offset_per_key=None,
+            index_per_key=None,
+            jt_dict=None,
             inverse_indices=None if inv is None else (inv[0], inv[1].to(device, non_blocking=non_blocking)),
         )
 
@@ -492,14 +540,17 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
 
     @torch.jit.unused
     def __str__(self) -> str:
-        return _format.keyed_jagged(self._keys, self._values, self._weights, self._offsets,
-                                    self._lengths_offset_per_key)
+        return _format.keyed_jagged(
+            self._keys, self._values, self._weights, self._offsets, self._lengths_offset_per_key
+        )
 
     @torch.jit.unused
     def __repr__(self) -> str:
         w = "" if self._weights is None else f", weights={self._weights.tolist()}"
-        return (f"KeyedJaggedTensor(keys={self._keys}, stride_per_key={self._stride_per_key}, "
-                f"lengths={self._lengths.tolist()}, values={self._values.tolist()}{w})")
+        return (
+            f"KeyedJaggedTensor(keys={self._keys}, stride_per_key={self._stride_per_key}, "
+            f"lengths={self._lengths.tolist()}, values={self._values.tolist()}{w})"
+        )
 
 
 # fx.wrap: under torch.fx tracing these are single graph nodes (their arguments are Proxies to iterate over)

@@ -41,8 +41,9 @@ class KeyedTensor(metaclass=SparseMeta):
     ) -> "KeyedTensor":
         """Concatenate one tensor per key along ``cat_dim``; block widths read along ``key_dim``."""
         # every argument given: inside the class TorchScript does not know the defaults yet
-        return KeyedTensor(keys, [t.size(key_dim) for t in tensors], torch.cat(tensors, dim=cat_dim), key_dim,
-                           None, None)
+        return KeyedTensor(
+            keys, [t.size(key_dim) for t in tensors], torch.cat(tensors, dim=cat_dim), key_dim, None, None
+        )
 
     def keys(self) -> list[str]:
         return self._keys
@@ -74,8 +75,14 @@ class KeyedTensor(metaclass=SparseMeta):
         return {k: self._block(i) for i, k in enumerate(self._keys)}
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "KeyedTensor":
-        return KeyedTensor(self._keys, self._length_per_key, self._values.to(device, non_blocking=non_blocking),
-                           self._key_dim, self._offsets, None)
+        return KeyedTensor(
+            self._keys,
+            self._length_per_key,
+            self._values.to(device, non_blocking=non_blocking),
+            self._key_dim,
+            self._offsets,
+            None,
+        )
 
     @torch.jit.unused
     def record_stream(self, stream: torch.cuda.Stream) -> None:

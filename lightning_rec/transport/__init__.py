@@ -53,7 +53,11 @@ _dist_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_g
 
 
 def all_to_all_single(
-    out: torch.Tensor, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None,
+    out: torch.Tensor,
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: dist.ProcessGroup | None,
     async_op: bool = False,
 ):
     """``dist.all_to_all_single`` (splits in rows of dim 0); through shared memory where the group allows."""
@@ -80,8 +84,12 @@ class PendingPieces(Generic[T]):
 
 
 def all_to_all_pieces(
-    sends: list[list[torch.Tensor]], recv_sizes: list[list[int]], consume: Callable[[list[list[torch.Tensor]]], T],
-    group: dist.ProcessGroup | None, device: torch.device, async_op: bool = False,
+    sends: list[list[torch.Tensor]],
+    recv_sizes: list[list[int]],
+    consume: Callable[[list[list[torch.Tensor]]], T],
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    async_op: bool = False,
 ) -> PendingPieces[T]:
     """Variable all-to-all of 1-D pieces of one dtype: this rank's ``sends[r]`` reach rank ``r``, where
     ``recv_sizes[s]`` gives the numel of each piece from rank ``s``. ``consume(got)`` gets every source's pieces
@@ -102,8 +110,9 @@ def all_to_all_pieces(
     send = torch.cat(flat) if flat else torch.zeros(0, dtype=dtype, device=device)
     out_splits = [sum(sizes) for sizes in recv_sizes]
     out = torch.empty(sum(out_splits), dtype=dtype, device=device)
-    work = dist.all_to_all_single(out, send, out_splits, [sum(t.numel() for t in lst) for lst in sends],
-                                  group=group, async_op=async_op)
+    work = dist.all_to_all_single(
+        out, send, out_splits, [sum(t.numel() for t in lst) for lst in sends], group=group, async_op=async_op
+    )
 
     def finish() -> T:
         parts = torch.split(out, out_splits)
@@ -112,8 +121,9 @@ def all_to_all_pieces(
     return PendingPieces(None, work, finish)
 
 
-def all_to_all_views(sends: list[list[torch.Tensor]], recvs: list[list[torch.Tensor]],
-                     group: dist.ProcessGroup | None) -> None:
+def all_to_all_views(
+    sends: list[list[torch.Tensor]], recvs: list[list[torch.Tensor]], group: dist.ProcessGroup | None
+) -> None:
     """Variable all-to-all between tensors of any layout (views into larger tensors, strided): the elements of
     this rank's ``sends[r]`` (row-major, one tensor after the other) fill rank ``r``'s ``recvs[this rank]``.
 
@@ -155,4 +165,3 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         if shared is not None and shared.all_reduce_sum(x):
             return
     dist.all_reduce(x, group=group)
-

@@ -58,8 +58,9 @@ def scatter(src: torch.Tensor, dsts: list[torch.Tensor], sender: int, receiver: 
     """The byte tensor ``src`` into ``dsts`` (any layout, row-major order), one after the other."""
     want = sum(nbytes(t) for t in dsts)
     if src.numel() != want:
-        raise RuntimeError(f"all_to_all: rank {receiver} expected {want} bytes from rank {sender}, which sent "
-                           f"{src.numel()}")
+        raise RuntimeError(
+            f"all_to_all: rank {receiver} expected {want} bytes from rank {sender}, which sent {src.numel()}"
+        )
     at = 0
     for t in dsts:
         n = nbytes(t)

@@ -56,8 +56,21 @@ _LIVENESS_S = 0.5  # how often a waiting rank checks that the ranks it waits for
 # all-reduce; 0 for all-to-alls, whose sizes differ by rank and are checked by the receivers). Pieces carry
 # no dtype: a rank sending nothing has none to give
 _OPS = ("all_to_all", "all_to_all_views", "all_to_all_pieces", "all_gather", "all_reduce_sum")
-_DTYPES = (None, torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+_DTYPES = (
+    None,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
 
 
 def signature(op: str, dtype: torch.dtype | None, nbytes: int = 0) -> int:
@@ -84,8 +97,12 @@ def _identity() -> tuple[str, str, int]:
 
 
 def _wanted() -> bool:
-    return (os.environ.get(_ENV, "1") != "0" and platform.system() == "Linux"
-            and platform.machine() in ("x86_64", "AMD64") and hasattr(os, "memfd_create"))
+    return (
+        os.environ.get(_ENV, "1") != "0"
+        and platform.system() == "Linux"
+        and platform.machine() in ("x86_64", "AMD64")
+        and hasattr(os, "memfd_create")
+    )
 
 
 def _pid_alive(pid: int) -> bool:
@@ -228,7 +245,8 @@ class _SharedGroup:
                 status = _FALLBACK
         if status == _OK:
             buf.view[: 16 * self.size].view(torch.int64).copy_(
-                torch.tensor([v for r in ranges for v in r], dtype=torch.int64, device="cpu"))
+                torch.tensor([v for r in ranges for v in r], dtype=torch.int64, device="cpu")
+            )
             dtype = pieces[0].dtype if pieces else None
             if len(pieces) > 1 and all(p.dtype == dtype and p.is_contiguous() for p in pieces):
                 # one op for many pieces (they all start aligned to their element size)
@@ -252,15 +270,18 @@ class _SharedGroup:
                 self._wait(r, peer)
             status = int(peer.ctrl[_STATUS + parity])
             if status == _FAILED:
-                raise RuntimeError(f"rank {self.ranks[r]} failed in collective #{self.seq} of its group "
-                                   f"(shared-memory transport; see the error raised there): stopping rank "
-                                   f"{self.ranks[self.rank]} too")
+                raise RuntimeError(
+                    f"rank {self.ranks[r]} failed in collective #{self.seq} of its group "
+                    f"(shared-memory transport; see the error raised there): stopping rank "
+                    f"{self.ranks[self.rank]} too"
+                )
             theirs = int(peer.ctrl[_SIG + parity])
             if theirs != mine:
                 raise RuntimeError(
                     f"the ranks issued different collectives as #{self.seq} of their group: rank "
                     f"{self.ranks[self.rank]} runs {describe(mine)}, rank {self.ranks[r]} runs {describe(theirs)} "
-                    "(every rank must run the same collectives in the same order, e.g. every sharded forward)")
+                    "(every rank must run the same collectives in the same order, e.g. every sharded forward)"
+                )
             ok = ok and status == _OK
         return ok
 
@@ -283,12 +304,14 @@ class _SharedGroup:
                     raise RuntimeError(
                         f"rank {self.ranks[r]} (pid {peer.pid}) left the group (it exited or destroyed its process "
                         f"group) while rank {self.ranks[self.rank]} waited for it in collective #{seq} "
-                        "(shared-memory transport)")
+                        "(shared-memory transport)"
+                    )
                 if now >= deadline:
                     raise RuntimeError(
                         f"rank {self.ranks[self.rank]} waited {self.timeout_s:.0f} s (the group's timeout) for rank "
                         f"{self.ranks[r]} in collective #{seq} of their group (shared-memory transport): the ranks "
-                        "issued different collectives, or one is stuck")
+                        "issued different collectives, or one is stuck"
+                    )
             time.sleep(0 if spins < 4 * _SPIN else 5e-5)
 
     def _part(self, r: int) -> torch.Tensor:
@@ -320,7 +343,8 @@ class _SharedGroup:
             if part.numel() != out_splits[r] * row:
                 raise RuntimeError(
                     f"all_to_all: rank {self.ranks[self.rank]} expected {out_splits[r]} rows from rank "
-                    f"{self.ranks[r]}, which sent {part.numel() // max(row, 1)}")
+                    f"{self.ranks[r]}, which sent {part.numel() // max(row, 1)}"
+                )
         bytecopy.write_back_to_back(out, parts)
         return True
 
@@ -348,8 +372,12 @@ class _SharedGroup:
                 bytecopy.scatter(self._part(r), dsts, self.ranks[r], self.ranks[self.rank])
         return True
 
-    def pieces(self, sends: list[list[torch.Tensor]], recv_sizes: list[list[int]],
-               consume: Callable[[list[list[torch.Tensor]]], T]) -> tuple[T] | None:
+    def pieces(
+        self,
+        sends: list[list[torch.Tensor]],
+        recv_sizes: list[list[int]],
+        consume: Callable[[list[list[torch.Tensor]]], T],
+    ) -> tuple[T] | None:
         """:func:`all_to_all_pieces` through the buffers; None: run it through torch.distributed."""
         if not self._publish_lists(sends, signature("all_to_all_pieces", None)):
             return None
@@ -361,8 +389,10 @@ class _SharedGroup:
             part = self._part(r)
             want = sum(sizes) * dtype.itemsize
             if part.numel() != want:
-                raise RuntimeError(f"all_to_all: rank {self.ranks[self.rank]} expected {want} bytes from rank "
-                                   f"{self.ranks[r]}, which sent {part.numel()}")
+                raise RuntimeError(
+                    f"all_to_all: rank {self.ranks[self.rank]} expected {want} bytes from rank "
+                    f"{self.ranks[r]}, which sent {part.numel()}"
+                )
             got.append(list(torch.split(part.view(dtype), sizes)))
         return (consume(got),)  # while every rank still reads its buffers: nobody overwrites them
 

@@ -78,7 +78,10 @@ def random_case(
         else:
             tables.append(
                 EmbeddingBagConfig(
-                    name=name, num_embeddings=rows, embedding_dim=dim, feature_names=feats,
+                    name=name,
+                    num_embeddings=rows,
+                    embedding_dim=dim,
+                    feature_names=feats,
                     pooling=rng.choice(["sum", "mean"]),
                 )
             )

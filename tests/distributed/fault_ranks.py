@@ -41,11 +41,14 @@ def _setup_kill(rank: int, out: str, moment: str) -> None:
     from lightning_rec.transport import shm
 
     if rank == 1:
+
         def die(method):
             def wrapped(self, *args):
                 method(self, *args)
                 os.kill(os.getpid(), signal.SIGKILL)
+
             return wrapped
+
         if moment == "after_create":
             shm._SharedGroup.__init__ = die(shm._SharedGroup.__init__)
         else:
@@ -71,8 +74,14 @@ def _write(out: str, result: dict) -> None:
 
 
 def _rank(rank: int, port: int, out: str, peer_pid, scenario: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+    )
     import torch
     import torch.distributed as dist
 
@@ -102,8 +111,13 @@ def _rank(rank: int, port: int, out: str, peer_pid, scenario: str) -> None:
         error = ""
     except Exception as e:  # what the user would see
         error = f"{type(e).__name__}: {e}"
-    result = {"elapsed_s": time.monotonic() - t0, "error": error, "peer_state": was, "timeouts": timeouts,
-              "shared": shared}
+    result = {
+        "elapsed_s": time.monotonic() - t0,
+        "error": error,
+        "peer_state": was,
+        "timeouts": timeouts,
+        "shared": shared,
+    }
     _write(out, result)
 
 

@@ -58,30 +58,42 @@ def _row_group_case(seed: int, ws: int, per_host: int, sequence: bool) -> dict:
     case["local_size"] = per_host
     first = ("table_row_wise", "grid_shard")[seed % 2]
     for i, t in enumerate(case["tables"]):
-        kind = (first, "grid_shard" if first == "table_row_wise" else "table_row_wise")[i] if i < 2 else \
-            rng.choice(ALL_TYPES)
+        kind = (
+            (first, "grid_shard" if first == "table_row_wise" else "table_row_wise")[i]
+            if i < 2
+            else rng.choice(ALL_TYPES)
+        )
         case["plan"][t.name] = random_placement(rng, kind, t.num_embeddings, t.embedding_dim, ws, per_host)
     return case
 
 
 def _describe_plan(case: dict) -> dict:
-    return {name: f"{getattr(p.sharding_type, 'value', p.sharding_type)} hosts={p.host_indexes}"
-            for name, p in case["plan"].items()}
+    return {
+        name: f"{getattr(p.sharding_type, 'value', p.sharding_type)} hosts={p.host_indexes}"
+        for name, p in case["plan"].items()
+    }
 
 
 def phase_transport(rank: int, ws: int, per_host: int) -> dict:
     host = rank // per_host
     mesh = init_2d_mesh(model_parallel_size=per_host, data_parallel_size=ws // per_host)
     # every rank makes every host's group (new_group is collective over the world); keeps its own
-    host_groups = [dist.new_group(list(range(h * per_host, (h + 1) * per_host)),
-                                  timeout=timedelta(seconds=WORLD_TIMEOUT_S)) for h in range(ws // per_host)]
+    host_groups = [
+        dist.new_group(list(range(h * per_host, (h + 1) * per_host)), timeout=timedelta(seconds=WORLD_TIMEOUT_S))
+        for h in range(ws // per_host)
+    ]
     tables = [EmbeddingBagConfig(name="t", num_embeddings=12, embedding_dim=4, feature_names=["f"])]
     kjt = KeyedJaggedTensor(["f"], torch.tensor([1, 7, 11]), lengths=torch.tensor([1, 2]))
-    model_2d = shard_modules(EmbeddingBagCollection(tables), ShardingPlan({"": {"t": row_wise()}}),
-                             process_group=mesh.shard_group, replica_group=mesh.replica_group)
+    model_2d = shard_modules(
+        EmbeddingBagCollection(tables),
+        ShardingPlan({"": {"t": row_wise()}}),
+        process_group=mesh.shard_group,
+        replica_group=mesh.replica_group,
+    )
     model_2d(kjt).values().sum().backward()
-    model_world = shard_modules(EmbeddingBagCollection(tables), ShardingPlan({"": {"t": row_wise()}}),
-                                local_size=per_host)
+    model_world = shard_modules(
+        EmbeddingBagCollection(tables), ShardingPlan({"": {"t": row_wise()}}), local_size=per_host
+    )
     model_world(kjt).values().sum().backward()
     groups = {
         "host_group": host_groups[host],
@@ -105,9 +117,15 @@ def phase_transport(rank: int, ws: int, per_host: int) -> dict:
         (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(expect, x, group=g)
         agree[name] = bool(torch.equal(got, want) and torch.equal(gathered, expect))
     hostname, boot, pid_ns = _shm._identity()
-    return {"shared": shared, "agree": agree, "hostname": hostname, "boot_id": boot, "pid_namespace": pid_ns,
-            "pid": os.getpid(), "groups": {k: dist.get_process_group_ranks(g) if g is not None else list(range(ws))
-                                           for k, g in groups.items()}}
+    return {
+        "shared": shared,
+        "agree": agree,
+        "hostname": hostname,
+        "boot_id": boot,
+        "pid_namespace": pid_ns,
+        "pid": os.getpid(),
+        "groups": {k: dist.get_process_group_ranks(g) if g is not None else list(range(ws)) for k, g in groups.items()},
+    }
 
 
 def phase_row_groups(rank: int, ws: int, per_host: int) -> dict:
@@ -128,10 +146,13 @@ def phase_replicas_2d(rank: int, ws: int, per_host: int) -> dict:
         case = random_case(seed, per_host, sequence=sequence, world=ws)
         got = _check_case(rank, ws, case, sequence, mesh)
         out.append({"seed": seed, "sequence": sequence, "plan": _describe_plan(case), "worst": got["worst"]})
-    return {"cases": out, "shard_group": dist.get_process_group_ranks(mesh.shard_group),
-            "replica_group": dist.get_process_group_ranks(mesh.replica_group),
-            "shard_group_shared": transport.shared_group(mesh.shard_group) is not None,
-            "replica_group_shared": transport.shared_group(mesh.replica_group) is not None}
+    return {
+        "cases": out,
+        "shard_group": dist.get_process_group_ranks(mesh.shard_group),
+        "replica_group": dist.get_process_group_ranks(mesh.replica_group),
+        "shard_group_shared": transport.shared_group(mesh.shard_group) is not None,
+        "replica_group_shared": transport.shared_group(mesh.replica_group) is not None,
+    }
 
 
 def phase_kill(rank: int, ws: int, per_host: int, victim: int, out_dir: Path) -> dict:
@@ -145,16 +166,24 @@ def phase_kill(rank: int, ws: int, per_host: int, victim: int, out_dir: Path) ->
         EmbeddingBagConfig(name="replicated", num_embeddings=10, embedding_dim=4, feature_names=["d"]),
     ]
     plan = {"rows": row_wise(), "cols": column_wise([0, 1]), "whole": table_wise(1), "replicated": data_parallel()}
-    model = shard_modules(EmbeddingBagCollection(tables), ShardingPlan({"": plan}), process_group=mesh.shard_group,
-                          replica_group=mesh.replica_group)
+    model = shard_modules(
+        EmbeddingBagCollection(tables),
+        ShardingPlan({"": plan}),
+        process_group=mesh.shard_group,
+        replica_group=mesh.replica_group,
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(rank)
     step = 0
     try:
         for step in range(200):
             lengths = torch.randint(0, 3, (4 * 8,), generator=g)
-            values = torch.cat([torch.randint(0, t.num_embeddings, (int(n),), generator=g)
-                                for t, n in zip(tables, lengths.view(4, 8).sum(1))])
+            values = torch.cat(
+                [
+                    torch.randint(0, t.num_embeddings, (int(n),), generator=g)
+                    for t, n in zip(tables, lengths.view(4, 8).sum(1))
+                ]
+            )
             out = model(KeyedJaggedTensor(["a", "b", "c", "d"], values, lengths=lengths, stride=8))
             if rank == victim and step == KILL_AT_STEP:
                 (out_dir / f"killed{rank}.json").write_text(json.dumps({"step": step, "at": time.monotonic()}))
@@ -178,8 +207,12 @@ def main(out_dir: Path, phases: list[str]) -> None:
     per_host = int(os.environ["LOCAL_WORLD_SIZE"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=WORLD_TIMEOUT_S))  # env:// as under a launcher
-    results: dict = {"env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
-                                                             "WORLD_SIZE", "LOCAL_WORLD_SIZE")}}
+    results: dict = {
+        "env": {
+            k: os.environ.get(k)
+            for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+        }
+    }
     for phase in phases:
         name, _, arg = phase.partition(":")
         t0 = time.monotonic()
@@ -187,12 +220,17 @@ def main(out_dir: Path, phases: list[str]) -> None:
             if name == "kill":
                 data = phase_kill(rank, ws, per_host, int(arg), out_dir)
             else:
-                data = {"transport": phase_transport, "row_groups": phase_row_groups,
-                        "replicas_2d": phase_replicas_2d}[name](rank, ws, per_host)
+                data = {"transport": phase_transport, "row_groups": phase_row_groups, "replicas_2d": phase_replicas_2d}[
+                    name
+                ](rank, ws, per_host)
             results[phase] = {"ok": True, "error": "", "data": data, "seconds": time.monotonic() - t0}
         except BaseException as e:
-            results[phase] = {"ok": False, "error": traceback.format_exc(), "data": None,
-                              "message": f"{type(e).__name__}: {e}"}
+            results[phase] = {
+                "ok": False,
+                "error": traceback.format_exc(),
+                "data": None,
+                "message": f"{type(e).__name__}: {e}",
+            }
             _write(out_dir, rank, results)
             raise  # ends this rank: its peers raise in turn, as in a real job
         _write(out_dir, rank, results)

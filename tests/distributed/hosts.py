@@ -55,8 +55,10 @@ def namespaces_unavailable() -> str | None:
         # allows it; not relied on: the runs were only ever checked as root
         _WHY_NOT = "simulated hosts need root (to make UTS, pid and mount namespaces and mount /dev/shm)"
         return _WHY_NOT
-    probe = ("import socket, subprocess; socket.sethostname('lr-probe'); "
-             "subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=1m', 'lr-shm', '/dev/shm'], check=True)")
+    probe = (
+        "import socket, subprocess; socket.sethostname('lr-probe'); "
+        "subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=1m', 'lr-shm', '/dev/shm'], check=True)"
+    )
     prefix = [shutil.which("unshare"), *_UNSHARE, "--"]
     try:
         done = subprocess.run([*prefix, sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
@@ -107,8 +109,15 @@ def processes_carrying(token: str) -> list[tuple[int, str]]:
     return found
 
 
-def run_hosts(module: str, args: list[str], out_dir: Path, n_hosts: int = 2, per_host: int = 2,
-              deadline_s: float = 150.0, grace_s: float = 60.0) -> dict:
+def run_hosts(
+    module: str,
+    args: list[str],
+    out_dir: Path,
+    n_hosts: int = 2,
+    per_host: int = 2,
+    deadline_s: float = 150.0,
+    grace_s: float = 60.0,
+) -> dict:
     """Run ``python -m module OUT_DIR *args`` as ``per_host`` ranks on each of ``n_hosts`` simulated hosts.
 
     Returns ``{"hosts": [...], "ranks": [...], "logs": [...], "leftover": [...], "timed_out": bool}``: each
@@ -127,11 +136,25 @@ def run_hosts(module: str, args: list[str], out_dir: Path, n_hosts: int = 2, per
     timed_out = False
     try:
         for h in range(n_hosts):
-            cmd = [*_PREFIX, sys.executable, "-m", "tests.distributed.hosts", "host", str(h), str(n_hosts),
-                   str(per_host), str(port), str(deadline_s), module, token, *args]
+            cmd = [
+                *_PREFIX,
+                sys.executable,
+                "-m",
+                "tests.distributed.hosts",
+                "host",
+                str(h),
+                str(n_hosts),
+                str(per_host),
+                str(port),
+                str(deadline_s),
+                module,
+                token,
+                *args,
+            ]
             log = open(out_dir / f"host{h}.log", "w")  # noqa: SIM115 - closed below, after the host ends
-            procs.append((subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True), log))
+            procs.append(
+                (subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log)
+            )
         end = time.monotonic() + deadline_s + grace_s  # the hosts' own deadline first, then this one
         for p, _ in procs:
             try:
@@ -163,33 +186,46 @@ def run_hosts(module: str, args: list[str], out_dir: Path, n_hosts: int = 2, per
     return {
         "hosts": [read(f"host{h}.json") for h in range(n_hosts)],
         "ranks": [read(f"rank{r}.json") for r in range(world)],
-        "logs": [(out_dir / f"rank{r}.log").read_text(errors="replace") if (out_dir / f"rank{r}.log").exists()
-                 else "" for r in range(world)]
+        "logs": [
+            (out_dir / f"rank{r}.log").read_text(errors="replace") if (out_dir / f"rank{r}.log").exists() else ""
+            for r in range(world)
+        ]
         + [(out_dir / f"host{h}.log").read_text(errors="replace") for h in range(n_hosts)],
         "leftover": leftover,
         "timed_out": timed_out,
     }
 
 
-def _host(index: int, n_hosts: int, per_host: int, port: int, deadline_s: float, module: str, out_dir: str,
-          args: list[str]) -> None:
+def _host(
+    index: int, n_hosts: int, per_host: int, port: int, deadline_s: float, module: str, out_dir: str, args: list[str]
+) -> None:
     """pid 1 of one simulated host: name it, give it its own /dev/shm, run its ranks, reap, report."""
     hostname = f"lr-host{index}"
     socket.sethostname(hostname)
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={_SHM_SIZE}", "lr-shm", "/dev/shm"], check=True)
     base = {k: v for k, v in os.environ.items() if k != "LIGHTNING_REC_SHM"}  # the transport's default: on
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n_hosts * per_host),
-                LOCAL_WORLD_SIZE=str(per_host), NODE_RANK=str(index), GROUP_RANK=str(index),
-                GROUP_WORLD_SIZE=str(n_hosts), ROLE_NAME="default", ROLE_WORLD_SIZE=str(n_hosts * per_host),
-                # the hostname resolves nowhere: bind gloo to loopback, as the shared network namespace is
-                GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    base.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(n_hosts * per_host),
+        LOCAL_WORLD_SIZE=str(per_host),
+        NODE_RANK=str(index),
+        GROUP_RANK=str(index),
+        GROUP_WORLD_SIZE=str(n_hosts),
+        ROLE_NAME="default",
+        ROLE_WORLD_SIZE=str(n_hosts * per_host),
+        # the hostname resolves nowhere: bind gloo to loopback, as the shared network namespace is
+        GLOO_SOCKET_IFNAME="lo",
+        OMP_NUM_THREADS="1",
+    )
     ranks: dict[int, int] = {}  # pid -> global rank
     for local in range(per_host):
         rank = index * per_host + local
         env = dict(base, RANK=str(rank), LOCAL_RANK=str(local), ROLE_RANK=str(rank))
         with open(Path(out_dir) / f"rank{rank}.log", "w") as log:
-            p = subprocess.Popen([sys.executable, "-m", module, out_dir, *args], cwd=ROOT, env=env, stdout=log,
-                                 stderr=subprocess.STDOUT)
+            p = subprocess.Popen(
+                [sys.executable, "-m", module, out_dir, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
         ranks[p.pid] = rank
     codes: dict[int, int] = {}
     ended_at: dict[int, float] = {}

@@ -22,8 +22,10 @@ from lightning_rec.checkpoint import atomic
 from lightning_rec.sharding import row_wise, shard_modules, table_wise
 from lightning_rec.testing import run_distributed
 
-TABLES = [EmbeddingBagConfig(name="t", num_embeddings=40, embedding_dim=8, feature_names=["f"]),
-          EmbeddingBagConfig(name="u", num_embeddings=10, embedding_dim=4, feature_names=["g"])]
+TABLES = [
+    EmbeddingBagConfig(name="t", num_embeddings=40, embedding_dim=8, feature_names=["f"]),
+    EmbeddingBagConfig(name="u", num_embeddings=10, embedding_dim=4, feature_names=["g"]),
+]
 PLAN = ShardingPlan({"": {"t": row_wise(), "u": table_wise(1)}})
 
 
@@ -155,37 +157,44 @@ def _failing_save(rank: int, path: str, how: str) -> dict:
         for p in model.parameters():
             p.add_(1.0)
     if how == "enospc" and rank == 1:
+
         def full(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
 
         fs._write_files_from_queue = full
     if how == "short_write" and rank == 1:  # torch's zip writer when the disk fills under it
+
         def short(*args, **kwargs):
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
 
         fs._write_files_from_queue = short
         ckpt.errors.free_bytes = lambda path: 0  # the disk is full: no real one here
     if how == "meta_full" and rank == 0:
+
         def no_room(path, data):
             raise OSError(errno.ENOSPC, "No space left on device")
 
         ckpt.directory._write_file = no_room
     if how == "metadata_full" and rank == 0:  # DCP's own .metadata, written by rank 0 after every piece
+
         def no_room_for_metadata(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
 
         fs.FileSystemWriter.finish = no_room_for_metadata
     if how == "error" and rank == 1:
+
         def broken(*args, **kwargs):
             raise RuntimeError("disk controller on fire")
 
         fs._write_files_from_queue = broken
     if how == "optimizer" and rank == 1:
+
         def bad_state(*args, **kwargs):
             raise ValueError("optimizer state of an unexpected shape")
 
         ckpt.optim_state._flatten = bad_state
     if how == "rename" and rank == 0:
+
         def no_rename(tmp, dst):
             raise PermissionError(f"cannot rename {tmp}")
 

@@ -24,8 +24,10 @@ from lightning_rec import checkpoint as ckpt
 from lightning_rec.sharding import fused_optimizer, row_wise, shard_modules, table_wise
 from lightning_rec.testing import run_distributed
 
-TABLES = [EmbeddingBagConfig(name="wide.t", num_embeddings=6, embedding_dim=8, feature_names=["f"]),
-          EmbeddingBagConfig(name="other", num_embeddings=5, embedding_dim=4, feature_names=["g"])]
+TABLES = [
+    EmbeddingBagConfig(name="wide.t", num_embeddings=6, embedding_dim=8, feature_names=["f"]),
+    EmbeddingBagConfig(name="other", num_embeddings=5, embedding_dim=4, feature_names=["g"]),
+]
 SPEC = {"kind": "rowwise_adagrad", "lr": 0.5}
 
 
@@ -33,7 +35,7 @@ def _batch(rank: int, ws: int) -> KeyedJaggedTensor:
     # the global batch is 4 bags per feature; rank r holds bags [r * 4 / ws, (r + 1) * 4 / ws)
     ids = {"f": [[0, 1], [2], [1, 5], [3]], "g": [[4], [0, 1], [2], []]}
     per = 4 // ws
-    bags = {k: v[rank * per:(rank + 1) * per] for k, v in ids.items()}
+    bags = {k: v[rank * per : (rank + 1) * per] for k, v in ids.items()}
     lengths = torch.tensor([len(b) for k in ("f", "g") for b in bags[k]])
     values = torch.tensor([i for k in ("f", "g") for b in bags[k] for i in b])
     return KeyedJaggedTensor(["f", "g"], values, lengths=lengths)
@@ -68,9 +70,13 @@ def _two_towers_job(rank: int, ws: int, path: str) -> dict:
     ckpt.load(path, fresh, [fresh_opt])
     from lightning_rec import full_state_dict
 
-    return {"keys": sorted(opt.state_dict()["tables"]), "weights": full_state_dict(model),
-            "same_state": all(torch.equal(a["sum"], b["sum"]) for a, b in
-                              zip(_states(opt).values(), _states(fresh_opt).values()))}
+    return {
+        "keys": sorted(opt.state_dict()["tables"]),
+        "weights": full_state_dict(model),
+        "same_state": all(
+            torch.equal(a["sum"], b["sum"]) for a, b in zip(_states(opt).values(), _states(fresh_opt).values())
+        ),
+    }
 
 
 def test_fused_collections_may_share_table_names(tmp_path) -> None:
@@ -101,8 +107,9 @@ def _fixture_model():
     from tests.lightning.models import ClickModule
 
     plan = ShardingPlan({"ebc": {"user": row_wise(), "item": table_wise(1), "geo": table_wise(0)}})
-    model = shard_modules(ClickModule(), plan, embedding_grad="mean",
-                          embedding_optimizer={"kind": "rowwise_adagrad", "lr": 0.1})
+    model = shard_modules(
+        ClickModule(), plan, embedding_grad="mean", embedding_optimizer={"kind": "rowwise_adagrad", "lr": 0.1}
+    )
     return model, CombinedOptimizer([torch.optim.Adagrad(model.head.parameters(), lr=0.1), fused_optimizer(model)])
 
 
@@ -115,8 +122,13 @@ def _v1_fixture_job(rank: int, ws: int, out: str) -> dict:
     fresh, fresh_opt = _fixture_model()
     ckpt.load(out, fresh, [fresh_opt])
     again = {n: st["sum"] for n, st in fused_optimizer(fresh).state_dict()["tables"].items()}
-    return {"step": meta["global_step"], "sums": sums, "weights": weights, "again": again,
-            "head_sum": opt.optimizers[0].state_dict()["state"][0]["sum"]}
+    return {
+        "step": meta["global_step"],
+        "sums": sums,
+        "weights": weights,
+        "again": again,
+        "head_sum": opt.optimizers[0].state_dict()["state"][0]["sum"],
+    }
 
 
 def test_v1_fixture_resumes_bitwise_and_resaves_one_value_per_row(tmp_path) -> None:
@@ -134,6 +146,8 @@ def test_v1_fixture_resumes_bitwise_and_resaves_one_value_per_row(tmp_path) -> N
         assert r["head_sum"].abs().sum() > 0
     md = ckpt.storage.CheckedReader(out, 0).read_metadata().state_dict_metadata
     rows = {k: list(v.size) for k, v in md.items() if k.endswith("/sum") and "fused" in k}
-    assert rows == {"optimizer_0.fused/ebc.embedding_bags.user.weight/sum": [11, 1],
-                    "optimizer_0.fused/ebc.embedding_bags.item.weight/sum": [13, 1],
-                    "optimizer_0.fused/ebc.embedding_bags.geo.weight/sum": [5, 1]}, rows
+    assert rows == {
+        "optimizer_0.fused/ebc.embedding_bags.user.weight/sum": [11, 1],
+        "optimizer_0.fused/ebc.embedding_bags.item.weight/sum": [13, 1],
+        "optimizer_0.fused/ebc.embedding_bags.geo.weight/sum": [5, 1],
+    }, rows

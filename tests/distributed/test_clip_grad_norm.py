@@ -33,8 +33,9 @@ PLANS = {
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return EmbeddingBagCollection([EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=DIM, name=n,
-                                                      feature_names=[f"f{n}"]) for n in "abc"])
+    return EmbeddingBagCollection(
+        [EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=DIM, name=n, feature_names=[f"f{n}"]) for n in "abc"]
+    )
 
 
 def _batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,8 +63,12 @@ def _reference(ws: int, max_norm: float, norm_type: float) -> dict:
     for rank in range(ws):
         ids, lengths = _batch(rank)
         offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-        pooled = [F.embedding_bag(ids[offsets[2 * t]: offsets[2 * t + 2]], w,
-                                  offsets[2 * t: 2 * t + 2] - offsets[2 * t], mode="sum") for t, w in enumerate(tables)]
+        pooled = [
+            F.embedding_bag(
+                ids[offsets[2 * t] : offsets[2 * t + 2]], w, offsets[2 * t : 2 * t + 2] - offsets[2 * t], mode="sum"
+            )
+            for t, w in enumerate(tables)
+        ]
         out = torch.cat(pooled, dim=1)
         loss = loss + (out * torch.arange(out.numel()).view_as(out)).sum()
     loss.backward()

@@ -62,14 +62,25 @@ class _Model(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         pooled, sequence = _tables(small)
-        self.ebc = EmbeddingBagCollection([
-            EmbeddingBagConfig(name=n, num_embeddings=ROWS, embedding_dim=DIM, feature_names=[_feature(n)], pooling=p)
-            for n, (_, p) in pooled.items()
-        ], kernel="torch")
-        self.ec = EmbeddingCollection([
-            EmbeddingConfig(name=n, num_embeddings=ROWS, embedding_dim=DIM, feature_names=[_feature(n)])
-            for n in sequence
-        ]) if sequence else None
+        self.ebc = EmbeddingBagCollection(
+            [
+                EmbeddingBagConfig(
+                    name=n, num_embeddings=ROWS, embedding_dim=DIM, feature_names=[_feature(n)], pooling=p
+                )
+                for n, (_, p) in pooled.items()
+            ],
+            kernel="torch",
+        )
+        self.ec = (
+            EmbeddingCollection(
+                [
+                    EmbeddingConfig(name=n, num_embeddings=ROWS, embedding_dim=DIM, feature_names=[_feature(n)])
+                    for n in sequence
+                ]
+            )
+            if sequence
+            else None
+        )
         self.head = torch.nn.Linear(DIM * len(pooled), 1)
 
     def forward(self, pooled_kjt: KeyedJaggedTensor, seq_kjt: KeyedJaggedTensor) -> torch.Tensor:
@@ -89,7 +100,9 @@ def _kjt(names, b: int, seed: int) -> KeyedJaggedTensor:
 
 def _sharded(small: bool) -> _Model:
     pooled, sequence = _tables(small)
-    plan = ShardingPlan({"ebc": {n: ps for n, (ps, _) in pooled.items()}, **({"ec": dict(sequence)} if sequence else {})})
+    plan = ShardingPlan(
+        {"ebc": {n: ps for n, (ps, _) in pooled.items()}, **({"ec": dict(sequence)} if sequence else {})}
+    )
     return shard_modules(_Model(small), plan, local_size=2)
 
 
@@ -128,8 +141,13 @@ def _train(rank: int, backend: str, small: bool) -> dict:
             opt.zero_grad()
         frames.append(counter.frame_count - before)
     for key, w in eager.named_parameters():  # this rank's shards and replicas
-        torch.testing.assert_close(dict(model.named_parameters())[key], w, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, key=key: f"rank {rank} {key}: {m}")
+        torch.testing.assert_close(
+            dict(model.named_parameters())[key],
+            w,
+            rtol=1e-5,
+            atol=1e-6,
+            msg=lambda m, key=key: f"rank {rank} {key}: {m}",
+        )
     # the steps moved every parameter this rank holds (a frozen table would make the comparison vacuous)
     frozen = [k for k, w in eager.named_parameters() if torch.equal(w, initial[k])]
     return {"frames": frames, "frozen": frozen, "keys": sorted(model.state_dict())}

@@ -80,9 +80,19 @@ class _UnevenModule(ClickModule):
 
 def _fit_job(rank: int, ws: int) -> dict:
     model = _UnevenModule()
-    trainer = L.Trainer(accelerator="cpu", devices=ws, strategy=RecShardedStrategy(), max_epochs=2, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=ws,
+        strategy=RecShardedStrategy(),
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+    )
     try:
         trainer.fit(model)
     except RuntimeError as e:

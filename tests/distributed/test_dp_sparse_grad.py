@@ -37,8 +37,10 @@ def _opt(kind: str, params):
 
 
 def _configs():
-    return [EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[f"f_{n}"], pooling=p)
-            for n, r, d, p in TABLES]
+    return [
+        EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[f"f_{n}"], pooling=p)
+        for n, r, d, p in TABLES
+    ]
 
 
 def _batch(step: int, rank: int):
@@ -65,9 +67,17 @@ def _reference(kind: str, ws: int) -> list[torch.Tensor]:
         loss = 0
         for rank in range(ws):  # embedding_grad="sum": every rank's loss adds up
             batch = _batch(step, rank)
-            pooled = [F.embedding_bag(ids, w, torch.cat([lens.new_zeros(1), lens.cumsum(0)]), mode=mode,
-                                      include_last_offset=True, sparse=kind == "sparse_adam")  # it takes no other
-                      for w, (ids, lens, _), (_, _, _, mode) in zip(weights, batch, TABLES)]
+            pooled = [
+                F.embedding_bag(
+                    ids,
+                    w,
+                    torch.cat([lens.new_zeros(1), lens.cumsum(0)]),
+                    mode=mode,
+                    include_last_offset=True,
+                    sparse=kind == "sparse_adam",
+                )  # it takes no other
+                for w, (ids, lens, _), (_, _, _, mode) in zip(weights, batch, TABLES)
+            ]
             loss = loss + _loss(pooled, batch)
         loss.backward()
         opt.step()
@@ -84,20 +94,26 @@ def _job(rank: int, ws: int, kind: str, sparse_grad, clip: bool, device: str = "
     for step in range(STEPS):
         opt.zero_grad()
         batch = _batch(step, rank)
-        kjt = KeyedJaggedTensor([f"f_{n}" for n, *_ in TABLES], torch.cat([b[0] for b in batch]),
-                                lengths=torch.cat([b[1] for b in batch])).to(device)
+        kjt = KeyedJaggedTensor(
+            [f"f_{n}" for n, *_ in TABLES], torch.cat([b[0] for b in batch]), lengths=torch.cat([b[1] for b in batch])
+        ).to(device)
         kt = ebc(kjt)
         _loss([kt[f"f_{n}"].cpu() for n, *_ in TABLES], batch).backward()
         sparse.append([p.grad.is_sparse for p in ebc.parameters()])
         if clip:
             torch.nn.utils.clip_grad_norm_(ebc.parameters(), 1e6)  # a no-op bound: it must only run
         opt.step()
-    return {"weights": [p.detach().cpu() for p in ebc.parameters()], "sparse": sparse, "decided": decided,
-            "kernels": ebc.lookup_kernels}
+    return {
+        "weights": [p.detach().cpu() for p in ebc.parameters()],
+        "sparse": sparse,
+        "decided": decided,
+        "kernels": ebc.lookup_kernels,
+    }
 
 
-@pytest.mark.parametrize("kind, sparse", [("sgd", True), ("adagrad", True), ("sparse_adam", True), ("adam", False),
-                                          ("sgd_momentum", False)])
+@pytest.mark.parametrize(
+    "kind, sparse", [("sgd", True), ("adagrad", True), ("sparse_adam", True), ("adam", False), ("sgd_momentum", False)]
+)
 def test_default_data_parallel_table_picks_sparse_where_exact(kind: str, sparse: bool) -> None:
     results = run_distributed(_job, 2, kind, "default", False)
     want = _reference(kind, 2)
@@ -122,10 +138,12 @@ def test_explicit_dense_or_clipping_stays_dense(sparse_grad, clip: bool, why: st
 
 def _decisions_job(rank: int, ws: int) -> dict:
     """Which optimizers, options and collections keep the data-parallel tables dense."""
+
     def fresh(**kw):
         torch.manual_seed(0)
-        return shard_modules(EmbeddingBagCollection(_configs(), **kw), ShardingPlan({"": {"a": data_parallel(),
-                                                                                           "b": data_parallel()}}))
+        return shard_modules(
+            EmbeddingBagCollection(_configs(), **kw), ShardingPlan({"": {"a": data_parallel(), "b": data_parallel()}})
+        )
 
     class MySGD(torch.optim.SGD):
         pass
@@ -146,8 +164,9 @@ def _decisions_job(rank: int, ws: int) -> dict:
     one = [p for n, p in ebc.named_parameters() if n.endswith("a.weight")]
     out["partial"] = use_sparse_grads_where_possible(ebc, torch.optim.SGD(one, lr=0.1))[""]
     ebc = fresh()
-    out["scaler"] = use_sparse_grads_where_possible(ebc, torch.optim.SGD(ebc.parameters(), lr=0.1),
-                                                    grad_scaler=object())[""]
+    out["scaler"] = use_sparse_grads_where_possible(
+        ebc, torch.optim.SGD(ebc.parameters(), lr=0.1), grad_scaler=object()
+    )[""]
     ebc = fresh(sparse_grad=True)  # explicit True: sparse already, not switched
     out["explicit_true"] = use_sparse_grads_where_possible(ebc, torch.optim.SGD(ebc.parameters(), lr=0.1))[""]
     ebc = fresh()
@@ -196,8 +215,13 @@ def _seq_batch(step: int, rank: int):
 def test_sequence_data_parallel_table_sparse_under_adagrad() -> None:
     results = run_distributed(_sequence_job, 2)
     torch.manual_seed(0)
-    w = torch.nn.Parameter(next(EmbeddingCollection(
-        [EmbeddingConfig(name="s", num_embeddings=20, embedding_dim=3, feature_names=["f"])]).parameters()).detach())
+    w = torch.nn.Parameter(
+        next(
+            EmbeddingCollection(
+                [EmbeddingConfig(name="s", num_embeddings=20, embedding_dim=3, feature_names=["f"])]
+            ).parameters()
+        ).detach()
+    )
     opt = torch.optim.Adagrad([w], lr=0.3)
     for step in range(STEPS):
         opt.zero_grad()

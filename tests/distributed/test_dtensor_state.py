@@ -38,13 +38,32 @@ from lightning_rec.sharding import (
 )
 from lightning_rec.testing import run_distributed
 
-DIMS = {"rw": (10, 4), "rw5": (5, 4), "rwc": (10, 4), "cw": (6, 8), "cwr": (6, 8), "tw": (5, 4), "twrw": (7, 4),
-        "grid": (9, 8), "dp": (3, 4)}
-TABLES = [EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[f"f_{n}"])
-          for n, (r, d) in DIMS.items()]
-TWO = {"rw": row_wise(), "rw5": row_wise(), "rwc": row_wise([3, 7]), "cw": column_wise(ranks=[0, 1]),
-       "cwr": column_wise(ranks=[1, 0]), "tw": table_wise(1), "twrw": table_row_wise(0),
-       "grid": grid_shard([0]), "dp": data_parallel()}
+DIMS = {
+    "rw": (10, 4),
+    "rw5": (5, 4),
+    "rwc": (10, 4),
+    "cw": (6, 8),
+    "cwr": (6, 8),
+    "tw": (5, 4),
+    "twrw": (7, 4),
+    "grid": (9, 8),
+    "dp": (3, 4),
+}
+TABLES = [
+    EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[f"f_{n}"])
+    for n, (r, d) in DIMS.items()
+]
+TWO = {
+    "rw": row_wise(),
+    "rw5": row_wise(),
+    "rwc": row_wise([3, 7]),
+    "cw": column_wise(ranks=[0, 1]),
+    "cwr": column_wise(ranks=[1, 0]),
+    "tw": table_wise(1),
+    "twrw": table_row_wise(0),
+    "grid": grid_shard([0]),
+    "dp": data_parallel(),
+}
 
 
 def _model(seed: int = 0) -> EmbeddingBagCollection:
@@ -56,8 +75,13 @@ def _kjt(rank: int, tables: list[EmbeddingBagConfig] = TABLES) -> KeyedJaggedTen
     g = torch.Generator().manual_seed(rank)
     keys = [t.feature_names[0] for t in tables]
     lengths = torch.randint(0, 3, (2 * len(keys),), generator=g)
-    values = torch.cat([torch.randint(0, t.num_embeddings, (int(n),), generator=g)
-                        for t, pair in zip(tables, lengths.view(-1, 2)) for n in pair])
+    values = torch.cat(
+        [
+            torch.randint(0, t.num_embeddings, (int(n),), generator=g)
+            for t, pair in zip(tables, lengths.view(-1, 2))
+            for n in pair
+        ]
+    )
     return KeyedJaggedTensor(keys, values, lengths=lengths)
 
 
@@ -66,9 +90,14 @@ def _describe(v) -> dict:
         return {"kind": "tensor"}
     pieces = _compat.local_pieces(v)
     names = [f"Shard({p.dim})" if isinstance(p, Shard) else type(p).__name__ for p in v.placements]
-    return {"kind": type(v).__name__, "placements": "local pieces" if _uses_pieces(v) else names,
-            "mesh": v.device_mesh.mesh.tolist(), "pieces": [(off, list(t.shape)) for off, t in pieces],
-            "size": list(v.size()), "dtype": _compat.sharded_dtype(v)}
+    return {
+        "kind": type(v).__name__,
+        "placements": "local pieces" if _uses_pieces(v) else names,
+        "mesh": v.device_mesh.mesh.tolist(),
+        "pieces": [(off, list(t.shape)) for off, t in pieces],
+        "size": list(v.size()),
+        "dtype": _compat.sharded_dtype(v),
+    }
 
 
 def _layout_job(rank: int, ws: int, path: str) -> dict:
@@ -96,25 +125,36 @@ def _layout_job(rank: int, ws: int, path: str) -> dict:
                 refused[k] = str(e)
         # plain DCP, no lightning_rec code: save in this plan, load into another one
         dcp.save({"model": sd}, checkpoint_id=path)
-        other = shard_modules(_model(seed=5), ShardingPlan({"": {**TWO, "rw": table_wise(0), "cw": row_wise(),
-                                                                 "tw": column_wise(ranks=[0, 1])}}))
+        other = shard_modules(
+            _model(seed=5),
+            ShardingPlan({"": {**TWO, "rw": table_wise(0), "cw": row_wise(), "tw": column_wise(ranks=[0, 1])}}),
+        )
         target = {"model": other.state_dict()}
         dcp.load(target, checkpoint_id=path)
         reloaded = full_state_dict(other)
         # fused optimizer state in a checkpoint: element-wise sums laid out like the table, row-wise ones per row
         small = [TABLES[0], TABLES[1], TABLES[5]]
-        fused = shard_modules(EmbeddingBagCollection(small), ShardingPlan({"": {
-            "rw": row_wise(), "rw5": row_wise([1, 4]), "tw": table_wise(0)}}),
-            embedding_optimizer={"kind": "rowwise_adagrad", "lr": 0.1})
+        fused = shard_modules(
+            EmbeddingBagCollection(small),
+            ShardingPlan({"": {"rw": row_wise(), "rw5": row_wise([1, 4]), "tw": table_wise(0)}}),
+            embedding_optimizer={"kind": "rowwise_adagrad", "lr": 0.1},
+        )
         fused(_kjt(rank, small)).values().sum().backward()
         state = ckpt.optimizer_state(fused, fused_optimizer(fused))["tensors"]
         export_state_dict(model, path + ".pt")
         # half precision: every DTensor says float16 (torch's LocalShardsWrapper alone would say float32)
         half = shard_modules(_model(), ShardingPlan({"": TWO})).half()
         dtypes = {k: v.dtype for k, v in half.state_dict().items()}
-    return {"dtypes": dtypes, "refused": refused, "described": {k: _describe(v) for k, v in sd.items()}, "truthful": truthful, "shared": shared,
-            "reloaded": all(torch.equal(reloaded[k], full[k]) for k in full),
-            "state": {k: _describe(v) for k, v in state.items()}, "full": full}
+    return {
+        "dtypes": dtypes,
+        "refused": refused,
+        "described": {k: _describe(v) for k, v in sd.items()},
+        "truthful": truthful,
+        "shared": shared,
+        "reloaded": all(torch.equal(reloaded[k], full[k]) for k in full),
+        "state": {k: _describe(v) for k, v in state.items()},
+        "full": full,
+    }
 
 
 def _uses_pieces(v) -> bool:
@@ -173,8 +213,12 @@ def _chunked_job(rank: int, ws: int, path: str) -> dict:
     # state_dicts of DTensors still pickle and deep-copy (the record lightning_rec keeps on them is plain values)
     copied = copy.deepcopy(sd)
     torch.save(sd, io.BytesIO())
-    same_copy = all(torch.equal(a, b) for k in sd if _compat.is_sharded(sd[k])
-                    for (_, a), (_, b) in zip(_compat.local_pieces(sd[k]), _compat.local_pieces(copied[k])))
+    same_copy = all(
+        torch.equal(a, b)
+        for k in sd
+        if _compat.is_sharded(sd[k])
+        for (_, a), (_, b) in zip(_compat.local_pieces(sd[k]), _compat.local_pieces(copied[k]))
+    )
     old, ckpt.placement.CHUNK_BYTES = ckpt.placement.CHUNK_BYTES, 40  # pieces of at most 2 rows of 4 floats
     try:
         ckpt.save(path, model)
@@ -200,9 +244,17 @@ def test_checkpoint_pieces_are_written_in_row_blocks_and_state_dicts_copy(tmp_pa
 
 # -- lightning_rec checkpoints through DTensors: 4 -> 2 -> 1 processes, grid and table-row-wise -------------
 
-FOUR = {"rw": row_wise([1, 2, 3, 4]), "rw5": row_wise(), "rwc": table_wise(3), "cw": column_wise(ranks=[2, 1]),
-        "cwr": column_wise(ranks=[3, 0]), "tw": table_row_wise(1), "twrw": table_row_wise(0),
-        "grid": grid_shard([1, 0]), "dp": data_parallel()}
+FOUR = {
+    "rw": row_wise([1, 2, 3, 4]),
+    "rw5": row_wise(),
+    "rwc": table_wise(3),
+    "cw": column_wise(ranks=[2, 1]),
+    "cwr": column_wise(ranks=[3, 0]),
+    "tw": table_row_wise(1),
+    "twrw": table_row_wise(0),
+    "grid": grid_shard([1, 0]),
+    "dp": data_parallel(),
+}
 SPEC = {"kind": "adagrad", "lr": 0.2}
 
 
@@ -219,7 +271,7 @@ def _full_fused(model) -> dict[str, torch.Tensor]:
     for g in gathered:
         for name, ((r, c), v) in g.items():
             full = out.setdefault(name, torch.full(DIMS[name], float("nan")))
-            full[r:r + v.shape[0], c:c + v.shape[1]] = v
+            full[r : r + v.shape[0], c : c + v.shape[1]] = v
     return out
 
 
@@ -249,8 +301,7 @@ def test_checkpoints_reshard_four_to_two_and_one(tmp_path) -> None:
     want = run_distributed(_save_job, 4, FOUR, path, timeout_s=240)[0]
     assert all(not v.isnan().any() and v.abs().sum() > 0 for v in want["sums"].values()) and len(want["sums"]) == 9
     at2 = run_distributed(_load_job, 2, TWO, path)
-    (at1,) = run_distributed(_load_job, 1, {k: table_wise(0) for k in TWO if k != "dp"} | {"dp": data_parallel()},
-                             path)
+    (at1,) = run_distributed(_load_job, 1, {k: table_wise(0) for k in TWO if k != "dp"} | {"dp": data_parallel()}, path)
     for got in [*at2, at1]:
         for k, v in want["weights"].items():
             assert torch.equal(got["weights"][k], v), k

@@ -15,23 +15,40 @@ from lightning_rec.sharding import column_wise, data_parallel, fused_optimizer, 
 from lightning_rec.testing import run_distributed
 
 CARDS = {"user.id": 23, "item": 31, "geo city": 8, "hist": 17}
-PLAN = ShardingPlan({"sparse_arch.embedding_bag_collection": {
-    "user.id": row_wise(), "item": table_wise(rank=1), "geo city": column_wise(ranks=[1, 0]),
-    "hist": data_parallel(),
-}})
+PLAN = ShardingPlan(
+    {
+        "sparse_arch.embedding_bag_collection": {
+            "user.id": row_wise(),
+            "item": table_wise(rank=1),
+            "geo city": column_wise(ranks=[1, 0]),
+            "hist": data_parallel(),
+        }
+    }
+)
 
 
 def _model() -> DLRM:
     torch.manual_seed(0)
-    return DLRM(num_dense=3, feature_names=list(CARDS), num_embeddings_per_feature=list(CARDS.values()),
-                embedding_dim=8, dense_arch_layer_sizes=[8, 8], over_arch_layer_sizes=[8, 1], sparse_grad=False)
+    return DLRM(
+        num_dense=3,
+        feature_names=list(CARDS),
+        num_embeddings_per_feature=list(CARDS.values()),
+        embedding_dim=8,
+        dense_arch_layer_sizes=[8, 8],
+        over_arch_layer_sizes=[8, 1],
+        sparse_grad=False,
+    )
 
 
 def _batch(b: int, max_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, max_len + 1, (len(CARDS) * b,), generator=g)
-    values = torch.cat([torch.randint(0, n, (int(k),), generator=g)
-                        for n, k in zip(CARDS.values(), lengths.view(len(CARDS), b).sum(1))])
+    values = torch.cat(
+        [
+            torch.randint(0, n, (int(k),), generator=g)
+            for n, k in zip(CARDS.values(), lengths.view(len(CARDS), b).sum(1))
+        ]
+    )
     return torch.randn(b, 3, generator=g), values, lengths
 
 
@@ -74,8 +91,10 @@ def test_sharded_model_exports_the_unsharded_program(tmp_path: Path, fused: bool
     assert not (tmp_path / "dlrm.pt2.bad").exists()
     reference = _model()
     reference.load_state_dict(state)
-    assert not torch.equal(reference.sparse_arch.embedding_bag_collection.embedding_bags["item"].weight,
-                           _model().sparse_arch.embedding_bag_collection.embedding_bags["item"].weight)
+    assert not torch.equal(
+        reference.sparse_arch.embedding_bag_collection.embedding_bags["item"].weight,
+        _model().sparse_arch.embedding_bag_collection.embedding_bags["item"].weight,
+    )
     reference.eval()
     program = torch.export.load(path)
     assert "fbgemm" not in str(program.graph)

@@ -34,8 +34,12 @@ def _fds_of_ours() -> int:
 
 def _run(tmp_path: Path, scenario: str) -> dict:
     out = tmp_path / "rank0.json"
-    subprocess.run([sys.executable, str(ROOT / "tests" / "distributed" / "fault_ranks.py"), scenario, str(out)],
-                   cwd=ROOT, timeout=300, check=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "distributed" / "fault_ranks.py"), scenario, str(out)],
+        cwd=ROOT,
+        timeout=300,
+        check=True,
+    )
     return json.loads(out.read_text())
 
 

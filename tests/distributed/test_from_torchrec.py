@@ -57,14 +57,28 @@ STEPS = 3
 
 def _model() -> DLRMTrain:
     ebc = EmbeddingBagCollection([EmbeddingBagConfig(n, d, name, f) for name, n, d, f in TABLES])
-    return DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=5, dense_arch_layer_sizes=[6, 8],
-                          over_arch_layer_sizes=[4, 1]))
+    return DLRMTrain(
+        DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=5,
+            dense_arch_layer_sizes=[6, 8],
+            over_arch_layer_sizes=[4, 1],
+        )
+    )
 
 
 def _batches(rank: int) -> list[Batch]:
     keys = [f for *_, fs in TABLES for f in fs]
-    ds = RandomRecDataset(keys, batch_size=3 + rank, hash_sizes=[n for _, n, _, _ in TABLES], ids_per_feature=3,
-                          min_ids_per_feature=0, num_dense=5, manual_seed=100 + rank, num_batches=STEPS)
+    ds = RandomRecDataset(
+        keys,
+        batch_size=3 + rank,
+        hash_sizes=[n for _, n, _, _ in TABLES],
+        ids_per_feature=3,
+        min_ids_per_feature=0,
+        num_dense=5,
+        manual_seed=100 + rank,
+        num_batches=STEPS,
+    )
     return list(ds)
 
 
@@ -73,8 +87,9 @@ def _concat(a: Batch, b: Batch) -> Batch:
     da, db = a.sparse.to_dict(), b.sparse.to_dict()
     values = torch.cat([torch.cat([da[k].values(), db[k].values()]) for k in keys])
     lengths = torch.cat([torch.cat([da[k].lengths(), db[k].lengths()]) for k in keys])
-    return Batch(torch.cat([a.dense, b.dense]), KeyedJaggedTensor(keys, values, lengths=lengths),
-                 torch.cat([a.labels, b.labels]))
+    return Batch(
+        torch.cat([a.dense, b.dense]), KeyedJaggedTensor(keys, values, lengths=lengths), torch.cat([a.labels, b.labels])
+    )
 
 
 def _reference(state: dict, batches: list[list[Batch]], table_optimizer: type) -> dict:
@@ -93,8 +108,10 @@ def _reference(state: dict, batches: list[list[Batch]], table_optimizer: type) -
         # each rank's loss is the mean over its own batch; DDP and embedding_grad="mean" average the ranks
         per_rank = [len(batches[r][step]) for r in range(len(batches))]
         logits = model.model(glob.dense, glob.sparse).squeeze(-1)
-        parts = torch.split(torch.nn.functional.binary_cross_entropy_with_logits(
-            logits, glob.labels.float(), reduction="none"), per_rank)
+        parts = torch.split(
+            torch.nn.functional.binary_cross_entropy_with_logits(logits, glob.labels.float(), reduction="none"),
+            per_rank,
+        )
         (sum(p.mean() for p in parts) / len(parts)).backward()
         for o in opts:
             o.step()
@@ -111,16 +128,25 @@ def _dmp_vs_reference(rank: int, world: int, plan_kind: str, via: str) -> None:
     else:
         # element-wise Adagrad: a column shard keeps the same per-value state as the whole table (row-wise
         # Adagrad keeps one statistic per row of each column shard, as TorchRec's does: README "Porting")
-        sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": "EXACT_ADAGRAD",
-                                                              "learning_rate": LR, "eps": 1e-10})
+        sharder = EmbeddingBagCollectionSharder(
+            fused_params={"optimizer": "EXACT_ADAGRAD", "learning_rate": LR, "eps": 1e-10}
+        )
     plans = {
         "auto": None,
-        "mixed": ShardingPlan({"model.sparse_arch.embedding_bag_collection": {
-            "t_a": row_wise(), "t_b": table_wise(rank=1), "t_c": column_wise(size_per_rank=[4, 4])}}),
+        "mixed": ShardingPlan(
+            {
+                "model.sparse_arch.embedding_bag_collection": {
+                    "t_a": row_wise(),
+                    "t_b": table_wise(rank=1),
+                    "t_c": column_wise(size_per_rank=[4, 4]),
+                }
+            }
+        ),
     }
     env = ShardingEnv.from_process_group(dist.group.WORLD) if plan_kind == "mixed" else None
-    dmp = DistributedModelParallel(model, env=env, device=torch.device("cpu"), plan=plans[plan_kind],
-                                   sharders=[sharder])
+    dmp = DistributedModelParallel(
+        model, env=env, device=torch.device("cpu"), plan=plans[plan_kind], sharders=[sharder]
+    )
     assert set(dmp.state_dict()) == set(initial), "DMP state_dict keys differ from the unsharded model's"
     ebc_plan = dmp.plan.get_plan_for_module("model.sparse_arch.embedding_bag_collection")
     assert all(ps.ranks for ps in ebc_plan.values()), ebc_plan
@@ -152,8 +178,10 @@ def _dmp_vs_reference(rank: int, world: int, plan_kind: str, via: str) -> None:
     dmp.load_state_dict(saved)
     for k, v in full_state_dict(dmp.module).items():
         torch.testing.assert_close(v, saved[k], msg=lambda m, k=k: f"after load_state_dict, {k}: {m}")
-    assert not torch.equal(want["model.sparse_arch.embedding_bag_collection.embedding_bags.t_a.weight"],
-                           initial["model.sparse_arch.embedding_bag_collection.embedding_bags.t_a.weight"])
+    assert not torch.equal(
+        want["model.sparse_arch.embedding_bag_collection.embedding_bags.t_a.weight"],
+        initial["model.sparse_arch.embedding_bag_collection.embedding_bags.t_a.weight"],
+    )
     dist.barrier()
 
 
@@ -166,8 +194,15 @@ def _meta_model(rank: int, world: int) -> None:
     torch.manual_seed(rank)  # different seeds: DDP must make the dense replicas equal
     meta = torch.device("meta")
     ebc = EmbeddingBagCollection([EmbeddingBagConfig(n, d, name, f) for name, n, d, f in TABLES], device=meta)
-    model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=5, dense_arch_layer_sizes=[6, 8],
-                           over_arch_layer_sizes=[4, 1], dense_device=meta))
+    model = DLRMTrain(
+        DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=5,
+            dense_arch_layer_sizes=[6, 8],
+            over_arch_layer_sizes=[4, 1],
+            dense_device=meta,
+        )
+    )
     dmp = DistributedModelParallel(model, device=torch.device("cpu"))
     assert not [n for n, p in dmp.named_parameters() if p.device.type == "meta"]
     dense = {k: v for k, v in dmp.state_dict().items() if "embedding_bag_collection" not in k}

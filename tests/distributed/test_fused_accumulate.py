@@ -45,8 +45,13 @@ def _batch(rank: int, step: int, part: int) -> KeyedJaggedTensor:
     b = 2 + rank + part
     lengths = torch.randint(0, 4, (len(KEYS) * b,), generator=g)
     rows = [9, 9, 7]
-    values = torch.cat([torch.randint(0, rows[f], (int(n),), generator=g)
-                        for f in range(len(KEYS)) for n in lengths[f * b : (f + 1) * b]])
+    values = torch.cat(
+        [
+            torch.randint(0, rows[f], (int(n),), generator=g)
+            for f in range(len(KEYS))
+            for n in lengths[f * b : (f + 1) * b]
+        ]
+    )
     return KeyedJaggedTensor(KEYS, values, lengths=lengths)
 
 
@@ -58,8 +63,10 @@ def _losses(model, rank: int, step: int) -> list[tuple[torch.Tensor, bool]]:
     """(loss, retain_graph) in backward order: step 0 two losses through one lookup, step 1 two lookups."""
     if step == 0:
         out = model(_batch(rank, 0, 0)).values()
-        return [((out * _coef(rank, 0, 0, out.shape)).sum(), True),
-                ((out.pow(2) * _coef(rank, 0, 1, out.shape)).sum(), False)]
+        return [
+            ((out * _coef(rank, 0, 0, out.shape)).sum(), True),
+            ((out.pow(2) * _coef(rank, 0, 1, out.shape)).sum(), False),
+        ]
     outs = [model(_batch(rank, step, p)).values() for p in (0, 1)]
     return [((o * _coef(rank, step, p, o.shape)).sum(), False) for p, o in enumerate(outs)]
 
@@ -79,8 +86,12 @@ def _job(rank: int, ws: int, kind: str, types: list[str]) -> dict:
         model = EmbeddingBagCollection(TABLES, kernel="torch")
         ref = copy.deepcopy(model)
         each, local = PLANS[sharding]
-        sharded = shard_modules(model, ShardingPlan({"": {t.name: each(t.name) for t in TABLES}}), local_size=local,
-                                embedding_optimizer={"kind": kind, "lr": LR, "eps": EPS})
+        sharded = shard_modules(
+            model,
+            ShardingPlan({"": {t.name: each(t.name) for t in TABLES}}),
+            local_size=local,
+            embedding_optimizer={"kind": kind, "lr": LR, "eps": EPS},
+        )
         opt = fused_optimizer(sharded)
         opt.accumulate = True
         ref_opt = _reference_optimizer(ref.parameters(), kind)
@@ -98,16 +109,21 @@ def _job(rank: int, ws: int, kind: str, types: list[str]) -> dict:
             ref_opt.step()
         state, want = full_state_dict(sharded), ref.state_dict()
         for key in want:
-            torch.testing.assert_close(state[key], want[key], atol=1e-6, rtol=0,
-                                       msg=lambda m: f"{kind} {sharding} {key}: {m}")
+            torch.testing.assert_close(
+                state[key], want[key], atol=1e-6, rtol=0, msg=lambda m: f"{kind} {sharding} {key}: {m}"
+            )
         got[sharding] = True
     return got
 
 
-@pytest.mark.parametrize("kind, types", [
-    ("sgd", list(PLANS)), ("adagrad", list(PLANS)),
-    ("rowwise_adagrad", ["table_wise", "row_wise", "table_row_wise", "data_parallel"]),
-])
+@pytest.mark.parametrize(
+    "kind, types",
+    [
+        ("sgd", list(PLANS)),
+        ("adagrad", list(PLANS)),
+        ("rowwise_adagrad", ["table_wise", "row_wise", "table_row_wise", "data_parallel"]),
+    ],
+)
 def test_several_backward_passes_then_one_step_match_one_process(kind: str, types: list[str]) -> None:
     for r in run_distributed(_job, 2, kind, types, timeout_s=300):
         assert list(r) == types

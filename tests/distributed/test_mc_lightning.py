@@ -55,11 +55,17 @@ class RawClicks(RecModule):
         super().__init__()
         self.batch_size = batch_size
         torch.manual_seed(0)
-        tables = [EmbeddingBagConfig(name="user", num_embeddings=32, embedding_dim=4, feature_names=["user"]),
-                  EmbeddingBagConfig(name="item", num_embeddings=16, embedding_dim=4, feature_names=["item"])]
+        tables = [
+            EmbeddingBagConfig(name="user", num_embeddings=32, embedding_dim=4, feature_names=["user"]),
+            EmbeddingBagConfig(name="item", num_embeddings=16, embedding_dim=4, feature_names=["item"]),
+        ]
         mcc = ManagedCollisionCollection(
-            {"user": MCHManagedCollisionModule(32, num_buckets=8),
-             "item": MCHManagedCollisionModule(16, num_buckets=4, eviction_policy=LFU_EvictionPolicy())}, tables)
+            {
+                "user": MCHManagedCollisionModule(32, num_buckets=8),
+                "item": MCHManagedCollisionModule(16, num_buckets=4, eviction_policy=LFU_EvictionPolicy()),
+            },
+            tables,
+        )
         self.sparse = ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables), mcc)
         self.head = torch.nn.Linear(8, 1)
 
@@ -83,9 +89,17 @@ class RawClicks(RecModule):
 
 def _trainer(**kw) -> L.Trainer:
     # resize 8 -> 4 buckets for "user" at epoch 1 (and 4 -> 2 for "item"): 2 is a divisor of both tables
-    return L.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     callbacks=[ManagedCollisionCallback(resize_at={1: 2})], **kw)
+    return L.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[ManagedCollisionCallback(resize_at={1: 2})],
+        **kw,
+    )
 
 
 def _fit_job(rank: int, ws: int) -> dict:

@@ -47,12 +47,16 @@ LR = 0.25  # a power of two: with a sum loss the updates are exact, whatever the
 
 def _model(return_remapped: bool = True) -> ManagedCollisionEmbeddingBagCollection:
     torch.manual_seed(0)
-    tables = [EmbeddingBagConfig(name="a", num_embeddings=64, embedding_dim=4, feature_names=["f", "g"]),
-              EmbeddingBagConfig(name="b.x", num_embeddings=32, embedding_dim=4, feature_names=["h"], pooling="mean")]
+    tables = [
+        EmbeddingBagConfig(name="a", num_embeddings=64, embedding_dim=4, feature_names=["f", "g"]),
+        EmbeddingBagConfig(name="b.x", num_embeddings=32, embedding_dim=4, feature_names=["h"], pooling="mean"),
+    ]
     ebc = EmbeddingBagCollection(tables)
     mcc = ManagedCollisionCollection(
-        {"a": MCHManagedCollisionModule(64, num_buckets=8, eviction_policy=LRU_EvictionPolicy()),
-         "b.x": MCHManagedCollisionModule(32, num_buckets=8, eviction_policy=LFU_EvictionPolicy())},
+        {
+            "a": MCHManagedCollisionModule(64, num_buckets=8, eviction_policy=LRU_EvictionPolicy()),
+            "b.x": MCHManagedCollisionModule(32, num_buckets=8, eviction_policy=LFU_EvictionPolicy()),
+        },
         tables,
     )
     return ManagedCollisionEmbeddingBagCollection(ebc, mcc, return_remapped_features=return_remapped)
@@ -139,10 +143,16 @@ def _per_rank(values: list[int], step: int, rank: int, ws: int) -> list[int]:
     return [i for f in FEATURES for b in mine[f] for i in b]
 
 
-@pytest.mark.parametrize("kind,ws", [("rw", 2), ("tw", 2),
-                                     pytest.param("rw", 1, marks=pytest.mark.slow),
-                                     pytest.param("mixed", 3, marks=pytest.mark.slow),
-                                     pytest.param("rw", 4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "kind,ws",
+    [
+        ("rw", 2),
+        ("tw", 2),
+        pytest.param("rw", 1, marks=pytest.mark.slow),
+        pytest.param("mixed", 3, marks=pytest.mark.slow),
+        pytest.param("rw", 4, marks=pytest.mark.slow),
+    ],
+)
 def test_sharded_matches_single_process(kind, ws):
     ref_remaps, ref_state = _reference()
     results = run_distributed(_sharded_job, ws, kind)
@@ -176,8 +186,9 @@ def _load_job(rank: int, ws: int, path: str):
     _, _ = model(_kjt(_slice(_global_batch(0), rank, ws)))  # warm the optimizer state's shapes
     opt.step()
     ckpt.load(path, model, [opt])
-    empty = KeyedJaggedTensor(FEATURES, torch.zeros(0, dtype=torch.int64),
-                              lengths=torch.zeros(3 * (BAGS // ws), dtype=torch.int64))
+    empty = KeyedJaggedTensor(
+        FEATURES, torch.zeros(0, dtype=torch.int64), lengths=torch.zeros(3 * (BAGS // ws), dtype=torch.int64)
+    )
     model(empty)  # the migration to 4 buckets runs here
     return _full_state(model)
 
@@ -213,8 +224,11 @@ def _fused_job(rank: int, ws: int):
     state = kernel.optimizer_states()["a"]["sum"]
     trained = state.clone()
     # one new id per bag of "f": every one is admitted (LRU), most by evicting a trained row
-    new = {"f": [[2**61 + 97 * (rank * 100 + i)] for i in range(BAGS // ws)], "g": [[]] * (BAGS // ws),
-           "h": [[]] * (BAGS // ws)}
+    new = {
+        "f": [[2**61 + 97 * (rank * 100 + i)] for i in range(BAGS // ws)],
+        "g": [[]] * (BAGS // ws),
+        "h": [[]] * (BAGS // ws),
+    }
     kjt = _kjt(new)
     remapped = model.remap(kjt)
     rows = remapped.values()
@@ -253,16 +267,21 @@ def _ec_model(return_remapped: bool = True) -> ManagedCollisionEmbeddingCollecti
     torch.manual_seed(0)
     tables = [EmbeddingConfig(name="s", num_embeddings=32, embedding_dim=4, feature_names=["f", "g", "h"])]
     mcc = ManagedCollisionCollection({"s": MCHManagedCollisionModule(32, num_buckets=8)}, tables)
-    return ManagedCollisionEmbeddingCollection(EmbeddingCollection(tables), mcc,
-                                               return_remapped_features=return_remapped)
+    return ManagedCollisionEmbeddingCollection(
+        EmbeddingCollection(tables), mcc, return_remapped_features=return_remapped
+    )
 
 
 def _ec_run(model, rank: int, ws: int):
     out = []
     for step in range(3):
         embs, remapped = model(_kjt(_slice(_global_batch(step), rank, ws)))
-        out.append((remapped.values().tolist() if remapped is not None else None,
-                    torch.cat([embs[f].values() for f in FEATURES]).detach()))
+        out.append(
+            (
+                remapped.values().tolist() if remapped is not None else None,
+                torch.cat([embs[f].values() for f in FEATURES]).detach(),
+            )
+        )
     return out
 
 
@@ -290,8 +309,7 @@ def test_sharded_embedding_collection_matches_single_process(return_remapped):
 def _errors_job(rank: int, ws: int, return_remapped: bool = True) -> list[str]:
     """Bad input on one rank, and plans managed collision cannot follow: every rank raises, none hangs."""
     msgs = []
-    model = shard_modules(_ec_model(return_remapped),
-                          ShardingPlan({"_embedding_module": {"s": row_wise([16, 16])}}))
+    model = shard_modules(_ec_model(return_remapped), ShardingPlan({"_embedding_module": {"s": row_wise([16, 16])}}))
     bags = _slice(_global_batch(0), rank, ws)
     if rank == 1:
         bags["g"][0] = [-5]
@@ -341,8 +359,7 @@ def _count_all_to_all(monkeypatch_target):
 
 
 def _fold_job(rank: int, ws: int, kind: str, fold: bool = True, fused: bool = False):
-    model = shard_modules(_model(return_remapped=False), _plan(kind, ws),
-                          embedding_optimizer=FUSED if fused else None)
+    model = shard_modules(_model(return_remapped=False), _plan(kind, ws), embedding_optimizer=FUSED if fused else None)
     model._fold_remap = fold
     calls, real = _count_all_to_all(transport)
     try:
@@ -362,9 +379,15 @@ def _fold_job(rank: int, ws: int, kind: str, fold: bool = True, fused: bool = Fa
     return _full_state(model), calls[0], stats
 
 
-@pytest.mark.parametrize("kind,ws", [("rw", 2), ("tw", 2),
-                                     pytest.param("mixed", 3, marks=pytest.mark.slow),
-                                     pytest.param("rw", 4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "kind,ws",
+    [
+        ("rw", 2),
+        ("tw", 2),
+        pytest.param("mixed", 3, marks=pytest.mark.slow),
+        pytest.param("rw", 4, marks=pytest.mark.slow),
+    ],
+)
 def test_folded_remap_matches_single_process_without_extra_all_to_all(kind, ws):
     _, ref_state = _reference()
     folded = run_distributed(_fold_job, ws, kind, True)

@@ -37,9 +37,11 @@ def _job(rank: int, ws: int) -> dict:
             never.update(torch.tensor(p[chunk], dtype=torch.float32), torch.tensor(y[chunk], dtype=torch.float32))
     weighted = NormalizedEntropy()
     weighted.update(t(p), t(y), t(w))
-    return {"updated": {k: float(v) for k, v in updated.compute().items()},
-            "never": {k: float(v) for k, v in never.compute().items()},
-            "weighted_ne": float(weighted.compute())}
+    return {
+        "updated": {k: float(v) for k, v in updated.compute().items()},
+        "never": {k: float(v) for k, v in never.compute().items()},
+        "weighted_ne": float(weighted.compute()),
+    }
 
 
 @pytest.mark.slow
@@ -49,8 +51,7 @@ def test_synced_metrics_equal_single_process(ws: int) -> None:
     p, y, w, _ = _shard(ws, 0)
     p = p.astype(np.float32).astype(np.float64)
     w = w.astype(np.float32).astype(np.float64)
-    want = {"auroc": np_auc(p, y), "ne": np_ne(p, y), "calibration": np_calibration(p, y),
-            "logloss": np_logloss(p, y)}
+    want = {"auroc": np_auc(p, y), "ne": np_ne(p, y), "calibration": np_calibration(p, y), "logloss": np_logloss(p, y)}
     for rank, r in enumerate(results):
         for case in ("updated", "never"):
             for k, v in want.items():

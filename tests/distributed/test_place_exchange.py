@@ -42,8 +42,9 @@ def _layout(seed: int, ws: int):
             shards.append([ShardMeta(0, 3, 0, dim, a), ShardMeta(3, 3, 0, dim, b)])
         else:
             cut = rng.randint(1, dim - 1)
-            shards.append([ShardMeta(0, 6, 0, cut, rng.randrange(ws)), ShardMeta(0, 6, cut, dim - cut,
-                                                                                  rng.randrange(ws))])
+            shards.append(
+                [ShardMeta(0, 6, 0, cut, rng.randrange(ws)), ShardMeta(0, 6, cut, dim - cut, rng.randrange(ws))]
+            )
         for _ in range(rng.randint(1, 2)):
             feature_table.append(t)
             dims.append(dim)
@@ -53,10 +54,17 @@ def _layout(seed: int, ws: int):
 def _reference(pooled, dp, rt, batches, b, group):
     """The output from torch.distributed's differentiable all-to-all and a per-column index_add."""
     me = dist.get_rank(group)
-    flat = dist_nn.all_to_all_single(
-        torch.empty(b * sum(rt.cols_from), dtype=pooled.dtype), pooled.reshape(-1),
-        [b * w for w in rt.cols_from], [n * rt.cols_from[me] for n in batches], group=group,
-    ) if dist.get_world_size(group) > 1 else pooled.reshape(-1)
+    flat = (
+        dist_nn.all_to_all_single(
+            torch.empty(b * sum(rt.cols_from), dtype=pooled.dtype),
+            pooled.reshape(-1),
+            [b * w for w in rt.cols_from],
+            [n * rt.cols_from[me] for n in batches],
+            group=group,
+        )
+        if dist.get_world_size(group) > 1
+        else pooled.reshape(-1)
+    )
     blocks = [] if dp is None else [dp]
     blocks += [flat[s : s + b * w].view(b, w) for s, w in zip(offsets_of([b * w for w in rt.cols_from]), rt.cols_from)]
     runs = rt.colmap_runs if dp is not None else rt.colmap_runs[1:]

@@ -52,16 +52,31 @@ def _fit_with_summary(rank: int, world: int, tables_optimizer: str) -> dict:
 
     model = TwoOptimizers(batch_size=4, plan=None)  # no plan: the strategy asks the planner
     summary = ShardingSummary()
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy="rec_sharded", max_steps=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[summary])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy="rec_sharded",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[summary],
+    )
     trainer.fit(model)
     ebc = next(m for m in model.modules() if isinstance(m, ShardedCollection))
     local_bytes = sum(p.numel() * p.element_size() for p in ebc.parameters())
     rep, chosen = summary.last_report, trainer.strategy.plan_report
-    return {"local_bytes": local_bytes, "weights": rep.memory[0].tolist(), "text": str(rep),
-            "tables": [c.table for c in rep.tables], "summary": (rep.settings, rep.memory.tolist(), str(rep)),
-            "strategy": (chosen.settings, chosen.memory.tolist(), str(chosen))}
+    return {
+        "local_bytes": local_bytes,
+        "weights": rep.memory[0].tolist(),
+        "text": str(rep),
+        "tables": [c.table for c in rep.tables],
+        "summary": (rep.settings, rep.memory.tolist(), str(rep)),
+        "strategy": (chosen.settings, chosen.memory.tolist(), str(chosen)),
+    }
 
 
 @pytest.mark.slow

@@ -56,10 +56,12 @@ PLACEMENTS = {
 def _tables(dtype: torch.dtype = torch.float32) -> list[EmbeddingBagConfig]:
     # SUM and MEAN tables; one table read by two features; widths that column shards split evenly
     return [
-        EmbeddingBagConfig(name="sum.t", num_embeddings=11, embedding_dim=4, feature_names=["a", "b"],
-                           pooling="sum", dtype=dtype),
-        EmbeddingBagConfig(name="mean t", num_embeddings=7, embedding_dim=6, feature_names=["c"], pooling="mean",
-                           dtype=dtype),
+        EmbeddingBagConfig(
+            name="sum.t", num_embeddings=11, embedding_dim=4, feature_names=["a", "b"], pooling="sum", dtype=dtype
+        ),
+        EmbeddingBagConfig(
+            name="mean t", num_embeddings=7, embedding_dim=6, feature_names=["c"], pooling="mean", dtype=dtype
+        ),
     ]
 
 
@@ -91,16 +93,18 @@ def _reference(tables, weights: dict[str, torch.Tensor], kjt: KeyedJaggedTensor)
         for f in t.feature_names:
             jt = jts[f]
             psw = jt.weights() if kjt.weights_or_none() is not None else None
-            out = F.embedding_bag(jt.values(), weights[t.name], jt.offsets(), mode="sum", per_sample_weights=psw,
-                                  include_last_offset=True)
+            out = F.embedding_bag(
+                jt.values(), weights[t.name], jt.offsets(), mode="sum", per_sample_weights=psw, include_last_offset=True
+            )
             if t.pooling == PoolingType.MEAN:
                 out = out / jt.lengths().clamp(min=1).unsqueeze(1).to(out.dtype)
             outs.append(out)
     return torch.cat(outs, dim=1)
 
 
-def _train_beside_reference(sharded, tables, ref_w: dict[str, torch.Tensor], rank: int, ws: int,
-                            weighted: bool, rank_weight: float = 1.0) -> tuple[float, dict[str, float]]:
+def _train_beside_reference(
+    sharded, tables, ref_w: dict[str, torch.Tensor], rank: int, ws: int, weighted: bool, rank_weight: float = 1.0
+) -> tuple[float, dict[str, float]]:
     """STEPS of SGD on the sharded collection (this rank's loss) and on the fp32 reference tables (every rank's
     loss, times ``rank_weight``): the largest forward gap on this rank's batches, and each table's largest gap
     after training."""
@@ -122,8 +126,10 @@ def _train_beside_reference(sharded, tables, ref_w: dict[str, torch.Tensor], ran
         ref_opt.step()
         ref_opt.zero_grad()
     state = full_state_dict(sharded)
-    diffs = {t.name: float((state[f"embedding_bags.{t.name}.weight"].float() - ref_w[t.name].detach()).abs().max())
-             for t in tables}
+    diffs = {
+        t.name: float((state[f"embedding_bags.{t.name}.weight"].float() - ref_w[t.name].detach()).abs().max())
+        for t in tables
+    }
     return worst, diffs
 
 
@@ -146,8 +152,7 @@ def _equivalence_job(rank: int, ws: int, kinds: list[str], kernel: str) -> dict:
                 tables = _tables()
                 torch.manual_seed(5)
                 ebc = EmbeddingBagCollection(tables, is_weighted=weighted, kernel="torch")
-                ref_w = {t.name: ebc.embedding_bags[t.name].weight.detach().clone().requires_grad_()
-                         for t in tables}
+                ref_w = {t.name: ebc.embedding_bags[t.name].weight.detach().clone().requires_grad_() for t in tables}
                 plan = ShardingPlan({"": {t.name: place(i, kernel) for i, t in enumerate(tables)}})
                 sharded = shard_modules(ebc, plan, local_size=local)
                 assert set(sharded.lookup_kernels.values()) == {kernel}
@@ -158,8 +163,9 @@ def _equivalence_job(rank: int, ws: int, kinds: list[str], kernel: str) -> dict:
     return dict(worst=worst, calls=calls)
 
 
-@pytest.mark.parametrize("kinds", [["table_wise", "row_wise", "column_wise"],
-                                   ["table_row_wise", "grid_shard", "data_parallel"]])
+@pytest.mark.parametrize(
+    "kinds", [["table_wise", "row_wise", "column_wise"], ["table_row_wise", "grid_shard", "data_parallel"]]
+)
 def test_fbgemm_kernel_matches_reference_for_every_sharding_type(kinds: list[str]) -> None:
     for res in run_distributed(_equivalence_job, WS, kinds, "fbgemm"):
         for key, err in res["worst"].items():
@@ -178,6 +184,7 @@ def _count_job(rank: int, ws: int, plan_kernel: str | None, module_kernel: str) 
         def wrapped(*args, **kw):
             counts[name] += 1
             return fn(*args, **kw)
+
         return wrapped
 
     setattr(torch.ops.fbgemm, op_name, count("fbgemm", real_op))
@@ -185,8 +192,9 @@ def _count_job(rank: int, ws: int, plan_kernel: str | None, module_kernel: str) 
     try:
         tables = _tables()
         ebc = EmbeddingBagCollection(tables, kernel=module_kernel)
-        plan = ShardingPlan({"": {"sum.t": row_wise(compute_kernel=plan_kernel),
-                                  "mean t": data_parallel(compute_kernel=plan_kernel)}})
+        plan = ShardingPlan(
+            {"": {"sum.t": row_wise(compute_kernel=plan_kernel), "mean t": data_parallel(compute_kernel=plan_kernel)}}
+        )
         sharded = shard_modules(ebc, plan)
         out = sharded(_batch(tables, rank, 0, False)).values()
         out.sum().backward()
@@ -218,8 +226,7 @@ def _mixed_job(rank: int, ws: int) -> dict:
     """fbgemm and torch tables (fp32 and fp16 fbgemm groups) side by side on one rank, sharded and replicated."""
     tables = [
         EmbeddingBagConfig(name="a", num_embeddings=9, embedding_dim=4, feature_names=["fa"]),
-        EmbeddingBagConfig(name="b", num_embeddings=6, embedding_dim=3, feature_names=["fb1", "fb2"],
-                           pooling="mean"),
+        EmbeddingBagConfig(name="b", num_embeddings=6, embedding_dim=3, feature_names=["fb1", "fb2"], pooling="mean"),
         EmbeddingBagConfig(name="c", num_embeddings=5, embedding_dim=2, feature_names=["fc"]),
         EmbeddingBagConfig(name="d", num_embeddings=8, embedding_dim=4, feature_names=["fd"], dtype=torch.float16),
         EmbeddingBagConfig(name="e", num_embeddings=4, embedding_dim=2, feature_names=["fe"]),
@@ -228,14 +235,27 @@ def _mixed_job(rank: int, ws: int) -> dict:
     torch.manual_seed(3)
     ebc = EmbeddingBagCollection(tables, is_weighted=True, kernel="torch")
     ref_w = {t.name: ebc.embedding_bags[t.name].weight.detach().float().clone().requires_grad_() for t in tables}
-    plan = ShardingPlan({"": {
-        "a": row_wise(compute_kernel="fbgemm"), "b": row_wise(compute_kernel="torch"),
-        "c": row_wise(compute_kernel="fbgemm"), "d": row_wise(compute_kernel="fbgemm"),
-        "e": data_parallel(compute_kernel="fbgemm"), "f": data_parallel(compute_kernel="torch"),
-    }})
+    plan = ShardingPlan(
+        {
+            "": {
+                "a": row_wise(compute_kernel="fbgemm"),
+                "b": row_wise(compute_kernel="torch"),
+                "c": row_wise(compute_kernel="fbgemm"),
+                "d": row_wise(compute_kernel="fbgemm"),
+                "e": data_parallel(compute_kernel="fbgemm"),
+                "f": data_parallel(compute_kernel="torch"),
+            }
+        }
+    )
     sharded = shard_modules(ebc, plan)
-    assert sharded.lookup_kernels == {"a": "fbgemm", "b": "torch", "c": "fbgemm", "d": "fbgemm", "e": "fbgemm",
-                                      "f": "torch"}
+    assert sharded.lookup_kernels == {
+        "a": "fbgemm",
+        "b": "torch",
+        "c": "fbgemm",
+        "d": "fbgemm",
+        "e": "fbgemm",
+        "f": "torch",
+    }
     forward, diffs = _train_beside_reference(sharded, tables, ref_w, rank, ws, True)
     return dict(forward=forward, tables=diffs)
 
@@ -250,18 +270,35 @@ def test_mixed_kernels_on_one_rank_match_reference() -> None:
 def _refusal_job(rank: int, ws: int) -> list[str]:
     msgs = []
     cases = [
-        (EmbeddingBagCollection([EmbeddingBagConfig(name="bf.tab", num_embeddings=4, embedding_dim=4,
-                                                    dtype=torch.bfloat16)]), row_wise(compute_kernel="fbgemm")),
-        (EmbeddingBagCollection([EmbeddingBagConfig(name="sparse tab", num_embeddings=4, embedding_dim=4)],
-                                sparse_grad=True), table_wise(0, compute_kernel="fbgemm")),
-        (EmbeddingCollection([EmbeddingConfig(name="seq tab", num_embeddings=4, embedding_dim=4)]),
-         row_wise(compute_kernel="fbgemm")),
-        (EmbeddingBagCollection([EmbeddingBagConfig(name="dp tab", num_embeddings=4, embedding_dim=4,
-                                                    dtype=torch.bfloat16)]), data_parallel(compute_kernel="fbgemm")),
+        (
+            EmbeddingBagCollection(
+                [EmbeddingBagConfig(name="bf.tab", num_embeddings=4, embedding_dim=4, dtype=torch.bfloat16)]
+            ),
+            row_wise(compute_kernel="fbgemm"),
+        ),
+        (
+            EmbeddingBagCollection(
+                [EmbeddingBagConfig(name="sparse tab", num_embeddings=4, embedding_dim=4)], sparse_grad=True
+            ),
+            table_wise(0, compute_kernel="fbgemm"),
+        ),
+        (
+            EmbeddingCollection([EmbeddingConfig(name="seq tab", num_embeddings=4, embedding_dim=4)]),
+            row_wise(compute_kernel="fbgemm"),
+        ),
+        (
+            EmbeddingBagCollection(
+                [EmbeddingBagConfig(name="dp tab", num_embeddings=4, embedding_dim=4, dtype=torch.bfloat16)]
+            ),
+            data_parallel(compute_kernel="fbgemm"),
+        ),
     ]
     for module, placement in cases:
-        name = module.embedding_bag_configs()[0].name if hasattr(module, "embedding_bag_configs") else \
-            module.embedding_configs()[0].name
+        name = (
+            module.embedding_bag_configs()[0].name
+            if hasattr(module, "embedding_bag_configs")
+            else module.embedding_configs()[0].name
+        )
         try:
             shard_modules(module, ShardingPlan({"": {name: placement}}))
         except ValueError as e:
@@ -282,8 +319,9 @@ def test_fbgemm_on_tables_it_cannot_serve_raises_naming_the_table() -> None:
 def _convert_job(rank: int, ws: int) -> str:
     """A conversion to a dtype fbgemm cannot serve raises before converting and leaves the module usable."""
     tables = _tables()
-    sharded = shard_modules(EmbeddingBagCollection(tables),
-                            ShardingPlan({"": {t.name: row_wise(compute_kernel="fbgemm") for t in tables}}))
+    sharded = shard_modules(
+        EmbeddingBagCollection(tables), ShardingPlan({"": {t.name: row_wise(compute_kernel="fbgemm") for t in tables}})
+    )
     try:
         sharded.to(torch.bfloat16)
     except ValueError as e:
@@ -310,7 +348,9 @@ def _cuda_job(rank: int, ws: int, kernel: str) -> dict:
     torch.manual_seed(5)
     ebc = EmbeddingBagCollection(tables, is_weighted=True, kernel="torch")
     ref_w = {t.name: ebc.embedding_bags[t.name].weight.detach().clone() for t in tables}
-    plan = ShardingPlan({"": {"sum.t": row_wise(compute_kernel=kernel), "mean t": data_parallel(compute_kernel=kernel)}})
+    plan = ShardingPlan(
+        {"": {"sum.t": row_wise(compute_kernel=kernel), "mean t": data_parallel(compute_kernel=kernel)}}
+    )
     sharded = shard_modules(ebc, plan, device="cuda")
     kjt = _batch(tables, rank, 0, True)
     out = sharded(kjt.to(sharded.device)).values()
@@ -338,8 +378,9 @@ def _two_d_job(rank: int, ws: int, embedding_grad: str) -> float:
     ebc = EmbeddingBagCollection(tables, is_weighted=True, kernel="torch")
     ref_w = {t.name: ebc.embedding_bags[t.name].weight.detach().clone().requires_grad_() for t in tables}
     plan = ShardingPlan({"": {"sum.t": row_wise(compute_kernel="fbgemm"), "mean t": data_parallel("fbgemm")}})
-    sharded = shard_modules(ebc, plan, process_group=mesh.shard_group, replica_group=mesh.replica_group,
-                            embedding_grad=embedding_grad)
+    sharded = shard_modules(
+        ebc, plan, process_group=mesh.shard_group, replica_group=mesh.replica_group, embedding_grad=embedding_grad
+    )
     assert set(sharded.lookup_kernels.values()) == {"fbgemm"}
     rank_weight = 1.0 if embedding_grad == "sum" else 1.0 / ws
     forward, diffs = _train_beside_reference(sharded, tables, ref_w, rank, ws, True, rank_weight)

@@ -42,16 +42,34 @@ def position_init(w: torch.Tensor, row_offset: int = 0, col_offset: int = 0) -> 
 def _plans() -> list[tuple[dict, int]]:
     """(plan, local_size) pairs that together cover every sharding type at 2 processes."""
     return [
-        ({"tw": table_wise(1), "rw": row_wise([3, 6]), "cw": column_wise([1, 0]), "twrw": table_row_wise(0),
-          "dp": data_parallel()}, WS),
-        ({"tw": row_wise(), "rw": grid_shard([0, 1]), "cw": grid_shard([1, 0]), "twrw": table_row_wise(1),
-          "dp": table_wise(0)}, 1),
+        (
+            {
+                "tw": table_wise(1),
+                "rw": row_wise([3, 6]),
+                "cw": column_wise([1, 0]),
+                "twrw": table_row_wise(0),
+                "dp": data_parallel(),
+            },
+            WS,
+        ),
+        (
+            {
+                "tw": row_wise(),
+                "rw": grid_shard([0, 1]),
+                "cw": grid_shard([1, 0]),
+                "twrw": table_row_wise(1),
+                "dp": table_wise(0),
+            },
+            1,
+        ),
     ]
 
 
 def _tables(init_fn) -> list[EmbeddingBagConfig]:
-    return [EmbeddingBagConfig(name=n, num_embeddings=rows, embedding_dim=8, feature_names=[f"f {n}"], init_fn=init_fn)
-            for n, rows in [("tw", 5), ("rw", 9), ("cw", 7), ("twrw", 4), ("dp", 6)]]
+    return [
+        EmbeddingBagConfig(name=n, num_embeddings=rows, embedding_dim=8, feature_names=[f"f {n}"], init_fn=init_fn)
+        for n, rows in [("tw", 5), ("rw", 9), ("cw", 7), ("twrw", 4), ("dp", 6)]
+    ]
 
 
 def _kjt(rank: int) -> KeyedJaggedTensor:
@@ -86,15 +104,21 @@ def _meta_vs_cpu_job(rank: int, ws: int, fused: bool, init: str) -> list[dict]:
         slices = {}
         for n in meta_pieces:  # each piece is its slice of the CPU-built full table
             s = next((s for ti, s in sharded.local_shards if names[ti] == n), None)
-            slices[n] = full[n] if s is None else full[n][s.row_offset : s.row_offset + s.rows,
-                                                           s.col_offset : s.col_offset + s.cols]
-        out.append(dict(
-            same_local=meta_pieces.keys() == cpu_pieces.keys() and len(meta_pieces) > 0
-            and all(torch.equal(cpu_pieces[n], p) for n, p in meta_pieces.items()),
-            slices_of_cpu_tables=all(torch.equal(slices[n], p) for n, p in meta_pieces.items()),
-            same_after_step=meta_state.keys() == cpu_state.keys()
-            and all(torch.equal(cpu_state[k], v) for k, v in meta_state.items()),
-        ))
+            slices[n] = (
+                full[n]
+                if s is None
+                else full[n][s.row_offset : s.row_offset + s.rows, s.col_offset : s.col_offset + s.cols]
+            )
+        out.append(
+            dict(
+                same_local=meta_pieces.keys() == cpu_pieces.keys()
+                and len(meta_pieces) > 0
+                and all(torch.equal(cpu_pieces[n], p) for n, p in meta_pieces.items()),
+                slices_of_cpu_tables=all(torch.equal(slices[n], p) for n, p in meta_pieces.items()),
+                same_after_step=meta_state.keys() == cpu_state.keys()
+                and all(torch.equal(cpu_state[k], v) for k, v in meta_state.items()),
+            )
+        )
     return out
 
 
@@ -103,18 +127,24 @@ def test_meta_built_model_gives_exactly_the_cpu_shards() -> None:
         for init in ("position", "constant"):
             for per_plan in run_distributed(_meta_vs_cpu_job, WS, fused, init):
                 for res in per_plan:
-                    assert res == dict(same_local=True, slices_of_cpu_tables=True, same_after_step=True), \
-                        (fused, init, res)
+                    assert res == dict(same_local=True, slices_of_cpu_tables=True, same_after_step=True), (
+                        fused,
+                        init,
+                        res,
+                    )
 
 
 def _warning_job(rank: int, ws: int) -> dict:
     collection_mod.LARGE_TABLE_BYTES = 1000  # bytes: the tables below are "large"
     collection_mod._warned_large.clear()
-    tables = [EmbeddingBagConfig(name=n, num_embeddings=100, embedding_dim=4, feature_names=[f"f{n}"])
-              for n in ("big.rows", "big owner", "replica", "small")]
+    tables = [
+        EmbeddingBagConfig(name=n, num_embeddings=100, embedding_dim=4, feature_names=[f"f{n}"])
+        for n in ("big.rows", "big owner", "replica", "small")
+    ]
     tables[3] = EmbeddingBagConfig(name="small", num_embeddings=10, embedding_dim=4, feature_names=["fsmall"])
-    plan = ShardingPlan({"": {"big.rows": row_wise(), "big owner": table_wise(0), "replica": data_parallel(),
-                              "small": row_wise()}})
+    plan = ShardingPlan(
+        {"": {"big.rows": row_wise(), "big owner": table_wise(0), "replica": data_parallel(), "small": row_wise()}}
+    )
     seen = {}
     for device in ("cpu", "meta", "cpu"):  # the second CPU build of the same tables warns no more
         with warnings.catch_warnings(record=True) as caught:

@@ -22,8 +22,10 @@ from lightning_rec.testing import run_distributed
 
 
 def _tables() -> list[EmbeddingBagConfig]:
-    return [EmbeddingBagConfig(name="big t", num_embeddings=10, embedding_dim=4, feature_names=["f"]),
-            EmbeddingBagConfig(name="small", num_embeddings=4, embedding_dim=4, feature_names=["g"])]
+    return [
+        EmbeddingBagConfig(name="big t", num_embeddings=10, embedding_dim=4, feature_names=["f"]),
+        EmbeddingBagConfig(name="small", num_embeddings=4, embedding_dim=4, feature_names=["g"]),
+    ]
 
 
 def _plans(kind: str, rank: int) -> dict:
@@ -79,10 +81,12 @@ def _weights_job(rank: int, ws: int, kind: str) -> dict:
     tables = _tables()
     model = EmbeddingBagCollection(tables, is_weighted=True, kernel="torch")
     ref = copy.deepcopy(model)
-    plan = {"row_wise": {"big t": row_wise(), "small": table_wise(1)},
-            # only the fp16 rank (1) sends to the table's owner (0)
-            "table_wise": {"big t": table_wise(0), "small": table_wise(0)},
-            "data_parallel": {"big t": data_parallel(), "small": data_parallel()}}[kind]
+    plan = {
+        "row_wise": {"big t": row_wise(), "small": table_wise(1)},
+        # only the fp16 rank (1) sends to the table's owner (0)
+        "table_wise": {"big t": table_wise(0), "small": table_wise(0)},
+        "data_parallel": {"big t": data_parallel(), "small": data_parallel()},
+    }[kind]
     sharded = shard_modules(model, ShardingPlan({"": plan}))
     opt = torch.optim.SGD(sharded.parameters(), lr=0.5) if list(sharded.parameters()) else None
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
@@ -124,8 +128,12 @@ def _rowwise_column_split_job(rank: int, ws: int, kind: str, plan_name: str) -> 
     model.add_module("ebc", EmbeddingBagCollection(tables))
     try:
         # one rank per host: grid_shard's two column blocks sit on hosts 0 and 1
-        shard_modules(model, ShardingPlan({"ebc": {"wide t": plans[plan_name]}}), local_size=1,
-                      embedding_optimizer={"kind": kind, "lr": 0.1})
+        shard_modules(
+            model,
+            ShardingPlan({"ebc": {"wide t": plans[plan_name]}}),
+            local_size=1,
+            embedding_optimizer={"kind": kind, "lr": 0.1},
+        )
     except ValueError as e:
         return str(e)
     return "sharded"

@@ -35,8 +35,9 @@ _DEVICES = ["cpu", pytest.param("cuda", marks=_CUDA)]
 
 def _rowwise_grad_job(rank: int, ws: int, mode: str, device: str = "cpu") -> list[float]:
     t = EmbeddingBagConfig(name="t", num_embeddings=8, embedding_dim=4, feature_names=["f"], init_fn=_zero)
-    ebc = shard_modules(EmbeddingBagCollection([t]), ShardingPlan({"": {"t": row_wise()}}), embedding_grad=mode,
-                        device=device)
+    ebc = shard_modules(
+        EmbeddingBagCollection([t]), ShardingPlan({"": {"t": row_wise()}}), embedding_grad=mode, device=device
+    )
     opt = torch.optim.SGD(ebc.parameters(), lr=1.0)
     ids = torch.tensor([0, 1]) if rank == 0 else torch.tensor([2, 3])
     kjt = KeyedJaggedTensor(["f"], ids, lengths=torch.tensor([1, 1])).to(device)  # two bags of one id each
@@ -78,12 +79,14 @@ def _dp_job(rank: int, ws: int) -> dict:
     ebc = EmbeddingBagCollection([t])
     ref = copy.deepcopy(ebc)
     sharded = shard_modules(ebc, ShardingPlan({"": {"t": data_parallel()}}))
-    (name, p), = list(sharded.named_parameters())
+    ((name, p),) = list(sharded.named_parameters())
     info = {"name": name, "leaf": p.is_leaf, "dtype": str(p.dtype)}
     opt = torch.optim.SGD(sharded.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    batches = [KeyedJaggedTensor(["f"], torch.tensor([0, 1, 1]), lengths=torch.tensor([2, 1])),
-               KeyedJaggedTensor(["f"], torch.tensor([1, 4]), lengths=torch.tensor([1, 1]))]
+    batches = [
+        KeyedJaggedTensor(["f"], torch.tensor([0, 1, 1]), lengths=torch.tensor([2, 1])),
+        KeyedJaggedTensor(["f"], torch.tensor([1, 4]), lengths=torch.tensor([1, 1])),
+    ]
     for _ in range(2):
         opt.zero_grad()
         sharded(batches[rank]).values().float().sum().backward()
@@ -107,8 +110,11 @@ def _dp_job(rank: int, ws: int) -> dict:
     sharded(batches[rank]).values().sum().backward()
     opt.step()
     after = sharded.state_dict()["embedding_bags.t.weight"]
-    info.update(after_to_dtype=str(after.dtype), after_to_moved=not torch.equal(before, after),
-                after_to_shared=after.data_ptr() == next(sharded.parameters()).data_ptr())
+    info.update(
+        after_to_dtype=str(after.dtype),
+        after_to_moved=not torch.equal(before, after),
+        after_to_shared=after.data_ptr() == next(sharded.parameters()).data_ptr(),
+    )
     return info
 
 
@@ -124,8 +130,9 @@ def test_c_data_parallel_parameters_are_leaves_and_train_in_bf16() -> None:
 
 # -- (d) an explicit per-table placement puts weights exactly where asked ----------------------------
 def _placement_job(rank: int, ws: int) -> list[str]:
-    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=4, embedding_dim=4, feature_names=[f"f{i}"])
-              for i in range(5)]
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", num_embeddings=4, embedding_dim=4, feature_names=[f"f{i}"]) for i in range(5)
+    ]
     plan = {f"t{i}": table_wise(rank=0 if i < 3 else 1) for i in range(5)}
     sharded = shard_modules(EmbeddingBagCollection(tables), ShardingPlan({"": plan}))
     return [n for n, _ in sharded.named_parameters()]
@@ -150,8 +157,18 @@ def _tables() -> list[EmbeddingBagConfig]:
 
 
 def _plan(ws: int) -> ShardingPlan:
-    return ShardingPlan({"": {"rw": row_wise(), "cw": column_wise([ws - 1, 0]), "dp": data_parallel(),
-                              "tw": table_wise(ws - 1), "grid": grid_shard([0]), "twrw": table_row_wise(0)}})
+    return ShardingPlan(
+        {
+            "": {
+                "rw": row_wise(),
+                "cw": column_wise([ws - 1, 0]),
+                "dp": data_parallel(),
+                "tw": table_wise(ws - 1),
+                "grid": grid_shard([0]),
+                "twrw": table_row_wise(0),
+            }
+        }
+    )
 
 
 def _state_job(rank: int, ws: int, path: str, device: str = "cpu") -> dict:

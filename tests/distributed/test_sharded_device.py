@@ -27,8 +27,9 @@ def _build(case: dict, sequence: bool):
     torch.manual_seed(case["seed"])
     if sequence:
         return EmbeddingCollection(case["tables"], sparse_grad=case["sparse_grad"])
-    return EmbeddingBagCollection(case["tables"], is_weighted=case["weighted"], kernel="torch",
-                                  sparse_grad=case["sparse_grad"])
+    return EmbeddingBagCollection(
+        case["tables"], is_weighted=case["weighted"], kernel="torch", sparse_grad=case["sparse_grad"]
+    )
 
 
 def _values(out, sequence: bool) -> torch.Tensor:
@@ -43,8 +44,13 @@ def _default_device_job(rank: int, ws: int, seeds: list[int], sequence: bool) ->
         ref = copy.deepcopy(model)
         kjt = batch(case, rank, 0)
         with torch.device("meta"):  # anything created without device= lands here and breaks the job
-            sharded = shard_modules(model, ShardingPlan({"": case["plan"]}), device="cpu",
-                                    embedding_grad=case["embedding_grad"], local_size=case["local_size"])
+            sharded = shard_modules(
+                model,
+                ShardingPlan({"": case["plan"]}),
+                device="cpu",
+                embedding_grad=case["embedding_grad"],
+                local_size=case["local_size"],
+            )
             out = _values(sharded(kjt), sequence)
             assert out.device.type == "cpu"
             with torch.device("cpu"):  # the test's own tensor
@@ -73,9 +79,11 @@ def _move_job(rank: int, ws: int) -> dict:
     pieces = [t for v in sd.values() if _compat.is_sharded(v) for _, t in _compat.local_pieces(v)]
     placements = [v.device_mesh.device_type for v in sd.values() if _compat.is_sharded(v)]
     return dict(
-        device=str(sharded.device), routing=str(sharded.routing.bucket_start.device),
+        device=str(sharded.device),
+        routing=str(sharded.routing.bucket_start.device),
         params={str(p.device) for p in sharded.parameters()},
-        pieces={str(t.device) for t in pieces}, placements=placements,
+        pieces={str(t.device) for t in pieces},
+        placements=placements,
         half=str(sharded.half().device),
     )
 
@@ -95,16 +103,22 @@ def _loss(values: torch.Tensor, case: dict, rank: int, step: int) -> torch.Tenso
 def _cuda_job(rank: int, ws: int, seeds: list[int], sequence: bool, backend: str) -> float:
     if backend == "nccl":
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        dist.init_process_group("nccl", rank=rank, world_size=ws, timeout=timedelta(seconds=120),
-                                device_id=torch.device("cuda", 0))
+        dist.init_process_group(
+            "nccl", rank=rank, world_size=ws, timeout=timedelta(seconds=120), device_id=torch.device("cuda", 0)
+        )
     torch.cuda.set_device(0)
     worst = 0.0
     for seed in seeds:
         case = random_case(seed, ws, sequence=sequence)
         model = _build(case, sequence)
         ref = copy.deepcopy(model)
-        sharded = shard_modules(model, ShardingPlan({"": case["plan"]}), device="cuda",
-                                embedding_grad=case["embedding_grad"], local_size=case["local_size"])
+        sharded = shard_modules(
+            model,
+            ShardingPlan({"": case["plan"]}),
+            device="cuda",
+            embedding_grad=case["embedding_grad"],
+            local_size=case["local_size"],
+        )
         params = list(sharded.parameters())
         opt = torch.optim.SGD(params, lr=0.5) if params else None
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
@@ -117,8 +131,9 @@ def _cuda_job(rank: int, ws: int, seeds: list[int], sequence: bool, backend: str
             if opt is not None:
                 opt.step()
                 opt.zero_grad()
-            ref_loss = sum(scale * _loss(_values(ref(batch(case, r, step)), sequence), case, r, step)
-                           for r in range(ws))
+            ref_loss = sum(
+                scale * _loss(_values(ref(batch(case, r, step)), sequence), case, r, step) for r in range(ws)
+            )
             ref_loss.backward()
             ref_opt.step()
             ref_opt.zero_grad()
@@ -135,8 +150,9 @@ def _cuda_job(rank: int, ws: int, seeds: list[int], sequence: bool, backend: str
 def test_cuda_sharded_training_equals_cpu_single_process(ws: int, backend: str, sequence: bool) -> None:
     # world size 1 over NCCL; 2 ranks share the one GPU over gloo (NCCL refuses two ranks on one GPU)
     seeds = list(range(2300 + 10 * ws, 2300 + 10 * ws + 4))
-    results = run_distributed(_cuda_job, ws, seeds, sequence, backend, init_process_group=backend == "gloo",
-                              timeout_s=300)
+    results = run_distributed(
+        _cuda_job, ws, seeds, sequence, backend, init_process_group=backend == "gloo", timeout_s=300
+    )
     assert max(results) <= 1e-5
 
 

@@ -74,14 +74,21 @@ def _check_case(
     if sequence:
         model = EmbeddingCollection(case["tables"], sparse_grad=case["sparse_grad"])
     else:
-        model = EmbeddingBagCollection(case["tables"], is_weighted=case["weighted"], kernel="torch",
-                                       sparse_grad=case["sparse_grad"])
+        model = EmbeddingBagCollection(
+            case["tables"], is_weighted=case["weighted"], kernel="torch", sparse_grad=case["sparse_grad"]
+        )
     ref = copy.deepcopy(model)
     groups = {} if mesh is None else dict(process_group=mesh.shard_group, replica_group=mesh.replica_group)
     if fused is not None:
         groups["embedding_optimizer"] = {"kind": fused, "lr": LR}
-    sharded = shard_modules(model, ShardingPlan({"": case["plan"]}), embedding_grad=case["embedding_grad"],
-                            local_size=case["local_size"], device=device, **groups)
+    sharded = shard_modules(
+        model,
+        ShardingPlan({"": case["plan"]}),
+        embedding_grad=case["embedding_grad"],
+        local_size=case["local_size"],
+        device=device,
+        **groups,
+    )
     if fused is not None:
         opt = fused_optimizer(sharded)  # None on a rank holding no shard
         assert all(not p.requires_grad for p in sharded.parameters())
@@ -100,14 +107,24 @@ def _check_case(
         if sequence:
             assert list(out) == list(expected), (list(out), list(expected))
             for k in out:
-                torch.testing.assert_close(out[k].values().cpu(), expected[k].values(), atol=ATOL, rtol=0,
-                                           msg=lambda m: f"case {case['seed']} feature {k!r} step {step}: {m}")
+                torch.testing.assert_close(
+                    out[k].values().cpu(),
+                    expected[k].values(),
+                    atol=ATOL,
+                    rtol=0,
+                    msg=lambda m: f"case {case['seed']} feature {k!r} step {step}: {m}",
+                )
                 assert torch.equal(out[k].lengths().cpu(), expected[k].lengths())
             loss = _sequence_loss(out, case, rank, step)
         else:
             assert out.keys() == expected.keys()
-            torch.testing.assert_close(out.values().cpu(), expected.values().detach(), atol=ATOL, rtol=0,
-                                       msg=lambda m: f"case {case['seed']} step {step} forward: {m}")
+            torch.testing.assert_close(
+                out.values().cpu(),
+                expected.values().detach(),
+                atol=ATOL,
+                rtol=0,
+                msg=lambda m: f"case {case['seed']} step {step} forward: {m}",
+            )
             diff = (out.values().cpu() - expected.values()).detach()
             worst = max(worst, float(diff.abs().max()) if diff.numel() else 0.0)
             loss = _pooled_loss(out.values(), case, rank, step)
@@ -119,17 +136,22 @@ def _check_case(
         # the reference sees every rank's batch on one process
         ref_opt.zero_grad()
         ref_outs = [ref(batch(case, r, step)) for r in range(ws)]
-        ref_loss = sum(rank_weight * loss_fn(o if sequence else o.values(), case, r, step)
-                       for r, o in enumerate(ref_outs))
+        ref_loss = sum(
+            rank_weight * loss_fn(o if sequence else o.values(), case, r, step) for r, o in enumerate(ref_outs)
+        )
         ref_loss.backward()
         ref_opt.step()
     got = full_state_dict(sharded)
     want = ref.state_dict()
     assert list(got) == list(want) or set(got) == set(want), (list(got), list(want))
     for key in want:
-        torch.testing.assert_close(got[key].cpu(), want[key], atol=ATOL, rtol=0,
-                                   msg=lambda m: f"case {case['seed']} plan {case['plan']} {key} after {STEPS} steps: "
-                                                 f"{m}")
+        torch.testing.assert_close(
+            got[key].cpu(),
+            want[key],
+            atol=ATOL,
+            rtol=0,
+            msg=lambda m: f"case {case['seed']} plan {case['plan']} {key} after {STEPS} steps: {m}",
+        )
     # this rank's copy of every table it holds, and the fused optimizer's state: replicas must hold equal bits
     local = {n: p.detach().cpu().clone() for n, p in sharded.named_parameters()}
     state = opt.state_dict()["tables"] if fused is not None and opt is not None else {}
@@ -141,15 +163,22 @@ def _equivalence_job(rank: int, ws: int, seeds: list[int], sequence: bool, devic
     if device == "cuda":
         torch.cuda.set_device(0)
         if not dist.is_initialized():  # one rank on the GPU: NCCL; more ranks share it over gloo
-            dist.init_process_group("nccl", rank=rank, world_size=ws, timeout=timedelta(seconds=120),
-                                    device_id=torch.device("cuda", 0))
+            dist.init_process_group(
+                "nccl", rank=rank, world_size=ws, timeout=timedelta(seconds=120), device_id=torch.device("cuda", 0)
+            )
     return [_check_case(rank, ws, random_case(seed, ws, sequence=sequence), sequence, device=device) for seed in seeds]
 
 
 # CUDA: world size 1 over NCCL; 2 ranks on the one GPU over gloo with CUDA tensors (NCCL refuses that)
 _CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-_DEVICES = [("cpu", 1), ("cpu", 2), ("cpu", 3), ("cpu", 4),
-            pytest.param("cuda", 1, marks=_CUDA), pytest.param("cuda", 2, marks=_CUDA)]
+_DEVICES = [
+    ("cpu", 1),
+    ("cpu", 2),
+    ("cpu", 3),
+    ("cpu", 4),
+    pytest.param("cuda", 1, marks=_CUDA),
+    pytest.param("cuda", 2, marks=_CUDA),
+]
 
 
 def _run(ws: int, seeds: list[int], sequence: bool, device: str) -> None:

@@ -37,8 +37,10 @@ class _Model(nn.Module):
     def __init__(self, weighted: bool, rebuild: bool = False) -> None:
         super().__init__()
         self.ebc = EmbeddingBagCollection(
-            [EmbeddingBagConfig(r, 8, name, [f"f_{name}"], pooling="mean" if name == "rw" else "sum")
-             for r, name in zip(ROWS, TABLES)],
+            [
+                EmbeddingBagConfig(r, 8, name, [f"f_{name}"], pooling="mean" if name == "rw" else "sum")
+                for r, name in zip(ROWS, TABLES)
+            ],
             is_weighted=weighted,
         )
         self.dense = nn.Linear(3, 8)
@@ -59,8 +61,12 @@ def _batches(rank: int, weighted: bool, repeat: bool = False) -> list[Batch]:
     out = []
     for size in (5 + rank, 5 + rank, 6, 2 + rank):  # ranks differ; the last batch is shorter
         lengths = torch.randint(0, 4, (len(TABLES) * size,), generator=g)
-        ids = torch.cat([torch.randint(0, ROWS[i], (int(n),), generator=g)
-                         for i, n in enumerate(lengths.view(len(TABLES), size).sum(1))])
+        ids = torch.cat(
+            [
+                torch.randint(0, ROWS[i], (int(n),), generator=g)
+                for i, n in enumerate(lengths.view(len(TABLES), size).sum(1))
+            ]
+        )
         w = torch.rand(ids.numel(), generator=g) if weighted else None
         kjt = KeyedJaggedTensor([f"f_{t}" for t in TABLES], ids, weights=w, lengths=lengths)
         out.append(Batch(torch.randn(size, 3, generator=g), kjt, torch.randint(0, 2, (size,), generator=g).float()))
@@ -72,8 +78,9 @@ def _batches(rank: int, weighted: bool, repeat: bool = False) -> list[Batch]:
 def _sharded(ws: int, weighted: bool, fused: bool, rebuild: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = _Model(weighted, rebuild)
-    plan = ShardingPlan({"ebc": {"tw": table_wise(1 % ws), "rw": row_wise(), "cw": column_wise([0, 1 % ws]),
-                                 "dp": data_parallel()}})
+    plan = ShardingPlan(
+        {"ebc": {"tw": table_wise(1 % ws), "rw": row_wise(), "cw": column_wise([0, 1 % ws]), "dp": data_parallel()}}
+    )
     model = shard_modules(model, plan, embedding_optimizer={"kind": "sgd", "lr": 0.3} if fused else None)
     dense = [p for n, p in model.named_parameters() if not n.startswith("ebc.")]
     params = dense if fused else list(model.parameters())
@@ -94,8 +101,9 @@ def _plain_loop(ws: int, rank: int, weighted: bool, fused: bool, repeat: bool) -
     return {k: v.clone() for k, v in full_state_dict(model).items()}
 
 
-def _pipelined_loop(ws: int, rank: int, weighted: bool, fused: bool, rebuild: bool,
-                    repeat: bool) -> tuple[dict, int, list[str]]:
+def _pipelined_loop(
+    ws: int, rank: int, weighted: bool, fused: bool, rebuild: bool, repeat: bool
+) -> tuple[dict, int, list[str]]:
     model, opt = _sharded(ws, weighted, fused, rebuild)
     fopt = fused_optimizer(model)
 
@@ -111,7 +119,7 @@ def _pipelined_loop(ws: int, rank: int, weighted: bool, fused: bool, rebuild: bo
             if fopt is not None:
                 fopt.step()
 
-    (_, coll), = sharded_collections(model)
+    ((_, coll),) = sharded_collections(model)
     started = []
     original = coll.prefetch_input_dist
 
@@ -152,16 +160,19 @@ def _job(rank: int, ws: int, weighted: bool, fused: bool, rebuild: bool, repeat:
     assert any(not torch.equal(v, want[k]) for k, v in full_state_dict(model).items())
 
 
-@pytest.mark.parametrize(("weighted", "fused", "rebuild", "repeat"), [
-    (False, True, False, False), (True, False, False, False), (False, False, True, False), (True, True, False, True)])
-def test_pipelined_weights_equal_the_plain_loop_bitwise(weighted: bool, fused: bool, rebuild: bool,
-                                                        repeat: bool) -> None:
+@pytest.mark.parametrize(
+    ("weighted", "fused", "rebuild", "repeat"),
+    [(False, True, False, False), (True, False, False, False), (False, False, True, False), (True, True, False, True)],
+)
+def test_pipelined_weights_equal_the_plain_loop_bitwise(
+    weighted: bool, fused: bool, rebuild: bool, repeat: bool
+) -> None:
     run_distributed(_job, 2, weighted, fused, rebuild, repeat)
 
 
 def _modified_job(rank: int, ws: int) -> str:
     model, _ = _sharded(ws, False, False)
-    (_, coll), = sharded_collections(model)
+    ((_, coll),) = sharded_collections(model)
     batch = _batches(rank, False)[0]
     InputPrefetcher(model).start(batch)
     batch.sparse.values().add_(0)  # an in-place change after the ids left: the prefetched dist is stale

@@ -127,8 +127,9 @@ def _views_job(rank: int, ws: int, seed: int, shm: str) -> int:
         transport.all_to_all_views(sends, recvs, group)
         send = torch.cat(expected)
         ref = torch.empty(sum(v.numel() * v.element_size() for v in targets), dtype=torch.uint8)
-        dist.all_to_all_single(ref, send, [v.numel() * v.element_size() for v in targets],
-                               [e.numel() for e in expected], group=group)
+        dist.all_to_all_single(
+            ref, send, [v.numel() * v.element_size() for v in targets], [e.numel() for e in expected], group=group
+        )
         got = torch.cat([v.clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8) for v in targets])
         assert torch.equal(got, ref), (step, dtype)
         checked += 1
@@ -152,7 +153,6 @@ def test_views_between_strided_tensors_match_gloo(ws: int, shm: str) -> None:
     assert run_distributed(_views_job, ws, 5 + ws, shm) == [25] * ws
 
 
-
 def _pieces_job(rank: int, ws: int, seed: int, shm: str) -> int:
     """all_to_all_pieces, its consumer reordering what arrived, against gloo's all-to-all of the same pieces."""
     os.environ["LIGHTNING_REC_SHM"] = shm
@@ -164,8 +164,10 @@ def _pieces_job(rank: int, ws: int, seed: int, shm: str) -> int:
         dtype = DTYPES[rng.randrange(len(DTYPES))]
         # sizes[s][d]: the numels of the pieces rank s sends rank d (every rank draws the same table)
         n_pieces = rng.choice([0, 1, 3, 26])
-        sizes = [[[rng.choice([0, 1, 7, 2000, 90_000 if step % 5 == 2 else 3]) for _ in range(n_pieces)]
-                  for _ in range(ws)] for _ in range(ws)]
+        sizes = [
+            [[rng.choice([0, 1, 7, 2000, 90_000 if step % 5 == 2 else 3]) for _ in range(n_pieces)] for _ in range(ws)]
+            for _ in range(ws)
+        ]
         sends = [[(torch.randn(n) * 100 + rank).to(dtype) for n in sizes[rank][d]] for d in range(ws)]
         async_op = step % 2 == 1
 
@@ -173,8 +175,9 @@ def _pieces_job(rank: int, ws: int, seed: int, shm: str) -> int:
             parts = [got[s][k] for k in range(n_pieces) for s in range(ws)]
             return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
 
-        pending = transport.all_to_all_pieces(sends, [sizes[s][rank] for s in range(ws)], piece_major, group,
-                                              torch.device("cpu"), async_op=async_op)
+        pending = transport.all_to_all_pieces(
+            sends, [sizes[s][rank] for s in range(ws)], piece_major, group, torch.device("cpu"), async_op=async_op
+        )
         send = torch.cat([t for lst in sends for t in lst]) if n_pieces else torch.zeros(0, dtype=dtype)
         out_splits = [sum(sizes[s][rank]) for s in range(ws)]
         ref = torch.empty(sum(out_splits), dtype=dtype)
@@ -192,6 +195,7 @@ def _pieces_job(rank: int, ws: int, seed: int, shm: str) -> int:
 @pytest.mark.parametrize("shm", ["1", "0"])
 def test_pieces_reordered_on_arrival_match_gloo(ws: int, shm: str) -> None:
     assert run_distributed(_pieces_job, ws, 3 + ws, shm) == [20] * ws
+
 
 def _no_names_job(rank: int, ws: int) -> tuple[bool, list[str]]:
     x = torch.arange(4.0) + rank
@@ -228,8 +232,10 @@ def _fallback_job(rank: int, ws: int) -> list[bool]:
     assert shared is not None
     real = shm._File.grow
     if rank == 1:
+
         def full(self, nbytes):
             raise OSError(28, "No space left on device")
+
         shm._File.grow = full
     ok = []
     try:
@@ -273,14 +279,20 @@ def _model_job(rank: int, ws: int, shm: bool, kind: str, fused: bool, ids: torch
     """A few steps of a sharded bag collection, through shared memory or gloo."""
     os.environ["LIGHTNING_REC_SHM"] = "1" if shm else "0"
     torch.manual_seed(0)
-    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=40, feature_names=[f"f{i}"])
-              for i in range(3)]
-    plans = {"table_wise": lambda i: table_wise(i % ws), "row_wise": lambda i: row_wise([20, 20]),
-             "column_wise": lambda i: column_wise([0, ws - 1]), "table_row_wise": lambda i: table_row_wise(0),
-             "data_parallel": lambda i: data_parallel()}
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=40, feature_names=[f"f{i}"]) for i in range(3)
+    ]
+    plans = {
+        "table_wise": lambda i: table_wise(i % ws),
+        "row_wise": lambda i: row_wise([20, 20]),
+        "column_wise": lambda i: column_wise([0, ws - 1]),
+        "table_row_wise": lambda i: table_row_wise(0),
+        "data_parallel": lambda i: data_parallel(),
+    }
     plan = ShardingPlan({"": {f"t{i}": plans[kind](i) for i in range(3)}})
-    model = shard_modules(EmbeddingBagCollection(tables), plan,
-                          embedding_optimizer={"kind": "sgd", "lr": 0.1} if fused else None)
+    model = shard_modules(
+        EmbeddingBagCollection(tables), plan, embedding_optimizer={"kind": "sgd", "lr": 0.1} if fused else None
+    )
     opt = fused_optimizer(model) if fused else torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(100 + rank)
     for _ in range(4):
@@ -312,8 +324,10 @@ def test_training_is_the_same_through_either_transport(kind: str) -> None:
 @pytest.mark.parametrize("kind", ["table_wise", "row_wise", "column_wise", "table_row_wise"])
 def test_int32_ids_and_lengths_train_as_int64_ones(kind: str) -> None:
     """The input dist moves raw bytes of int64 buffers: narrower ids must be widened on the way, not reinterpreted."""
-    for a, b in zip(run_distributed(_model_job, 2, True, kind, True, torch.int32),
-                    run_distributed(_model_job, 2, True, kind, True, torch.long)):
+    for a, b in zip(
+        run_distributed(_model_job, 2, True, kind, True, torch.int32),
+        run_distributed(_model_job, 2, True, kind, True, torch.long),
+    ):
         assert a.keys() == b.keys() and a
         assert all(torch.equal(a[k], b[k]) for k in a), kind
 
@@ -359,8 +373,10 @@ def _fail_job(rank: int, ws: int) -> str:
     transport.all_reduce_sum(torch.ones(2), None)  # the group is set up
     real = shm._SharedGroup._write
     if rank == 1:
+
         def broken(self, pieces, ranges):
             raise MemoryError("simulated failure while writing")
+
         shm._SharedGroup._write = broken
     try:
         transport.all_reduce_sum(torch.ones(2), None)
@@ -388,8 +404,13 @@ def _sum_order_job(rank: int, ws: int) -> dict:
     for r in range(ws):
         gr = torch.Generator().manual_seed(r)
         xs.append(torch.randn(10_000, generator=gr) * 10 ** torch.randint(-3, 4, (10_000,), generator=gr))
-    return {"shared": shared, "gloo": ref, "rank_order": sum(xs[1:], xs[0].clone()),
-            "exact": sum(v.double() for v in xs), "magnitude": sum(v.double().abs() for v in xs)}
+    return {
+        "shared": shared,
+        "gloo": ref,
+        "rank_order": sum(xs[1:], xs[0].clone()),
+        "exact": sum(v.double() for v in xs),
+        "magnitude": sum(v.double().abs() for v in xs),
+    }
 
 
 @pytest.mark.parametrize("ws", [3, 4])

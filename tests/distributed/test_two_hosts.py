@@ -21,8 +21,13 @@ WORLD = N_HOSTS * PER_HOST
 VICTIM = 3  # local rank 1 of host 1: it shares a shard group (shared memory) with rank 2, gloo with the rest
 # what a rank raises when a peer is gone: the transport's liveness check, gloo's closed socket, or a peer's
 # failure passed on by the transport
-_FOLLOWER = ("left the group", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
-             "failed in collective")
+_FOLLOWER = (
+    "left the group",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "failed in collective",
+)
 
 
 def _need_hosts() -> None:
@@ -47,8 +52,13 @@ def _phase(run: dict, rank: int, phase: str) -> dict:
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory) -> dict:
     _need_hosts()
-    return run_hosts("tests.distributed.host_ranks", ["transport", "row_groups", "replicas_2d"],
-                     tmp_path_factory.mktemp("two_hosts"), N_HOSTS, PER_HOST)
+    return run_hosts(
+        "tests.distributed.host_ranks",
+        ["transport", "row_groups", "replicas_2d"],
+        tmp_path_factory.mktemp("two_hosts"),
+        N_HOSTS,
+        PER_HOST,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +87,13 @@ def test_every_rank_runs_on_its_host_and_the_job_ends_cleanly(clean_run: dict) -
         host = rank // PER_HOST
         # the launcher's environment of a 2-node job
         assert run["ranks"][rank]["env"] == {
-            "RANK": str(rank), "LOCAL_RANK": str(rank % PER_HOST), "NODE_RANK": str(host),
-            "GROUP_RANK": str(host), "WORLD_SIZE": str(WORLD), "LOCAL_WORLD_SIZE": str(PER_HOST)}
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank % PER_HOST),
+            "NODE_RANK": str(host),
+            "GROUP_RANK": str(host),
+            "WORLD_SIZE": str(WORLD),
+            "LOCAL_WORLD_SIZE": str(PER_HOST),
+        }
         # what the transport compares: the host's name and pid namespace differ between hosts; the boot id is
         # the one machine's
         assert seen["hostname"] == f"lr-host{host}"
@@ -98,8 +113,10 @@ def test_transport_is_shared_memory_within_a_host_and_gloo_across(clean_run: dic
         host = rank // PER_HOST
         for name in within:
             assert set(seen["groups"][name]) == set(range(host * PER_HOST, (host + 1) * PER_HOST)), (name, seen)
-            assert seen["shared"][name], f"rank {rank}: {name} (ranks {seen['groups'][name]}) is within host " \
-                                         f"{host} but not on the shared-memory transport"
+            assert seen["shared"][name], (
+                f"rank {rank}: {name} (ranks {seen['groups'][name]}) is within host "
+                f"{host} but not on the shared-memory transport"
+            )
         for name in across:
             assert {r // PER_HOST for r in seen["groups"][name]} == set(range(N_HOSTS)), (name, seen)
             assert not seen["shared"][name], f"rank {rank}: {name} spans both hosts but took shared memory"
@@ -162,4 +179,3 @@ def test_a_rank_killed_on_one_host_ends_every_rank_on_both_hosts(kill_run: dict)
     assert f"rank {VICTIM}" in mate and "left the group" in mate, mate
     assert run["leftover"] == [], f"processes still running: {run['leftover']}"
     print(f"seconds from the kill to each rank's error: {latency}")  # shown with -s; not asserted
-

@@ -28,9 +28,13 @@ def _vbe_job(rank: int, ws: int, kind: str) -> tuple[list[list[float]], list[lis
     # f0 has 2 distinct bags, f1 has 3 (rank-dependent ids); a batch of 4 samples reads them by inverse_indices
     g = torch.Generator().manual_seed(rank)
     values = torch.randint(0, 8, (6,), generator=g)
-    kjt = KeyedJaggedTensor(["f0", "f1"], values, lengths=torch.tensor([2, 1, 1, 0, 2]),
-                            stride_per_key_per_rank=[[2], [3]],
-                            inverse_indices=(["f0", "f1"], torch.tensor([[0, 1, 1, 0], [2, 0, 1, 2]])))
+    kjt = KeyedJaggedTensor(
+        ["f0", "f1"],
+        values,
+        lengths=torch.tensor([2, 1, 1, 0, 2]),
+        stride_per_key_per_rank=[[2], [3]],
+        inverse_indices=(["f0", "f1"], torch.tensor([[0, 1, 1, 0], [2, 0, 1, 2]])),
+    )
     return sharded(kjt).values().tolist(), ref(kjt).values().tolist()
 
 

@@ -51,13 +51,19 @@ def _weight_grad_job(rank: int, ws: int, kind: str, fused: bool) -> dict:
     for f, (name, n) in enumerate([("t0", n_a), ("t1", n_b)]):
         lens = lengths[f * BATCH : (f + 1) * BATCH]
         offsets = torch.cat([lens.new_zeros(1), lens.cumsum(0)[:-1]])
-        pieces.append(F.embedding_bag(values[start : start + n], init[name], offsets, mode="sum",
-                                      per_sample_weights=ref_w[start : start + n]))
+        pieces.append(
+            F.embedding_bag(
+                values[start : start + n], init[name], offsets, mode="sum", per_sample_weights=ref_w[start : start + n]
+            )
+        )
         start += n
     ref_out = torch.cat(pieces, dim=1)
     (ref_out * coef).sum().backward()
-    return {"out": (out.detach() - ref_out.detach()).abs().max().item(),
-            "grad": (w.grad - ref_w.grad).abs().max().item(), "grad_norm": ref_w.grad.abs().max().item()}
+    return {
+        "out": (out.detach() - ref_out.detach()).abs().max().item(),
+        "grad": (w.grad - ref_w.grad).abs().max().item(),
+        "grad_norm": ref_w.grad.abs().max().item(),
+    }
 
 
 @pytest.mark.parametrize("fused", [False, True])

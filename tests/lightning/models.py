@@ -9,8 +9,9 @@ from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJagge
 
 TABLES = [
     EmbeddingBagConfig(name="user", num_embeddings=11, embedding_dim=4, feature_names=["user_id"]),
-    EmbeddingBagConfig(name="item", num_embeddings=13, embedding_dim=4, feature_names=["item_id", "history"],
-                       pooling="mean"),
+    EmbeddingBagConfig(
+        name="item", num_embeddings=13, embedding_dim=4, feature_names=["item_id", "history"], pooling="mean"
+    ),
     EmbeddingBagConfig(name="geo", num_embeddings=5, embedding_dim=4, feature_names=["geo"]),
 ]
 KEYS = [f for t in TABLES for f in t.feature_names]

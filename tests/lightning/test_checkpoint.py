@@ -54,14 +54,25 @@ def _trainer(ws: int, epochs: int, mp: int | None = None, kind: str = "adagrad",
     fused = {"kind": "rowwise_adagrad", "lr": 0.1} if kind == "fused" else None
     strategy = RecShardedStrategy(embedding_grad="mean", model_parallel_size=mp, embedding_optimizer=fused)
     kw.setdefault("enable_checkpointing", False)
-    return L.Trainer(accelerator="cpu", devices=ws, strategy=strategy, max_epochs=epochs, logger=False,
-                     enable_progress_bar=False, enable_model_summary=False,
-                     num_sanity_val_steps=0, limit_val_batches=0, limit_train_batches=4,
-                     use_distributed_sampler=False, **kw)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=ws,
+        strategy=strategy,
+        max_epochs=epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        limit_train_batches=4,
+        use_distributed_sampler=False,
+        **kw,
+    )
 
 
-def _train_job(rank: int, ws: int, mp: int, plan, kind: str, epochs: int, resume: str | None, out: str,
-               batch: int) -> None:
+def _train_job(
+    rank: int, ws: int, mp: int, plan, kind: str, epochs: int, resume: str | None, out: str, batch: int
+) -> None:
     model = _Model(plan=plan, kind=kind, batch_size=batch)
     trainer = _trainer(ws, epochs, mp, kind)
     trainer.fit(model, ckpt_path=resume)
@@ -86,6 +97,7 @@ def _assert_same_dirs(a: str, b: str) -> None:
     dcp_to_torch_save(a, fa)
     dcp_to_torch_save(b, fb)
     sa, sb = torch.load(fa, weights_only=False), torch.load(fb, weights_only=False)
+
     def flat(d: dict, prefix: str = "") -> dict:
         out = {}
         for k, v in d.items():
@@ -109,9 +121,14 @@ def test_exact_resume(tmp_path, kind: str, plan) -> None:
     _assert_same_dirs(straight, resumed)
     meta = ckpt.read_meta(resumed)
     assert meta["global_step"] == 8 and meta["lr_schedulers"][0]["last_epoch"] == 2
-    chunks = {k: len(v.chunks) for k, v in
-              __import__("torch.distributed.checkpoint", fromlist=["x"]).FileSystemReader(resumed)
-              .read_metadata().state_dict_metadata.items() if hasattr(v, "chunks")}
+    chunks = {
+        k: len(v.chunks)
+        for k, v in __import__("torch.distributed.checkpoint", fromlist=["x"])
+        .FileSystemReader(resumed)
+        .read_metadata()
+        .state_dict_metadata.items()
+        if hasattr(v, "chunks")
+    }
     assert chunks["state_dict.ebc.embedding_bags.user.weight"] == 2  # row-wise: one piece per rank
     assert chunks["state_dict.head.weight"] == 1  # dense (and data-parallel) tensors are written once
     if kind == "adagrad":
@@ -140,8 +157,9 @@ def test_resharding_matrix(tmp_path) -> None:
             torch.testing.assert_close(got_w[k], want_w[k], atol=2e-5, rtol=0, msg=lambda m: f"{path} {k}: {m}")
         for i, st in want_o["state"].items():
             for name, v in st.items():
-                torch.testing.assert_close(got_o["state"][i][name], v, atol=2e-5, rtol=1e-4,
-                                           msg=lambda m: f"{path} state {i}.{name}: {m}")
+                torch.testing.assert_close(
+                    got_o["state"][i][name], v, atol=2e-5, rtol=1e-4, msg=lambda m: f"{path} state {i}.{name}: {m}"
+                )
     # the 4-process checkpoint also loads straight into one process, weights and optimizer state
     w, o = _unsharded_state(half, "adam")
     assert float(o["state"][0]["step"]) == 4.0 and any(v.abs().sum() > 0 for v in w.values())
@@ -189,9 +207,16 @@ def _mismatch_job(rank: int, ws: int, path: str) -> dict:
     for what in ("shape", "optimizer"):
         model = _Model(plan=MIXED_2)
         if what == "shape":
-            tables = [EmbeddingBagConfig(name=t.name, num_embeddings=t.num_embeddings + (t.name == "item"),
-                                         embedding_dim=t.embedding_dim, feature_names=t.feature_names,
-                                         pooling=t.pooling) for t in TABLES]
+            tables = [
+                EmbeddingBagConfig(
+                    name=t.name,
+                    num_embeddings=t.num_embeddings + (t.name == "item"),
+                    embedding_dim=t.embedding_dim,
+                    feature_names=t.feature_names,
+                    pooling=t.pooling,
+                )
+                for t in TABLES
+            ]
             model.ebc = EmbeddingBagCollection(tables)
         else:
             model.kind = "adam"
@@ -243,8 +268,9 @@ def test_export_loads_into_unsharded_module(tmp_path, ws: int, mp: int, plan) ->
 
     single.eval()
     with torch.no_grad():
-        want = torch.cat([torch.sigmoid(single(kjt)) for kjt, _ in DataLoader(Clicks(16), batch_size=4,
-                                                                              collate_fn=collate)])
+        want = torch.cat(
+            [torch.sigmoid(single(kjt)) for kjt, _ in DataLoader(Clicks(16), batch_size=4, collate_fn=collate)]
+        )
     torch.testing.assert_close(results[0]["preds"], want, atol=1e-6, rtol=0)
 
 
@@ -252,8 +278,7 @@ def _model_checkpoint_job(rank: int, ws: int, out: str) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     model = _Model(plan=MIXED_2)
-    mc = ModelCheckpoint(dirpath=out, monitor="train_loss", mode="max", save_top_k=1, save_last=True,
-                         every_n_epochs=1)
+    mc = ModelCheckpoint(dirpath=out, monitor="train_loss", mode="max", save_top_k=1, save_last=True, every_n_epochs=1)
     trainer = _trainer(ws, 3, callbacks=[mc], enable_checkpointing=True)
     trainer.fit(model)
     best = mc.best_model_path
@@ -266,8 +291,12 @@ def _model_checkpoint_job(rank: int, ws: int, out: str) -> dict:
     restored = full_state_dict(model)
     fresh = _Model()
     ckpt.load(best, fresh)
-    return {"listing": listing, "best": os.path.basename(best), "restored": restored if rank == 0 else None,
-            "want": fresh.state_dict()}
+    return {
+        "listing": listing,
+        "best": os.path.basename(best),
+        "restored": restored if rank == 0 else None,
+        "want": fresh.state_dict(),
+    }
 
 
 def test_model_checkpoint_keeps_top_k_directories_and_validate_loads_them(tmp_path) -> None:

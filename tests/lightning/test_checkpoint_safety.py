@@ -123,9 +123,19 @@ class _Fit(ClickModule):
 
 def _fit(path: str, trusted: bool) -> str:
     strategy = RecShardedStrategy(trusted_checkpoints=trusted)
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                        limit_train_batches=1, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_train_batches=1,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     try:
         trainer.fit(_Fit(), ckpt_path=path)
     except ckpt.UnsafeCheckpointError as e:
@@ -208,8 +218,9 @@ def test_main_job_refuses_planted_payload(tmp_path) -> None:
     _plant_meta(path, marker)
     config = tmp_path / "tiny.yaml"
     config.write_text(_TINY.format(root=tmp_path))
-    ((refused, ran_untrusted), (trusted, ran_trusted)), = run_distributed(
-        _cli_job, 1, str(config), str(path), str(marker), init_process_group=False, timeout_s=240)
+    (((refused, ran_untrusted), (trusted, ran_trusted)),) = run_distributed(
+        _cli_job, 1, str(config), str(path), str(marker), init_process_group=False, timeout_s=240
+    )
     assert refused.startswith("refused:") and "--trust_checkpoint" in refused, refused
     assert not ran_untrusted, "the payload ran"
     assert ran_trusted, trusted

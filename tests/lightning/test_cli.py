@@ -35,7 +35,9 @@ YAML = textwrap.dedent("""
 
 
 def _cli_job(rank: int, ws: int, config: str, extra: list[str]) -> dict:
-    cli = LightningCLI(ClickModule, run=False, args=["--config", config, *extra], save_config_kwargs={"overwrite": True})
+    cli = LightningCLI(
+        ClickModule, run=False, args=["--config", config, *extra], save_config_kwargs={"overwrite": True}
+    )
     cli.trainer.fit(cli.model)
     strategy = cli.trainer.strategy
     return {
@@ -49,17 +51,22 @@ def _cli_job(rank: int, ws: int, config: str, extra: list[str]) -> dict:
 def test_cli_yaml_selects_strategy_and_plan(tmp_path) -> None:
     config = tmp_path / "config.yaml"
     config.write_text(YAML)
-    r0, r1 = run_distributed(_cli_job, 2, str(config), ["--trainer.default_root_dir", str(tmp_path)],
-                             init_process_group=False, timeout_s=240)
+    r0, r1 = run_distributed(
+        _cli_job, 2, str(config), ["--trainer.default_root_dir", str(tmp_path)], init_process_group=False, timeout_s=240
+    )
     assert r0["strategy"] == RecShardedStrategy.__name__ and r0["grad"] == "mean"
-    assert r0["types"] == {"user": ShardingType.ROW_WISE, "item": ShardingType.TABLE_WISE,
-                           "geo": ShardingType.DATA_PARALLEL}
+    assert r0["types"] == {
+        "user": ShardingType.ROW_WISE,
+        "item": ShardingType.TABLE_WISE,
+        "geo": ShardingType.DATA_PARALLEL,
+    }
     assert "ebc.embedding_bags.item.weight" not in r0["params"] and "ebc.embedding_bags.item.weight" in r1["params"]
 
 
 def test_cli_strategy_by_registered_name(tmp_path) -> None:
     config = tmp_path / "config.yaml"
     config.write_text(YAML.split("  strategy:")[0] + "  strategy: rec_sharded\n")
-    r0, _ = run_distributed(_cli_job, 2, str(config), ["--trainer.default_root_dir", str(tmp_path)],
-                            init_process_group=False, timeout_s=240)
+    r0, _ = run_distributed(
+        _cli_job, 2, str(config), ["--trainer.default_root_dir", str(tmp_path)], init_process_group=False, timeout_s=240
+    )
     assert r0["strategy"] == RecShardedStrategy.__name__ and r0["grad"] == "sum"

@@ -32,15 +32,28 @@ class _Module(ClickModule):
 
 
 def _trainer(**kw) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     limit_val_batches=0, gradient_clip_val=CLIP, **kw)
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        gradient_clip_val=CLIP,
+        **kw,
+    )
 
 
 def _fit_job(rank: int, ws: int, plan: str, algorithm: str) -> dict:
     model = _Module(batch_size=4, plan=PLANS[plan])
-    _trainer(devices=ws, strategy=RecShardedStrategy(embedding_grad="mean"), use_distributed_sampler=False,
-             gradient_clip_algorithm=algorithm).fit(model)
+    _trainer(
+        devices=ws,
+        strategy=RecShardedStrategy(embedding_grad="mean"),
+        use_distributed_sampler=False,
+        gradient_clip_algorithm=algorithm,
+    ).fit(model)
     return full_state_dict(model)
 
 
@@ -52,8 +65,16 @@ def test_clipped_training_matches_one_process(plan: str, algorithm: str) -> None
     _trainer(devices=1, strategy="auto", gradient_clip_algorithm=algorithm).fit(reference)
     want = reference.state_dict()
     unclipped = _Module(batch_size=8)
-    L.Trainer(accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-              enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0).fit(unclipped)
+    L.Trainer(
+        accelerator="cpu",
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    ).fit(unclipped)
     # the bound is reached: clipping changed the outcome, so the comparison below tests it
     assert not torch.allclose(unclipped.state_dict()["head.weight"], want["head.weight"], atol=1e-4)
     for rank, got in enumerate(results):

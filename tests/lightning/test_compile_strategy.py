@@ -28,9 +28,19 @@ class _UnloggedClickModule(ClickModule):
 
 
 def _fit(strategy: RecShardedStrategy, model: L.LightningModule | torch.nn.Module) -> None:
-    L.Trainer(accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-              strategy=strategy, use_distributed_sampler=False).fit(model)
+    L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        strategy=strategy,
+        use_distributed_sampler=False,
+    ).fit(model)
 
 
 def _job(rank: int, ws: int) -> dict:

@@ -26,15 +26,30 @@ from lightning_rec.testing import run_distributed
 STEPS, BATCH, DENSE, DIM = 4, 6, 3, 4
 # names with dots and spaces: tables are user data
 CARDS = {"user id": 23, "item": 31, "geo.city": 7, "hist": 17}
-DLRM_PLAN = ShardingPlan({"sparse_arch.embedding_bag_collection": {
-    "user id": row_wise(), "item": table_wise(rank=1), "geo.city": column_wise(ranks=[1, 0]), "hist": data_parallel(),
-}})
+DLRM_PLAN = ShardingPlan(
+    {
+        "sparse_arch.embedding_bag_collection": {
+            "user id": row_wise(),
+            "item": table_wise(rank=1),
+            "geo.city": column_wise(ranks=[1, 0]),
+            "hist": data_parallel(),
+        }
+    }
+)
 
 
 def _trainer(**kw) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     use_distributed_sampler=False, **kw)
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        **kw,
+    )
 
 
 # -- DLRM ------------------------------------------------------------------------------------------------
@@ -43,26 +58,43 @@ def _trainer(**kw) -> L.Trainer:
 def _clicks(rank: int, step: int) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 * step + rank)
     lengths = torch.cat([torch.randint(0, 4 if f == "hist" else 2, (BATCH,), generator=g) for f in CARDS])
-    values = torch.cat([torch.randint(0, n, (int(lengths[i * BATCH:(i + 1) * BATCH].sum()),), generator=g)
-                        for i, n in enumerate(CARDS.values())])
-    return (torch.randn(BATCH, DENSE, generator=g), KeyedJaggedTensor(list(CARDS), values, lengths=lengths),
-            (torch.rand(BATCH, generator=g) < 0.4).float())
+    values = torch.cat(
+        [
+            torch.randint(0, n, (int(lengths[i * BATCH : (i + 1) * BATCH].sum()),), generator=g)
+            for i, n in enumerate(CARDS.values())
+        ]
+    )
+    return (
+        torch.randn(BATCH, DENSE, generator=g),
+        KeyedJaggedTensor(list(CARDS), values, lengths=lengths),
+        (torch.rand(BATCH, generator=g) < 0.4).float(),
+    )
 
 
 def _concat(batches: list[tuple]) -> tuple:
     """The global batch: samples of rank 0, then rank 1, ... (KJT bags concatenated key by key)."""
     keys = batches[0][1].keys()
     jts = [{k: b[1][k] for k in keys} for b in batches]
-    kjt = KeyedJaggedTensor(keys, torch.cat([j[k].values() for k in keys for j in jts]),
-                            lengths=torch.cat([j[k].lengths() for k in keys for j in jts]))
+    kjt = KeyedJaggedTensor(
+        keys,
+        torch.cat([j[k].values() for k in keys for j in jts]),
+        lengths=torch.cat([j[k].lengths() for k in keys for j in jts]),
+    )
     return torch.cat([b[0] for b in batches]), kjt, torch.cat([b[2] for b in batches])
 
 
 def _dlrm(**kw) -> DLRM:
     torch.manual_seed(0)
-    args = {"num_dense": DENSE, "feature_names": list(CARDS), "num_embeddings_per_feature": list(CARDS.values()),
-            "embedding_dim": DIM, "dense_arch_layer_sizes": [8, DIM], "over_arch_layer_sizes": [8, 1],
-            "dense_lr": 0.01, "embedding_lr": 0.1}
+    args = {
+        "num_dense": DENSE,
+        "feature_names": list(CARDS),
+        "num_embeddings_per_feature": list(CARDS.values()),
+        "embedding_dim": DIM,
+        "dense_arch_layer_sizes": [8, DIM],
+        "over_arch_layer_sizes": [8, 1],
+        "dense_lr": 0.01,
+        "embedding_lr": 0.1,
+    }
     return DLRM(**{**args, **kw})
 
 
@@ -70,8 +102,11 @@ def _dlrm_job(rank: int, ws: int, optimizer: str) -> dict:
     model = _dlrm(embedding_optimizer=optimizer, plan=DLRM_PLAN)
     data = [_clicks(rank, s) for s in range(STEPS)]
     trainer = _trainer(devices=ws, strategy=RecShardedStrategy(embedding_grad="mean"))
-    trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None),
-                val_dataloaders=torch.utils.data.DataLoader(data[:2], batch_size=None))
+    trainer.fit(
+        model,
+        train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None),
+        val_dataloaders=torch.utils.data.DataLoader(data[:2], batch_size=None),
+    )
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     preds = trainer.predict(model, torch.utils.data.DataLoader(data[:1], batch_size=None))
     return {"state": full_state_dict(model), "metrics": metrics, "preds": preds[0]}
@@ -84,8 +119,11 @@ def test_dlrm_sharded_matches_single_process(optimizer: str) -> None:
     ref = _dlrm(embedding_optimizer=optimizer)
     data = [_concat([_clicks(r, s) for r in range(2)]) for s in range(STEPS)]
     trainer = _trainer(devices=1, strategy="auto")
-    trainer.fit(ref, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None),
-                val_dataloaders=torch.utils.data.DataLoader(data[:2], batch_size=None))
+    trainer.fit(
+        ref,
+        train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None),
+        val_dataloaders=torch.utils.data.DataLoader(data[:2], batch_size=None),
+    )
     want = ref.state_dict()
     got = results[0]["state"]
     assert set(got) == set(want)
@@ -116,9 +154,14 @@ def test_interaction_is_every_pairwise_dot() -> None:
 
 def test_dlrm_errors_name_the_problem() -> None:
     with pytest.raises(ValueError, match=r"table 'b' has embedding_dim 8 but the bottom MLP ends with 4"):
-        DLRM(num_dense=2, dense_arch_layer_sizes=[4], tables=[
-            EmbeddingBagConfig(name="a", num_embeddings=3, embedding_dim=4, feature_names=["a"]),
-            EmbeddingBagConfig(name="b", num_embeddings=3, embedding_dim=8, feature_names=["b"])])
+        DLRM(
+            num_dense=2,
+            dense_arch_layer_sizes=[4],
+            tables=[
+                EmbeddingBagConfig(name="a", num_embeddings=3, embedding_dim=4, feature_names=["a"]),
+                EmbeddingBagConfig(name="b", num_embeddings=3, embedding_dim=8, feature_names=["b"]),
+            ],
+        )
     with pytest.raises(ValueError, match="2 feature names but 1 table sizes"):
         DLRM(feature_names=["a", "b"], num_embeddings_per_feature=[3])
     with pytest.raises(ValueError, match="must end with 1"):
@@ -145,18 +188,23 @@ def _sessions(**kw) -> SyntheticSessions:
 
 def _retrieval(**kw) -> TwoTowerRetrieval:
     torch.manual_seed(0)
-    return TwoTowerRetrieval(num_users=USERS, num_items=ITEMS, embedding_dim=DIM, max_history=4, tower_sizes=[8],
-                             **kw)
+    return TwoTowerRetrieval(num_users=USERS, num_items=ITEMS, embedding_dim=DIM, max_history=4, tower_sizes=[8], **kw)
 
 
 def _retrieval_job(rank: int, ws: int) -> dict:
     model = _retrieval(plan=RETRIEVAL_PLAN)
     trainer = _trainer(devices=ws, strategy=RecShardedStrategy(embedding_grad="mean"), limit_val_batches=2)
-    trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(_sessions(num_batches=2 * STEPS), batch_size=None),
-                val_dataloaders=torch.utils.data.DataLoader(_sessions(num_batches=4, seed=1), batch_size=None))
+    trainer.fit(
+        model,
+        train_dataloaders=torch.utils.data.DataLoader(_sessions(num_batches=2 * STEPS), batch_size=None),
+        val_dataloaders=torch.utils.data.DataLoader(_sessions(num_batches=4, seed=1), batch_size=None),
+    )
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if n.startswith("embeddings.")}
-    return {"state": full_state_dict(model), "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-            "shapes": shapes}
+    return {
+        "state": full_state_dict(model),
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "shapes": shapes,
+    }
 
 
 @pytest.mark.slow
@@ -173,13 +221,16 @@ def test_retrieval_sharded_matches_single_process() -> None:
         opt.step()
     want = ref.state_dict()
     for k in want:
-        torch.testing.assert_close(results[0]["state"][k], want[k], atol=1e-5, rtol=1e-4,
-                                   msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(
+            results[0]["state"][k], want[k], atol=1e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}"
+        )
     items = "embeddings.embeddings.items.weight"
     assert not torch.equal(want[items], _retrieval().state_dict()[items]), "the sequence table must have trained"
     # items row-wise: 45 rows each; users replicated
-    assert results[1]["shapes"] == {"embeddings.embeddings.users.weight": (USERS, DIM),
-                                    "embeddings.embeddings.items.weight": (ITEMS // 2, DIM)}
+    assert results[1]["shapes"] == {
+        "embeddings.embeddings.users.weight": (USERS, DIM),
+        "embeddings.embeddings.items.weight": (ITEMS // 2, DIM),
+    }
     assert results[0]["metrics"]["val_recall"] == results[1]["metrics"]["val_recall"]
 
 

@@ -28,8 +28,13 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith(("lightning", "fb
 
 def _serve(programs: list[Path], inputs: list[list[tuple]], tmp: Path) -> list[list]:
     torch.save(inputs, tmp / "inputs.pt")
-    proc = subprocess.run([sys.executable, "-c", SERVE, ",".join(map(str, programs)), str(tmp / "inputs.pt"),
-                           str(tmp / "outs.pt")], capture_output=True, text=True, timeout=120, cwd=tmp)
+    proc = subprocess.run(
+        [sys.executable, "-c", SERVE, ",".join(map(str, programs)), str(tmp / "inputs.pt"), str(tmp / "outs.pt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     imported = json.loads(proc.stdout.strip().splitlines()[-1])
     assert imported == [], f"the serving process imported {imported}"
@@ -40,10 +45,13 @@ def test_dlrm_and_weighted_collection_round_trip_through_a_fresh_process(tmp_pat
     model = _dlrm()
     p1 = export_program(model, tmp_path / "dlrm.pt2")
     # a weighted collection (one table read by two features) with MEAN pooling, and no dense input
-    ebc = EmbeddingBagCollection([
-        EmbeddingBagConfig(name="t1", num_embeddings=11, embedding_dim=3, feature_names=["a", "b"]),
-        EmbeddingBagConfig(name="t2", num_embeddings=5, embedding_dim=2, feature_names=["c"], pooling="mean"),
-    ], is_weighted=True)
+    ebc = EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(name="t1", num_embeddings=11, embedding_dim=3, feature_names=["a", "b"]),
+            EmbeddingBagConfig(name="t2", num_embeddings=5, embedding_dim=2, feature_names=["c"], pooling="mean"),
+        ],
+        is_weighted=True,
+    )
     p2 = export_program(ebc, tmp_path / "ebc.pt2", num_dense=None, weighted=True)
     assert p1.is_file() and p2.is_file() and not list(tmp_path.glob(".*partial*"))
 
@@ -68,8 +76,6 @@ def test_dlrm_and_weighted_collection_round_trip_through_a_fresh_process(tmp_pat
     assert "fbgemm" not in str(program.graph)
     sig = json.loads(extra[SIGNATURE_FILE])
     assert sig["inputs"] == ["dense", "values", "lengths"] and sig["keys"] == keys and sig["num_dense"] == DENSE
-
-
 
 
 TINY = """
@@ -115,9 +121,14 @@ def test_main_job_exports_a_program_that_serves_the_final_model(tmp_path: Path) 
     assert sig["inputs"] == ["dense", "values", "lengths"]
     # the reference: the job's final checkpoint (written at the last validation, the end of training)
     # loaded into an unsharded DLRM of the same shape
-    reference = DLRM(num_dense=sig["num_dense"], feature_names=sig["keys"],
-                     num_embeddings_per_feature=[sig["rows"][k] for k in sig["keys"]], embedding_dim=8,
-                     dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1])
+    reference = DLRM(
+        num_dense=sig["num_dense"],
+        feature_names=sig["keys"],
+        num_embeddings_per_feature=[sig["rows"][k] for k in sig["keys"]],
+        embedding_dim=8,
+        dense_arch_layer_sizes=[16, 8],
+        over_arch_layer_sizes=[16, 1],
+    )
     fresh = reference.over_arch.model[1].weight.clone()
     checkpoint.load(tmp_path / "checkpoints" / "dlrm-final.ckpt", reference)
     assert not torch.equal(fresh, reference.over_arch.model[1].weight), "the checkpoint was not loaded"
@@ -126,8 +137,9 @@ def test_main_job_exports_a_program_that_serves_the_final_model(tmp_path: Path) 
     keys, f = sig["keys"], len(sig["keys"])
     for b in (1, 7, 64):
         lengths = torch.randint(0, 3, (f * b,), generator=g)
-        values = torch.cat([torch.randint(0, sig["rows"][k], (int(n),), generator=g)
-                            for k, n in zip(keys, lengths.view(f, b).sum(1))])
+        values = torch.cat(
+            [torch.randint(0, sig["rows"][k], (int(n),), generator=g) for k, n in zip(keys, lengths.view(f, b).sum(1))]
+        )
         dense = torch.randn(b, sig["num_dense"], generator=g)
         with torch.no_grad():
             ref = reference(dense, KeyedJaggedTensor(keys, values, lengths=lengths))

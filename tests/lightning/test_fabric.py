@@ -111,8 +111,9 @@ def test_fabric_loop_equals_one_process() -> None:
         before = ClickModule().state_dict()
         assert set(got) == set(want)
         for k in want:
-            torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0,
-                                       msg=lambda m: f"{kind} clip={clip} fused={fused} {k}: {m}")
+            torch.testing.assert_close(
+                got[k], want[k], atol=1e-5, rtol=0, msg=lambda m: f"{kind} clip={clip} fused={fused} {k}: {m}"
+            )
             assert not torch.equal(got[k], before[k]), f"{k} did not train"
 
 
@@ -135,8 +136,10 @@ def test_accumulation_under_no_backward_sync_with_a_fused_optimizer(fused: str) 
     model = ClickModule()
     tables = [p for n, p in model.named_parameters() if n.startswith("ebc.")]
     dense = [p for n, p in model.named_parameters() if not n.startswith("ebc.")]
-    opts = [torch.optim.SGD(dense, lr=LR),
-            RowWiseAdagrad(tables, lr=LR, eps=1e-8) if fused == "rowwise_adagrad" else torch.optim.SGD(tables, lr=LR)]
+    opts = [
+        torch.optim.SGD(dense, lr=LR),
+        RowWiseAdagrad(tables, lr=LR, eps=1e-8) if fused == "rowwise_adagrad" else torch.optim.SGD(tables, lr=LR),
+    ]
     for s in range(2):
         for micro in (2 * s, 2 * s + 1):
             (_loss(model, _batch(micro, 1, 0)) / 2).backward()
@@ -165,6 +168,7 @@ def test_an_optimizer_built_before_sharding_is_refused() -> None:
 
 
 # -- checkpoints across front ends --------------------------------------------------------------------------
+
 
 class _Batches(Dataset):
     def __init__(self, start: int, steps: int, ws: int, rank: int) -> None:
@@ -197,10 +201,19 @@ class _Resumed(ClickModule):
 
 
 def _trainer(ws: int, plan) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=ws, max_steps=2, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     limit_val_batches=0, use_distributed_sampler=False,
-                     strategy=RecShardedStrategy(embedding_grad="mean", plan=plan))
+    return L.Trainer(
+        accelerator="cpu",
+        devices=ws,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        strategy=RecShardedStrategy(embedding_grad="mean", plan=plan),
+    )
 
 
 def _fabric_save_job(rank: int, ws: int, path: str) -> None:
@@ -239,12 +252,10 @@ def _fabric_resume_job(rank: int, ws: int, path: str) -> dict:
 def test_fabric_checkpoint_resumes_under_the_trainer_and_back(tmp_path: Path, ws: int) -> None:
     want = _reference(4, "adagrad")
     run_distributed(_fabric_save_job, 2, str(tmp_path / "fabric"), init_process_group=False, timeout_s=240)
-    got = run_distributed(_trainer_resume_job, ws, str(tmp_path / "fabric"), init_process_group=False,
-                          timeout_s=240)[0]
+    got = run_distributed(_trainer_resume_job, ws, str(tmp_path / "fabric"), init_process_group=False, timeout_s=240)[0]
     for k in want:
         torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0, msg=lambda m: f"Fabric -> Trainer {k}: {m}")
     run_distributed(_trainer_save_job, 2, str(tmp_path / "trainer"), init_process_group=False, timeout_s=240)
-    got = run_distributed(_fabric_resume_job, ws, str(tmp_path / "trainer"), init_process_group=False,
-                          timeout_s=240)[0]
+    got = run_distributed(_fabric_resume_job, ws, str(tmp_path / "trainer"), init_process_group=False, timeout_s=240)[0]
     for k in want:
         torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0, msg=lambda m: f"Trainer -> Fabric {k}: {m}")

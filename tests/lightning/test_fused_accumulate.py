@@ -69,21 +69,35 @@ class WideClicks(ClickModule):
 
 
 def _trainer(k: int, **kw) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     limit_val_batches=0, accumulate_grad_batches=k, **kw)
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        accumulate_grad_batches=k,
+        **kw,
+    )
 
 
-def _fused_fits(rank: int, ws: int, kind: str, types: list[str], ks: list[int], mp: int | None = None,
-                nodes: int = 1) -> dict:
+def _fused_fits(
+    rank: int, ws: int, kind: str, types: list[str], ks: list[int], mp: int | None = None, nodes: int = 1
+) -> dict:
     out = {}
     for sharding in types:
         for k in ks:
             model = WideClicks(4, kind, _plan(sharding))
-            strategy = RecShardedStrategy(model_parallel_size=mp or ws, embedding_grad="mean",
-                                          embedding_optimizer={"kind": kind, "lr": LR, "eps": EPS})
-            _trainer(k, devices=ws // nodes, num_nodes=nodes, strategy=strategy,
-                     use_distributed_sampler=False).fit(model)
+            strategy = RecShardedStrategy(
+                model_parallel_size=mp or ws,
+                embedding_grad="mean",
+                embedding_optimizer={"kind": kind, "lr": LR, "eps": EPS},
+            )
+            _trainer(k, devices=ws // nodes, num_nodes=nodes, strategy=strategy, use_distributed_sampler=False).fit(
+                model
+            )
             fused = model.fused_optimizer()
             assert fused.accumulate and fused.pending_bytes() == 0, "the last batch's step applied everything"
             state = full_state_dict(model)
@@ -103,8 +117,9 @@ def _check(results: list[dict], kind: str, ws: int) -> None:
         want = refs.setdefault(k, _reference(kind, k, ws))
         assert set(got) == set(want)
         for name in want:
-            torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=0,
-                                       msg=lambda m: f"{kind} {sharding} k={k} {name}: {m}")
+            torch.testing.assert_close(
+                got[name], want[name], atol=1e-6, rtol=0, msg=lambda m: f"{kind} {sharding} k={k} {name}: {m}"
+            )
 
 
 ONE_HOST = ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
@@ -120,13 +135,22 @@ def test_accumulated_fused_fit_matches_one_process(kind: str, types: list[str]) 
 @pytest.mark.parametrize("kind", ["sgd", "adagrad"])
 def test_accumulated_fused_fit_grid_shard(kind: str) -> None:
     # grid_shard gives each column shard its own host: 2 hosts of 1 rank
-    results = run_distributed(_fused_fits, 2, kind, ["grid_shard"], [2, 4], None, 2, init_process_group=False,
-                              ranks_per_node=1, timeout_s=600)
+    results = run_distributed(
+        _fused_fits, 2, kind, ["grid_shard"], [2, 4], None, 2, init_process_group=False, ranks_per_node=1, timeout_s=600
+    )
     _check(results, kind, 2)
 
 
 def test_accumulated_fused_fit_with_2d_replicas() -> None:
     # 2 replica groups of 2: shards and the data-parallel table look up the union batch of their copies
-    results = run_distributed(_fused_fits, 4, "rowwise_adagrad", ["row_wise", "data_parallel"], [2], 2,
-                              init_process_group=False, timeout_s=600)
+    results = run_distributed(
+        _fused_fits,
+        4,
+        "rowwise_adagrad",
+        ["row_wise", "data_parallel"],
+        [2],
+        2,
+        init_process_group=False,
+        timeout_s=600,
+    )
     _check(results, "rowwise_adagrad", 4)

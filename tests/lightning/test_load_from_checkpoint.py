@@ -47,9 +47,19 @@ def _fit_job(rank: int, ws: int, out: str, fused: bool) -> dict:
     model = _Saved(batch_size=2, lr=0.3, plan=MIXED, width=2)
     spec = {"kind": "rowwise_adagrad", "lr": 0.05} if fused else None
     mc = ModelCheckpoint(dirpath=out, save_last=True)
-    trainer = L.Trainer(accelerator="cpu", devices=ws, strategy=RecShardedStrategy(embedding_optimizer=spec),
-                        max_epochs=1, limit_train_batches=4, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[mc])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=ws,
+        strategy=RecShardedStrategy(embedding_optimizer=spec),
+        max_epochs=1,
+        limit_train_batches=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[mc],
+    )
     trainer.fit(model)
     state = full_state_dict(model)
     model.eval()
@@ -124,8 +134,9 @@ def test_unsafe_directory_refused_unless_trusted(trained: dict, tmp_path) -> Non
     shutil.copytree(trained["path"], path)
     marker = tmp_path / "marker"
     _plant(trained["path"], path, Payload(str(marker)))
-    with pytest.raises(ckpt.UnsafeCheckpointError,
-                       match=r"builtins.exec.*load_from_checkpoint\(\.\.\., trusted_checkpoints=True\)"):
+    with pytest.raises(
+        ckpt.UnsafeCheckpointError, match=r"builtins.exec.*load_from_checkpoint\(\.\.\., trusted_checkpoints=True\)"
+    ):
         _Noted.load_from_checkpoint(path)
     assert not marker.exists(), "the payload ran"
     _plant(trained["path"], path, Note("hello"))
@@ -140,8 +151,11 @@ def test_unsafe_directory_refused_unless_trusted(trained: dict, tmp_path) -> Non
 def test_single_file_loads_as_lightning(tmp_path) -> None:
     model = _Saved(batch_size=5, width=3)
     path = tmp_path / "one.ckpt"
-    checkpoint = {"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams),
-                  "pytorch-lightning_version": L.__version__}
+    checkpoint = {
+        "state_dict": model.state_dict(),
+        "hyper_parameters": dict(model.hparams),
+        "pytorch-lightning_version": L.__version__,
+    }
     torch.save(checkpoint, path)
     for loaded in (_Saved.load_from_checkpoint(path), L.LightningModule.load_from_checkpoint.__func__(_Saved, path)):
         assert (loaded.batch_size, loaded.head.out_features) == (5, 3)

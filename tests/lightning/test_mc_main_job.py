@@ -77,13 +77,15 @@ def test_main_job_raw_ids_two_processes_match_one_and_resume_on_one(tmp_path, po
     """2 processes == 1 process for 2 epochs; the 2-process checkpoint resumed on 1 process for a third epoch ==
     the third epoch of the 1-process run: remap state, optimizer state and data position all come back."""
     run = lambda ws, config, *extra: run_distributed(  # noqa: E731
-        _job, ws, config, list(extra), init_process_group=False, timeout_s=300)
+        _job, ws, config, list(extra), init_process_group=False, timeout_s=300
+    )
     (one,) = run(1, _config(tmp_path, "one", policy, 128), "--trainer.max_epochs", "3")
     r0, r1 = run(2, _config(tmp_path, "two", policy, 64))
     ckpt = tmp_path / "two" / "checkpoints" / "dlrm-final.ckpt"
     assert ckpt.exists()
-    (resumed,) = run(1, _config(tmp_path, "resumed", policy, 128), "--trainer.max_epochs", "3", "--ckpt_path",
-                     str(ckpt))
+    (resumed,) = run(
+        1, _config(tmp_path, "resumed", policy, 128), "--trainer.max_epochs", "3", "--ckpt_path", str(ckpt)
+    )
     # ids alone decide the remap: the per-epoch hit rates and evictions are equal exactly
     want = _epoch_lines(one["stdout"])
     assert [ln.split(":")[0] for ln in want] == [f"managed collision, epoch {e}" for e in range(3)]
@@ -110,8 +112,9 @@ RESIZE_CALLBACK = """    - class_path: lightning_rec.ManagedCollisionCallback
 
 def _bucket_counts(ckpt: Path) -> dict[str, int]:
     """Each managed table's bucket count in a checkpoint directory (read with torch.distributed.checkpoint)."""
-    keys = [k for k in dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
-            if k.endswith("._mch_num_buckets")]
+    keys = [
+        k for k in dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata if k.endswith("._mch_num_buckets")
+    ]
     state = {k: torch.zeros((), dtype=torch.int64) for k in keys}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized": one process is meant

@@ -35,17 +35,31 @@ class Preempted(ClickModule):
 def _job(rank: int, ws: int, root: str, signalled_rank: int) -> dict:
     model = Preempted(signalled_rank)
     ckpt = ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1, filename="{step}")
-    trainer = L.Trainer(accelerator="cpu", devices=ws, strategy=RecShardedStrategy(), max_steps=10, logger=False,
-                        callbacks=[ckpt], enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=ws,
+        strategy=RecShardedStrategy(),
+        max_steps=10,
+        logger=False,
+        callbacks=[ckpt],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+    )
     code = None
     try:
         trainer.fit(model)
     except SystemExit as e:
         code = e.code
     handler_restored = signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.default_int_handler, None)
-    return {"code": code, "step": trainer.global_step, "state": full_state_dict(model) if code else None,
-            "restored": handler_restored}
+    return {
+        "code": code,
+        "step": trainer.global_step,
+        "state": full_state_dict(model) if code else None,
+        "restored": handler_restored,
+    }
 
 
 @pytest.mark.parametrize("signalled_rank", [1, 0])

@@ -24,9 +24,17 @@ STEPS = 4
 
 
 def _trainer(**kw) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     limit_val_batches=2, **kw)
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+        **kw,
+    )
 
 
 def _fit_job(rank: int, ws: int, mp: int, plan: ShardingPlan | None) -> dict:
@@ -45,8 +53,13 @@ def _fit_job(rank: int, ws: int, mp: int, plan: ShardingPlan | None) -> dict:
     assert len(preds) == 4 and all(p.shape == (4,) for p in preds)
     names = [n for n, _ in model.named_parameters()]
     mesh = model.device_mesh
-    return {"state": state if rank == 0 else None, "params": names, "mesh": tuple(mesh.shape),
-            "loss": train_loss, "val": val_loss}
+    return {
+        "state": state if rank == 0 else None,
+        "params": names,
+        "mesh": tuple(mesh.shape),
+        "loss": train_loss,
+        "val": val_loss,
+    }
 
 
 def _reference(ws: int) -> dict:
@@ -58,8 +71,9 @@ def _reference(ws: int) -> dict:
 PLAN = ShardingPlan({"ebc": {"user": row_wise(), "item": table_wise(rank=1), "geo": data_parallel()}})
 
 
-@pytest.mark.parametrize("ws, mp, plan", [(2, 2, PLAN), (2, 2, None), (4, 2, PLAN)],
-                         ids=["2procs-plan", "2procs-auto", "2x2-replicas"])
+@pytest.mark.parametrize(
+    "ws, mp, plan", [(2, 2, PLAN), (2, 2, None), (4, 2, PLAN)], ids=["2procs-plan", "2procs-auto", "2x2-replicas"]
+)
 def test_trainer_fit_matches_single_process(ws: int, mp: int, plan) -> None:
     results = run_distributed(_fit_job, ws, mp, plan, init_process_group=False, timeout_s=240)
     want = _reference(ws)
@@ -92,16 +106,21 @@ def test_registered_name_and_errors() -> None:
 def _two_node_job(rank: int, ws: int) -> dict:
     import os
 
-    plan = ShardingPlan({"ebc": {"user": table_row_wise(host_index=1), "item": grid_shard(host_indexes=[0, 1]),
-                                 "geo": data_parallel()}})
+    plan = ShardingPlan(
+        {"ebc": {"user": table_row_wise(host_index=1), "item": grid_shard(host_indexes=[0, 1]), "geo": data_parallel()}}
+    )
     model = ClickModule(batch_size=4, plan=plan)
     strategy = RecShardedStrategy(model_parallel_size=4, embedding_grad="mean")
     trainer = _trainer(devices=2, num_nodes=2, strategy=strategy, use_distributed_sampler=False)
     trainer.fit(model)
     state = full_state_dict(model)
     shapes = {n: list(p.shape) for n, p in model.named_parameters()}
-    return {"node": int(os.environ["NODE_RANK"]), "rank": trainer.global_rank, "shapes": shapes,
-            "state": state if rank == 0 else None}
+    return {
+        "node": int(os.environ["NODE_RANK"]),
+        "rank": trainer.global_rank,
+        "shapes": shapes,
+        "state": state if rank == 0 else None,
+    }
 
 
 def test_two_nodes_place_host_shards_on_the_right_hosts() -> None:
@@ -123,16 +142,19 @@ def _fused_fit_job(rank: int, ws: int, mode: str, mp: int | None = None, plan: S
     plan = plan or ShardingPlan({"ebc": {"user": row_wise(), "item": table_wise(rank=1), "geo": table_wise(rank=0)}})
     model = ClickModule(batch_size=4, plan=plan)
     if mode == "scheduled":
+
         def configure_optimizers():
             opt = CombinedOptimizer([torch.optim.SGD(model.head.parameters(), lr=0.2), model.fused_optimizer()])
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
         model.configure_optimizers = configure_optimizers
-    strategy = RecShardedStrategy(model_parallel_size=mp, embedding_grad="mean",
-                                  embedding_optimizer={"kind": "sgd", "lr": 0.2})
-    trainer = _trainer(devices=ws, strategy=strategy, use_distributed_sampler=False,
-                       gradient_clip_val=1.0 if mode == "clip" else None)
+    strategy = RecShardedStrategy(
+        model_parallel_size=mp, embedding_grad="mean", embedding_optimizer={"kind": "sgd", "lr": 0.2}
+    )
+    trainer = _trainer(
+        devices=ws, strategy=strategy, use_distributed_sampler=False, gradient_clip_val=1.0 if mode == "clip" else None
+    )
     try:
         trainer.fit(model)
     except ValueError as e:
@@ -140,8 +162,12 @@ def _fused_fit_job(rank: int, ws: int, mode: str, mp: int | None = None, plan: S
     state = full_state_dict(model)
     kernel_lrs = [k.get_learning_rate() for m in model.modules() for k in getattr(m, "fused_kernels", list)()]
     tables = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("ebc.")}
-    return {"state": state if rank == 0 else None, "kernel_lrs": kernel_lrs, "tables": tables,
-            "requires_grad": [n for n, p in model.named_parameters() if p.requires_grad]}
+    return {
+        "state": state if rank == 0 else None,
+        "kernel_lrs": kernel_lrs,
+        "tables": tables,
+        "requires_grad": [n for n, p in model.named_parameters() if p.requires_grad],
+    }
 
 
 @pytest.mark.parametrize("ws, mp, plan", [(2, None, None), (4, 2, PLAN)], ids=["2procs", "2x2-replicas-with-dp-table"])
@@ -159,7 +185,9 @@ def test_fused_embedding_optimizer_matches_single_process(ws: int, mp: int | Non
         assert r["tables"].keys() == peer["tables"].keys()
         assert all(torch.equal(v, peer["tables"][n]) for n, v in r["tables"].items()), rank
         if plan is PLAN:
-            assert torch.equal(r["tables"]["ebc.embedding_bags.geo.weight"], results[0]["tables"]["ebc.embedding_bags.geo.weight"])
+            assert torch.equal(
+                r["tables"]["ebc.embedding_bags.geo.weight"], results[0]["tables"]["ebc.embedding_bags.geo.weight"]
+            )
 
 
 def test_lr_scheduler_drives_the_fused_kernel() -> None:
@@ -193,13 +221,18 @@ def _mixed_job(rank: int, ws: int, precision: str) -> dict:
     model = ClickModule(batch_size=4, plan=PLAN)
     # fp16 autocast on CPU needs the plugin spelled out: Trainer(precision="16-mixed") swaps in bf16 there
     kw = {"plugins": [MixedPrecision("16-mixed", "cpu")]} if precision == "16-mixed" else {"precision": precision}
-    trainer = _trainer(devices=ws, strategy=RecShardedStrategy(embedding_grad="mean"), use_distributed_sampler=False,
-                       **kw)
+    trainer = _trainer(
+        devices=ws, strategy=RecShardedStrategy(embedding_grad="mean"), use_distributed_sampler=False, **kw
+    )
     trainer.fit(model)
     scaler = getattr(trainer.precision_plugin, "scaler", None)
-    return {"dtypes": {n: str(p.dtype) for n, p in model.named_parameters()}, "precision": trainer.precision,
-            "scaler": scaler is not None, "leaf": all(p.is_leaf for p in model.parameters()),
-            "state": full_state_dict(model)}
+    return {
+        "dtypes": {n: str(p.dtype) for n, p in model.named_parameters()},
+        "precision": trainer.precision,
+        "scaler": scaler is not None,
+        "leaf": all(p.is_leaf for p in model.parameters()),
+        "state": full_state_dict(model),
+    }
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
@@ -218,12 +251,18 @@ def test_16_mixed_flag_on_cpu_is_bf16_and_fused_refuses_loss_scaling() -> None:
 
     # Lightning 2.6 maps Trainer(accelerator="cpu", precision="16-mixed") to bf16-mixed, with a warning
     with pytest.warns(UserWarning, match="AMP with fp16 is not supported on CPU. Using `precision='bf16-mixed'`"):
-        trainer = L.Trainer(strategy=RecShardedStrategy(), accelerator="cpu", devices=1, precision="16-mixed",
-                            logger=False)
+        trainer = L.Trainer(
+            strategy=RecShardedStrategy(), accelerator="cpu", devices=1, precision="16-mixed", logger=False
+        )
     assert trainer.precision == "bf16-mixed"
     # a GradScaler would hand the fused kernel the scaled gradient: refused before anything runs
-    trainer = L.Trainer(strategy=RecShardedStrategy(embedding_optimizer={"kind": "sgd", "lr": 0.1}), accelerator="cpu",
-                        devices=1, plugins=[MixedPrecision("16-mixed", "cpu")], logger=False)
+    trainer = L.Trainer(
+        strategy=RecShardedStrategy(embedding_optimizer={"kind": "sgd", "lr": 0.1}),
+        accelerator="cpu",
+        devices=1,
+        plugins=[MixedPrecision("16-mixed", "cpu")],
+        logger=False,
+    )
     with pytest.raises(ValueError, match="scales the loss with a GradScaler.*updated inside backward with the scaled"):
         trainer.strategy._check_fused_trainer(trainer)
 
@@ -242,9 +281,17 @@ def _uneven_job(rank: int, ws: int) -> list[str]:
         model.train_dataloader = lambda n=n_train: DataLoader(Clicks(n), batch_size=4, collate_fn=collate)
         model.val_dataloader = lambda n=n_val: DataLoader(Clicks(n), batch_size=4, collate_fn=collate)
         # a short collective timeout: without the check, the rank with an extra batch would wait this long
-        trainer = L.Trainer(accelerator="cpu", devices=ws, max_epochs=1, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                            strategy=RecShardedStrategy(timeout=timedelta(seconds=60)))
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=ws,
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            strategy=RecShardedStrategy(timeout=timedelta(seconds=60)),
+        )
         try:
             getattr(trainer, stage)(model)
             errors.append("")
@@ -266,12 +313,21 @@ def test_ranks_with_different_batch_counts_get_a_clear_error_not_a_hang() -> Non
 
 def _bf16_true_job(rank: int, ws: int) -> dict:
     model = ClickModule(batch_size=4, plan=PLAN)
-    trainer = _trainer(devices=ws, strategy=RecShardedStrategy(embedding_grad="mean"), precision="bf16-true",
-                       use_distributed_sampler=False)
+    trainer = _trainer(
+        devices=ws,
+        strategy=RecShardedStrategy(embedding_grad="mean"),
+        precision="bf16-true",
+        use_distributed_sampler=False,
+    )
     trainer.fit(model)
-    return {"dtypes": {n: str(p.dtype) for n, p in model.named_parameters()},
-            "shared": all(v.data_ptr() == dict(model.named_parameters())[k].data_ptr()
-                          for k, v in model.state_dict().items() if k.startswith("head"))}
+    return {
+        "dtypes": {n: str(p.dtype) for n, p in model.named_parameters()},
+        "shared": all(
+            v.data_ptr() == dict(model.named_parameters())[k].data_ptr()
+            for k, v in model.state_dict().items()
+            if k.startswith("head")
+        ),
+    }
 
 
 def test_bf16_true_converts_dense_but_tables_keep_their_config_dtype() -> None:
@@ -300,4 +356,7 @@ def _metrics_job(rank: int, ws: int) -> dict:
 
 def test_torchmetrics_sync_across_ranks() -> None:
     # each rank validates 2 batches of 4 samples; the metric is reduced over both ranks
-    assert [r["seen"] for r in run_distributed(_metrics_job, 2, init_process_group=False, timeout_s=240)] == [16.0, 16.0]
+    assert [r["seen"] for r in run_distributed(_metrics_job, 2, init_process_group=False, timeout_s=240)] == [
+        16.0,
+        16.0,
+    ]

@@ -36,34 +36,53 @@ class _OwnClipping(_Module):
 
 
 def _trainer(**kw) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     limit_val_batches=0, **kw)
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        **kw,
+    )
 
 
 def _fit_job(rank: int, ws: int, opt: str, clip: float | None, kw: dict) -> dict:
     model = (_OwnClipping if kw.get("own_clipping") else _Module)(opt, batch_size=4, plan=PLAN)
     strategy = RecShardedStrategy(embedding_grad="mean")
-    _trainer(devices=ws, strategy=strategy, use_distributed_sampler=False, gradient_clip_val=clip,
-             accumulate_grad_batches=kw.get("accumulate", 1)).fit(model)
+    _trainer(
+        devices=ws,
+        strategy=strategy,
+        use_distributed_sampler=False,
+        gradient_clip_val=clip,
+        accumulate_grad_batches=kw.get("accumulate", 1),
+    ).fit(model)
     return {"state": full_state_dict(model), "sparse": model.seen_sparse}
 
 
 def _reference(opt: str, ws: int, clip: float | None, kw: dict) -> dict:
     model = _Module(opt, batch_size=4 * ws)
-    _trainer(devices=1, strategy="auto", gradient_clip_val=clip, accumulate_grad_batches=kw.get("accumulate", 1)
-             ).fit(model)
+    _trainer(devices=1, strategy="auto", gradient_clip_val=clip, accumulate_grad_batches=kw.get("accumulate", 1)).fit(
+        model
+    )
     return model.state_dict()
 
 
-@pytest.mark.parametrize("opt, clip, kw, sparse", [
-    ("sgd", None, {}, True), ("adagrad", None, {}, True), ("adam", None, {}, False),
-    ("sgd", 1e6, {}, False),  # a bound never reached: only the gradient mode differs
-    ("sgd", None, {"own_clipping": True}, False),
-    ("adagrad", None, {"accumulate": 2}, True),  # sparse gradients accumulate by addition: exact
-], ids=["sgd", "adagrad", "adam", "clip_val", "clip_hook", "accumulate"])
-def test_fit_data_parallel_gradients_follow_the_optimizer(opt: str, clip: float | None, kw: dict,
-                                                          sparse: bool) -> None:
+@pytest.mark.parametrize(
+    "opt, clip, kw, sparse",
+    [
+        ("sgd", None, {}, True),
+        ("adagrad", None, {}, True),
+        ("adam", None, {}, False),
+        ("sgd", 1e6, {}, False),  # a bound never reached: only the gradient mode differs
+        ("sgd", None, {"own_clipping": True}, False),
+        ("adagrad", None, {"accumulate": 2}, True),  # sparse gradients accumulate by addition: exact
+    ],
+    ids=["sgd", "adagrad", "adam", "clip_val", "clip_hook", "accumulate"],
+)
+def test_fit_data_parallel_gradients_follow_the_optimizer(opt: str, clip: float | None, kw: dict, sparse: bool) -> None:
     results = run_distributed(_fit_job, 2, opt, clip, kw, init_process_group=False, timeout_s=240)
     want = _reference(opt, 2, clip, kw)
     backwards = STEPS * kw.get("accumulate", 1)

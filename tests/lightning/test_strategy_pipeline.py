@@ -31,8 +31,10 @@ PLANS = {
     # row_wise, column_wise and a data-parallel table; plain SGD on the tables
     "mixed": (ShardingPlan({"ebc": {"user": row_wise(), "item": column_wise([0, 1]), "geo": data_parallel()}}), None),
     # table_wise and row_wise tables updated inside backward (fused)
-    "fused": (ShardingPlan({"ebc": {"user": table_wise(rank=1), "item": table_wise(rank=0), "geo": row_wise()}}),
-              {"kind": "sgd", "lr": 0.2}),
+    "fused": (
+        ShardingPlan({"ebc": {"user": table_wise(rank=1), "item": table_wise(rank=0), "geo": row_wise()}}),
+        {"kind": "sgd", "lr": 0.2},
+    ),
 }
 
 
@@ -55,8 +57,9 @@ class _Module(ClickModule):
     def train_dataloader(self):
         if not self.iterable:
             return super().train_dataloader()
-        return DataLoader(_RankSlice(self.trainer.global_rank, self.trainer.world_size), batch_size=5,
-                          collate_fn=collate)
+        return DataLoader(
+            _RankSlice(self.trainer.global_rank, self.trainer.world_size), batch_size=5, collate_fn=collate
+        )
 
 
 def _fit(plan_name: str, pipeline: bool, iterable: bool) -> tuple[dict, list[float], int, list[str]]:
@@ -69,10 +72,21 @@ def _fit(plan_name: str, pipeline: bool, iterable: bool) -> tuple[dict, list[flo
             val_losses.append(float(trainer.callback_metrics["val_loss"]))
 
     strategy = RecShardedStrategy(embedding_grad="mean", embedding_optimizer=fused, pipeline=pipeline)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False, num_sanity_val_steps=1, val_check_interval=3,
-                        limit_val_batches=2, callbacks=[_Record()])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=1,
+        val_check_interval=3,
+        limit_val_batches=2,
+        callbacks=[_Record()],
+    )
     started = []
     original = ShardedCollection.prefetch_input_dist
 
@@ -112,18 +126,44 @@ def test_pipelined_fit_equals_unpipelined_bitwise(plan_name: str, iterable: bool
 def _resume_job(rank: int, ws: int, ckpt_dir: str, resume: str | None, pipeline: bool) -> dict:
     torch.manual_seed(0)
     steps = 5
-    dm = ClickDataModule(source="synthetic", batch_size=8, train_rows=8 * ws * steps, val_rows=0, test_rows=0,
-                         size=1e-5, shuffle_block=7)
+    dm = ClickDataModule(
+        source="synthetic", batch_size=8, train_rows=8 * ws * steps, val_rows=0, test_rows=0, size=1e-5, shuffle_block=7
+    )
     tables = list(dm.feature_names)
-    plan = ShardingPlan({"sparse_arch.embedding_bag_collection": {
-        **{t: data_parallel() for t in tables}, tables[0]: row_wise(), tables[1]: table_wise(rank=1)}})
-    model = DLRM(num_dense=dm.num_dense, feature_names=dm.feature_names, num_embeddings_per_feature=dm.cardinalities,
-                 embedding_dim=4, dense_arch_layer_sizes=[8, 4], over_arch_layer_sizes=[8, 1], plan=plan,
-                 dense_lr=0.05, embedding_lr=0.1)
+    plan = ShardingPlan(
+        {
+            "sparse_arch.embedding_bag_collection": {
+                **{t: data_parallel() for t in tables},
+                tables[0]: row_wise(),
+                tables[1]: table_wise(rank=1),
+            }
+        }
+    )
+    model = DLRM(
+        num_dense=dm.num_dense,
+        feature_names=dm.feature_names,
+        num_embeddings_per_feature=dm.cardinalities,
+        embedding_dim=4,
+        dense_arch_layer_sizes=[8, 4],
+        over_arch_layer_sizes=[8, 1],
+        plan=plan,
+        dense_lr=0.05,
+        embedding_lr=0.1,
+    )
     callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1, filename="{step}")]
-    trainer = L.Trainer(accelerator="cpu", devices=ws, strategy=RecShardedStrategy(pipeline=pipeline), max_epochs=2,
-                        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, use_distributed_sampler=False, callbacks=callbacks)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=ws,
+        strategy=RecShardedStrategy(pipeline=pipeline),
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        callbacks=callbacks,
+    )
     trainer.fit(model, dm, ckpt_path=resume)
     return {"step": trainer.global_step, **{k: v.detach().clone() for k, v in model.named_parameters()}}
 

@@ -49,24 +49,34 @@ class PartialReader(RecModule):
     """Each collection reads some of the batch's features: ``ebc`` user_id and item_id, ``ec`` history,
     ``mc`` geo (raw ids through managed collision); the KJT always holds all four."""
 
-    def __init__(self, batch_size: int = 4, plan: ShardingPlan | None = None, mark: bool = False,
-                 train_tables: bool = True) -> None:
+    def __init__(
+        self, batch_size: int = 4, plan: ShardingPlan | None = None, mark: bool = False, train_tables: bool = True
+    ) -> None:
         super().__init__()
         self.batch_size, self._plan, self._train_tables = batch_size, plan, train_tables
         torch.manual_seed(0)
-        self.ebc = EmbeddingBagCollection([
-            EmbeddingBagConfig(name="user", num_embeddings=11, embedding_dim=4, feature_names=["user_id"]),
-            EmbeddingBagConfig(name="item", num_embeddings=13, embedding_dim=8, feature_names=["item_id"],
-                               pooling="mean"),
-        ])
+        self.ebc = EmbeddingBagCollection(
+            [
+                EmbeddingBagConfig(name="user", num_embeddings=11, embedding_dim=4, feature_names=["user_id"]),
+                EmbeddingBagConfig(
+                    name="item", num_embeddings=13, embedding_dim=8, feature_names=["item_id"], pooling="mean"
+                ),
+            ]
+        )
         # fused kernels (what in-backward marks become) pool: no sequence collection beside marked ones
-        self.ec = None if mark else EmbeddingCollection([
-            EmbeddingConfig(name="hist", num_embeddings=13, embedding_dim=4, feature_names=["history"])])
+        self.ec = (
+            None
+            if mark
+            else EmbeddingCollection(
+                [EmbeddingConfig(name="hist", num_embeddings=13, embedding_dim=4, feature_names=["history"])]
+            )
+        )
         geo = [EmbeddingBagConfig(name="geo", num_embeddings=16, embedding_dim=4, feature_names=["geo"])]
         self.mc = ManagedCollisionEmbeddingBagCollection(
             EmbeddingBagCollection(geo),
-            ManagedCollisionCollection({"geo": MCHManagedCollisionModule(16, num_buckets=4,
-                                                                         eviction_policy=LFU_EvictionPolicy())}, geo),
+            ManagedCollisionCollection(
+                {"geo": MCHManagedCollisionModule(16, num_buckets=4, eviction_policy=LFU_EvictionPolicy())}, geo
+            ),
         )
         self.head = torch.nn.Linear(20, 1)
         if mark:  # what TorchRec's examples write
@@ -102,9 +112,18 @@ class PartialReader(RecModule):
 
 def _trainer(devices: int, strategy, **kw) -> L.Trainer:
     kw = {"max_steps": STEPS, **kw}
-    return L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     use_distributed_sampler=False, **kw)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        **kw,
+    )
 
 
 def _fit_job(rank: int, ws: int, plan, mark: bool) -> dict:
@@ -127,10 +146,20 @@ def _reference(ws: int, mark: bool) -> dict:
 
 MC_PLAN = {"geo": row_wise()}
 PLANS = {
-    "rw-cw-tw": ShardingPlan({"ebc": {"user": row_wise(), "item": column_wise([0, 1])}, "ec": {"hist": table_wise(1)},
-                              "mc._embedding_module": MC_PLAN}),
-    "trw-grid-dp": ShardingPlan({"ebc": {"user": table_row_wise(0), "item": grid_shard([0])},
-                                 "ec": {"hist": data_parallel()}, "mc._embedding_module": MC_PLAN}),
+    "rw-cw-tw": ShardingPlan(
+        {
+            "ebc": {"user": row_wise(), "item": column_wise([0, 1])},
+            "ec": {"hist": table_wise(1)},
+            "mc._embedding_module": MC_PLAN,
+        }
+    ),
+    "trw-grid-dp": ShardingPlan(
+        {
+            "ebc": {"user": table_row_wise(0), "item": grid_shard([0])},
+            "ec": {"hist": data_parallel()},
+            "mc._embedding_module": MC_PLAN,
+        }
+    ),
 }
 
 
@@ -164,8 +193,12 @@ def _unoptimized_job(rank: int, ws: int) -> list[str]:
 def test_tables_no_optimizer_updates_are_named_once() -> None:
     msgs = run_distributed(_unoptimized_job, 2, init_process_group=False, timeout_s=240)
     assert msgs[1] == [] and len(msgs[0]) == 1, msgs
-    for table in ("ebc.embedding_bags.user.weight", "ebc.embedding_bags.item.weight", "ec.embeddings.hist.weight",
-                  "mc._embedding_module.embedding_bags.geo.weight"):
+    for table in (
+        "ebc.embedding_bags.user.weight",
+        "ebc.embedding_bags.item.weight",
+        "ec.embeddings.hist.weight",
+        "mc._embedding_module.embedding_bags.geo.weight",
+    ):
         assert table in msgs[0][0]
 
 
@@ -188,6 +221,7 @@ def test_mixed_marks_are_refused_naming_the_collections() -> None:
 
 
 # -- evaluation with unequal batch counts --------------------------------------------------------------------
+
 
 class Indexed(Dataset):
     def __init__(self, n: int) -> None:
@@ -238,8 +272,11 @@ def _evaluate_job(rank: int, ws: int, plan) -> dict:
     preds = trainer.predict(model)  # Lightning's own predict sampler: 21 and 20 samples, 6 and 5 batches
     # each rank's own validation loader: 4 and 2 batches
     L.Trainer(strategy=RecShardedStrategy(), use_distributed_sampler=False, **kw).validate(model)
-    return {"predict": {i: p for idx, ps in preds for i, p in zip(idx.tolist(), ps.tolist())},
-            "batches": len(preds), "validate": dict(model.seen)}
+    return {
+        "predict": {i: p for idx, ps in preds for i, p in zip(idx.tolist(), ps.tolist())},
+        "batches": len(preds),
+        "validate": dict(model.seen),
+    }
 
 
 @pytest.mark.parametrize("name", list(PLANS))

@@ -45,8 +45,7 @@ def test_meta_allowlist(tmp_path) -> None:
     assert meta["format"] == "lightning_rec.dcp/1"
     ok = tmp_path / "ok.pt"
     tables = [EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=4, feature_names=["f"], pooling="mean")]
-    hp = {"lr": 0.1, "root": Path("/data"), "args": argparse.Namespace(a=1), "dtype": torch.bfloat16,
-          "tables": tables}
+    hp = {"lr": 0.1, "root": Path("/data"), "args": argparse.Namespace(a=1), "dtype": torch.bfloat16, "tables": tables}
     torch.save({"hyper_parameters": hp, "x": torch.ones(2)}, ok)
     assert load_meta(ok)["hyper_parameters"] == hp
     bad = tmp_path / "bad.pt"

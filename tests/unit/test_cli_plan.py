@@ -36,8 +36,22 @@ def test_plan_from_yaml_prints_and_writes_json(tmp_path, capsys) -> None:
     f = tmp_path / "tables.yaml"
     f.write_text(YAML)
     out = tmp_path / "plan.json"
-    rc = main(["plan", str(f), "--world-size", "512", "--model-parallel-size", "8", "--device-memory", "80GB",
-               "--host-memory", "1TB", "--json", str(out)])
+    rc = main(
+        [
+            "plan",
+            str(f),
+            "--world-size",
+            "512",
+            "--model-parallel-size",
+            "8",
+            "--device-memory",
+            "80GB",
+            "--host-memory",
+            "1TB",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "world 512 = 64 replica(s) x 8 model-parallel ranks" in text and "user id table" in text
@@ -48,8 +62,10 @@ def test_plan_from_yaml_prints_and_writes_json(tmp_path, capsys) -> None:
 
 
 def test_plan_from_json_list_to_stdout(tmp_path, capsys) -> None:
-    tables = [{"name": f"t{i}", "num_embeddings": 1000, "embedding_dim": 32, "feature_names": [f"f{i}"],
-               "pooling_factor": 4} for i in range(5)]
+    tables = [
+        {"name": f"t{i}", "num_embeddings": 1000, "embedding_dim": 32, "feature_names": [f"f{i}"], "pooling_factor": 4}
+        for i in range(5)
+    ]
     f = tmp_path / "tables.json"
     f.write_text(json.dumps(tables, indent=1))
     assert main(["plan", str(f), "--world-size", "4", "--device", "cpu", "--json", "-"]) == 0
@@ -57,17 +73,29 @@ def test_plan_from_json_list_to_stdout(tmp_path, capsys) -> None:
     assert d["layout"]["world_size"] == 4 and len(d["tables"]) == 5
 
 
-@pytest.mark.parametrize("body, message", [
-    ("tables:\n  - name: a\n    num_embeddings: 10\n    embedding_dim: 4\n    feature_names: [f]\n"
-     "  - name: b\n    num_embeddings: -1\n    embedding_dim: 4\n    feature_names: [g]\n",
-     r"line 6: table 'b': num_embeddings must be a positive int"),
-    ("tables:\n  - name: a\n    embedding_dim: 4\n    feature_names: [f]\n", r"line 2, table 'a': missing \['num_embeddings'\]"),
-    ("- name: a\n  num_embeddings: 10\n  embedding_dim: 4\n  feature_names: [f]\n  colour: red\n",
-     r"line 1, table 'a': unknown keys \['colour'\]"),
-    ("tables: [\n  {name: a,\n", r"line \d+: not valid YAML/JSON"),
-    ("- name: a\n  num_embeddings: 10\n  embedding_dim: 4\n  feature_names: [f]\n  sharding_types: [diagonal]\n",
-     r"line 1, table 'a': unknown sharding type 'diagonal'"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (
+            "tables:\n  - name: a\n    num_embeddings: 10\n    embedding_dim: 4\n    feature_names: [f]\n"
+            "  - name: b\n    num_embeddings: -1\n    embedding_dim: 4\n    feature_names: [g]\n",
+            r"line 6: table 'b': num_embeddings must be a positive int",
+        ),
+        (
+            "tables:\n  - name: a\n    embedding_dim: 4\n    feature_names: [f]\n",
+            r"line 2, table 'a': missing \['num_embeddings'\]",
+        ),
+        (
+            "- name: a\n  num_embeddings: 10\n  embedding_dim: 4\n  feature_names: [f]\n  colour: red\n",
+            r"line 1, table 'a': unknown keys \['colour'\]",
+        ),
+        ("tables: [\n  {name: a,\n", r"line \d+: not valid YAML/JSON"),
+        (
+            "- name: a\n  num_embeddings: 10\n  embedding_dim: 4\n  feature_names: [f]\n  sharding_types: [diagonal]\n",
+            r"line 1, table 'a': unknown sharding type 'diagonal'",
+        ),
+    ],
+)
 def test_bad_files_name_the_line_and_table(tmp_path, body: str, message: str) -> None:
     f = tmp_path / "t.yaml"
     f.write_text(body)
@@ -87,8 +115,12 @@ def test_infeasible_exits_2_with_missing_memory(tmp_path, capsys) -> None:
 def test_console_script(tmp_path) -> None:
     f = tmp_path / "t.yaml"
     f.write_text(YAML)
-    r = subprocess.run(["lightning-rec", "plan", str(f), "--world-size", "16", "--local-size", "8"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        ["lightning-rec", "plan", str(f), "--world-size", "16", "--local-size", "8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "estimated step time" in r.stdout
 
@@ -97,23 +129,44 @@ def test_console_script(tmp_path) -> None:
 TABLE = "- {name: a, num_embeddings: 100, embedding_dim: 8, feature_names: [f]}\n"
 
 
-@pytest.mark.parametrize("body, args, message", [
-    ("- {name: a, num_embeddings: 1e20, embedding_dim: 8, feature_names: [f]}\n", [],
-     r"t.yaml line 1: table 'a': num_embeddings must be a positive int, got '1e20'"),
-    ("- {name: a, num_embeddings: 100000000000000000000, embedding_dim: 8, feature_names: [f]}\n", [],
-     r"t.yaml line 1, table 'a': num_embeddings=100000000000000000000 is larger than the largest tensor size"),
-    (TABLE + "- {name: b, num_embeddings: 100, embedding_dim: 8, feature_names: [g, f]}\n", [],
-     r"feature 'f' is listed by tables 'a' and 'b'; a feature may look up one table"),
-    ("- {name: a, num_embeddings: 100, embedding_dim: 64, feature_names: [f], "
-     "sharding_types: [table_row_wise, grid_shard]}\n", [],
-     r"table \['a'\]: no placement of the allowed sharding types \['table_row_wise', 'grid_shard'\].*1 host\(s\) x 4"),
-    ("- {name: a, num_embeddings: 100, embedding_dim: 8, feature_names: [f], "
-     "placement: {sharding_type: table_wise, rank: 0}}\n", [],
-     r"line 1, table 'a': placement keys \['rank'\] do not apply to table_wise; "
-     r"it takes \['compute_kernel', 'ranks'\]"),
-    (TABLE, ["--json", "{tmp}/no/such/dir/plan.json"],
-     r"--json .*no/such/dir/plan.json: the directory .* does not exist"),
-])
+@pytest.mark.parametrize(
+    "body, args, message",
+    [
+        (
+            "- {name: a, num_embeddings: 1e20, embedding_dim: 8, feature_names: [f]}\n",
+            [],
+            r"t.yaml line 1: table 'a': num_embeddings must be a positive int, got '1e20'",
+        ),
+        (
+            "- {name: a, num_embeddings: 100000000000000000000, embedding_dim: 8, feature_names: [f]}\n",
+            [],
+            r"t.yaml line 1, table 'a': num_embeddings=100000000000000000000 is larger than the largest tensor size",
+        ),
+        (
+            TABLE + "- {name: b, num_embeddings: 100, embedding_dim: 8, feature_names: [g, f]}\n",
+            [],
+            r"feature 'f' is listed by tables 'a' and 'b'; a feature may look up one table",
+        ),
+        (
+            "- {name: a, num_embeddings: 100, embedding_dim: 64, feature_names: [f], "
+            "sharding_types: [table_row_wise, grid_shard]}\n",
+            [],
+            r"table \['a'\]: no placement of the allowed sharding types \['table_row_wise', 'grid_shard'\].*1 host\(s\) x 4",
+        ),
+        (
+            "- {name: a, num_embeddings: 100, embedding_dim: 8, feature_names: [f], "
+            "placement: {sharding_type: table_wise, rank: 0}}\n",
+            [],
+            r"line 1, table 'a': placement keys \['rank'\] do not apply to table_wise; "
+            r"it takes \['compute_kernel', 'ranks'\]",
+        ),
+        (
+            TABLE,
+            ["--json", "{tmp}/no/such/dir/plan.json"],
+            r"--json .*no/such/dir/plan.json: the directory .* does not exist",
+        ),
+    ],
+)
 def test_rough_edges_are_one_line_errors(tmp_path, capsys, body: str, args: list[str], message: str) -> None:
     f = tmp_path / "t.yaml"
     f.write_text(body)

@@ -74,16 +74,21 @@ def test_torch_fbgemm_pairs() -> None:
 
 def _fbgemm_notice(fbgemm: str, torch_version: str) -> str:
     # the text fbgemm-gpu 1.6 / 1.7 log at import (fbgemm_gpu/__init__.py, _load_library), colour codes included
-    return (f"\n            \033[33m\n            _fbgemm_torch_compat_table has no entry for {fbgemm} of FBGEMM;\n"
-            f"            cannot determine compatibility with PyTorch {torch_version}\n            \033[0m\n            ")
+    return (
+        f"\n            \033[33m\n            _fbgemm_torch_compat_table has no entry for {fbgemm} of FBGEMM;\n"
+        f"            cannot determine compatibility with PyTorch {torch_version}\n            \033[0m\n            "
+    )
 
 
-@pytest.mark.parametrize("fbgemm,torch_version,shown", [
-    ("1.7.0", "2.12.0+cu130", False),  # supported pairs: the notice is noise
-    ("1.6.0", "2.11.0", False),
-    ("1.6.0", "2.13.0", True),  # a pair check_versions refuses, or a release it does not know, stays visible
-    ("1.9.0", "2.14.0", True),
-])
+@pytest.mark.parametrize(
+    "fbgemm,torch_version,shown",
+    [
+        ("1.7.0", "2.12.0+cu130", False),  # supported pairs: the notice is noise
+        ("1.6.0", "2.11.0", False),
+        ("1.6.0", "2.13.0", True),  # a pair check_versions refuses, or a release it does not know, stays visible
+        ("1.9.0", "2.14.0", True),
+    ],
+)
 def test_fbgemm_compat_notice_dropped_only_for_supported_pairs(fbgemm, torch_version, shown, caplog) -> None:
     # the filter sits on the root logger, where fbgemm logs: caplog's handler only sees what passes it
     caplog.set_level(logging.WARNING)

@@ -83,8 +83,9 @@ def test_fullgraph_compile_dynamic_batches_recompiles_at_most_twice(weighted: bo
 
 def test_fx_symbolic_trace_of_collections_matches_eager() -> None:
     ebc = EmbeddingBagCollection(_bag_configs(), is_weighted=True)
-    ec = EmbeddingCollection([EmbeddingConfig(num_embeddings=10, embedding_dim=4, name="s", feature_names=["c", "a"])],
-                             need_indices=True)
+    ec = EmbeddingCollection(
+        [EmbeddingConfig(num_embeddings=10, embedding_dim=4, name="s", feature_names=["c", "a"])], need_indices=True
+    )
     values, lengths, weights = _batch(4, 0)
     kjt = KeyedJaggedTensor(KEYS, values, weights=weights, lengths=lengths)
 

@@ -30,8 +30,10 @@ def rows_of(batch: Batch) -> list[tuple]:
     """One hashable tuple per row: dense values, each feature's ids, label."""
     b = len(batch)
     per_feature = [jt.to_dense() for jt in (batch.sparse[k] for k in batch.sparse.keys())]  # noqa: SIM118 (a KJT)
-    return [(tuple(batch.dense[i].tolist()), tuple(tuple(f[i].tolist()) for f in per_feature), float(batch.labels[i]))
-            for i in range(b)]
+    return [
+        (tuple(batch.dense[i].tolist()), tuple(tuple(f[i].tolist()) for f in per_feature), float(batch.labels[i]))
+        for i in range(b)
+    ]
 
 
 def all_rows(batches) -> list[tuple]:
@@ -89,8 +91,9 @@ def test_synthetic_ranks_read_disjoint_rows_and_lose_none(n: int, ws: int) -> No
     assert all(len(b) > 0 for s in shards for b in s)
     got = [row for s in shards for row in all_rows(s)]
     assert len(got) == n and Counter(got) == Counter(single)
-    assert [len(s) for s in shards] == [len(SyntheticClicks(n, 8, rank=r, world_size=ws, cardinalities=SMALL))
-                                        for r in range(ws)]
+    assert [len(s) for s in shards] == [
+        len(SyntheticClicks(n, 8, rank=r, world_size=ws, cardinalities=SMALL)) for r in range(ws)
+    ]
 
 
 def test_synthetic_dataloader_workers_keep_order() -> None:
@@ -205,13 +208,18 @@ def test_criteo_tsv_shards_several_files_without_overlap_or_loss(tmp_path, ws: i
     assert window == single[15:20]  # a window across the file boundary
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("1\t2\t3\n", r"day_1:3: expected 40 tab-separated columns .* got 3"),
-    ("\t".join(["0"] + ["1"] * 13 + ["abc"] * 5 + ["xyz1"] + ["a"] * 20) + "\n",
-     r"day_1:3: column 20 \(categorical feature cat_5\) must be a hex id .*b'xyz1'"),
-    ("\t".join(["0"] + ["1.5"] + ["1"] * 12 + ["a"] * 26) + "\n", r"day_1:3: column 2 \(integer feature 0\)"),
-    ("\t".join(["2"] + ["1"] * 13 + ["a"] * 26) + "\n", r"day_1:3: column 1 \(label\) must be 0 or 1"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("1\t2\t3\n", r"day_1:3: expected 40 tab-separated columns .* got 3"),
+        (
+            "\t".join(["0"] + ["1"] * 13 + ["abc"] * 5 + ["xyz1"] + ["a"] * 20) + "\n",
+            r"day_1:3: column 20 \(categorical feature cat_5\) must be a hex id .*b'xyz1'",
+        ),
+        ("\t".join(["0"] + ["1.5"] + ["1"] * 12 + ["a"] * 26) + "\n", r"day_1:3: column 2 \(integer feature 0\)"),
+        ("\t".join(["2"] + ["1"] * 13 + ["a"] * 26) + "\n", r"day_1:3: column 1 \(label\) must be 0 or 1"),
+    ],
+)
 def test_criteo_tsv_bad_lines_name_file_line_and_column(tmp_path, bad: str, message: str) -> None:
     write_tsv(tmp_path / "day_0", 6, seed=3)
     write_tsv(tmp_path / "day_1", 6, seed=4)
@@ -240,8 +248,11 @@ def test_criteo_tsv_refuses_missing_files_and_short_data(tmp_path) -> None:
 
 def npy_arrays(n: int, seed: int):
     rng = np.random.default_rng(seed)
-    return (rng.integers(-1, 300, (n, 13)).astype(np.int32), rng.integers(0, 40, (n, 26)).astype(np.int32),
-            rng.integers(0, 2, n).astype(np.int8))
+    return (
+        rng.integers(-1, 300, (n, 13)).astype(np.int32),
+        rng.integers(0, 40, (n, 26)).astype(np.int32),
+        rng.integers(0, 2, n).astype(np.int8),
+    )
 
 
 @pytest.mark.parametrize("layout", ["dir", "npz"])
@@ -310,8 +321,9 @@ def test_batch_to_len_and_collate() -> None:
         pinned = batch.pin_memory()
         assert pinned.dense.is_pinned() and pinned.sparse.values().is_pinned() and pinned.labels.is_pinned()
         on_gpu = pinned.to("cuda")  # non-blocking from pinned memory; the values arrive all the same
-        assert torch.equal(on_gpu.dense.cpu(), batch.dense) and torch.equal(on_gpu.sparse.values().cpu(),
-                                                                             batch.sparse.values())
+        assert torch.equal(on_gpu.dense.cpu(), batch.dense) and torch.equal(
+            on_gpu.sparse.values().cpu(), batch.sparse.values()
+        )
 
 
 def test_datamodule_synthetic_shards_by_trainer_rank() -> None:
@@ -319,7 +331,8 @@ def test_datamodule_synthetic_shards_by_trainer_rank() -> None:
     assert dm.num_dense == 13 and dm.feature_names == [f"cat_{i}" for i in range(26)]
     configs = dm.table_configs(embedding_dim=4)
     assert [c.num_embeddings for c in configs] == dm.cardinalities and [c.feature_names for c in configs] == [
-        [f] for f in dm.feature_names]
+        [f] for f in dm.feature_names
+    ]
     single = {s: all_rows(dm.dataset(s)) for s in ("train", "val", "test", "predict")}
     assert single["predict"] == single["test"] and len(single["val"]) == 21
     for ws in (2, 3):
@@ -336,14 +349,22 @@ def test_datamodule_synthetic_shards_by_trainer_rank() -> None:
 
 def test_datamodule_criteo_windows_and_errors(tmp_path) -> None:
     write_tsv(tmp_path / "day_0", 30, seed=7)
-    dm = ClickDataModule(source="criteo_tsv", path=str(tmp_path / "day_0"), batch_size=4, train_rows=None,
-                         val_rows=6, test_rows=4, size=1e-4)
+    dm = ClickDataModule(
+        source="criteo_tsv",
+        path=str(tmp_path / "day_0"),
+        batch_size=4,
+        train_rows=None,
+        val_rows=6,
+        test_rows=4,
+        size=1e-4,
+    )
     every = all_rows(CriteoTSV(str(tmp_path / "day_0"), 4, cardinalities=dm.cardinalities))
     assert all_rows(dm.train_dataloader()) == every[:20]
     assert all_rows(dm.val_dataloader()) == every[20:26] and all_rows(dm.test_dataloader()) == every[26:]
     with pytest.raises(ValueError, match=r"has 30 rows, fewer than train_rows \+ val_rows \+ test_rows = 25 \+ 6 \+ 4"):
-        ClickDataModule(source="criteo_tsv", path=str(tmp_path / "day_0"), train_rows=25, val_rows=6,
-                        test_rows=4).train_dataloader()
+        ClickDataModule(
+            source="criteo_tsv", path=str(tmp_path / "day_0"), train_rows=25, val_rows=6, test_rows=4
+        ).train_dataloader()
     with pytest.raises(ValueError, match="source must be one of"):
         ClickDataModule(source="criteo")
     with pytest.raises(ValueError, match="needs `path`"):
@@ -383,8 +404,16 @@ def test_datamodule_feeds_a_lightning_trainer() -> None:
 
     dm = ClickDataModule(batch_size=32, train_rows=96, val_rows=40, test_rows=0, size=1e-5)
     model = _Tiny(dm)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, dm)

@@ -42,8 +42,10 @@ def write_lines(path, n: int, seed: int, hex_len=8) -> list[list[str]]:
 def reference(lines: list[list[str]], cards=CARDS):
     """Plain Python: dense log1p(max(x, 0)), per-feature hash of int(hex, 16), missing id = empty bag."""
     dense = np.log1p(np.maximum([[int(v) if v else 0 for v in f[1:14]] for f in lines], 0)).astype(np.float32)
-    ids = [[int(hash_into(np.asarray([int(f[14 + j], 16)], dtype=np.uint64), j, cards[j])[0]) for f in lines
-            if f[14 + j]] for j in range(26)]
+    ids = [
+        [int(hash_into(np.asarray([int(f[14 + j], 16)], dtype=np.uint64), j, cards[j])[0]) for f in lines if f[14 + j]]
+        for j in range(26)
+    ]
     lengths = [[1 if f[14 + j] else 0 for f in lines] for j in range(26)]
     return dense, ids, lengths, [float(f[0]) for f in lines]
 
@@ -66,8 +68,10 @@ def test_tsv_parser_matches_plain_python(tmp_path, hex_len: int) -> None:
     lines += write_lines(tmp_path / "b", 300, seed=9, hex_len=hex_len)
     assert_same(flat(list(CriteoTSV(str(tmp_path), 96, cardinalities=CARDS))), reference(lines))
     # a window crossing the file boundary, read in odd-sized batches, and a shard of it
-    assert_same(flat(list(CriteoTSV(str(tmp_path), 37, cardinalities=CARDS, start=650, num_rows=200))),
-                reference(lines[650:850]))
+    assert_same(
+        flat(list(CriteoTSV(str(tmp_path), 37, cardinalities=CARDS, start=650, num_rows=200))),
+        reference(lines[650:850]),
+    )
 
 
 def test_tsv_ranks_read_only_their_rows_and_last_line_without_newline(tmp_path) -> None:
@@ -89,19 +93,48 @@ def test_convert_to_parquet_and_npy_reads_the_same_rows(tmp_path) -> None:
     lines = write_lines(tmp_path / "tsv" / "day_0", 300, seed=5)
     lines += write_lines(tmp_path / "tsv" / "day_1", 120, seed=6)
     seen = []
-    assert convert(str(tmp_path / "tsv"), str(tmp_path / "pq"), "parquet", chunk_rows=100,
-                   progress=lambda d, t, s: seen.append((d, t))) == 420
+    assert (
+        convert(
+            str(tmp_path / "tsv"),
+            str(tmp_path / "pq"),
+            "parquet",
+            chunk_rows=100,
+            progress=lambda d, t, s: seen.append((d, t)),
+        )
+        == 420
+    )
     assert seen[-1] == (420, 420) and len(seen) == 5  # 3 + 2 chunks
     tsv = CriteoTSV(str(tmp_path / "tsv"), 64, cardinalities=CARDS, shuffle=True, shuffle_block=50, seed=1)
     pq_ = CriteoParquet(str(tmp_path / "pq"), 64, cardinalities=CARDS, shuffle=True, shuffle_block=50, seed=1)
     assert_same(flat(list(pq_)), flat(list(tsv)))
     assert_same(flat(list(CriteoParquet(str(tmp_path / "pq"), 64, cardinalities=CARDS))), reference(lines))
-    dm = ClickDataModule(source="criteo_parquet", path=str(tmp_path / "pq"), batch_size=32, train_rows=None,
-                         val_rows=20, test_rows=0, cardinalities=CARDS)
+    dm = ClickDataModule(
+        source="criteo_parquet",
+        path=str(tmp_path / "pq"),
+        batch_size=32,
+        train_rows=None,
+        val_rows=20,
+        test_rows=0,
+        cardinalities=CARDS,
+    )
     assert_same(flat(list(dm.val_dataloader())), reference(lines[400:]))
     assert sorted(flat(list(dm.train_dataloader()))[3]) == sorted(reference(lines[:400])[3])
-    assert cli_main(["convert", str(tmp_path / "tsv"), "--out", str(tmp_path / "npy"), "--format", "npy",
-                     "--chunk-rows", "128", "--quiet"]) == 0
+    assert (
+        cli_main(
+            [
+                "convert",
+                str(tmp_path / "tsv"),
+                "--out",
+                str(tmp_path / "npy"),
+                "--format",
+                "npy",
+                "--chunk-rows",
+                "128",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     npy = flat(list(CriteoNpy(str(tmp_path / "npy"), 64)))
     want = reference([f[:14] + [v or "0" for v in f[14:]] for f in lines], cards=CRITEO_CARDINALITIES)
     assert_same(npy, want)  # npy has no empty bags: a missing id is the hash of 0
@@ -128,8 +161,11 @@ def test_block_shuffle_is_a_seeded_permutation_per_epoch_and_resumes_at_any_worl
             return CriteoTSV(str(tmp_path / "d"), cardinalities=CARDS, **{"shuffle": True, "shuffle_block": 64, **kw})
     else:
         rng = np.random.default_rng(0)
-        for name, a in (("X_int", rng.integers(0, 9, (n, 13))), ("X_cat", rng.integers(0, 9, (n, 26))),
-                        ("y", rng.integers(0, 2, n))):
+        for name, a in (
+            ("X_int", rng.integers(0, 9, (n, 13))),
+            ("X_cat", rng.integers(0, 9, (n, 26))),
+            ("y", rng.integers(0, 2, n)),
+        ):
             np.save(tmp_path / f"{name}.npy", a)
 
         def make(**kw):
@@ -147,8 +183,9 @@ def test_block_shuffle_is_a_seeded_permutation_per_epoch_and_resumes_at_any_worl
     done.set_position(1)
     position = done.position_after(5)
     assert position == 300
-    first = [r for rank in range(2) for r in order(make(batch_size=30, rank=rank, world_size=2), 1)
-             if e1.index(r) < position]
+    first = [
+        r for rank in range(2) for r in order(make(batch_size=30, rank=rank, world_size=2), 1) if e1.index(r) < position
+    ]
     rest = [r for rank in range(3) for r in order(make(batch_size=17, rank=rank, world_size=3), 1, position)]
     assert Counter(first + rest) == Counter(range(n))
     # the rows a rank reads are the rows the shuffled order says
@@ -217,8 +254,16 @@ def test_loader_state_is_the_same_on_every_rank_and_resumes_at_another_world_siz
     write_lines(tmp_path / "d", 230, seed=8)
 
     def ds(rank: int, world: int, batch: int) -> CriteoTSV:
-        return CriteoTSV(str(tmp_path / "d"), batch, cardinalities=CARDS, rank=rank, world_size=world, shuffle=True,
-                         shuffle_block=16, seed=5)
+        return CriteoTSV(
+            str(tmp_path / "d"),
+            batch,
+            cardinalities=CARDS,
+            rank=rank,
+            world_size=world,
+            shuffle=True,
+            shuffle_block=16,
+            seed=5,
+        )
 
     old = [ClickLoader(ds(r, 2, 10)) for r in range(2)]
     taken = []

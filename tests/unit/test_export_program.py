@@ -19,20 +19,28 @@ CARDS = {"user id": 23, "item": 31, "geo.city": 7}  # any string is a feature na
 DENSE = 3
 
 
-def _batch(keys: list[str], rows: list[int], b: int, max_len: int, seed: int, dense: int | None = DENSE,
-           weighted: bool = False) -> tuple:
+def _batch(
+    keys: list[str], rows: list[int], b: int, max_len: int, seed: int, dense: int | None = DENSE, weighted: bool = False
+) -> tuple:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, max_len + 1, (len(keys) * b,), generator=g)
-    values = torch.cat([torch.randint(0, n, (int(k),), generator=g)
-                        for n, k in zip(rows, lengths.view(len(keys), b).sum(1))])
+    values = torch.cat(
+        [torch.randint(0, n, (int(k),), generator=g) for n, k in zip(rows, lengths.view(len(keys), b).sum(1))]
+    )
     out = ([] if dense is None else [torch.randn(b, dense, generator=g)]) + [values, lengths]
     return tuple(out + ([torch.rand(values.numel(), generator=g)] if weighted else []))
 
 
 def _dlrm() -> DLRM:
     torch.manual_seed(0)
-    return DLRM(num_dense=DENSE, feature_names=list(CARDS), num_embeddings_per_feature=list(CARDS.values()),
-                embedding_dim=4, dense_arch_layer_sizes=[8, 4], over_arch_layer_sizes=[8, 1])
+    return DLRM(
+        num_dense=DENSE,
+        feature_names=list(CARDS),
+        num_embeddings_per_feature=list(CARDS.values()),
+        embedding_dim=4,
+        dense_arch_layer_sizes=[8, 4],
+        over_arch_layer_sizes=[8, 1],
+    )
 
 
 # batch sizes 1 (no special case), 2, 17; bags of 0 (all empty), up to 1, up to 6 ids
@@ -79,9 +87,12 @@ def test_bad_requests_raise_and_leave_no_file(tmp_path: Path) -> None:
 
 def test_fx_trace_of_the_tensor_signature_matches_eager() -> None:
     # TorchRec's DLRM (the Lightning DLRM's parts), with a dotted table name, behind the plain-tensor signature
-    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t.a", num_embeddings=10, embedding_dim=4, feature_names=["a"]),
-                                  EmbeddingBagConfig(name="tb", num_embeddings=20, embedding_dim=4, feature_names=["b"],
-                                                     pooling="mean")])
+    ebc = EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(name="t.a", num_embeddings=10, embedding_dim=4, feature_names=["a"]),
+            EmbeddingBagConfig(name="tb", num_embeddings=20, embedding_dim=4, feature_names=["b"], pooling="mean"),
+        ]
+    )
     model = TorchRecDLRM(ebc, DENSE, [8, 4], [8, 1])
     gm = fx_trace(model, num_dense=DENSE)
     assert isinstance(gm, torch.fx.GraphModule) and "embedding_bag" in gm.code
@@ -97,10 +108,16 @@ class _TwoCollections(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.a = EmbeddingBagCollection([EmbeddingBagConfig(name="t.a", num_embeddings=10, embedding_dim=4,
-                                                            feature_names=["z", "x"], pooling="mean")])
-        self.b = EmbeddingBagCollection([EmbeddingBagConfig(name="tb", num_embeddings=7, embedding_dim=3,
-                                                            feature_names=["y"])])
+        self.a = EmbeddingBagCollection(
+            [
+                EmbeddingBagConfig(
+                    name="t.a", num_embeddings=10, embedding_dim=4, feature_names=["z", "x"], pooling="mean"
+                )
+            ]
+        )
+        self.b = EmbeddingBagCollection(
+            [EmbeddingBagConfig(name="tb", num_embeddings=7, embedding_dim=3, feature_names=["y"])]
+        )
 
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         return torch.cat([self.a(kjt).values(), self.b(kjt).values()], dim=1)
@@ -126,8 +143,14 @@ def test_collections_reading_other_keys_export_and_match_eager(tmp_path: Path, w
 def test_fx_symbolic_trace_of_the_lightning_dlrm() -> None:
     torch.manual_seed(0)
     cards = {"user id": 23, "item": 31}
-    model = DLRM(num_dense=DENSE, feature_names=list(cards), num_embeddings_per_feature=list(cards.values()),
-                 embedding_dim=4, dense_arch_layer_sizes=[8, 4], over_arch_layer_sizes=[8, 1])
+    model = DLRM(
+        num_dense=DENSE,
+        feature_names=list(cards),
+        num_embeddings_per_feature=list(cards.values()),
+        embedding_dim=4,
+        dense_arch_layer_sizes=[8, 4],
+        over_arch_layer_sizes=[8, 1],
+    )
     gm = torch.fx.symbolic_trace(model)
     for seed, (b, n) in enumerate([(1, 2), (5, 0), (9, 4)]):
         x = _batch(list(cards), list(cards.values()), b, n, seed)

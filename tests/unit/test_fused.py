@@ -157,8 +157,13 @@ def test_matches_torch_reference(kind, weighted):
         torch.testing.assert_close(out, torch.cat([ref_out[n] for n, _ in FEATURES], 1), atol=1e-5, rtol=1e-5)
         states = kernel.optimizer_states()
         for n, _, _ in TABLES:
-            torch.testing.assert_close(table_weights(kernel)[n], ref.w[n].detach(), atol=1e-5, rtol=1e-5,
-                                       msg=lambda m, step=step, n=n: f"{kind} step {step} table {n}: {m}")
+            torch.testing.assert_close(
+                table_weights(kernel)[n],
+                ref.w[n].detach(),
+                atol=1e-5,
+                rtol=1e-5,
+                msg=lambda m, step=step, n=n: f"{kind} step {step} table {n}: {m}",
+            )
             expected = ref.state(n)
             if expected is None:
                 assert states[n] == {}
@@ -173,8 +178,10 @@ def test_fp16_tables_match_reference_within_fp16_precision():
     gen = torch.Generator().manual_seed(3)
     w0 = {n: w.half() for n, w in initial_weights().items()}
     kernel = FusedPooledKernel(
-        [(n, r, d, torch.float16) for n, r, d in TABLES], [0, 0, 1, 2],
-        {"kind": "sgd", "lr": LR, "stochastic_rounding": False}, weights=list(w0.values()),
+        [(n, r, d, torch.float16) for n, r, d in TABLES],
+        [0, 0, 1, 2],
+        {"kind": "sgd", "lr": LR, "stochastic_rounding": False},
+        weights=list(w0.values()),
     )
     opt = FusedOptimizer(kernel)
     assert all(p.dtype == torch.float16 for p in kernel.tables())
@@ -443,29 +450,44 @@ def test_load_state_dict_refuses_other_tables_shapes_and_kinds():
     weights = {n: torch.zeros(r, d) for n, r, d in other}
     b, opt_b = build("rowwise_adagrad", weights, tables=other)
     before = copy.deepcopy(b.optimizer_states())
-    with pytest.raises(ValueError, match=re.escape("table 't1': optimizer state 'sum' has shape (7,) in the checkpoint but (9,) here")):
+    with pytest.raises(
+        ValueError, match=re.escape("table 't1': optimizer state 'sum' has shape (7,) in the checkpoint but (9,) here")
+    ):
         opt_b.load_state_dict(sd)
     assert all(torch.equal(before[n]["sum"], b.optimizer_states()[n]["sum"]) for n in before)  # nothing half-loaded
 
     renamed = [("t0", 11, 4), ("t1", 7, 8), ("t9", 5, 12)]
-    _, opt_c = build("rowwise_adagrad", {n: torch.zeros(r, d) for n, r, d in renamed}, tables=renamed,
-                     features=FEATURES[:3] + [("f3", "t9")])
-    with pytest.raises(ValueError, match=re.escape("missing from the checkpoint ['t9'], unexpected in the checkpoint ['t2']")):
+    _, opt_c = build(
+        "rowwise_adagrad",
+        {n: torch.zeros(r, d) for n, r, d in renamed},
+        tables=renamed,
+        features=FEATURES[:3] + [("f3", "t9")],
+    )
+    with pytest.raises(
+        ValueError, match=re.escape("missing from the checkpoint ['t9'], unexpected in the checkpoint ['t2']")
+    ):
         opt_c.load_state_dict(sd)
 
     d, opt_d = build("adagrad", initial_weights())
-    with pytest.raises(ValueError, match="table 't0': the checkpoint's fused optimizer is 'rowwise_adagrad' but this one is 'adagrad'"):
+    with pytest.raises(
+        ValueError, match="table 't0': the checkpoint's fused optimizer is 'rowwise_adagrad' but this one is 'adagrad'"
+    ):
         opt_d.load_state_dict(sd)
     with pytest.raises(ValueError, match="not a FusedOptimizer state_dict"):
         opt_d.load_state_dict({"state": {}, "param_groups": []})
-    with pytest.raises(ValueError, match=re.escape("table 't0': optimizer state 'sum' has shape (11,) in the checkpoint but (11, 4) here")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("table 't0': optimizer state 'sum' has shape (11,) in the checkpoint but (11, 4) here"),
+    ):
         d.load_optimizer_states(a.optimizer_states())
 
 
 def test_two_kernels_in_one_optimizer():
     w0 = initial_weights()
     k1 = FusedPooledKernel([("t0", 11, 4, torch.float32)], [0, 0], {"kind": "sgd", "lr": 0.1}, weights=[w0["t0"]])
-    k2 = FusedPooledKernel([("t1", 7, 8, torch.float32)], [0], {"kind": "rowwise_adagrad", "lr": 0.2}, weights=[w0["t1"]])
+    k2 = FusedPooledKernel(
+        [("t1", 7, 8, torch.float32)], [0], {"kind": "rowwise_adagrad", "lr": 0.2}, weights=[w0["t1"]]
+    )
     opt = FusedOptimizer([k1, k2])
     assert [g["lr"] for g in opt.param_groups] == [0.1, 0.2]
     assert [g["kind"] for g in opt.param_groups] == ["sgd", "rowwise_adagrad"]
@@ -504,7 +526,9 @@ def test_double_backward_through_one_output_raises():
     out = kernel(values, offsets, psw)
     out.sum().backward(retain_graph=True)
     after_first = table_weights(kernel)
-    with pytest.raises(RuntimeError, match="backward ran a second time through the same FusedPooledKernel output.*cannot be honoured"):
+    with pytest.raises(
+        RuntimeError, match="backward ran a second time through the same FusedPooledKernel output.*cannot be honoured"
+    ):
         out.sum().backward()
     assert all(torch.equal(after_first[n], table_weights(kernel)[n]) for n in after_first)
     opt.step()
@@ -518,7 +542,10 @@ def test_gradient_accumulation_without_step_raises():
     kernel(values, offsets, psw).sum().backward()
     after_first = table_weights(kernel)
     out = kernel(values, offsets, psw)
-    with pytest.raises(RuntimeError, match=r"a second backward reached FusedPooledKernel before the optimizer step.*gradient accumulation"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"a second backward reached FusedPooledKernel before the optimizer step.*gradient accumulation",
+    ):
         out.sum().backward()
     assert all(torch.equal(after_first[n], table_weights(kernel)[n]) for n in after_first)
     # two lookups through the kernel in one step, one backward: refused as well
@@ -534,9 +561,7 @@ def test_gradient_accumulation_without_step_raises():
     kernel(values, offsets, psw).sum().backward()
 
 
-@pytest.mark.parametrize(
-    "kind", ["adam", "lamb", "partial_rowwise_adam", "partial_rowwise_lamb"]
-)
+@pytest.mark.parametrize("kind", ["adam", "lamb", "partial_rowwise_adam", "partial_rowwise_lamb"])
 def test_adam_family_refused_on_cpu(kind):
     spec = FusedOptimizerSpec(kind, lr=0.01, betas=(0.9, 0.99))
     msg = f"fused optimizer kind '{kind}' is not available on device cpu: fbgemm's CPU kernels support only ['sgd', 'adagrad', 'rowwise_adagrad']"
@@ -554,10 +579,17 @@ def test_spec_validation():
     assert FusedOptimizerSpec("rowwise_adagrad", 0.1).validate(None) == OptimType.EXACT_ROWWISE_ADAGRAD
     assert FusedOptimizerSpec("adam", 0.1).validate("cuda") == OptimType.ADAM  # no CUDA needed to map it
     assert FusedOptimizerSpec("rowwise_adagrad", 0.1).eps == 1e-8
-    with pytest.raises(ValueError, match=re.escape("weight_decay=0.01 is not supported on device cpu: fbgemm's CPU kernels silently ignore weight decay")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "weight_decay=0.01 is not supported on device cpu: fbgemm's CPU kernels silently ignore weight decay"
+        ),
+    ):
         FusedOptimizerSpec("rowwise_adagrad", 0.1, weight_decay=0.01).validate("cpu")
     with pytest.raises(ValueError, match="weight_decay=0.01 is not supported on device cpu"):
-        FusedPooledKernel([("t", 4, 4, torch.float32)], [0], {"kind": "rowwise_adagrad", "lr": 0.1, "weight_decay": 0.01})
+        FusedPooledKernel(
+            [("t", 4, 4, torch.float32)], [0], {"kind": "rowwise_adagrad", "lr": 0.1, "weight_decay": 0.01}
+        )
     with pytest.raises(ValueError, match=re.escape("unknown fused optimizer kind 'adamw'; expected one of")):
         FusedOptimizerSpec("adamw", 0.1)
     with pytest.raises(ValueError, match="'sgd' has no betas"):
@@ -590,15 +622,23 @@ SGD = {"kind": "sgd", "lr": 0.1}
     "tables, feature_table, message",
     [
         ([("a", 4, 4, torch.bfloat16)], [0], "table 'a': bfloat16 tables are not supported by the fused kernel"),
-        ([("a", 4, 4, torch.float32), ("b", 4, 6, torch.float32)], [0, 1],
-         "table 'b': embedding dim 6 is not supported by the fused fbgemm kernel, which needs a positive multiple of 4"),
+        (
+            [("a", 4, 4, torch.float32), ("b", 4, 6, torch.float32)],
+            [0, 1],
+            "table 'b': embedding dim 6 is not supported by the fused fbgemm kernel, which needs a positive multiple of 4",
+        ),
         ([("a", 0, 4, torch.float32)], [0], "table 'a': the fused kernel needs at least one row, got rows=0"),
         ([("a", 4, 4, torch.float64)], [0], "table 'a': dtype torch.float64 is not supported"),
         ([("a", 4, 4, torch.float32), ("b", 4, 4, torch.float16)], [0, 1], "one fused kernel needs one dtype"),
         ([("a", 4, 4, torch.float32), ("a", 4, 4, torch.float32)], [0, 1], "table name 'a' is used twice"),
-        ([("a", 4, 4, torch.float32), ("b", 4, 4, torch.float32)], [0, 1, 0],
-         ("feature_table must be non-decreasing (features grouped by table, in table order), got [0, 1, 0]: "
-          "feature 2 (table 'a') comes after feature 1 (table 'b')")),
+        (
+            [("a", 4, 4, torch.float32), ("b", 4, 4, torch.float32)],
+            [0, 1, 0],
+            (
+                "feature_table must be non-decreasing (features grouped by table, in table order), got [0, 1, 0]: "
+                "feature 2 (table 'a') comes after feature 1 (table 'b')"
+            ),
+        ),
         ([("a", 4, 4, torch.float32), ("b", 4, 4, torch.float32)], [1, 0], "feature_table must be non-decreasing"),
         ([("a", 4, 4, torch.float32), ("b", 4, 4, torch.float32)], [0, 0], "tables ['b'] have no feature"),
         ([("a", 4, 4, torch.float32)], [0, 1], "feature 1 maps to table index 1, outside [0, 0]"),
@@ -662,8 +702,10 @@ def _lightning_module(seed: int):
             super().__init__()
             w = initial_weights(seed)
             self.emb = FusedPooledKernel(
-                [("t0", 11, 4, torch.float32), ("t1", 7, 8, torch.float32)], [0, 0, 1],
-                {"kind": "rowwise_adagrad", "lr": 0.5}, weights=[w["t0"], w["t1"]],
+                [("t0", 11, 4, torch.float32), ("t1", 7, 8, torch.float32)],
+                [0, 0, 1],
+                {"kind": "rowwise_adagrad", "lr": 0.5},
+                weights=[w["t0"], w["t1"]],
             )
             self.register_buffer("target", torch.randn(1, 16, generator=torch.Generator().manual_seed(0)))
 
@@ -686,8 +728,14 @@ def _fit(model, max_steps, tmp_path, ckpt_path=None, **kw):
     values = torch.randint(0, 7, (7,), generator=torch.Generator().manual_seed(11))
     batches = [(values, torch.tensor([0, 2, 3, 3, 5, 6, 7]))] * 6  # 3 features x batch 2, one empty bag
     trainer = pl.Trainer(
-        max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, **kw,
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        **kw,
     )
     trainer.fit(model, torch.utils.data.DataLoader(batches, batch_size=None), ckpt_path=ckpt_path)
     return trainer
@@ -731,7 +779,9 @@ def test_fused_tables_hold_several_kernels_under_the_usual_keys():
     assert state["embedding_bags.b.x.weight"].data_ptr() == shards.tables()[0].data_ptr()
     new = {k: torch.full_like(v, 0.5) for k, v in state.items()}
     holder.load_state_dict(new)  # strict, dotted table name included; copies into the kernels' storage
-    assert torch.equal(shards.tables()[0], torch.full((3, 4), 0.5)) and torch.equal(replicated.tables()[1], torch.full((2, 4), 0.5))
+    assert torch.equal(shards.tables()[0], torch.full((3, 4), 0.5)) and torch.equal(
+        replicated.tables()[1], torch.full((2, 4), 0.5)
+    )
     with pytest.raises(RuntimeError, match='Unexpected key.*"embedding_bags.zz.weight"'):
         holder.load_state_dict({**new, "embedding_bags.zz.weight": torch.zeros(1)})
     with pytest.raises(RuntimeError, match=r"cannot be moved or converted after construction \(table 'b.x'"):

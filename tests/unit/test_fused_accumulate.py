@@ -43,9 +43,16 @@ class _Reference:
         outs = []
         for f, t in enumerate(FEATURE_TABLE):
             lo, hi = int(offsets[f * b]), int(offsets[(f + 1) * b])
-            outs.append(F.embedding_bag(values[lo:hi], self.w[t], offsets[f * b : (f + 1) * b + 1] - lo, mode="sum",
-                                        per_sample_weights=None if psw is None else psw[lo:hi],
-                                        include_last_offset=True))
+            outs.append(
+                F.embedding_bag(
+                    values[lo:hi],
+                    self.w[t],
+                    offsets[f * b : (f + 1) * b + 1] - lo,
+                    mode="sum",
+                    per_sample_weights=None if psw is None else psw[lo:hi],
+                    include_last_offset=True,
+                )
+            )
         return torch.cat(outs, 1)
 
     @torch.no_grad()
@@ -185,8 +192,15 @@ def test_lightning_checkpoints_at_step_boundaries_hold_no_kept_gradients(tmp_pat
     g = torch.Generator().manual_seed(8)
     batches = [_batch(2, g, False)[:2] for _ in range(6)]
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[ckpt], accumulate_grad_batches=3)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ckpt],
+        accumulate_grad_batches=3,
+    )
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*between micro-batches")
         trainer.fit(Model(), torch.utils.data.DataLoader(batches, batch_size=None))

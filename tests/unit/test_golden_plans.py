@@ -38,17 +38,29 @@ REGEN = os.environ.get("LIGHTNING_REC_REGEN_GOLDEN") == "1"
 
 def _mixed_tables(n: int, seed: int, dims=(16, 32, 64, 128), lo=1.0, hi=7.0, dtypes=(torch.float32,)):
     rng = random.Random(seed)
-    tables = [EmbeddingBagConfig(int(10 ** rng.uniform(lo, hi)), rng.choice(dims), f"table {i}",
-                                 [f"f{i}"] + ([f"g{i}"] if rng.random() < 0.2 else []), dtype=rng.choice(dtypes))
-              for i in range(n)]
+    tables = [
+        EmbeddingBagConfig(
+            int(10 ** rng.uniform(lo, hi)),
+            rng.choice(dims),
+            f"table {i}",
+            [f"f{i}"] + ([f"g{i}"] if rng.random() < 0.2 else []),
+            dtype=rng.choice(dtypes),
+        )
+        for i in range(n)
+    ]
     pooling = {f: rng.choice([1, 1, 3, 20, 50]) for t in tables for f in t.feature_names}
     return tables, pooling
 
 
 def _dlrm_cuda():
     tables, pooling = _mixed_tables(26, 1)
-    p = Planner(Topology(8, 8, 4, device_memory="16GB", device="cuda"), batch_size=2048, pooling_factors=pooling,
-                optimizer="rowwise_adagrad", gradients="fused")
+    p = Planner(
+        Topology(8, 8, 4, device_memory="16GB", device="cuda"),
+        batch_size=2048,
+        pooling_factors=pooling,
+        optimizer="rowwise_adagrad",
+        gradients="fused",
+    )
     return p, tables
 
 
@@ -59,41 +71,69 @@ def _dlrm_cpu_sparse():
 
 def _two_d_tight_memory():
     tables, pooling = _mixed_tables(20, 3, lo=4, hi=7.5)
-    p = Planner(Topology(16, 8, 4, device_memory="3.5GB", device="cuda"), batch_size=512, pooling_factors=pooling,
-                optimizer="adam", gradients="dense")
+    p = Planner(
+        Topology(16, 8, 4, device_memory="3.5GB", device="cuda"),
+        batch_size=512,
+        pooling_factors=pooling,
+        optimizer="adam",
+        gradients="dense",
+    )
     return p, tables
 
 
 def _host_memory_offload():
     tables, pooling = _mixed_tables(12, 4, lo=6, hi=8)
-    p = Planner(Topology(8, 8, 4, device_memory="4GB", host_memory="64GB", device="cuda"), batch_size=256,
-                pooling_factors=pooling, optimizer="adagrad", gradients="sparse")
+    p = Planner(
+        Topology(8, 8, 4, device_memory="4GB", host_memory="64GB", device="cuda"),
+        batch_size=256,
+        pooling_factors=pooling,
+        optimizer="adagrad",
+        gradients="sparse",
+    )
     return p, tables
 
 
 def _constraints_and_together():
     tables, pooling = _mixed_tables(10, 5, dims=(32, 64, 128))
     names = [t.name for t in tables]
-    cons = {names[0]: TableConstraint(sharding_types=["column_wise"]),
-            names[1]: TableConstraint(placement=table_wise(2)),
-            names[2]: TableConstraint(sharding_types=["table_row_wise", "grid_shard"], allow_host_memory=False),
-            names[3]: TableConstraint(sharding_types=["data_parallel"])}
-    p = Planner(Topology(4, 4, 2, device="cpu"), batch_size=128, pooling_factors=pooling, constraints=cons,
-                together=[[names[4], names[5]], [names[6], names[7], names[8]]], min_column_width=16)
+    cons = {
+        names[0]: TableConstraint(sharding_types=["column_wise"]),
+        names[1]: TableConstraint(placement=table_wise(2)),
+        names[2]: TableConstraint(sharding_types=["table_row_wise", "grid_shard"], allow_host_memory=False),
+        names[3]: TableConstraint(sharding_types=["data_parallel"]),
+    }
+    p = Planner(
+        Topology(4, 4, 2, device="cpu"),
+        batch_size=128,
+        pooling_factors=pooling,
+        constraints=cons,
+        together=[[names[4], names[5]], [names[6], names[7], names[8]]],
+        min_column_width=16,
+    )
     return p, tables
 
 
 def _cluster():
     tables, pooling = _mixed_tables(150, 6, dims=(16, 32, 64, 128, 256), lo=3, hi=7.3)
-    p = Planner(Topology(256, 256, 8, device_memory="80GB", host_memory="2TB", device="cuda"), batch_size=512,
-                pooling_factors=pooling, optimizer="rowwise_adagrad", gradients="fused")
+    p = Planner(
+        Topology(256, 256, 8, device_memory="80GB", host_memory="2TB", device="cuda"),
+        batch_size=512,
+        pooling_factors=pooling,
+        optimizer="rowwise_adagrad",
+        gradients="fused",
+    )
     return p, tables
 
 
 def _cluster_small_groups():
     tables, pooling = _mixed_tables(120, 7, dims=(16, 32, 64, 128, 256), lo=3, hi=7.3)
-    p = Planner(Topology(1024, 8, 8, device_memory="80GB", device="cuda"), batch_size=512,
-                pooling_factors=pooling, optimizer="rowwise_adagrad", gradients="fused")
+    p = Planner(
+        Topology(1024, 8, 8, device_memory="80GB", device="cuda"),
+        batch_size=512,
+        pooling_factors=pooling,
+        optimizer="rowwise_adagrad",
+        gradients="fused",
+    )
     return p, tables
 
 
@@ -102,10 +142,13 @@ class _TwoCollections(nn.Module):
         super().__init__()
         self.sparse = EmbeddingBagCollection(
             [EmbeddingBagConfig(50_000, 64, "user", ["u"]), EmbeddingBagConfig(300, 16, "geo", ["geo"])],
-            device="meta", sparse_grad=True)
+            device="meta",
+            sparse_grad=True,
+        )
         self.seq = EmbeddingCollection(
             [EmbeddingConfig(80_000, 32, "item", ["item", "clicked"]), EmbeddingConfig(1000, 32, "user", ["x"])],
-            device="meta")
+            device="meta",
+        )
 
 
 def _model_two_collections():
@@ -125,13 +168,26 @@ PLANNED = {
 
 
 def _estimated():
-    tables = [EmbeddingBagConfig(1000, 64, "a", ["a"]), EmbeddingBagConfig(999, 32, "b", ["b", "c"]),
-              EmbeddingBagConfig(77, 64, "c", ["d"], dtype=torch.float16), EmbeddingBagConfig(5000, 128, "d", ["e"])]
-    plan = ShardingPlan({"": {"a": row_wise([100, 0, 500, 300, 0, 0, 50, 50]), "b": column_wise([7, 2], [8, 24]),
-                              "c": grid_shard([1, 0], [48, 16]), "d": table_row_wise(1)}})
+    tables = [
+        EmbeddingBagConfig(1000, 64, "a", ["a"]),
+        EmbeddingBagConfig(999, 32, "b", ["b", "c"]),
+        EmbeddingBagConfig(77, 64, "c", ["d"], dtype=torch.float16),
+        EmbeddingBagConfig(5000, 128, "d", ["e"]),
+    ]
+    plan = ShardingPlan(
+        {
+            "": {
+                "a": row_wise([100, 0, 500, 300, 0, 0, 50, 50]),
+                "b": column_wise([7, 2], [8, 24]),
+                "c": grid_shard([1, 0], [48, 16]),
+                "d": table_row_wise(1),
+            }
+        }
+    )
     p = Planner(Topology(16, 8, 4), batch_size=32, default_pooling_factor=7, optimizer="momentum", gradients="dense")
-    other = ShardingPlan({"": {"a": data_parallel(), "b": table_wise(5), "c": column_wise([0, 1, 2, 3]),
-                               "d": grid_shard([0, 1])}})
+    other = ShardingPlan(
+        {"": {"a": data_parallel(), "b": table_wise(5), "c": column_wise([0, 1, 2, 3]), "d": grid_shard([0, 1])}}
+    )
     return {"explicit_sizes": (p, tables, plan), "every_type": (p, tables, other)}
 
 
@@ -147,9 +203,20 @@ def _plain(x):
 
 
 def _record(planner: Planner, report) -> dict:
-    plan = {path: {t: {"type": ps.sharding_type.value, "ranks": ps.ranks, "row_sizes": ps.row_sizes,
-                       "col_sizes": ps.col_sizes, "host_indexes": ps.host_indexes, "kernel": ps.compute_kernel}
-                   for t, ps in mod.items()} for path, mod in report.plan.plan.items()}
+    plan = {
+        path: {
+            t: {
+                "type": ps.sharding_type.value,
+                "ranks": ps.ranks,
+                "row_sizes": ps.row_sizes,
+                "col_sizes": ps.col_sizes,
+                "host_indexes": ps.host_indexes,
+                "kernel": ps.compute_kernel,
+            }
+            for t, ps in mod.items()
+        }
+        for path, mod in report.plan.plan.items()
+    }
     d = report.as_dict()
     if len(d["ranks"]) > 16:  # keep the file small: every rank's total, the full breakdown of the first 16
         d["rank_time_ms"] = [r["time_ms"] for r in d["ranks"]]

@@ -19,8 +19,9 @@ def _reference(tables, feature_table, values, offsets, b, psw):
         lo, hi = int(offsets[f * b]), int(offsets[(f + 1) * b])
         seg = offsets[f * b : (f + 1) * b + 1] - lo
         w = None if psw is None else psw[lo:hi]
-        outs.append(F.embedding_bag(values[lo:hi], tables[t], seg, mode="sum", per_sample_weights=w,
-                                    include_last_offset=True))
+        outs.append(
+            F.embedding_bag(values[lo:hi], tables[t], seg, mode="sum", per_sample_weights=w, include_last_offset=True)
+        )
     return torch.cat(outs, dim=1)
 
 
@@ -35,8 +36,12 @@ def test_mixed_kernels_match_embedding_bag(seed: int) -> None:
     b = rng.choice([1, 3])
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, 4, (len(feature_table) * b,), generator=g)
-    values = torch.cat([torch.randint(0, rows[t], (int(lengths[f * b : (f + 1) * b].sum()),), generator=g)
-                        for f, t in enumerate(feature_table)])
+    values = torch.cat(
+        [
+            torch.randint(0, rows[t], (int(lengths[f * b : (f + 1) * b].sum()),), generator=g)
+            for f, t in enumerate(feature_table)
+        ]
+    )
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     psw = torch.rand(values.numel(), generator=g) if seed % 2 else None
     params = [torch.nn.Parameter(torch.randn(r, d, generator=g)) for r, d in zip(rows, dims)]

@@ -15,8 +15,9 @@ from lightning_rec.memory import huge_pages as hp
 from lightning_rec.optim import FusedOptimizer
 
 MIB = 1 << 20
-needs_madvise = pytest.mark.skipif(hp.thp_mode() != "madvise" or hp._madvise() is None,
-                                   reason="transparent huge pages are not in madvise mode here")
+needs_madvise = pytest.mark.skipif(
+    hp.thp_mode() != "madvise" or hp._madvise() is None, reason="transparent huge pages are not in madvise mode here"
+)
 
 
 def advised(t: torch.Tensor) -> bool:

@@ -50,7 +50,9 @@ def _case(seed: int):
             shards.append([ShardMeta(0, rows, 0, 4, rng.randrange(ws))])
         else:  # every shard of a table on its own rank
             cols = [(0, 4)] if kind == "rows" or ws < 2 else [(0, 2), (2, 2)]
-            cuts = sorted(rng.randint(0, rows) for _ in range(rng.randint(min(1, ws // len(cols) - 1), ws // len(cols) - 1)))
+            cuts = sorted(
+                rng.randint(0, rows) for _ in range(rng.randint(min(1, ws // len(cols) - 1), ws // len(cols) - 1))
+            )
             blocks = [(a, b - a) for a, b in zip([0, *cuts], [*cuts, rows])]
             ranks = iter(rng.sample(range(ws), len(blocks) * len(cols)))
             shards.append([ShardMeta(o, n, c, w, next(ranks)) for o, n in blocks for c, w in cols])
@@ -58,10 +60,14 @@ def _case(seed: int):
     tables_rows = [max((s.row_offset + s.rows for s in sh), default=1) if sh else rng.randint(1, 9) for sh in shards]
     b = rng.randint(0, 4)
     lengths = torch.tensor([rng.randint(0, 3) for _ in range(len(feature_table) * b)], dtype=torch.long)
-    ids = [rng.randrange(tables_rows[feature_table[f]]) for f in range(len(feature_table))
-           for _ in range(int(lengths[f * b : (f + 1) * b].sum()))]
-    kjt = KeyedJaggedTensor([f"f{i}" for i in range(len(feature_table))], torch.tensor(ids, dtype=torch.long),
-                            lengths=lengths)
+    ids = [
+        rng.randrange(tables_rows[feature_table[f]])
+        for f in range(len(feature_table))
+        for _ in range(int(lengths[f * b : (f + 1) * b].sum()))
+    ]
+    kjt = KeyedJaggedTensor(
+        [f"f{i}" for i in range(len(feature_table))], torch.tensor(ids, dtype=torch.long), lengths=lengths
+    )
     local = [t for t, sh in enumerate(shards) if sh and any(s.rank == 0 and s.rows for s in sh)]
     routing = build_routing(feature_table, [4] * len(feature_table), shards, local, 0, ws)
     return kjt, torch.rand(len(ids), dtype=torch.float64), routing
@@ -74,11 +80,16 @@ def test_payload_matches_a_loop_over_routes_and_bags(seed: int) -> None:
     if routing.single_block:
         outs = [dists._route_payload(kjt, weights, routing)]
     else:  # torch's one-sort path, its general one and fbgemm's bucketize must all agree
-        outs = [dists._bucketed_payload(kjt, weights, routing, with_positions=True),
-                dists._fbgemm_payload(kjt, weights, routing, with_positions=True)]
+        outs = [
+            dists._bucketed_payload(kjt, weights, routing, with_positions=True),
+            dists._fbgemm_payload(kjt, weights, routing, with_positions=True),
+        ]
         if routing.bucket_route_rel is not None:
-            outs.append(dists._bucketed_payload(kjt, weights, dataclasses.replace(routing, bucket_route_rel=None),
-                                                with_positions=True))
+            outs.append(
+                dists._bucketed_payload(
+                    kjt, weights, dataclasses.replace(routing, bucket_route_rel=None), with_positions=True
+                )
+            )
         # unweighted and without positions, fbgemm's kernel skips the order: the same ids and lengths
         bare = dists._fbgemm_payload(kjt, None, routing, with_positions=False)
         assert [x.tolist() for x in bare.per_route(kjt.stride())[1]] == [w[1] for w in want]

@@ -119,9 +119,11 @@ def test_cpu_build_on_cuda_falls_back_once_with_the_package_named(fresh_warnings
 @pytest.mark.parametrize("kind", KINDS)
 def test_cpu_build_refuses_fused_on_cuda_with_one_sentence(kind):
     spec = FusedOptimizerSpec(kind, lr=0.1)
-    msg = (f"fused optimizer {kind!r} cannot run on cuda:0: the installed {'=='.join(_compat.fbgemm_distribution())} "
-           f"has no cuda kernel for fbgemm::get_infos_metadata; install the CUDA build that matches torch "
-           f"{torch.__version__}: {HINT}")
+    msg = (
+        f"fused optimizer {kind!r} cannot run on cuda:0: the installed {'=='.join(_compat.fbgemm_distribution())} "
+        f"has no cuda kernel for fbgemm::get_infos_metadata; install the CUDA build that matches torch "
+        f"{torch.__version__}: {HINT}"
+    )
     with pytest.raises(RuntimeError, match=re.escape(msg)) as err:
         kernels.FusedPooledKernel([("t", 4, 4, torch.float32)], [0], spec, device="cuda:0")
     assert "NotImplementedError" not in str(err.value) and "\n" not in str(err.value)
@@ -266,8 +268,12 @@ def test_kernels_and_fused_kinds_import_nothing_above_them():
 
     root = Path(lightning_rec.__file__).parent
     assert _lightning_rec_imports(root / "fused_kinds.py") == set()
-    allowed = {"lightning_rec._compat", "lightning_rec.fused_kinds", "lightning_rec.memory.malloc",
-               "lightning_rec.memory.huge_pages"}
+    allowed = {
+        "lightning_rec._compat",
+        "lightning_rec.fused_kinds",
+        "lightning_rec.memory.malloc",
+        "lightning_rec.memory.huge_pages",
+    }
     for path in sorted((root / "kernels").glob("*.py")):
         imports = {m for m in _lightning_rec_imports(path) if not m.startswith("lightning_rec.kernels")}
         assert imports <= allowed, f"{path.name} imports {sorted(imports - allowed)}"

@@ -42,8 +42,14 @@ def _run(env_value: str | None = None) -> tuple[str, int]:
     env.pop("LIGHTNING_REC_MALLOC", None)
     if env_value is not None:
         env["LIGHTNING_REC_MALLOC"] = env_value
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, _malloc.__file__], env=env, capture_output=True, text=True,
-                         check=True, timeout=120).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, _malloc.__file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout.split()
     return out[0], int(out[1])
 
 

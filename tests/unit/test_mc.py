@@ -97,8 +97,9 @@ def test_hash_and_buckets_match_python_ints():
 @pytest.mark.parametrize("zch,nb", [(16, 4), (24, 3), (8, 1)])
 def test_remap_matches_reference(policy, zch, nb):
     rng = random.Random(zch * 7 + nb + len(policy))
-    m = MCHManagedCollisionModule(zch, num_buckets=nb,
-                                  eviction_policy=LRU_EvictionPolicy() if policy == "lru" else LFU_EvictionPolicy())
+    m = MCHManagedCollisionModule(
+        zch, num_buckets=nb, eviction_policy=LRU_EvictionPolicy() if policy == "lru" else LFU_EvictionPolicy()
+    )
     ref = RefMCH(zch, nb, policy)
     pool = [rng.randrange(2**62) for _ in range(3 * zch)]  # more ids than rows: evictions happen
     evicted = 0
@@ -131,14 +132,16 @@ def test_remap_is_independent_of_id_order():
 def _mc_ebc(zch=32, nb=4, policy=None, **kw):
     cfg = EmbeddingBagConfig(name="t.1", num_embeddings=zch, embedding_dim=4, feature_names=["f", "g"])
     ebc = EmbeddingBagCollection([cfg])
-    mcc = ManagedCollisionCollection({"t.1": MCHManagedCollisionModule(zch, num_buckets=nb, eviction_policy=policy)},
-                                     ebc.embedding_bag_configs())
+    mcc = ManagedCollisionCollection(
+        {"t.1": MCHManagedCollisionModule(zch, num_buckets=nb, eviction_policy=policy)}, ebc.embedding_bag_configs()
+    )
     return ManagedCollisionEmbeddingBagCollection(ebc, mcc, **kw)
 
 
 def _kjt(f, g):
-    return KeyedJaggedTensor(["f", "g"], torch.tensor(f + g, dtype=torch.int64),
-                             lengths=torch.tensor([len(f), 0, len(g), 0]))
+    return KeyedJaggedTensor(
+        ["f", "g"], torch.tensor(f + g, dtype=torch.int64), lengths=torch.tensor([len(f), 0, len(g), 0])
+    )
 
 
 def test_ids_keep_rows_and_evicted_rows_are_reset():

@@ -22,23 +22,32 @@ from lightning_rec.mc import (
 
 def _state(zch: int, nb: int, lfu: bool) -> _batch.TableState:
     raw = torch.full((zch,), -1, dtype=torch.int64)
-    return _batch.TableState(raw, torch.zeros(zch, dtype=torch.int64), torch.zeros(zch, dtype=torch.int64),
-                             _remap.SlotIndex(raw), nb, 0, lfu)
+    return _batch.TableState(
+        raw, torch.zeros(zch, dtype=torch.int64), torch.zeros(zch, dtype=torch.int64), _remap.SlotIndex(raw), nb, 0, lfu
+    )
 
 
 def _same(a: _remap.StepResult, b: _remap.StepResult) -> bool:
-    return (torch.equal(a.slots, b.slots) and torch.equal(a.admitted_slots, b.admitted_slots)
-            and torch.equal(a.admitted_ids, b.admitted_ids)
-            and (a.lookups, a.hits, a.evicted, a.unadmitted) == (b.lookups, b.hits, b.evicted, b.unadmitted))
+    return (
+        torch.equal(a.slots, b.slots)
+        and torch.equal(a.admitted_slots, b.admitted_slots)
+        and torch.equal(a.admitted_ids, b.admitted_ids)
+        and (a.lookups, a.hits, a.evicted, a.unadmitted) == (b.lookups, b.hits, b.evicted, b.unadmitted)
+    )
 
 
-table_spec = st.tuples(st.sampled_from([(4, 1), (4, 2), (8, 4), (12, 3), (16, 16), (6, 1)]), st.booleans(),
-                       st.integers(2, 60))
+table_spec = st.tuples(
+    st.sampled_from([(4, 1), (4, 2), (8, 4), (12, 3), (16, 16), (6, 1)]), st.booleans(), st.integers(2, 60)
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(specs=st.lists(table_spec, min_size=1, max_size=4), steps=st.integers(1, 6), seed=st.integers(0, 2**31),
-       evals=st.lists(st.booleans(), min_size=6, max_size=6))
+@given(
+    specs=st.lists(table_spec, min_size=1, max_size=4),
+    steps=st.integers(1, 6),
+    seed=st.integers(0, 2**31),
+    evals=st.lists(st.booleans(), min_size=6, max_size=6),
+)
 def test_batched_remap_equals_per_table_reference(specs, steps, seed, evals):
     g = torch.Generator().manual_seed(seed)
     batched = [_state(z, nb, lfu) for (z, nb), lfu, _ in specs]
@@ -53,8 +62,17 @@ def test_batched_remap_equals_per_table_reference(specs, steps, seed, evals):
             s.step = r.step = step
         got = _batch.remap_batch(ids, batched, update=update)
         for v, r, res in zip(ids, ref, got):
-            want = _remap.remap_step(v, r.raw_ids, r.last_access, r.counts, r.index, r.num_buckets, r.step,
-                                     "lfu" if r.lfu else "lru", update=update)
+            want = _remap.remap_step(
+                v,
+                r.raw_ids,
+                r.last_access,
+                r.counts,
+                r.index,
+                r.num_buckets,
+                r.step,
+                "lfu" if r.lfu else "lru",
+                update=update,
+            )
             assert _same(res, want)
         for s, r in zip(batched, ref):
             assert torch.equal(s.raw_ids, r.raw_ids)
@@ -68,11 +86,16 @@ def test_batched_remap_equals_per_table_reference(specs, steps, seed, evals):
 
 def _two_table_mc(nb_a: int, nb_b: int) -> ManagedCollisionEmbeddingBagCollection:
     torch.manual_seed(0)
-    tables = [EmbeddingBagConfig(name=n, num_embeddings=64, embedding_dim=4, feature_names=[f"f{n}"])
-              for n in ("a", "b")]
-    mcc = ManagedCollisionCollection({"a": MCHManagedCollisionModule(64, num_buckets=nb_a),
-                                      "b": MCHManagedCollisionModule(64, num_buckets=nb_b,
-                                                                     eviction_policy=LFU_EvictionPolicy())}, tables)
+    tables = [
+        EmbeddingBagConfig(name=n, num_embeddings=64, embedding_dim=4, feature_names=[f"f{n}"]) for n in ("a", "b")
+    ]
+    mcc = ManagedCollisionCollection(
+        {
+            "a": MCHManagedCollisionModule(64, num_buckets=nb_a),
+            "b": MCHManagedCollisionModule(64, num_buckets=nb_b, eviction_policy=LFU_EvictionPolicy()),
+        },
+        tables,
+    )
     return ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables=tables), mcc)
 
 
@@ -116,27 +139,34 @@ def test_resize_by_factor_equals_per_table_counts_and_one_table_at_a_time():
 
 
 @settings(max_examples=40, deadline=None)
-@given(dim=st.integers(1, 70), sizes=st.lists(st.integers(0, 20), min_size=1, max_size=4),
-       tables=st.lists(st.tuples(st.integers(1, 10**7), st.integers(0, 2**62), st.booleans()), min_size=4, max_size=4),
-       seed=st.integers(0, 2**31))
+@given(
+    dim=st.integers(1, 70),
+    sizes=st.lists(st.integers(0, 20), min_size=1, max_size=4),
+    tables=st.lists(st.tuples(st.integers(1, 10**7), st.integers(0, 2**62), st.booleans()), min_size=4, max_size=4),
+    seed=st.integers(0, 2**31),
+)
 def test_hashed_uniform_rows_equals_per_table_values(dim, sizes, tables, seed):
     """Re-initialised rows of several tables in one pass == each table's ``hashed_uniform``, bit for bit."""
     g = torch.Generator().manual_seed(seed)
     ids = [torch.randint(0, 2**62, (n,), generator=g) for n in sizes]
     # the default init range of a table of `rows` rows (±sqrt(1/rows)), or an asymmetric one
     ranges = [(-(rows**-0.5), rows**-0.5) if sym else (-(rows**-0.5), 3.0) for rows, _, sym in tables]
-    want = torch.cat([_remap.hashed_uniform(v, dim, s, lo, hi)
-                      for v, (_, s, _), (lo, hi) in zip(ids, tables, ranges)])
+    want = torch.cat([_remap.hashed_uniform(v, dim, s, lo, hi) for v, (_, s, _), (lo, hi) in zip(ids, tables, ranges)])
     n = torch.tensor(sizes)
 
     def rows(xs, dtype):
         return torch.repeat_interleave(torch.tensor(xs[: len(sizes)], dtype=dtype), n)
 
-    got = _remap.hashed_uniform_rows(torch.cat(ids), dim, rows([s for _, s, _ in tables], torch.int64),
-                                     rows([lo for lo, _ in ranges], torch.float64),
-                                     rows([hi for _, hi in ranges], torch.float64))
+    got = _remap.hashed_uniform_rows(
+        torch.cat(ids),
+        dim,
+        rows([s for _, s, _ in tables], torch.int64),
+        rows([lo for lo, _ in ranges], torch.float64),
+        rows([hi for _, hi in ranges], torch.float64),
+    )
     assert torch.equal(got, want)
     lo, hi = ranges[0]  # one range for every table: plain floats
     want = torch.cat([_remap.hashed_uniform(v, dim, s, lo, hi) for v, (_, s, _) in zip(ids, tables)])
-    assert torch.equal(_remap.hashed_uniform_rows(torch.cat(ids), dim, rows([s for _, s, _ in tables], torch.int64),
-                                                  lo, hi), want)
+    assert torch.equal(
+        _remap.hashed_uniform_rows(torch.cat(ids), dim, rows([s for _, s, _ in tables], torch.int64), lo, hi), want
+    )

@@ -78,8 +78,14 @@ def test_synthetic_raw_ids_are_unbounded_drifting_and_shard_like_hashed_rows() -
     assert len(set(ids[0].tolist())) > 4 * cards[0]  # far more ids than rows of the table
     assert len(late - early) > len(late) // 2  # new ids keep appearing
     # a pure function of the row: the same ids for any batch size / world size, and per epoch when fresh
-    shards = [list(SyntheticClicks(8192, 256, cardinalities=cards, raw_ids=True, multi_hot={}, rank=r,
-                                   world_size=2, raw_id_drift=1.0)) for r in range(2)]
+    shards = [
+        list(
+            SyntheticClicks(
+                8192, 256, cardinalities=cards, raw_ids=True, multi_hot={}, rank=r, world_size=2, raw_id_drift=1.0
+            )
+        )
+        for r in range(2)
+    ]
     first = torch.cat([shards[0][0].sparse.values().view(26, -1), shards[1][0].sparse.values().view(26, -1)], 1)
     assert torch.equal(first, torch.from_numpy(ids[:, :512]))
     ds.epoch = 1
@@ -98,8 +104,16 @@ def test_datamodule_passes_raw_ids_to_every_source(tmp_path) -> None:
     assert dm.raw_ids and dm.dataset("train").raw_ids and dm.dataset("val").raw_ids
     assert int(next(iter(dm.train_dataloader())).sparse.values().max()) > max(dm.cardinalities)
     write_lines(tmp_path / "d", 50, seed=1)
-    dm = ClickDataModule(source="criteo_tsv", path=str(tmp_path / "d"), batch_size=8, train_rows=None, val_rows=10,
-                         test_rows=0, cardinalities=CARDS, raw_ids=True)
+    dm = ClickDataModule(
+        source="criteo_tsv",
+        path=str(tmp_path / "d"),
+        batch_size=8,
+        train_rows=None,
+        val_rows=10,
+        test_rows=0,
+        cardinalities=CARDS,
+        raw_ids=True,
+    )
     assert dm.dataset("train").raw_ids and dm.dataset("train").describe()["raw_ids"]
 
 
@@ -108,18 +122,22 @@ def test_datamodule_passes_raw_ids_to_every_source(tmp_path) -> None:
 
 def test_managed_tables_round_sizes_to_buckets_and_check_options() -> None:
     tables = tables_from_cardinalities(["a", "b", "c"], [1000, 5, 64], 8)
-    out, mods = managed_tables(tables, {"num_buckets": 16, "zch_size": {"a": 1000}, "tables": ["a", "c"],
-                                        "eviction_policy": "LFU"})
+    out, mods = managed_tables(
+        tables, {"num_buckets": 16, "zch_size": {"a": 1000}, "tables": ["a", "c"], "eviction_policy": "LFU"}
+    )
     # a: 1000 rows -> 16 buckets of 63; b unmanaged; c: 64 rows, buckets of at least 16 rows -> 4 buckets
     assert [t.num_embeddings for t in out] == [1008, 5, 64]
     assert set(mods) == {"a", "c"} and mods["a"].num_buckets == 16 and mods["c"].num_buckets == 4
     _, small = managed_tables(tables, {"zch_size": {"b": 5}})
     assert small["b"].num_buckets == 1 and small["b"].zch_size == 5
     assert mods["a"].eviction_policy.name == "lfu"
-    for bad, msg in (({"buckets": 3}, "unknown keys"), ({"tables": ["x"]}, "not tables of the model"),
-                     ({"eviction_policy": "fifo"}, "eviction_policy must be one of"),
-                     ({"zch_size": {"b": 4}, "tables": ["a"]}, "not managed"),
-                     ({"zch_size": -3}, "zch_size must be positive")):
+    for bad, msg in (
+        ({"buckets": 3}, "unknown keys"),
+        ({"tables": ["x"]}, "not tables of the model"),
+        ({"eviction_policy": "fifo"}, "eviction_policy must be one of"),
+        ({"zch_size": {"b": 4}, "tables": ["a"]}, "not managed"),
+        ({"zch_size": -3}, "zch_size must be positive"),
+    ):
         with pytest.raises(ValueError, match=msg):
             managed_tables(tables, bad)
     assert bucket_aligned_rows(112, 16, 3) == [42, 35, 35]  # 6, 5, 5 buckets of 7 rows
@@ -127,13 +145,22 @@ def test_managed_tables_round_sizes_to_buckets_and_check_options() -> None:
 
 def test_dlrm_raw_ids_trains_on_one_process_and_plans_whole_buckets() -> None:
     torch.manual_seed(0)
-    model = DLRM(num_dense=3, feature_names=["u", "i"], num_embeddings_per_feature=[40, 8], embedding_dim=4,
-                 dense_arch_layer_sizes=[8, 4], over_arch_layer_sizes=[8, 1], raw_ids=True,
-                 managed_collision={"num_buckets": 4, "tables": ["u"]})
+    model = DLRM(
+        num_dense=3,
+        feature_names=["u", "i"],
+        num_embeddings_per_feature=[40, 8],
+        embedding_dim=4,
+        dense_arch_layer_sizes=[8, 4],
+        over_arch_layer_sizes=[8, 1],
+        raw_ids=True,
+        managed_collision={"num_buckets": 4, "tables": ["u"]},
+    )
     mc = model.sparse_arch.embedding_bag_collection
     assert isinstance(mc, ManagedCollisionEmbeddingBagCollection)
-    assert any(k.startswith("sparse_arch.embedding_bag_collection._embedding_module.embedding_bags.u.")
-               for k in model.state_dict())
+    assert any(
+        k.startswith("sparse_arch.embedding_bag_collection._embedding_module.embedding_bags.u.")
+        for k in model.state_dict()
+    )
     opt = model.configure_optimizers()
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
@@ -152,5 +179,6 @@ def test_dlrm_raw_ids_trains_on_one_process_and_plans_whole_buckets() -> None:
     plain = DLRM(num_dense=3, feature_names=["u"], num_embeddings_per_feature=[40], embedding_dim=4)
     assert plain.configure_sharding() is None and not plain._mc_modules
     with pytest.raises(TypeError, match="managed_collision must be a dict"):
-        DLRM(num_dense=3, feature_names=["u"], num_embeddings_per_feature=[40], embedding_dim=4,
-             managed_collision=["u"])
+        DLRM(
+            num_dense=3, feature_names=["u"], num_embeddings_per_feature=[40], embedding_dim=4, managed_collision=["u"]
+        )

@@ -51,8 +51,12 @@ def test_metrics_match_numpy_over_several_updates(n: int) -> None:
         m.update(torch.tensor(p[idx], dtype=torch.float32), torch.tensor(y[idx], dtype=torch.float32))
     got = {k: float(v) for k, v in m.compute().items()}
     p32 = p.astype(np.float32).astype(np.float64)
-    want = {"val_auroc": np_auc(p32, y), "val_ne": np_ne(p32, y), "val_calibration": np_calibration(p32, y),
-            "val_logloss": np_logloss(p32, y)}
+    want = {
+        "val_auroc": np_auc(p32, y),
+        "val_ne": np_ne(p32, y),
+        "val_calibration": np_calibration(p32, y),
+        "val_logloss": np_logloss(p32, y),
+    }
     assert set(got) == set(want)
     for k, v in want.items():
         assert math.isclose(got[k], v, rel_tol=1e-5), (k, got[k], v)
@@ -69,8 +73,9 @@ def test_weighted_metrics_match_numpy() -> None:
     # integer weights act as repeated rows
     m = LogLoss()
     m.update(torch.tensor([0.2, 0.9]), torch.tensor([0.0, 1.0]), torch.tensor([2.0, 1.0]))
-    assert math.isclose(float(m.compute()), np_logloss(np.array([0.2, 0.2, 0.9]), np.array([0.0, 0.0, 1.0])),
-                        rel_tol=1e-6)
+    assert math.isclose(
+        float(m.compute()), np_logloss(np.array([0.2, 0.2, 0.9]), np.array([0.0, 0.0, 1.0])), rel_tol=1e-6
+    )
 
 
 def test_ne_of_base_rate_prediction_is_one_and_extremes_stay_finite() -> None:

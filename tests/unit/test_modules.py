@@ -271,7 +271,9 @@ def test_low_precision_shared_tables_fixed_case(dtype: torch.dtype, sparse_grad:
 
 def test_empty_batch_output_stays_in_the_graph() -> None:
     ebc = EmbeddingBagCollection(_small_configs(), kernel="torch")
-    kjt = KeyedJaggedTensor(["f0", "f1", "f2"], torch.zeros(0, dtype=torch.long), lengths=torch.zeros(0, dtype=torch.long))
+    kjt = KeyedJaggedTensor(
+        ["f0", "f1", "f2"], torch.zeros(0, dtype=torch.long), lengths=torch.zeros(0, dtype=torch.long)
+    )
     out = ebc(kjt).values()
     assert out.shape == (0, 11) and out.requires_grad
     out.sum().backward()  # a rank with no samples still runs backward
@@ -311,7 +313,9 @@ def test_unweighted_collection_ignores_input_weights() -> None:
 def check_ec(case: Case, *, dtype, sparse_grad: bool) -> None:
     torch.manual_seed(case.seed)
     configs = [
-        EmbeddingConfig(num_embeddings=t.rows, embedding_dim=t.dim, name=t.name, feature_names=list(t.features), dtype=dtype)
+        EmbeddingConfig(
+            num_embeddings=t.rows, embedding_dim=t.dim, name=t.name, feature_names=list(t.features), dtype=dtype
+        )
         for t in case.tables
     ]
     ec = EmbeddingCollection(configs, sparse_grad=sparse_grad)
@@ -482,12 +486,18 @@ def test_strict_load_state_dict_with_dotted_and_prefix_sharing_names(kind: str) 
     names = ["user", "user.id", "user.id.x", "u v.w"]
     if kind == "ebc":
         make = lambda: EmbeddingBagCollection(  # noqa: E731
-            [EmbeddingBagConfig(num_embeddings=3, embedding_dim=2, name=n, feature_names=[f"f{i}"]) for i, n in enumerate(names)]
+            [
+                EmbeddingBagConfig(num_embeddings=3, embedding_dim=2, name=n, feature_names=[f"f{i}"])
+                for i, n in enumerate(names)
+            ]
         )
         prefix = "embedding_bags"
     else:
         make = lambda: EmbeddingCollection(  # noqa: E731
-            [EmbeddingConfig(num_embeddings=3, embedding_dim=2, name=n, feature_names=[f"f{i}"]) for i, n in enumerate(names)]
+            [
+                EmbeddingConfig(num_embeddings=3, embedding_dim=2, name=n, feature_names=[f"f{i}"])
+                for i, n in enumerate(names)
+            ]
         )
         prefix = "embeddings"
     a, b = make(), make()
@@ -519,7 +529,8 @@ def test_strict_load_state_dict_with_dotted_and_prefix_sharing_names(kind: str) 
 
 def test_ec_state_dict_keys_and_round_trip() -> None:
     configs = [
-        EmbeddingConfig(num_embeddings=4, embedding_dim=3, name=n, feature_names=[f"f{i}"]) for i, n in enumerate(ODD_NAMES)
+        EmbeddingConfig(num_embeddings=4, embedding_dim=3, name=n, feature_names=[f"f{i}"])
+        for i, n in enumerate(ODD_NAMES)
     ]
     ec = EmbeddingCollection(configs)
     sd = ec.state_dict()
@@ -529,7 +540,9 @@ def test_ec_state_dict_keys_and_round_trip() -> None:
         assert type(p) is nn.Parameter and p.is_leaf and sd[k].data_ptr() == p.data_ptr()
     new = {k: torch.randn_like(v) for k, v in sd.items()}
     ec.load_state_dict(new)
-    kjt = KeyedJaggedTensor.from_lengths_sync([f"f{i}" for i in range(4)], torch.tensor([3, 0]), torch.tensor([1, 0, 0, 1]))
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        [f"f{i}" for i in range(4)], torch.tensor([3, 0]), torch.tensor([1, 0, 0, 1])
+    )
     out = ec(kjt)
     assert torch.equal(out["f0"].values(), new["embeddings.user.id.weight"][[3]])
     assert torch.equal(out["f3"].values(), new["embeddings.a.b c.d.weight"][[0]])
@@ -664,8 +677,9 @@ def test_kjt_keys_must_match_features() -> None:
     repeated = _small_kjt().permute([0, 1, 2, 0])
     with pytest.raises(ValueError, match=r"missing \[\], unexpected \[\], duplicated \['f0'\]"):
         ebc(repeated)
-    ec = EmbeddingCollection([EmbeddingConfig(num_embeddings=3, embedding_dim=2, name="t", feature_names=["x"])],
-                             strict_features=True)
+    ec = EmbeddingCollection(
+        [EmbeddingConfig(num_embeddings=3, embedding_dim=2, name="t", feature_names=["x"])], strict_features=True
+    )
     with pytest.raises(ValueError, match=r"missing \['x'\], unexpected \['y'\]"):
         ec(KeyedJaggedTensor.from_lengths_sync(["y"], torch.tensor([0]), torch.tensor([1])))
     with pytest.raises(TypeError, match="expected a KeyedJaggedTensor"):
@@ -736,8 +750,12 @@ def test_extra_keys_are_ignored_unless_strict() -> None:
     ebc = EmbeddingBagCollection(_small_configs())
     base = ebc(_small_kjt(weights=False))
     extra = KeyedJaggedTensor.concat(
-        [KeyedJaggedTensor.from_lengths_sync(["zz"], torch.tensor([7, 8, 9]), torch.tensor([3] + [0] * (base.values().size(0) - 1))),
-         _small_kjt(weights=False)]
+        [
+            KeyedJaggedTensor.from_lengths_sync(
+                ["zz"], torch.tensor([7, 8, 9]), torch.tensor([3] + [0] * (base.values().size(0) - 1))
+            ),
+            _small_kjt(weights=False),
+        ]
     )
     assert torch.equal(ebc(extra).values(), base.values())
 
@@ -755,8 +773,10 @@ def test_one_feature_read_by_two_tables() -> None:
     # the sharded modules build their layout without allow_shared: refused with the clear error
     with pytest.raises(ValueError, match="feature 'f' is listed by tables 't1' and 't2'.*not yet sharded"):
         FeatureLayout([t1, t2])
-    ec = EmbeddingCollection([EmbeddingConfig(num_embeddings=4, embedding_dim=2, name=n, feature_names=["f"])
-                              for n in ("a", "b")], need_indices=True)
+    ec = EmbeddingCollection(
+        [EmbeddingConfig(num_embeddings=4, embedding_dim=2, name=n, feature_names=["f"]) for n in ("a", "b")],
+        need_indices=True,
+    )
     res = ec(kjt)
     assert list(res) == ["f@a", "f@b"]
     assert torch.equal(res["f@b"].values(), ec.embeddings["b"].weight[torch.tensor([1, 3, 0])])
@@ -764,15 +784,20 @@ def test_one_feature_read_by_two_tables() -> None:
 
 
 def test_float_values_and_int_weights_in_a_kjt() -> None:
-    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1.0, 2.0]), torch.tensor([2]),
-                                              weights=torch.tensor([1, 2]))
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        ["f"], torch.tensor([1.0, 2.0]), torch.tensor([2]), weights=torch.tensor([1, 2])
+    )
     assert kjt["f"].weights().dtype == torch.long  # kept as given
     ebc = EmbeddingBagCollection([EmbeddingBagConfig(num_embeddings=4, embedding_dim=2, name="t", feature_names=["f"])])
     with pytest.raises(ValueError, match=r"lookup needs 1-D integer ids.*torch.float32.*\['f'\]"):
         ebc(kjt)
     # integer weights of a weighted collection are used as float weights
     wbc = EmbeddingBagCollection(ebc.embedding_bag_configs(), is_weighted=True)
-    out = wbc(KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1, 2]), torch.tensor([2]), weights=torch.tensor([1, 2])))
+    out = wbc(
+        KeyedJaggedTensor.from_lengths_sync(
+            ["f"], torch.tensor([1, 2]), torch.tensor([2]), weights=torch.tensor([1, 2])
+        )
+    )
     w = wbc.embedding_bags["t"].weight
     assert torch.allclose(out.values(), (w[1] + 2 * w[2]).unsqueeze(0))
 
@@ -789,12 +814,17 @@ def test_variable_batch_per_feature_matches_expanded_input() -> None:
     # f0 has 2 distinct bags, f1 has 3; inverse_indices maps a batch of 4 onto them
     cfgs = [EmbeddingBagConfig(num_embeddings=6, embedding_dim=2, name="t", feature_names=["f0", "f1"], pooling="mean")]
     ebc = EmbeddingBagCollection(cfgs)
-    vbe = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 2, 3, 4, 5, 0]), lengths=torch.tensor([2, 1, 1, 0, 2]),
-                            stride_per_key_per_rank=[[2], [3]],
-                            inverse_indices=(["f0", "f1"], torch.tensor([[0, 1, 1, 0], [2, 0, 1, 2]])))
+    vbe = KeyedJaggedTensor(
+        ["f0", "f1"],
+        torch.tensor([1, 2, 3, 4, 5, 0]),
+        lengths=torch.tensor([2, 1, 1, 0, 2]),
+        stride_per_key_per_rank=[[2], [3]],
+        inverse_indices=(["f0", "f1"], torch.tensor([[0, 1, 1, 0], [2, 0, 1, 2]])),
+    )
     assert vbe.variable_stride_per_key() and vbe.stride_per_key() == [2, 3] and vbe.stride() == 3
-    full = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 2, 3, 3, 1, 2, 5, 0, 4, 5, 0]),
-                             lengths=torch.tensor([2, 1, 1, 2, 2, 1, 0, 2]))
+    full = KeyedJaggedTensor(
+        ["f0", "f1"], torch.tensor([1, 2, 3, 3, 1, 2, 5, 0, 4, 5, 0]), lengths=torch.tensor([2, 1, 1, 2, 2, 1, 0, 2])
+    )
     assert torch.allclose(ebc(vbe).values(), ebc(full).values())
     no_inv = KeyedJaggedTensor(["f0", "f1"], vbe.values(), lengths=vbe.lengths(), stride_per_key_per_rank=[[2], [3]])
     with pytest.raises(ValueError, match="no inverse_indices"):
@@ -821,18 +851,24 @@ def test_forward_on_meta_device_gives_shapes() -> None:
 def test_entries_past_the_last_bag_are_not_looked_up() -> None:
     # TorchRec accepts a KJT whose values / weights run past the last bag; those entries belong to no bag
     torch.manual_seed(0)
-    ebc = EmbeddingBagCollection(tables=[
-        EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["a", "b"])
-    ], is_weighted=True)
-    ec = EmbeddingCollection(tables=[EmbeddingConfig(name="t", num_embeddings=10, embedding_dim=4,
-                                                     feature_names=["a", "b"])])
+    ebc = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["a", "b"])],
+        is_weighted=True,
+    )
+    ec = EmbeddingCollection(
+        tables=[EmbeddingConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["a", "b"])]
+    )
     lengths = torch.tensor([1, 2, 0, 1])
     values = torch.tensor([1, 2, 3, 4])
     weights = torch.tensor([0.5, 1.0, 2.0, 3.0])
     ref = KeyedJaggedTensor(["b", "a"], values, weights=weights, lengths=lengths)
     # 99 is out of range for the table: looked up, it would raise
-    padded = KeyedJaggedTensor(["b", "a"], torch.cat([values, torch.tensor([99, 99])]),
-                               weights=torch.cat([weights, torch.ones(5)]), lengths=lengths)
+    padded = KeyedJaggedTensor(
+        ["b", "a"],
+        torch.cat([values, torch.tensor([99, 99])]),
+        weights=torch.cat([weights, torch.ones(5)]),
+        lengths=lengths,
+    )
     assert torch.equal(ebc(padded).values(), ebc(ref).values())
     got, want = ec(padded), ec(ref)
     for k in want:

@@ -25,8 +25,12 @@ from lightning_rec.nn import (
 
 def test_mlp_keys_and_maths() -> None:
     mlp = MLP(3, [4, 2])
-    assert list(mlp.state_dict()) == ["_mlp.0._linear.weight", "_mlp.0._linear.bias",
-                                      "_mlp.1._linear.weight", "_mlp.1._linear.bias"]
+    assert list(mlp.state_dict()) == [
+        "_mlp.0._linear.weight",
+        "_mlp.0._linear.bias",
+        "_mlp.1._linear.weight",
+        "_mlp.1._linear.bias",
+    ]
     x = torch.randn(5, 3)
     l0, l1 = mlp._mlp[0]._linear, mlp._mlp[1]._linear
     torch.testing.assert_close(mlp(x), torch.relu(l1(torch.relu(l0(x)))))
@@ -77,8 +81,9 @@ def test_deepfm_and_fm() -> None:
     flat = torch.cat([embs[0].flatten(1), embs[1]], dim=1)
     fm = FactorizationMachine()(embs)
     # pairwise products of every pair of scalars
-    expected = torch.stack([sum(flat[b, i] * flat[b, j] for i in range(11) for j in range(i + 1, 11))
-                            for b in range(4)]).unsqueeze(1)
+    expected = torch.stack(
+        [sum(flat[b, i] * flat[b, j] for i in range(11) for j in range(i + 1, 11)) for b in range(4)]
+    ).unsqueeze(1)
     torch.testing.assert_close(fm, expected)
     dense = nn.Linear(11, 2)
     torch.testing.assert_close(DeepFM(dense)(embs), dense(flat))
@@ -101,21 +106,28 @@ def test_position_weighted() -> None:
 
 
 def _ebc(dim: int = 4) -> EmbeddingBagCollection:
-    return EmbeddingBagCollection([
-        EmbeddingBagConfig(num_embeddings=10, embedding_dim=dim, name="t1", feature_names=["f1", "f3"]),
-        EmbeddingBagConfig(num_embeddings=10, embedding_dim=dim, name="t2", feature_names=["f2"]),
-    ])
+    return EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(num_embeddings=10, embedding_dim=dim, name="t1", feature_names=["f1", "f3"]),
+            EmbeddingBagConfig(num_embeddings=10, embedding_dim=dim, name="t2", feature_names=["f2"]),
+        ]
+    )
 
 
 def _kjt() -> KeyedJaggedTensor:
-    return KeyedJaggedTensor.from_offsets_sync(["f1", "f2", "f3"], torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]),
-                                               torch.tensor([0, 2, 4, 6, 7, 8, 8]))
+    return KeyedJaggedTensor.from_offsets_sync(
+        ["f1", "f2", "f3"], torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 2, 4, 6, 7, 8, 8])
+    )
 
 
 def test_dlrm_family_shapes_and_reference() -> None:
     torch.manual_seed(0)
-    model = DLRM(embedding_bag_collection=_ebc(), dense_in_features=5, dense_arch_layer_sizes=[6, 4],
-                 over_arch_layer_sizes=[3, 1])
+    model = DLRM(
+        embedding_bag_collection=_ebc(),
+        dense_in_features=5,
+        dense_arch_layer_sizes=[6, 4],
+        over_arch_layer_sizes=[3, 1],
+    )
     dense = torch.randn(2, 5)
     out = model(dense_features=dense, sparse_features=_kjt())
     assert out.shape == (2, 1)
@@ -130,8 +142,9 @@ def test_dlrm_family_shapes_and_reference() -> None:
 
     dcn = DLRM_DCN(_ebc(), 5, [6, 4], [3, 1], dcn_num_layers=2, dcn_low_rank_dim=2)
     assert dcn(dense, _kjt()).shape == (2, 1)
-    proj = DLRM_Projection(_ebc(), 5, [6, 4], [3, 1], interaction_branch1_layer_sizes=[8, 8],
-                           interaction_branch2_layer_sizes=[8, 12])
+    proj = DLRM_Projection(
+        _ebc(), 5, [6, 4], [3, 1], interaction_branch1_layer_sizes=[8, 8], interaction_branch2_layer_sizes=[8, 12]
+    )
     assert proj(dense, _kjt()).shape == (2, 1)
     with pytest.raises(ValueError, match="not a multiple of the embedding dim"):
         DLRM_Projection(_ebc(), 5, [6, 4], [3, 1], [8, 7], [8, 8])
@@ -148,8 +161,9 @@ def test_dlrm_family_shapes_and_reference() -> None:
 def test_torchrec_dlrm_state_dict_loads_into_the_lightning_dlrm() -> None:
     tables = [EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name=n, feature_names=[n]) for n in ("a", "b")]
     plain = DLRM(EmbeddingBagCollection(tables), 3, [5, 4], [6, 1])
-    lit = LightningDLRM(num_dense=3, tables=tables, dense_arch_layer_sizes=[5, 4], over_arch_layer_sizes=[6, 1],
-                        kernel="torch")
+    lit = LightningDLRM(
+        num_dense=3, tables=tables, dense_arch_layer_sizes=[5, 4], over_arch_layer_sizes=[6, 1], kernel="torch"
+    )
     plain_keys = set(plain.state_dict())
     assert plain_keys == {k for k in lit.state_dict() if not k.startswith(("val_", "test_"))}
     lit.load_state_dict(plain.state_dict(), strict=False)

@@ -94,7 +94,13 @@ INVALID = {
     "column sizes zero width": ([(10, 8)], column_wise([0, 1], [8, 0]), 4, 4, ["'t0'", "positive widths"]),
     "column sizes negative": ([(10, 8)], column_wise([0, 1], [10, -2]), 4, 4, ["'t0'", "positive widths"]),
     "column sizes bool": ([(10, 8)], column_wise([0, 1], [True, 7]), 4, 4, ["'t0'", "must hold integers"]),
-    "row_wise given ranks": ([(10, 8)], ParameterSharding("row_wise", ranks=[0]), 4, 4, ["'t0'", "ranks does not apply"]),
+    "row_wise given ranks": (
+        [(10, 8)],
+        ParameterSharding("row_wise", ranks=[0]),
+        4,
+        4,
+        ["'t0'", "ranks does not apply"],
+    ),
     "local_size zero": ([(10, 8)], row_wise(), 4, 0, ["local_size=0", "must be positive"]),
     "column sizes not int": (
         [(10, 8)],
@@ -203,9 +209,12 @@ def test_construct_defaults_to_single_process() -> None:
     out = construct_module_sharding_plan(ebc, plan, device_type="cpu")
     # ranks, TorchRec's default kernel name and the shards filled in
     assert [(k, ps.sharding_type, ps.ranks, ps.compute_kernel) for k, ps in out.items()] == [
-        ("t0", "table_wise", [0], "dense"), ("t1", "row_wise", [0], "dense")]
+        ("t0", "table_wise", [0], "dense"),
+        ("t1", "row_wise", [0], "dense"),
+    ]
     assert [(m.shard_offsets, m.shard_sizes, str(m.placement)) for m in out["t1"].sharding_spec.shards] == [
-        ([0, 0], [7, 4], "rank:0/cpu")]
+        ([0, 0], [7, 4], "rank:0/cpu")
+    ]
     with pytest.raises(ValueError, match=r"table 't0': rank 1 is outside .*0\.\.0"):
         construct_module_sharding_plan(ebc, {"t0": table_wise(1), "t1": row_wise()})
 
@@ -234,16 +243,24 @@ def test_sharding_plan_container() -> None:
 
 def test_sharding_plan_str_shows_resolved_shards() -> None:
     ebc = EmbeddingBagCollection(_tables((10, 8), (6, 4)))
-    module_plan = construct_module_sharding_plan(ebc, {"t0": row_wise([4, 6]), "t1": column_wise([1, 0])},
-                                                 world_size=2, local_size=2, device_type="cuda")
+    module_plan = construct_module_sharding_plan(
+        ebc, {"t0": row_wise([4, 6]), "t1": column_wise([1, 0])}, world_size=2, local_size=2, device_type="cuda"
+    )
     lines = [ln.strip() for ln in str(ShardingPlan({"ebc": module_plan})).splitlines()]
     assert lines == [
-        "module: ebc", "",
-        "param | sharding type | compute kernel | ranks", "----- | ------------- | -------------- | ------",
-        "t0    | row_wise      | dense          | [0, 1]", "t1    | column_wise   | dense          | [1, 0]", "",
-        "param | shard offsets | shard sizes |   placement", "----- | ------------- | ----------- | -------------",
-        "t0    | [0, 0]        | [4, 8]      | rank:0/cuda:0", "t0    | [4, 0]        | [6, 8]      | rank:1/cuda:1",
-        "t1    | [0, 0]        | [6, 2]      | rank:1/cuda:1", "t1    | [0, 2]        | [6, 2]      | rank:0/cuda:0",
+        "module: ebc",
+        "",
+        "param | sharding type | compute kernel | ranks",
+        "----- | ------------- | -------------- | ------",
+        "t0    | row_wise      | dense          | [0, 1]",
+        "t1    | column_wise   | dense          | [1, 0]",
+        "",
+        "param | shard offsets | shard sizes |   placement",
+        "----- | ------------- | ----------- | -------------",
+        "t0    | [0, 0]        | [4, 8]      | rank:0/cuda:0",
+        "t0    | [4, 0]        | [6, 8]      | rank:1/cuda:1",
+        "t1    | [0, 0]        | [6, 2]      | rank:1/cuda:1",
+        "t1    | [0, 2]        | [6, 2]      | rank:0/cuda:0",
     ]
 
 

@@ -68,8 +68,15 @@ def test_spec_objects() -> None:
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_spec_matches_resolved_shards_for_every_type(device_type: str) -> None:
     ebc = _ebc(*[(10, 8)] * 7)
-    per_table = {"t0": data_parallel(), "t1": table_wise(3), "t2": row_wise(), "t3": column_wise([2, 0]),
-                 "t4": table_row_wise(1), "t5": grid_shard([1, 0]), "t6": row_wise(num_buckets=5)}
+    per_table = {
+        "t0": data_parallel(),
+        "t1": table_wise(3),
+        "t2": row_wise(),
+        "t3": column_wise([2, 0]),
+        "t4": table_row_wise(1),
+        "t5": grid_shard([1, 0]),
+        "t6": row_wise(num_buckets=5),
+    }
     out = construct_module_sharding_plan(ebc, per_table, world_size=4, local_size=2, device_type=device_type)
     for t in ebc.embedding_bag_configs():
         ps = out[t.name]
@@ -79,8 +86,7 @@ def test_spec_matches_resolved_shards_for_every_type(device_type: str) -> None:
             continue
         got = [(m.shard_offsets, m.shard_sizes, str(m.placement)) for m in ps.sharding_spec.shards]
         dev = (lambda r: f"cuda:{r % 2}") if device_type == "cuda" else (lambda r: "cpu")
-        assert got == [([s.row_offset, s.col_offset], [s.rows, s.cols], f"rank:{s.rank}/{dev(s.rank)}")
-                       for s in shards]
+        assert got == [([s.row_offset, s.col_offset], [s.rows, s.cols], f"rank:{s.rank}/{dev(s.rank)}") for s in shards]
         assert ps.ranks == [s.rank for s in shards]
     assert out["t3"].sharding_spec.shards[0].placement.rank() == 2
 
@@ -92,14 +98,17 @@ def test_placement_strings() -> None:
 
 def test_equality_by_resolved_shards() -> None:
     ebc = _ebc((100, 8))
-    uneven = construct_module_sharding_plan(ebc, {"t0": column_wise(size_per_rank=[4, 4])}, world_size=2,
-                                            local_size=2, device_type="cpu")["t0"]
-    even = construct_module_sharding_plan(ebc, {"t0": column_wise([0, 1])}, world_size=2, local_size=2,
-                                          device_type="cpu")["t0"]
+    uneven = construct_module_sharding_plan(
+        ebc, {"t0": column_wise(size_per_rank=[4, 4])}, world_size=2, local_size=2, device_type="cpu"
+    )["t0"]
+    even = construct_module_sharding_plan(
+        ebc, {"t0": column_wise([0, 1])}, world_size=2, local_size=2, device_type="cpu"
+    )["t0"]
     # different fields (col_sizes given or not) produced the same shards: equal, as in TorchRec
     assert uneven.col_sizes == [4, 4] and even.col_sizes is None and uneven == even
-    other = construct_module_sharding_plan(ebc, {"t0": column_wise(size_per_rank=[2, 6])}, world_size=2,
-                                           local_size=2, device_type="cpu")["t0"]
+    other = construct_module_sharding_plan(
+        ebc, {"t0": column_wise(size_per_rank=[2, 6])}, world_size=2, local_size=2, device_type="cpu"
+    )["t0"]
     assert other != even  # same type and ranks, other shards
     assert replace(even, compute_kernel="fused") != even
     # without a spec on one side every field counts
@@ -115,8 +124,9 @@ def test_sharding_spec_type_checked() -> None:
 def test_given_spec_must_match_the_placement() -> None:
     ebc = _ebc((10, 4))
     t = ebc.embedding_bag_configs()[0]
-    good = construct_module_sharding_plan(ebc, {"t0": row_wise([6, 4])}, world_size=2, local_size=2,
-                                          device_type="cpu")["t0"]
+    good = construct_module_sharding_plan(ebc, {"t0": row_wise([6, 4])}, world_size=2, local_size=2, device_type="cpu")[
+        "t0"
+    ]
     assert resolve_table(t, good, 2, 2) == resolve_table(t, row_wise([6, 4]), 2, 2)
     # TorchRec-style entry: type, ranks and a spec of uneven rows, but no row_sizes: refused, not re-split evenly
     bad = ParameterSharding("row_wise", ranks=[0, 1], compute_kernel="dense", sharding_spec=good.sharding_spec)
@@ -131,8 +141,7 @@ def test_default_kernel_names() -> None:
     assert (out["t0"].compute_kernel, out["t1"].compute_kernel) == ("dense", "fused")
     out = construct_module_sharding_plan(ebc, {"t0": data_parallel(), "t1": data_parallel()}, world_size=2)
     assert (out["t0"].compute_kernel, out["t1"].compute_kernel) == ("dense", "dense")
-    out = construct_module_sharding_plan(ebc, {"t0": row_wise(compute_kernel="torch"), "t1": row_wise()},
-                                         world_size=2)
+    out = construct_module_sharding_plan(ebc, {"t0": row_wise(compute_kernel="torch"), "t1": row_wise()}, world_size=2)
     assert out["t0"].compute_kernel == "torch"  # a kernel asked for is kept
 
 
@@ -169,7 +178,9 @@ def test_rw_helpers_refuse_indivisible_buckets() -> None:
 
 def test_uneven_rw_sizes_follow_memory() -> None:
     assert _calculate_uneven_rw_shard_sizes_and_offsets(40, 3, 64, [2, 1, 1], num_buckets=8) == (
-        [[20, 64], [10, 64], [10, 64]], [[0, 0], [20, 0], [30, 0]])
+        [[20, 64], [10, 64], [10, 64]],
+        [[0, 0], [20, 0], [30, 0]],
+    )
     # rounding down in whole buckets; the last rank takes the rest
     sizes, offsets = _calculate_uneven_rw_shard_sizes_and_offsets(30, 3, 2, [1, 1, 1], num_buckets=10)
     assert [s for s, _ in sizes] == [9, 9, 12] and offsets == [[0, 0], [9, 0], [18, 0]]

@@ -34,8 +34,13 @@ DT = (torch.float32, torch.float16, torch.bfloat16)
 def _random_case(seed: int):
     rng = random.Random(seed)
     tables = [
-        EmbeddingBagConfig(rng.choice([7, 100, 5_000, 200_000]), rng.choice([4, 16, 32, 64, 128]), f"t{i} x",
-                           [f"f{i}", f"g{i}"][: rng.randint(1, 2)], dtype=rng.choice(DT))
+        EmbeddingBagConfig(
+            rng.choice([7, 100, 5_000, 200_000]),
+            rng.choice([4, 16, 32, 64, 128]),
+            f"t{i} x",
+            [f"f{i}", f"g{i}"][: rng.randint(1, 2)],
+            dtype=rng.choice(DT),
+        )
         for i in range(rng.randint(1, 25))
     ]
     local = rng.choice([1, 2, 4])
@@ -44,8 +49,12 @@ def _random_case(seed: int):
     need = sum(t.num_embeddings * t.embedding_dim * (t.dtype.itemsize * 2 + 8) for t in tables)  # + adam state
     memory = rng.choice([None, int(need / mp * rng.uniform(1.5, 4)) + 10**6])
     topo = Topology(mp * replicas, mp, local, device_memory=memory)
-    kw = dict(batch_size=rng.choice([1, 64, 512]), default_pooling_factor=rng.choice([1.0, 5.0]),
-              optimizer=rng.choice(sorted(OPTIMIZER_STATE)), gradients=rng.choice(["dense", "sparse"]))
+    kw = dict(
+        batch_size=rng.choice([1, 64, 512]),
+        default_pooling_factor=rng.choice([1.0, 5.0]),
+        optimizer=rng.choice(sorted(OPTIMIZER_STATE)),
+        gradients=rng.choice(["dense", "sparse"]),
+    )
     return tables, topo, kw
 
 
@@ -76,8 +85,12 @@ def test_random_plans_are_valid_fit_and_deterministic(seed: int) -> None:
     if topo.device_memory is not None:
         assert (report.memory.sum(0) <= topo.device_memory).all()
     # fresh objects, same inputs -> the same plan
-    again = Planner(topo, **kw).plan([EmbeddingBagConfig(t.num_embeddings, t.embedding_dim, t.name,
-                                                         list(t.feature_names), dtype=t.dtype) for t in tables])
+    again = Planner(topo, **kw).plan(
+        [
+            EmbeddingBagConfig(t.num_embeddings, t.embedding_dim, t.name, list(t.feature_names), dtype=t.dtype)
+            for t in tables
+        ]
+    )
     assert again == plan
     # the report describes the same plan, and estimating that plan reproduces the planner's numbers
     est = planner.estimate(tables, plan)
@@ -94,8 +107,14 @@ def test_cost_model_layouts_match_plan_resolution(seed: int) -> None:
     planner = Planner(topo, batch_size=16, default_pooling_factor=3)
     model = CostModel(topo, 16)
     s = planner._stats("", t, rng.choice(["dense", "sparse"]))
-    placements = [table_wise(rng.randrange(8)), row_wise(), column_wise([3, 1]), table_row_wise(1),
-                  grid_shard([1, 0]), data_parallel()]
+    placements = [
+        table_wise(rng.randrange(8)),
+        row_wise(),
+        column_wise([3, 1]),
+        table_row_wise(1),
+        grid_shard([1, 0]),
+        data_parallel(),
+    ]
     for ps in placements:
         a = model.of_placement(s, ps)
         b = model.of_shards(s, resolve_table(t, ps, 8, topo.local_size))
@@ -109,7 +128,8 @@ def test_cost_model_terms_by_hand() -> None:
     topo = Topology(2)
     hw = topo.hardware
     rep = Planner(topo, batch_size=10, default_pooling_factor=3, gradients="sparse").estimate(
-        [t], ShardingPlan({"": {"t": table_wise(1)}}))
+        [t], ShardingPlan({"": {"t": table_wise(1)}})
+    )
     ids = 2 * 10 * 3  # both ranks' ids arrive at rank 1
     lookup = ids * (16 * 4 + hw.lookup_overhead_bytes) / hw.lookup_bandwidth
     update = ids * (2 * 16 * 4) / hw.update_bandwidth
@@ -155,7 +175,8 @@ def test_one_huge_table_is_row_wise_or_grid_with_2d() -> None:
 
 def test_a_wide_hot_table_is_column_wise() -> None:
     tables = [EmbeddingBagConfig(1000, 1024, "wide", ["w"])] + [
-        EmbeddingBagConfig(1000, 32, f"n{i}", [f"n{i}"]) for i in range(3)]
+        EmbeddingBagConfig(1000, 32, f"n{i}", [f"n{i}"]) for i in range(3)
+    ]
     planner = Planner(Topology(4), batch_size=512, pooling_factors={"w": 50})
     ps = planner.plan(tables).plan[""]["wide"]
     assert ps.sharding_type == ShardingType.COLUMN_WISE and len(ps.ranks) >= 2
@@ -165,8 +186,10 @@ def test_a_wide_hot_table_is_column_wise() -> None:
 def test_balance_bound(seed: int) -> None:
     # stated bound: slowest rank <= 1.1 x mean rank + the largest single table's time on one rank
     rng = random.Random(seed)
-    tables = [EmbeddingBagConfig(rng.choice([1000, 50_000]), rng.choice([16, 64]), f"t{i}", [f"f{i}"])
-              for i in range(rng.randint(8, 40))]
+    tables = [
+        EmbeddingBagConfig(rng.choice([1000, 50_000]), rng.choice([16, 64]), f"t{i}", [f"f{i}"])
+        for i in range(rng.randint(8, 40))
+    ]
     planner = Planner(Topology(rng.choice([2, 4, 8])), batch_size=256, default_pooling_factor=10)
     planner.plan(tables)
     rep = planner.explain()
@@ -199,8 +222,9 @@ def test_fused_gradients_data_parallel_only_when_asked() -> None:
     planner = Planner(Topology(8), gradients="fused")
     planner.plan(tables)
     assert all(c.sharding.sharding_type != ShardingType.DATA_PARALLEL for c in planner.explain().tables)
-    asked = Planner(Topology(2), gradients="fused",
-                    constraints={"t0": TableConstraint(sharding_types=["data_parallel"])})
+    asked = Planner(
+        Topology(2), gradients="fused", constraints={"t0": TableConstraint(sharding_types=["data_parallel"])}
+    )
     asked.plan(tables)
     assert asked.explain().tables[0].sharding.sharding_type == ShardingType.DATA_PARALLEL
 
@@ -217,8 +241,9 @@ def test_host_memory_takes_what_devices_cannot_hold() -> None:
 
 
 def test_model_input_and_explanation() -> None:
-    ebc = EmbeddingBagCollection([EmbeddingBagConfig(100, 8, "u", ["u"]), EmbeddingBagConfig(50, 8, "i", ["i"])],
-                                 sparse_grad=True)
+    ebc = EmbeddingBagCollection(
+        [EmbeddingBagConfig(100, 8, "u", ["u"]), EmbeddingBagConfig(50, 8, "i", ["i"])], sparse_grad=True
+    )
     model = torch.nn.ModuleDict({"ebc": ebc, "seq": torch.nn.ModuleList()})
     planner = Planner(Topology(2))
     plan = planner.plan(model)
@@ -271,8 +296,11 @@ def test_tables_the_sharded_module_refuses_are_refused_with_its_message() -> Non
 def test_only_host_types_on_one_host_is_a_clear_error() -> None:
     tables = [EmbeddingBagConfig(100, 64, "a", ["f"]), EmbeddingBagConfig(100, 64, "b", ["g"])]
     only = {"a": TableConstraint(sharding_types=["table_row_wise", "grid_shard"])}
-    with pytest.raises(PlannerError, match=r"table \['a'\]: no placement .*\['table_row_wise', 'grid_shard'\].*"
-                                           r"1 host\(s\) x 4 rank\(s\)"):
+    with pytest.raises(
+        PlannerError,
+        match=r"table \['a'\]: no placement .*\['table_row_wise', 'grid_shard'\].*"
+        r"1 host\(s\) x 4 rank\(s\)",
+    ):
         Planner(Topology(4), constraints=only).plan(tables)
     with pytest.raises(PlannerError, match=r"4 host\(s\) x 1 rank\(s\)"):
         Planner(Topology(4, local_size=1), constraints=only).plan(tables)
@@ -298,8 +326,10 @@ def test_topology_from_mesh_reads_the_ranks_per_host() -> None:
 
 
 def test_report_fits_100_columns_with_long_names_in_human_units() -> None:
-    tables = [EmbeddingBagConfig(50_000, 64, "a_very_long_table_name_" + "x" * 40 + str(i), [f"feature {i}"])
-              for i in range(6)]
+    tables = [
+        EmbeddingBagConfig(50_000, 64, "a_very_long_table_name_" + "x" * 40 + str(i), [f"feature {i}"])
+        for i in range(6)
+    ]
     planner = Planner(Topology(4, 2))
     planner.plan(tables)
     text = str(planner.explain())

@@ -19,16 +19,30 @@ WIDTH = 100
 def _reports():
     rng = random.Random(3)
     out = []
-    for world, mp, local, grads, device in [(1, 1, 1, "sparse", "cpu"), (2, 2, 2, "fused", "cpu"),
-                                             (8, 4, 2, "fused", "cuda"), (64, 64, 8, "dense", "cuda")]:
-        tables = [EmbeddingBagConfig(rng.choice([10, 10**4, 10**6]), rng.choice([16, 64, 128]),
-                                     f"a table with a rather long name number {i}", [f"f{i}", f"g{i}"][: rng.randint(1, 2)],
-                                     dtype=rng.choice([torch.float32, torch.float16]))
-                  for i in range(rng.randint(3, 30))]
-        planner = Planner(Topology(world, mp, local, device=device), batch_size=rng.choice([64, 4096]),
-                          default_pooling_factor=rng.choice([1, 30]), gradients=grads,
-                          optimizer="adagrad" if grads != "fused" else "sgd",
-                          constraints={tables[0].name: TableConstraint(sharding_types=["data_parallel"])})
+    for world, mp, local, grads, device in [
+        (1, 1, 1, "sparse", "cpu"),
+        (2, 2, 2, "fused", "cpu"),
+        (8, 4, 2, "fused", "cuda"),
+        (64, 64, 8, "dense", "cuda"),
+    ]:
+        tables = [
+            EmbeddingBagConfig(
+                rng.choice([10, 10**4, 10**6]),
+                rng.choice([16, 64, 128]),
+                f"a table with a rather long name number {i}",
+                [f"f{i}", f"g{i}"][: rng.randint(1, 2)],
+                dtype=rng.choice([torch.float32, torch.float16]),
+            )
+            for i in range(rng.randint(3, 30))
+        ]
+        planner = Planner(
+            Topology(world, mp, local, device=device),
+            batch_size=rng.choice([64, 4096]),
+            default_pooling_factor=rng.choice([1, 30]),
+            gradients=grads,
+            optimizer="adagrad" if grads != "fused" else "sgd",
+            constraints={tables[0].name: TableConstraint(sharding_types=["data_parallel"])},
+        )
         planner.plan(tables)
         out.append(planner.explain())
         fixed = {t.name: data_parallel() for t in tables}

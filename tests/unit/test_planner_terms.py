@@ -79,10 +79,13 @@ class ReferencePlanner(Planner):
             c.fits = bool((over <= 0).all() and (host_over <= 0).all())
             if not c.fits:
                 r = int(np.argmax(over)) if over.max() > 0 else None
-                c.short = (f"does not fit: rank {r} would need {human_bytes(used[r] + mem[r])} of "
-                           f"{human_bytes(budget)} ({human_bytes(over[r])} short)" if r is not None else
-                           f"does not fit: host {int(np.argmax(host_over))} short of host memory by "
-                           f"{human_bytes(host_over.max())}")
+                c.short = (
+                    f"does not fit: rank {r} would need {human_bytes(used[r] + mem[r])} of "
+                    f"{human_bytes(budget)} ({human_bytes(over[r])} short)"
+                    if r is not None
+                    else f"does not fit: host {int(np.argmax(host_over))} short of host memory by "
+                    f"{human_bytes(host_over.max())}"
+                )
             projected = max(new.max(), (new.sum() + max(remaining, 0.0)) / len(new))
             if mode == "time":
                 c.key = (projected, new.sum(), n)
@@ -99,26 +102,42 @@ def cases(draw):
     tables = []
     for i in range(n):
         cls = EmbeddingConfig if sequence else EmbeddingBagConfig
-        tables.append(cls(draw(rows), draw(st.sampled_from(dims)), f"t {i}", [f"f{i}", f"g{i}"][: draw(st.integers(1, 2))],
-                          dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))))
+        tables.append(
+            cls(
+                draw(rows),
+                draw(st.sampled_from(dims)),
+                f"t {i}",
+                [f"f{i}", f"g{i}"][: draw(st.integers(1, 2))],
+                dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
+            )
+        )
     pooling = {f: draw(st.sampled_from([0.0, 1.0, 3.0, 20.0, 50.0])) for t in tables for f in t.feature_names}
     mp, local = draw(st.sampled_from(LAYOUTS))
     replicas = draw(st.sampled_from([1, 1, 2]))
     need = sum(t.num_embeddings * t.embedding_dim * 12 for t in tables)
     memory = draw(st.sampled_from([None, int(need / mp * 1.5) + 10**5, int(need / mp * 0.6) + 10**5]))
     host = draw(st.sampled_from([None, need // 3 + 10**6, 10 * need + 10**6]))
-    topo = Topology(mp * replicas, mp, local, device_memory=memory, host_memory=host,
-                    device=draw(st.sampled_from(["cpu", "cuda"])))
+    topo = Topology(
+        mp * replicas, mp, local, device_memory=memory, host_memory=host, device=draw(st.sampled_from(["cpu", "cuda"]))
+    )
     constraints = {}
     if n > 2 and draw(st.booleans()):
-        constraints[tables[0].name] = TableConstraint(sharding_types=[draw(st.sampled_from(
-            ["table_wise", "row_wise", "column_wise", "data_parallel", "table_row_wise"]))])
+        constraints[tables[0].name] = TableConstraint(
+            sharding_types=[
+                draw(st.sampled_from(["table_wise", "row_wise", "column_wise", "data_parallel", "table_row_wise"]))
+            ]
+        )
         constraints[tables[1].name] = TableConstraint(allow_host_memory=False)
     together = [[tables[-1].name, tables[-2].name]] if n > 3 and draw(st.booleans()) else []
-    kw = dict(batch_size=draw(st.sampled_from([1, 64, 512])), pooling_factors=pooling,
-              optimizer=draw(st.sampled_from(sorted(OPTIMIZER_STATE))),
-              gradients=draw(st.sampled_from(["dense", "sparse", "fused"])), constraints=constraints,
-              together=together, min_column_width=draw(st.sampled_from([4, 16, 32])))
+    kw = dict(
+        batch_size=draw(st.sampled_from([1, 64, 512])),
+        pooling_factors=pooling,
+        optimizer=draw(st.sampled_from(sorted(OPTIMIZER_STATE))),
+        gradients=draw(st.sampled_from(["dense", "sparse", "fused"])),
+        constraints=constraints,
+        together=together,
+        min_column_width=draw(st.sampled_from([4, 16, 32])),
+    )
     return tables, topo, kw
 
 
@@ -166,11 +185,16 @@ def test_terms_equal_the_cost_models_loads(data) -> None:
     # one placement's terms, computed alone or batched with other tables, equal its full load exactly
     mp, local = data.draw(st.sampled_from(LAYOUTS))
     topo = Topology(mp * data.draw(st.sampled_from([1, 3])), mp, local, device="cuda")
-    planner = Planner(topo, batch_size=data.draw(st.sampled_from([1, 96])),
-                      optimizer=data.draw(st.sampled_from(sorted(OPTIMIZER_STATE))))
+    planner = Planner(
+        topo,
+        batch_size=data.draw(st.sampled_from([1, 96])),
+        optimizer=data.draw(st.sampled_from(sorted(OPTIMIZER_STATE))),
+    )
     grads = data.draw(st.sampled_from(["dense", "sparse", "fused"]))
-    tables = [EmbeddingBagConfig(data.draw(st.sampled_from([1, 5, 130, 4_099, 10**6])), 8, f"t{i}", [f"f{i}"])
-              for i in range(3)]
+    tables = [
+        EmbeddingBagConfig(data.draw(st.sampled_from([1, 5, 130, 4_099, 10**6])), 8, f"t{i}", [f"f{i}"])
+        for i in range(3)
+    ]
     stats = [planner._stats("", t, grads) for t in tables]
     placements = [_random_placement(data.draw, t, mp, local) for t in tables]
     for ps in placements:

@@ -51,12 +51,28 @@ def test_sharding_type_compares_equal_to_torchrec_strings() -> None:
 
 def test_ranks_are_filled_in_for_every_type() -> None:
     ebc = _ebc((12, 8), (12, 8), (12, 8), (12, 8), (12, 8), (12, 8), (12, 8))
-    plan = construct_module_sharding_plan(ebc, {
-        "t0": data_parallel(), "t1": table_wise(rank=3), "t2": row_wise(), "t3": column_wise(ranks=[2, 0]),
-        "t4": table_row_wise(host_index=1), "t5": grid_shard(host_indexes=[1, 0]), "t6": table_column_wise([2, 3]),
-    }, local_size=2, world_size=4, device_type="cpu")
+    plan = construct_module_sharding_plan(
+        ebc,
+        {
+            "t0": data_parallel(),
+            "t1": table_wise(rank=3),
+            "t2": row_wise(),
+            "t3": column_wise(ranks=[2, 0]),
+            "t4": table_row_wise(host_index=1),
+            "t5": grid_shard(host_indexes=[1, 0]),
+            "t6": table_column_wise([2, 3]),
+        },
+        local_size=2,
+        world_size=4,
+        device_type="cpu",
+    )
     assert {k: ps.ranks for k, ps in plan.items()} == {
-        "t0": [0, 1, 2, 3], "t1": [3], "t2": [0, 1, 2, 3], "t3": [2, 0], "t4": [2, 3], "t5": [2, 3, 0, 1],
+        "t0": [0, 1, 2, 3],
+        "t1": [3],
+        "t2": [0, 1, 2, 3],
+        "t3": [2, 0],
+        "t4": [2, 3],
+        "t5": [2, 3, 0, 1],
         "t6": [2, 3],
     }
     # a resolved plan resolves again to the same shards; wrong ranks are refused, naming the right ones
@@ -123,8 +139,9 @@ def test_construct_module_sharding_plan_argument_order_and_generators() -> None:
         seen.append((tuple(param.shape), local_size, world_size, device_type, sharder_))
         return table_wise(world_size - 1)
 
-    plan = construct_module_sharding_plan(ebc, {"t0": generator, "t1": row_wise()}, sharder, local_size=2,
-                                          world_size=2, device_type="cpu")
+    plan = construct_module_sharding_plan(
+        ebc, {"t0": generator, "t1": row_wise()}, sharder, local_size=2, world_size=2, device_type="cpu"
+    )
     assert list(sharder.shardable_parameters(ebc)) == ["t0", "t1"]
     assert plan["t0"].ranks == [1] and seen == [((8, 4), 2, 2, "cpu", sharder)]
     with pytest.raises(ValueError, match="does not shard a Linear"):
@@ -152,15 +169,28 @@ def test_batch_takes_both_field_names() -> None:
 
 def test_random_rec_dataset() -> None:
     assert [f"int_{i}" for i in range(13)] == DEFAULT_INT_NAMES and DEFAULT_CAT_NAMES[25] == "cat_25"
-    kw = dict(keys=["a", "b"], batch_size=4, hash_sizes=[5, 7], ids_per_features=[1, 3], num_dense=2,
-              manual_seed=1, num_batches=12, num_generated_batches=3)
+    kw = dict(
+        keys=["a", "b"],
+        batch_size=4,
+        hash_sizes=[5, 7],
+        ids_per_features=[1, 3],
+        num_dense=2,
+        manual_seed=1,
+        num_batches=12,
+        num_generated_batches=3,
+    )
     first, again = list(RandomRecDataset(**kw)), list(RandomRecDataset(**kw))
     assert len(first) == 12 and len(RandomRecDataset(**kw)) == 12
     assert first[3] is first[0]  # the 3 generated batches cycle
     for x, y in zip(first, again):
         assert torch.equal(x.sparse_features.values(), y.sparse_features.values())
     d = first[1].sparse_features.to_dict()
-    assert d["a"].lengths().max() <= 1 and d["b"].lengths().max() <= 3 and d["b"].values().max() < 7 and d["a"].values().max() < 5
+    assert (
+        d["a"].lengths().max() <= 1
+        and d["b"].lengths().max() <= 3
+        and d["b"].values().max() < 7
+        and d["a"].values().max() < 5
+    )
     assert first[1].dense_features.shape == (4, 2) and set(first[1].labels.tolist()) <= {0, 1}
     one = next(iter(RandomRecDataset(["a"], 5, ids_per_feature=2)))  # a scalar count: exactly that many ids
     assert one.sparse_features.lengths().tolist() == [2] * 5
@@ -215,8 +245,9 @@ def test_optimizer_classes_map_to_fused_specs() -> None:
         spec_from_optimizer(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
     with pytest.raises(ValueError, match="RMSprop has no fused embedding kernel"):
         spec_from_optimizer(torch.optim.RMSprop, {"lr": 0.1})
-    assert spec_from_fused_params({"optimizer": "EXACT_ROWWISE_ADAGRAD", "learning_rate": 0.5}) == \
-        FusedOptimizerSpec("rowwise_adagrad", 0.5)
+    assert spec_from_fused_params({"optimizer": "EXACT_ROWWISE_ADAGRAD", "learning_rate": 0.5}) == FusedOptimizerSpec(
+        "rowwise_adagrad", 0.5
+    )
     assert spec_from_fused_params({"optimizer": "sgd", "learning_rate": 0.5}).kind == "sgd"
     assert spec_from_fused_params({}) is None
     with pytest.raises(ValueError, match=r"fused_params \['cache_load_factor'\] are not supported"):
@@ -247,12 +278,18 @@ def test_keyed_optimizer_wrapper_state_by_name() -> None:
 def test_pipeline_on_an_unsharded_model() -> None:
     torch.manual_seed(0)
     ebc = _ebc((10, 4), (10, 4))
-    model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=3, dense_arch_layer_sizes=[4],
-                           over_arch_layer_sizes=[3, 1]))
+    model = DLRMTrain(
+        DLRM(
+            embedding_bag_collection=ebc, dense_in_features=3, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[3, 1]
+        )
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     pipeline = TrainPipelineSparseDist(model, opt, torch.device("cpu"))
-    data = iter(RandomRecDataset(["f0", "f1"], 8, hash_size=10, num_dense=3, manual_seed=0, num_batches=30,
-                                 num_generated_batches=2))
+    data = iter(
+        RandomRecDataset(
+            ["f0", "f1"], 8, hash_size=10, num_dense=3, manual_seed=0, num_batches=30, num_generated_batches=2
+        )
+    )
     losses = [float(pipeline.progress(data)[0]) for _ in range(30)]
     assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
     with pytest.raises(StopIteration):
@@ -277,8 +314,9 @@ def test_torch_and_fbgemm_spellings_of_the_optimizer() -> None:
     assert in_backward_spec(ebc) is None
     _apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.3})
     assert in_backward_spec(ebc) == FusedOptimizerSpec("rowwise_adagrad", 0.3, eps=1e-10)
-    assert spec_from_fused_params({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.2}) == \
-        FusedOptimizerSpec("rowwise_adagrad", 0.2)
+    assert spec_from_fused_params(
+        {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.2}
+    ) == FusedOptimizerSpec("rowwise_adagrad", 0.2)
     mixed = _ebc((6, 4), (5, 4))
     apply_optimizer_in_backward(torch.optim.SGD, [next(mixed.parameters())], {"lr": 0.1})
     with pytest.raises(ValueError, match="the same in-backward optimizer"):

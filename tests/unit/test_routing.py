@@ -18,8 +18,13 @@ from lightning_rec.plans.shard_geometry import ShardMeta
 
 def _colmap(rt) -> list[int]:
     """The output column of every column of the concatenated blocks, from the routing's runs."""
-    return [dst + j * step + i for groups in rt.colmap_runs for _, dst, n, count, step in groups
-            for j in range(count) for i in range(n)]
+    return [
+        dst + j * step + i
+        for groups in rt.colmap_runs
+        for _, dst, n, count, step in groups
+        for j in range(count)
+        for i in range(n)
+    ]
 
 
 def _row_wise_10() -> list[ShardMeta]:
@@ -172,8 +177,10 @@ def test_place_columns_by_runs_matches_index_add(seed: int) -> None:
     out = (torch.zeros if rt.colmap_kind == "sum" else torch.empty)(b, width, dtype=torch.float64)
     _put(out, list(zip(blocks, rt.colmap_runs, rt.colmap_add)))
     ref = torch.zeros(b, width, dtype=torch.float64)
-    cols_of = [[dst + j * step + i for _, dst, n, count, step in groups for j in range(count) for i in range(n)]
-               for groups in rt.colmap_runs]
+    cols_of = [
+        [dst + j * step + i for _, dst, n, count, step in groups for j in range(count) for i in range(n)]
+        for groups in rt.colmap_runs
+    ]
     for block, cols in zip(blocks, cols_of):
         if cols:
             ref = ref.index_add(1, torch.tensor(cols), block)
@@ -205,5 +212,6 @@ def test_column_run_groups_expand_to_the_columns(seed: int) -> None:
     groups = _runs(cols)
     assert [dst + j * step + i for _, dst, n, count, step in groups for j in range(count) for i in range(n)] == cols
     assert [src + j * n + i for src, _, n, count, _ in groups for j in range(count) for i in range(n)] == list(
-        range(len(cols)))
+        range(len(cols))
+    )
     assert all(step >= n for _, _, n, _, step in groups)

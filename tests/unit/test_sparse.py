@@ -232,8 +232,7 @@ def test_weights_cover_less_than_lengths() -> None:
 def test_entries_past_the_last_bag_belong_to_no_bag() -> None:
     # TorchRec accepts values / weights longer than the lengths cover (preallocated buffers): the bags are
     # what the lengths say, everywhere
-    kjt = KeyedJaggedTensor.from_offsets_sync(KEYS, _t(VALUES + [99, 98]), _t(OFFSETS),
-                                              weights=torch.arange(20.0))
+    kjt = KeyedJaggedTensor.from_offsets_sync(KEYS, _t(VALUES + [99, 98]), _t(OFFSETS), weights=torch.arange(20.0))
     ref = KeyedJaggedTensor.from_offsets_sync(KEYS, _t(VALUES), _t(OFFSETS), weights=torch.arange(8.0))
     assert kjt.length_per_key() == ref.length_per_key()
     for k in KEYS:
@@ -344,16 +343,19 @@ def test_concat_keeps_keys_values_and_strides() -> None:
     assert c.lengths().tolist() == [2, 1, 0, 1, 1, 0] and c.weights().tolist() == [1, 1, 1, 0, 0]
     assert c.stride() == 2 and not c.variable_stride_per_key()
     # different batch sizes give a variable-stride KJT
-    d = KeyedJaggedTensor.concat([a, KeyedJaggedTensor.from_lengths_sync(["w"], _t([7]), _t([1, 0, 0]),
-                                                                         weights=torch.ones(1))])
+    d = KeyedJaggedTensor.concat(
+        [a, KeyedJaggedTensor.from_lengths_sync(["w"], _t([7]), _t([1, 0, 0]), weights=torch.ones(1))]
+    )
     assert d.variable_stride_per_key() and d.stride_per_key() == [2, 3] and d["w"].lengths().tolist() == [1, 0, 0]
     e = KeyedJaggedTensor.empty_like(c)
     assert e.keys() == c.keys() and e.stride() == 2 and e.values().numel() == 0
 
 
 def test_jagged_tensor_dense_conversions() -> None:
-    jt = JaggedTensor.from_dense([torch.tensor([1.0, 2.0]), torch.tensor([]), torch.tensor([3.0])],
-                                 weights=[torch.tensor([0.5, 0.25]), torch.tensor([]), torch.tensor([2.0])])
+    jt = JaggedTensor.from_dense(
+        [torch.tensor([1.0, 2.0]), torch.tensor([]), torch.tensor([3.0])],
+        weights=[torch.tensor([0.5, 0.25]), torch.tensor([]), torch.tensor([2.0])],
+    )
     assert jt.lengths().dtype == torch.int32 and jt.lengths().tolist() == [2, 0, 1]
     assert torch.equal(jt.to_padded_dense(), torch.tensor([[1.0, 2.0], [0.0, 0.0], [3.0, 0.0]]))
     assert torch.equal(jt.to_padded_dense(1, padding_value=-1.0), torch.tensor([[1.0], [-1.0], [3.0]]))
@@ -361,8 +363,9 @@ def test_jagged_tensor_dense_conversions() -> None:
     assert [w.tolist() for w in jt.to_dense_weights()] == [[0.5, 0.25], [], [2.0]]
     back = JaggedTensor.from_dense_lengths(jt.to_padded_dense(), jt.lengths(), jt.to_padded_dense_weights())
     assert torch.equal(back.values(), jt.values()) and torch.equal(back.weights(), jt.weights())
-    assert str(jt) == ('JaggedTensor({\n    "values": [[1.0, 2.0], [], [3.0]],\n'
-                       '    "weights": [[0.5, 0.25], [], [2.0]]\n})\n')
+    assert str(jt) == (
+        'JaggedTensor({\n    "values": [[1.0, 2.0], [], [3.0]],\n    "weights": [[0.5, 0.25], [], [2.0]]\n})\n'
+    )
     empty = JaggedTensor.empty(is_weighted=True, values_dtype=torch.long)
     assert empty.values().dtype == torch.long and empty.lengths().dtype == torch.int32 and empty.to_dense() == []
 
@@ -385,8 +388,12 @@ def test_to_dict_index_per_key_and_keyed_tensor_helpers() -> None:
 def test_meta_device_kjt_has_placeholder_lengths_per_key() -> None:
     # shapes only (model sizing): as TorchRec, the values split over the keys, the first key taking the rest
     meta = torch.device("meta")
-    kjt = KeyedJaggedTensor(["a", "b", "c"], torch.empty(10, device=meta), weights=torch.empty(10, device=meta),
-                            lengths=torch.empty(6, dtype=torch.long, device=meta))
+    kjt = KeyedJaggedTensor(
+        ["a", "b", "c"],
+        torch.empty(10, device=meta),
+        weights=torch.empty(10, device=meta),
+        lengths=torch.empty(6, dtype=torch.long, device=meta),
+    )
     assert kjt.sync().length_per_key() == [4, 3, 3]
     assert kjt.unsync().length_per_key_or_none() is None
     d = kjt.to_dict()

@@ -35,9 +35,18 @@ def _kjt_ops(values: torch.Tensor, lengths: torch.Tensor) -> tuple[list[torch.Te
     )
     empty = KeyedJaggedTensor.empty_like(kjt)
     tensors = [
-        perm.values(), perm.lengths(), perm.weights(), cat.values(), cat.lengths(), d["b"].offsets(),
-        back.weights(), kjt["a"].values(), kjt.to(torch.device("cpu")).offsets(), empty.lengths(),
-        parts[1].values(), vbe["y"].values(),
+        perm.values(),
+        perm.lengths(),
+        perm.weights(),
+        cat.values(),
+        cat.lengths(),
+        d["b"].offsets(),
+        back.weights(),
+        kjt["a"].values(),
+        kjt.to(torch.device("cpu")).offsets(),
+        empty.lengths(),
+        parts[1].values(),
+        vbe["y"].values(),
     ]
     ints = [kjt.stride(), vbe.stride(), len(perm.keys()), empty.values().numel()]
     ints += vbe.length_per_key() + vbe.stride_per_key() + kjt.offset_per_key()
@@ -75,8 +84,13 @@ class _JTModule(torch.nn.Module):
         padded = JaggedTensor.from_dense_lengths(values.view(2, 3), lengths[:2])
         w = jt.to_padded_dense_weights(2, -1.0)
         assert w is not None
-        return jt.to_dense() + [jt.to_padded_dense(3, 0.0), w, dense.offsets(), padded.values(),
-                                JaggedTensor.empty_like(jt).lengths()]
+        return jt.to_dense() + [
+            jt.to_padded_dense(3, 0.0),
+            w,
+            dense.offsets(),
+            padded.values(),
+            JaggedTensor.empty_like(jt).lengths(),
+        ]
 
 
 def test_jagged_tensor_script_matches_eager():
@@ -114,15 +128,21 @@ def test_collections_script_and_fx_then_script_match_eager():
     # TorchRec's contract: torch.jit.script(ebc) and torch.jit.script(symbolic_trace(ebc)) run
     torch.manual_seed(0)
     kjt = KeyedJaggedTensor.from_offsets_sync(
-        keys=["f2", "f1", "f3"], values=torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 1, 3, 4, 7]),
-        offsets=torch.tensor([0, 2, 4, 6, 8, 10, 12]), weights=torch.rand(12),
+        keys=["f2", "f1", "f3"],
+        values=torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 1, 3, 4, 7]),
+        offsets=torch.tensor([0, 2, 4, 6, 8, 10, 12]),
+        weights=torch.rand(12),
     )
     for names in (["t.1", "t 2"], ["t1", "t2"]):  # fx cannot name parameters under a dotted table name
-        ebc = EmbeddingBagCollection(tables=[
-            EmbeddingBagConfig(name=names[0], embedding_dim=3, num_embeddings=10, feature_names=["f1", "f3"]),
-            EmbeddingBagConfig(name=names[1], embedding_dim=4, num_embeddings=10, feature_names=["f2"],
-                               pooling="mean"),
-        ], is_weighted=True)
+        ebc = EmbeddingBagCollection(
+            tables=[
+                EmbeddingBagConfig(name=names[0], embedding_dim=3, num_embeddings=10, feature_names=["f1", "f3"]),
+                EmbeddingBagConfig(
+                    name=names[1], embedding_dim=4, num_embeddings=10, feature_names=["f2"], pooling="mean"
+                ),
+            ],
+            is_weighted=True,
+        )
         want = ebc(kjt)
         models = [torch.jit.script(ebc)]
         if "." not in names[0]:
@@ -131,11 +151,13 @@ def test_collections_script_and_fx_then_script_match_eager():
             got = m(kjt)
             assert got.keys() == want.keys() == ["f1", "f3", "f2"]
             torch.testing.assert_close(got.values(), want.values())
-    ec = EmbeddingCollection(tables=[
-        EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f1", "f2"])
-    ], need_indices=True)
-    kjt = KeyedJaggedTensor.from_offsets_sync(keys=["f1", "f2"], values=torch.tensor([0, 1, 2, 3]),
-                                              offsets=torch.tensor([0, 2, 3, 3, 4]))
+    ec = EmbeddingCollection(
+        tables=[EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f1", "f2"])],
+        need_indices=True,
+    )
+    kjt = KeyedJaggedTensor.from_offsets_sync(
+        keys=["f1", "f2"], values=torch.tensor([0, 1, 2, 3]), offsets=torch.tensor([0, 2, 3, 3, 4])
+    )
     want = ec(kjt)
     for m in (torch.jit.script(ec), torch.jit.script(torch.fx.symbolic_trace(ec))):
         got = m(kjt)

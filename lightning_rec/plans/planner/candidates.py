@@ -37,8 +37,15 @@ class Candidate:
 class Space:
     """Where a unit's placements may go: the ``CandidateSpace`` the sharding kinds propose candidates in."""
 
-    def __init__(self, model: CostModel, topo: Topology, stats: list[TableStats], widths: list[int], tot: np.ndarray,
-                 free: np.ndarray) -> None:
+    def __init__(
+        self,
+        model: CostModel,
+        topo: Topology,
+        stats: list[TableStats],
+        widths: list[int],
+        tot: np.ndarray,
+        free: np.ndarray,
+    ) -> None:
         assert topo.model_parallel_size is not None and topo.local_size is not None  # resolved by Topology
         self.group_size, self.local_size, self.num_hosts = topo.model_parallel_size, topo.local_size, topo.num_hosts
         self.column_shards: Sequence[int] = widths
@@ -75,8 +82,12 @@ class Space:
         H, L = self.num_hosts, self.local_size
         need = self._need(probe, L)  # the probe's first host
         free = self._free.reshape(H, L)
-        return self._lowest(_per_host(self._tot, H, L, np.maximum), _per_host(self._free, H, L, np.minimum),
-                            cast(np.ndarray, (free >= need).all(1)), k)
+        return self._lowest(
+            _per_host(self._tot, H, L, np.maximum),
+            _per_host(self._free, H, L, np.minimum),
+            cast(np.ndarray, (free >= need).all(1)),
+            k,
+        )
 
 
 def _per_host(x: np.ndarray, hosts: int, local: int, op) -> np.ndarray:
@@ -114,8 +125,15 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def score(cands: list[tuple[int, Candidate]], topo: Topology, tot: np.ndarray, used: np.ndarray,
-          host_used: np.ndarray, remaining: float, mode: str) -> None:
+def score(
+    cands: list[tuple[int, Candidate]],
+    topo: Topology,
+    tot: np.ndarray,
+    used: np.ndarray,
+    host_used: np.ndarray,
+    remaining: float,
+    mode: str,
+) -> None:
     """Each candidate's fit and sort key (ties: its index), from the per-rank time and memory placed so far."""
     # Topology.__post_init__ parses sizes given as strings into bytes
     budget: float = np.inf if topo.device_memory is None else cast(int, topo.device_memory)
@@ -150,10 +168,11 @@ def shortfall(mem: np.ndarray, host: np.ndarray, budget: float, host_budget: flo
     over, host_over = mem - budget, host - host_budget
     if over.max() > 0:
         r = int(np.argmax(over))
-        return (f"does not fit: rank {r} would need {human_bytes(mem[r])} of {human_bytes(budget)} "
-                f"({human_bytes(over[r])} short)")
-    return (f"does not fit: host {int(np.argmax(host_over))} short of host memory by "
-            f"{human_bytes(host_over.max())}")
+        return (
+            f"does not fit: rank {r} would need {human_bytes(mem[r])} of {human_bytes(budget)} "
+            f"({human_bytes(over[r])} short)"
+        )
+    return f"does not fit: host {int(np.argmax(host_over))} short of host memory by {human_bytes(host_over.max())}"
 
 
 def why(best: Candidate, other: Candidate) -> str:

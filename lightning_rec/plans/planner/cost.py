@@ -35,7 +35,8 @@ from lightning_rec.plans.shard_geometry import ShardMeta
 #: optimizer kind -> (state values per weight value, state values per row): the fused kinds from their table,
 #: plus the torch optimizers' momentum
 OPTIMIZER_STATE: dict[str, tuple[int, int]] = {
-    **{k: (v.state_per_value, v.state_per_row) for k, v in FUSED_KINDS.items()}, "momentum": (1, 0),
+    **{k: (v.state_per_value, v.state_per_row) for k, v in FUSED_KINDS.items()},
+    "momentum": (1, 0),
 }
 GRADIENTS = ("dense", "sparse", "fused")
 
@@ -118,8 +119,9 @@ class CostModel:
         owner = self._spread(ranks, x * self.k_in, distinct)
         per_host = np.bincount(ranks // self.local, x, minlength=self.H)
         # a rank sends everything at the inter-host speed, less what stays on its host or on itself
-        sender = (x.sum() / hw.inter_host_bandwidth
-                  - per_host * (1 / hw.inter_host_bandwidth - 1 / hw.intra_host_bandwidth))[self.host_of]
+        sender = (
+            x.sum() / hw.inter_host_bandwidth - per_host * (1 / hw.inter_host_bandwidth - 1 / hw.intra_host_bandwidth)
+        )[self.host_of]
         if distinct:
             sender[ranks] -= x / hw.intra_host_bandwidth
         else:
@@ -141,22 +143,50 @@ class CostModel:
 
     @overload
     def sharded(
-        self, s: TableStats, ranks: np.ndarray, rows: np.ndarray, cols: np.ndarray, offload: bool, col_blocks: int,
-        distinct: bool = ..., both: Literal[False] = ...,
+        self,
+        s: TableStats,
+        ranks: np.ndarray,
+        rows: np.ndarray,
+        cols: np.ndarray,
+        offload: bool,
+        col_blocks: int,
+        distinct: bool = ...,
+        both: Literal[False] = ...,
     ) -> Load: ...
     @overload
     def sharded(
-        self, s: TableStats, ranks: np.ndarray, rows: np.ndarray, cols: np.ndarray, offload: bool, col_blocks: int,
-        distinct: bool, both: Literal[True],
+        self,
+        s: TableStats,
+        ranks: np.ndarray,
+        rows: np.ndarray,
+        cols: np.ndarray,
+        offload: bool,
+        col_blocks: int,
+        distinct: bool,
+        both: Literal[True],
     ) -> tuple[Load, Load]: ...
     @overload
     def sharded(
-        self, s: TableStats, ranks: np.ndarray, rows: np.ndarray, cols: np.ndarray, offload: bool, col_blocks: int,
-        distinct: bool = ..., both: bool = ...,
+        self,
+        s: TableStats,
+        ranks: np.ndarray,
+        rows: np.ndarray,
+        cols: np.ndarray,
+        offload: bool,
+        col_blocks: int,
+        distinct: bool = ...,
+        both: bool = ...,
     ) -> Load | tuple[Load, Load]: ...
     def sharded(
-        self, s: TableStats, ranks: np.ndarray, rows: np.ndarray, cols: np.ndarray, offload: bool, col_blocks: int,
-        distinct: bool = False, both: bool = False,
+        self,
+        s: TableStats,
+        ranks: np.ndarray,
+        rows: np.ndarray,
+        cols: np.ndarray,
+        offload: bool,
+        col_blocks: int,
+        distinct: bool = False,
+        both: bool = False,
     ) -> Load | tuple[Load, Load]:
         """The load of shards ``(ranks, rows, cols)``; ``both``: (in device memory, in host memory)."""
         hw, M, B = self.hw, self.M, self.B
@@ -190,7 +220,7 @@ class CostModel:
         for i in range(len(MEMORY_PARTS)):
             mem[i] = put(per_shard[i])
         loads = []
-        for host in ((False, True) if both else (offload,)):
+        for host in (False, True) if both else (offload,):
             bw = hw.host_lookup_bandwidth if host else hw.lookup_bandwidth
             tt = time.copy() if both else time
             tt[0] = put(ids * (cols * s.elem + hw.lookup_overhead_bytes) / bw)
@@ -234,5 +264,3 @@ class CostModel:
         arr = np.array([[sh.rank, sh.rows, sh.cols] for sh in shards], dtype=np.int64).reshape(-1, 3)
         col_blocks = len({sh.col_offset for sh in shards})
         return self.sharded(s, arr[:, 0], arr[:, 1], arr[:, 2], offload, col_blocks)
-
-

@@ -39,8 +39,9 @@ def _configs_of(m) -> list:
     return m.embedding_bag_configs() if hasattr(m, "embedding_bag_configs") else m.embedding_configs()
 
 
-def plan_entries(model_or_tables: nn.Module | Sequence[BaseEmbeddingConfig],
-                 gradients: str | None) -> list[tuple[str, BaseEmbeddingConfig, str, list[ShardMeta] | None]]:
+def plan_entries(
+    model_or_tables: nn.Module | Sequence[BaseEmbeddingConfig], gradients: str | None
+) -> list[tuple[str, BaseEmbeddingConfig, str, list[ShardMeta] | None]]:
     """(module path, config, gradients, sharded placement or None) for every table to plan or estimate."""
     if isinstance(model_or_tables, nn.Module):
         out = []
@@ -63,18 +64,37 @@ def plan_entries(model_or_tables: nn.Module | Sequence[BaseEmbeddingConfig],
     return [("", t, gradients or "dense", None) for t in tables]
 
 
-def table_stats(path: str, t: BaseEmbeddingConfig, grads: str, topology: Topology, optimizer: str,
-                pooling_factors: Mapping[str, float], default_pooling_factor: float) -> TableStats:
+def table_stats(
+    path: str,
+    t: BaseEmbeddingConfig,
+    grads: str,
+    topology: Topology,
+    optimizer: str,
+    pooling_factors: Mapping[str, float],
+    default_pooling_factor: float,
+) -> TableStats:
     """What the cost model needs of table ``t`` (its ids per sample, wire width, optimizer state)."""
     for attr in ("num_embeddings", "embedding_dim"):
         if getattr(t, attr) > _INT64_MAX:  # no tensor can have that many rows or columns
-            raise ValueError(f"table {t.name!r}: {attr}={getattr(t, attr)} is larger than the largest tensor "
-                             f"size, 2**63 - 1")
+            raise ValueError(
+                f"table {t.name!r}: {attr}={getattr(t, attr)} is larger than the largest tensor size, 2**63 - 1"
+            )
     ids = sum(pooling_factors.get(f, default_pooling_factor) for f in t.feature_names)
     backend = topology.backend or ("nccl" if topology.device == "cuda" else "gloo")
     # gloo carries bfloat16 as float32 (comm._wire_dtype); pooled outputs are at least the table's width
     assert t.dtype is not None  # resolved by the config's __post_init__
     wire = 4 if backend == "gloo" and t.dtype.itemsize < 4 else t.dtype.itemsize
     pooling = cast("EmbeddingBagConfig | EmbeddingConfig", t).pooling  # every table is one of the two
-    return TableStats(path, t, t.num_embeddings, t.embedding_dim, t.dtype.itemsize, wire, len(t.feature_names),
-                      float(ids), pooling != PoolingType.NONE, grads, OPTIMIZER_STATE[optimizer])
+    return TableStats(
+        path,
+        t,
+        t.num_embeddings,
+        t.embedding_dim,
+        t.dtype.itemsize,
+        wire,
+        len(t.feature_names),
+        float(ids),
+        pooling != PoolingType.NONE,
+        grads,
+        OPTIMIZER_STATE[optimizer],
+    )

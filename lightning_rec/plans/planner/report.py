@@ -37,11 +37,19 @@ class TableChoice:
     def as_dict(self) -> dict:
         ps = self.sharding
         return {
-            "module": self.module, "table": self.table, "sharding_type": ps.sharding_type.value,  # type: ignore[union-attr]
-            "ranks": ps.ranks, "host_indexes": ps.host_indexes, "compute_kernel": ps.compute_kernel,
-            "offloaded_to_host": self.offloaded, "fixed": self.fixed,
-            "memory_per_rank_bytes": int(self.memory_per_rank), "memory_total_bytes": int(self.memory_total),
-            "time_ms": self.time_ms, "runner_up": self.runner_up, "runner_up_rejected_because": self.rejected_because,
+            "module": self.module,
+            "table": self.table,
+            "sharding_type": ps.sharding_type.value,  # type: ignore[union-attr]
+            "ranks": ps.ranks,
+            "host_indexes": ps.host_indexes,
+            "compute_kernel": ps.compute_kernel,
+            "offloaded_to_host": self.offloaded,
+            "fixed": self.fixed,
+            "memory_per_rank_bytes": int(self.memory_per_rank),
+            "memory_total_bytes": int(self.memory_total),
+            "time_ms": self.time_ms,
+            "runner_up": self.runner_up,
+            "runner_up_rejected_because": self.rejected_because,
         }
 
 
@@ -82,20 +90,30 @@ class PlanReport:
         topo = self.topology
         t = self.rank_time_ms
         return {
-            "layout": {"world_size": topo.world_size, "model_parallel_size": topo.model_parallel_size,
-                       "local_size": topo.local_size, "replicas": topo.replicas,
-                       "device_memory_bytes": topo.device_memory, "host_memory_bytes": topo.host_memory,
-                       "device": topo.device, "backend": topo.backend},
+            "layout": {
+                "world_size": topo.world_size,
+                "model_parallel_size": topo.model_parallel_size,
+                "local_size": topo.local_size,
+                "replicas": topo.replicas,
+                "device_memory_bytes": topo.device_memory,
+                "host_memory_bytes": topo.host_memory,
+                "device": topo.device,
+                "backend": topo.backend,
+            },
             "settings": dict(self.settings),
-            "step_time_ms": self.step_time_ms, "slowest_rank": self.slowest_rank,
+            "step_time_ms": self.step_time_ms,
+            "slowest_rank": self.slowest_rank,
             "time_ms_mean": float(t.mean()),
             "tables": [c.as_dict() for c in self.tables],
             "ranks": [
-                {"rank": r, "time_ms": float(t[r]),
-                 **{f"{p}_ms": float(1e3 * self.time[i, r]) for i, p in enumerate(TIME_PARTS)},
-                 "latency_ms": 1e3 * self.latency_s,
-                 "memory_bytes": int(self.memory[:, r].sum()),
-                 **{f"{p}_bytes": int(self.memory[i, r]) for i, p in enumerate(MEMORY_PARTS)}}
+                {
+                    "rank": r,
+                    "time_ms": float(t[r]),
+                    **{f"{p}_ms": float(1e3 * self.time[i, r]) for i, p in enumerate(TIME_PARTS)},
+                    "latency_ms": 1e3 * self.latency_s,
+                    "memory_bytes": int(self.memory[:, r].sum()),
+                    **{f"{p}_bytes": int(self.memory[i, r]) for i, p in enumerate(MEMORY_PARTS)},
+                }
                 for r in range(self.time.shape[1])
             ],
             "host_memory_bytes": [int(x) for x in self.host_memory],
@@ -111,8 +129,9 @@ class PlanReport:
             f"{topo.local_size} ranks per host",
             f"memory: {budget} per rank (device)"
             + ("" if topo.host_memory is None else f", {human_bytes(cast(int, topo.host_memory))} per host"),
-            *textwrap.wrap("settings: " + ", ".join(f"{k}={v}" for k, v in self.settings.items()), 100,
-                           subsequent_indent=" " * 10),
+            *textwrap.wrap(
+                "settings: " + ", ".join(f"{k}={v}" for k, v in self.settings.items()), 100, subsequent_indent=" " * 10
+            ),
             f"estimated step time {self.step_time_ms:.3f} ms (slowest rank {self.slowest_rank}; "
             f"mean {self.rank_time_ms.mean():.3f} ms)",
             f"peak memory {human_bytes(self.memory.sum(0).max())} per rank",
@@ -120,8 +139,11 @@ class PlanReport:
         ]
         lines += _table_lines(self.tables)
         # the columns add up to the total: the collectives' fixed latency is a column of its own
-        lines += ["", "per rank, ms: " + ", ".join((*TIME_PARTS, "latency")),
-                  "          memory: " + ", ".join(MEMORY_PARTS)]
+        lines += [
+            "",
+            "per rank, ms: " + ", ".join((*TIME_PARTS, "latency")),
+            "          memory: " + ", ".join(MEMORY_PARTS),
+        ]
         t = self.rank_time_ms
         shown = range(M) if M <= 16 else sorted(np.argsort(-t, kind="stable")[:8].tolist())
         for r in shown:
@@ -130,8 +152,10 @@ class PlanReport:
             lines.append(f"  rank {r:>5}: {t[r]:9.3f} ms = {ms}")
             lines.append(f"{'':13}{human_bytes(self.memory[:, r].sum()):>9} = {mem}")
         if M > 16:
-            lines.append(f"  ... the {len(shown)} slowest of {M} ranks; time min/median/max "
-                         f"{t.min():.3f}/{np.median(t):.3f}/{t.max():.3f} ms")
+            lines.append(
+                f"  ... the {len(shown)} slowest of {M} ranks; time min/median/max "
+                f"{t.min():.3f}/{np.median(t):.3f}/{t.max():.3f} ms"
+            )
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(w for line in lines for w in _fit(line, 100))
 

@@ -92,8 +92,9 @@ class Planner:
         return plan_entries(model_or_tables, self.gradients)
 
     def _stats(self, path: str, t: BaseEmbeddingConfig, grads: str) -> TableStats:
-        return table_stats(path, t, grads, self.topology, self.optimizer, self.pooling_factors,
-                           self.default_pooling_factor)
+        return table_stats(
+            path, t, grads, self.topology, self.optimizer, self.pooling_factors, self.default_pooling_factor
+        )
 
     def _check_names(self, stats: list[TableStats]) -> None:
         features = {f for s in stats for f in s.config.feature_names}
@@ -108,9 +109,13 @@ class Planner:
                 raise ValueError(f"{what} name tables {bad} that are not in the model; tables: {sorted(names)}")
 
     def _settings(self) -> dict:
-        return {"batch_size": self.batch_size, "default_pooling_factor": self.default_pooling_factor,
-                "optimizer": self.optimizer, "gradients": self.gradients or "per collection",
-                "min_column_width": self.min_column_width}
+        return {
+            "batch_size": self.batch_size,
+            "default_pooling_factor": self.default_pooling_factor,
+            "optimizer": self.optimizer,
+            "gradients": self.gradients or "per collection",
+            "min_column_width": self.min_column_width,
+        }
 
     def _report(self, stats, choices, load, notes) -> PlanReport:
         plan: dict[str, dict[str, ParameterSharding]] = {}
@@ -120,8 +125,9 @@ class Planner:
         lat = self.topology.hardware.collective_latency  # type: ignore[union-attr]
         n_coll = (6 if kinds - {ShardingType.DATA_PARALLEL} else 0) + (3 if ShardingType.DATA_PARALLEL in kinds else 0)
         latency = 0.0 if self.topology.world_size == 1 else n_coll * lat * max(1.0, math.log2(self.topology.world_size))
-        return PlanReport(ShardingPlan(plan), choices, self.topology, self._settings(), load.time, load.mem,
-                          load.host, latency, notes)
+        return PlanReport(
+            ShardingPlan(plan), choices, self.topology, self._settings(), load.time, load.mem, load.host, latency, notes
+        )
 
     # -- public ----------------------------------------------------------------------------------------------
     def estimate(self, model_or_tables, plan: ShardingPlan | None = None) -> PlanReport:
@@ -165,12 +171,21 @@ class Planner:
         return self._last
 
     # -- search ----------------------------------------------------------------------------------------------
-    def _choice(self, s: TableStats, ps: ParameterSharding, load: Load, offload: bool,
-                fixed: bool = False) -> TableChoice:
+    def _choice(
+        self, s: TableStats, ps: ParameterSharding, load: Load, offload: bool, fixed: bool = False
+    ) -> TableChoice:
         per_rank = load.mem[:3].sum(0) + load.mem[3]
         t = load.time.sum(0)
-        return TableChoice(s.path, s.config.name, ps, float(per_rank.max()) + float(load.host.max(initial=0)),
-                           float(per_rank.sum() + load.host.sum()), float(1e3 * t.max()), offload, fixed)
+        return TableChoice(
+            s.path,
+            s.config.name,
+            ps,
+            float(per_rank.max()) + float(load.host.max(initial=0)),
+            float(per_rank.sum() + load.host.sum()),
+            float(1e3 * t.max()),
+            offload,
+            fixed,
+        )
 
     def _units(self, stats: list[TableStats]) -> list[list[int]]:
         by_name: dict[str, list[int]] = {}
@@ -182,8 +197,10 @@ class Planner:
             members = [i for n in group for i in by_name.get(n, [])]
             for i in members:
                 if i in seen:
-                    raise ValueError(f"table {stats[i].config.name!r} is in two 'together' groups: "
-                                     f"{self.together[seen[i]]} and {group}")
+                    raise ValueError(
+                        f"table {stats[i].config.name!r} is in two 'together' groups: "
+                        f"{self.together[seen[i]]} and {group}"
+                    )
                 seen[i] = g
             units.append(sorted(members))
         units += [[i] for i in range(len(stats)) if i not in seen]
@@ -208,9 +225,14 @@ class Planner:
                 allowed = [a for a in allowed if a != ShardingType.DATA_PARALLEL]
         if not allowed:
             names = [stats[i].config.name for i in unit]
-            raise PlannerError(f"tables {names}: no sharding type is allowed by their constraints"
-                               + (" (data_parallel is excluded with fused gradients)" if any(
-                                   stats[i].grads == "fused" for i in unit) else ""))
+            raise PlannerError(
+                f"tables {names}: no sharding type is allowed by their constraints"
+                + (
+                    " (data_parallel is excluded with fused gradients)"
+                    if any(stats[i].grads == "fused" for i in unit)
+                    else ""
+                )
+            )
         return allowed
 
     def _unit_load(self, stats, unit, ps: ParameterSharding, offload: bool) -> Load:
@@ -253,8 +275,11 @@ class Planner:
         dims = [stats[i].dim for i in unit]
         # fbgemm's fused kernel takes only pieces a multiple of 4 wide (F6): other splits would be refused
         fused = any(stats[i].grads == "fused" for i in unit)
-        return [k for k in divisors(math.gcd(*dims)) if k > 1 and min(dims) // k >= self.min_column_width
-                and not (fused and any(d // k % 4 for d in dims))]
+        return [
+            k
+            for k in divisors(math.gcd(*dims))
+            if k > 1 and min(dims) // k >= self.min_column_width and not (fused and any(d // k % 4 for d in dims))
+        ]
 
     def _check_fused(self, stats: list[TableStats]) -> None:
         """Refuse, as sharding would, fused tables that no placement can hold, before searching for one."""
@@ -277,9 +302,11 @@ class Planner:
         if problem:
             raise PlannerError(where + problem)
         if OPTIMIZER_STATE[self.optimizer][1] and any(w != s.dim for w in widths):
-            raise PlannerError(f"{where}table {s.config.name!r}: the fused {self.optimizer!r} optimizer keeps one "
-                               "statistic per row, which a column split would compute per column shard; give it a "
-                               "placement that keeps whole rows, or use an element-wise optimizer (sgd, adagrad)")
+            raise PlannerError(
+                f"{where}table {s.config.name!r}: the fused {self.optimizer!r} optimizer keeps one "
+                "statistic per row, which a column split would compute per column shard; give it a "
+                "placement that keeps whole rows, or use an element-wise optimizer (sgd, adagrad)"
+            )
 
     def _prepare(self, stats, units) -> None:
         """The per-shard values of every single table's placements (its candidates' shapes, on probe ranks and
@@ -302,7 +329,8 @@ class Planner:
         budget = np.inf if topo.device_memory is None else topo.device_memory
         space = Space(self._model, topo, [stats[i] for i in unit], self._widths(stats, unit), tot, budget - used)
         offload = topo.host_memory is not None and all(
-            self.constraints.get(stats[i].config.name, TableConstraint()).allow_host_memory for i in unit)
+            self.constraints.get(stats[i].config.name, TableConstraint()).allow_host_memory for i in unit
+        )
         out = []
         for ps in (ps for st in allowed for ps in KINDS[st].candidates(space)):
             c = Candidate(ps)
@@ -329,8 +357,11 @@ class Planner:
         competes. Elsewhere its terms are skipped: the choices and runner-ups are those of scoring it.
         """
         hw = self.topology.hardware
-        every = (mode != "time" or hw.host_lookup_bandwidth > hw.lookup_bandwidth  # type: ignore[union-attr]
-                 or len({c.kind for c, _ in pairs}) < 2)
+        every = (
+            mode != "time"
+            or hw.host_lookup_bandwidth > hw.lookup_bandwidth  # type: ignore[union-attr]
+            or len({c.kind for c, _ in pairs}) < 2
+        )
         out: list[tuple[int, Candidate | None]] = []
         for c, host in pairs:
             if host is None:
@@ -344,8 +375,15 @@ class Planner:
                 out.append((len(pairs) + len(out), None))
         return [(n, h) for n, h in out if h is not None]
 
-    def _score(self, cands: list[tuple[int, Candidate]], tot: np.ndarray, used: np.ndarray,
-               host_used: np.ndarray, remaining: float, mode: str) -> None:
+    def _score(
+        self,
+        cands: list[tuple[int, Candidate]],
+        tot: np.ndarray,
+        used: np.ndarray,
+        host_used: np.ndarray,
+        remaining: float,
+        mode: str,
+    ) -> None:
         score(cands, self.topology, tot, used, host_used, remaining, mode)
 
     def _plan(self, stats: list[TableStats]) -> PlanReport:
@@ -365,8 +403,10 @@ class Planner:
                 for i in unit:
                     c = self.constraints.get(stats[i].config.name)
                     if c is None or c.placement is None:
-                        raise ValueError(f"table {stats[i].config.name!r} is kept together with tables that have a "
-                                         "fixed placement: give it the same placement")
+                        raise ValueError(
+                            f"table {stats[i].config.name!r} is kept together with tables that have a "
+                            "fixed placement: give it the same placement"
+                        )
                     self._check_fixed(stats[i], c.placement)
                     load = model.of_placement(stats[i], c.placement)
                     total += load
@@ -376,8 +416,10 @@ class Planner:
         self._prepare(stats, units)
         self._check_total(stats, units, total)
         if topo.replicas > 1 and any(s.grads == "fused" for s in stats):
-            notes.append("fused tables under replica groups look up the union of the replicas' batches; the "
-                         "estimates do not include that extra lookup")
+            notes.append(
+                "fused tables under replica groups look up the union of the replicas' batches; the "
+                "estimates do not include that extra lookup"
+            )
         failures = []
         for mode in ("time", "memory"):
             # a second pass places by memory balance when the time-first pass leaves a table without room
@@ -447,7 +489,8 @@ class Planner:
         M = topo.model_parallel_size
         assert M is not None  # resolved by Topology.__post_init__, which also parses sizes given as strings
         capacity = M * cast(int, topo.device_memory) + (
-            0 if topo.host_memory is None else topo.num_hosts * cast(int, topo.host_memory))
+            0 if topo.host_memory is None else topo.num_hosts * cast(int, topo.host_memory)
+        )
         needs = []
         for unit in units:
             needs.append((float(self._base_size(stats, unit)[0]), unit))
@@ -470,16 +513,21 @@ class Planner:
         names = [stats[i].label for i in unit]
         why = []
         if {ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD} & set(allowed):
-            why.append(f"table_row_wise and grid_shard split rows over the ranks of one host and need several hosts "
-                       f"of several ranks (this layout: {topo.num_hosts} host(s) x {topo.local_size} rank(s); set "
-                       "local_size)")
+            why.append(
+                f"table_row_wise and grid_shard split rows over the ranks of one host and need several hosts "
+                f"of several ranks (this layout: {topo.num_hosts} host(s) x {topo.local_size} rank(s); set "
+                "local_size)"
+            )
         if {ShardingType.COLUMN_WISE, ShardingType.GRID_SHARD} & set(allowed):
             dims = sorted({stats[i].dim for i in unit})
-            why.append(f"column_wise and grid_shard need embedding_dim {dims} split into at least 2 shards of "
-                       f">= min_column_width={self.min_column_width} columns")
-        return (f"table{'s' if len(unit) > 1 else ''} {names}: no placement of the allowed sharding types "
-                f"{[a.value for a in allowed]} exists here: " + "; ".join(why)
-                + ". Allow another sharding type for it")
+            why.append(
+                f"column_wise and grid_shard need embedding_dim {dims} split into at least 2 shards of "
+                f">= min_column_width={self.min_column_width} columns"
+            )
+        return (
+            f"table{'s' if len(unit) > 1 else ''} {names}: no placement of the allowed sharding types "
+            f"{[a.value for a in allowed]} exists here: " + "; ".join(why) + ". Allow another sharding type for it"
+        )
 
     def _no_fit(self, stats, unit, cands, total: Load, placed: int) -> str:
         used, M = total.mem.sum(0), self.topology.model_parallel_size
@@ -508,8 +556,11 @@ def automatic_plan(
     ``embedding_optimizer`` (a fused spec or dict) sets the optimizer state size and fused gradients;
     other keywords go to :class:`Planner` (``topology`` fields are built from the sizes here).
     """
-    topo_kw = {k: planner_kwargs.pop(k) for k in ("device_memory", "host_memory", "device", "backend", "hardware")
-               if k in planner_kwargs}
+    topo_kw = {
+        k: planner_kwargs.pop(k)
+        for k in ("device_memory", "host_memory", "device", "backend", "hardware")
+        if k in planner_kwargs
+    }
     topo = Topology(world_size or group_size, group_size, local_size, **topo_kw)
     spec = as_spec(embedding_optimizer)
     if spec is not None:

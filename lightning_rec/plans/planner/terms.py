@@ -91,8 +91,14 @@ class _Shape:
 
 
 #: a sharded placement's pieces: (shape, in host memory, (t2, expand), (t3, expand), idle2, idle3)
-_Parts = tuple[_Shape, bool, tuple[np.ndarray, Callable[[np.ndarray], np.ndarray]],
-               tuple[np.ndarray, Callable[[np.ndarray], np.ndarray]], np.ndarray, np.ndarray]
+_Parts = tuple[
+    _Shape,
+    bool,
+    tuple[np.ndarray, Callable[[np.ndarray], np.ndarray]],
+    tuple[np.ndarray, Callable[[np.ndarray], np.ndarray]],
+    np.ndarray,
+    np.ndarray,
+]
 
 
 class _Fields:
@@ -143,12 +149,31 @@ def _values(model: CostModel, s, rows: np.ndarray, cols: np.ndarray) -> tuple:
         t6 = (R * uniq * 8 + 2 * (R - 1) / R * union * cols * s.wire) / hw.inter_host_bandwidth
     else:
         t6 = np.zeros(len(rows))
-    t0 = [ids * (cols * s.elem + hw.lookup_overhead_bytes) / bw
-          for bw in (hw.lookup_bandwidth, hw.host_lookup_bandwidth)]
+    t0 = [
+        ids * (cols * s.elem + hw.lookup_overhead_bytes) / bw for bw in (hw.lookup_bandwidth, hw.host_lookup_bandwidth)
+    ]
     w, st, g, buf = model.shard_memory(s, rows, cols)
-    return (a, o, a * model.k_in, a / hw.intra_host_bandwidth, o * model.k_in, o / hw.intra_host_bandwidth,
-            t0[0], t0[1], t1, t0[0] + t1, t0[1] + t1, t6, w, st, g, buf, ((w + st) + g) + buf,
-            ((0.0 + 0.0) + 0.0) + buf, (w + st) + g)
+    return (
+        a,
+        o,
+        a * model.k_in,
+        a / hw.intra_host_bandwidth,
+        o * model.k_in,
+        o / hw.intra_host_bandwidth,
+        t0[0],
+        t0[1],
+        t1,
+        t0[0] + t1,
+        t0[1] + t1,
+        t6,
+        w,
+        st,
+        g,
+        buf,
+        ((w + st) + g) + buf,
+        ((0.0 + 0.0) + 0.0) + buf,
+        (w + st) + g,
+    )
 
 
 def _make(model: CostModel, s: TableStats, tiling: Tiling, runs, v: tuple) -> _Shape:
@@ -157,14 +182,35 @@ def _make(model: CostModel, s: TableStats, tiling: Tiling, runs, v: tuple) -> _S
     live = int(np.count_nonzero(tiling.row_sizes > 0)) * tiling.col_blocks
     t4 = model.B * s.ids / model.hw.bucketize_rate if live > tiling.col_blocks else 0.0
     t6 = v[11] if model.R > 1 else 0.0
-    return _Shape(runs, a, o, a.sum(), o.sum(), t4, v[2], v[3], v[4], v[5], (v[6], v[7]), v[8], (v[9], v[10]), t6,
-                  (v[12], v[13], v[14], v[15]), (v[16], v[17]), v[18])
+    return _Shape(
+        runs,
+        a,
+        o,
+        a.sum(),
+        o.sum(),
+        t4,
+        v[2],
+        v[3],
+        v[4],
+        v[5],
+        (v[6], v[7]),
+        v[8],
+        (v[9], v[10]),
+        t6,
+        (v[12], v[13], v[14], v[15]),
+        (v[16], v[17]),
+        v[18],
+    )
 
 
 def _layout(model: CostModel, s: TableStats, ps: ParameterSharding) -> Tiling | None:
     """The kind's tiling of a placement; small ones are kept per table (probes and bases recur)."""
-    key = ("layout", ps.sharding_type, *(None if x is None else tuple(x) for x in (ps.ranks, ps.row_sizes, ps.col_sizes,
-                                                                                 ps.host_indexes)), ps.num_buckets)
+    key = (
+        "layout",
+        ps.sharding_type,
+        *(None if x is None else tuple(x) for x in (ps.ranks, ps.row_sizes, ps.col_sizes, ps.host_indexes)),
+        ps.num_buckets,
+    )
     tiling = s.shapes.get(key, False)
     if tiling is False:
         tiling = KINDS[ps.sharding_type].layout(s.config, ps, model.M, model.local)  # type: ignore[index]
@@ -228,13 +274,16 @@ def _index(ranks: np.ndarray) -> slice | np.ndarray:
 
 
 @overload
-def placement_terms(model: CostModel, s: TableStats, ps: ParameterSharding, both: Literal[False] = ...,
-                    host_only: bool = ...) -> Terms: ...
+def placement_terms(
+    model: CostModel, s: TableStats, ps: ParameterSharding, both: Literal[False] = ..., host_only: bool = ...
+) -> Terms: ...
 @overload
-def placement_terms(model: CostModel, s: TableStats, ps: ParameterSharding, both: Literal[True],
-                    host_only: bool = ...) -> tuple[Terms, Terms]: ...
-def placement_terms(model: CostModel, s: TableStats, ps: ParameterSharding, both: bool = False,
-                    host_only: bool = False) -> Terms | tuple[Terms, Terms]:
+def placement_terms(
+    model: CostModel, s: TableStats, ps: ParameterSharding, both: Literal[True], host_only: bool = ...
+) -> tuple[Terms, Terms]: ...
+def placement_terms(
+    model: CostModel, s: TableStats, ps: ParameterSharding, both: bool = False, host_only: bool = False
+) -> Terms | tuple[Terms, Terms]:
     """A valid placement of one table as :class:`Terms`, the table in device memory; ``host_only``: in host memory;
     ``both``: the pair. Its sums, and :func:`load_of`, equal :meth:`CostModel.of_placement`'s bit for bit."""
     tiling = _layout(model, s, ps)
@@ -265,7 +314,7 @@ def placement_terms(model: CostModel, s: TableStats, ps: ParameterSharding, both
     idle = _plus(idle2 + idle3, sh.t4) if len(ranks) < model.M else None  # the parts in order, 0 for the rest
     t6 = per_run(sh.t6)
     out = []
-    for host in ((False, True) if both else (True,) if host_only else (False,)):
+    for host in (False, True) if both else (True,) if host_only else (False,):
         time = expand(_plus(_plus((per_run(sh.t01[host]) + t2) + t3, sh.t4), t6))
         parts = (sh, host, (t2, expand), (t3, expand), idle2, idle3)
         mem = sh.full(sh.mem[host])
@@ -287,10 +336,13 @@ def _segments(runs: np.ndarray, first: int, local: int) -> tuple[np.ndarray, np.
     n = int(run_starts[-1] + runs[-1])
     begins = np.zeros(n, dtype=bool)
     begins[run_starts] = True
-    begins[(-first) % local::local] = True  # the first shard on each host
+    begins[(-first) % local :: local] = True  # the first shard on each host
     starts = np.flatnonzero(begins)
-    return (np.searchsorted(run_starts, starts, side="right") - 1, (first + starts) // local,
-            np.diff(np.append(starts, n)))
+    return (
+        np.searchsorted(run_starts, starts, side="right") - 1,
+        (first + starts) // local,
+        np.diff(np.append(starts, n)),
+    )
 
 
 def load_of(model: CostModel, terms: Terms, out: Load | None = None) -> Load:

@@ -12,8 +12,18 @@ from lightning_rec.configs import ShardingType
 from lightning_rec.plans.kinds import ParameterSharding
 from lightning_rec.plans.mesh import MeshInfo
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+}
 
 
 def parse_bytes(value: int | float | str | None, what: str = "memory") -> int | None:
@@ -39,7 +49,6 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
-
 
 
 @dataclass(frozen=True)
@@ -149,5 +158,3 @@ class TableConstraint:
 
 class PlannerError(ValueError):
     """No plan fits: the message says which tables and how much memory is missing."""
-
-
