@@ -1,8 +1,8 @@
 """TorchRec's golden training example (examples/golden_training/train_dlrm.py), ported by changing imports.
 
-Only the import block differs from TorchRec's script, plus: torchrec's quantized-comms registry (None on
-CPU there too) is dropped, ``List[int]`` annotations read ``list[int]`` (this repository's lint), and the
-training loop records the losses and can seed the data (for the test in tests/distributed).
+Only the import block differs from TorchRec's script, plus: ``List[int]`` annotations read ``list[int]`` (this
+repository's lint), and the training loop records the losses and can seed the data (for the test in
+tests/distributed). Quantized comms stay as TorchRec has them: fp16 / bf16 on NCCL, none on gloo.
 Run it on 2 CPU processes with either
 
     torchrun --nproc_per_node 2 examples/from_torchrec.py
@@ -27,12 +27,15 @@ from lightning_rec.data import (  # torchrec.datasets.criteo
     RandomRecDataset,  # torchrec.datasets.random
 )
 from lightning_rec.distributed import (  # torchrec.distributed / torchrec.optim
+    CommType,
     DistributedModelParallel,
     EmbeddingBagCollectionSharder,
     KeyedOptimizerWrapper,
+    QCommsConfig,
     RowWiseAdagrad,
     TrainPipelineSparseDist,
     apply_optimizer_in_backward,
+    get_qcomm_codecs_registry,
     in_backward_optimizer_filter,
 )
 from lightning_rec.models.dlrm import DLRM, DLRMTrain  # torchrec.models.dlrm
@@ -104,7 +107,17 @@ def train(
         train_model.model.sparse_arch.parameters(),
         {"lr": learning_rate},
     )
-    sharder = EmbeddingBagCollectionSharder()
+    qcomm_codecs_registry = (
+        get_qcomm_codecs_registry(
+            qcomms_config=QCommsConfig(
+                forward_precision=CommType.FP16,
+                backward_precision=CommType.BF16,
+            )
+        )
+        if backend == "nccl"
+        else None
+    )
+    sharder = EmbeddingBagCollectionSharder(qcomm_codecs_registry=qcomm_codecs_registry)
 
     model = DistributedModelParallel(
         module=train_model,

@@ -20,14 +20,17 @@ from lightning_rec.configs import (  # noqa: E402
     ShardingType,
 )
 from lightning_rec.distributed import (  # noqa: E402
+    CommType,
     DistributedModelParallel,
     EmbeddingBagCollectionSharder,
     EmbeddingCollectionSharder,
     KeyedOptimizerWrapper,
+    QCommsConfig,
     RowWiseAdagrad,
     ShardingEnv,
     TrainPipelineSparseDist,
     apply_optimizer_in_backward,
+    get_qcomm_codecs_registry,
     in_backward_optimizer_filter,
 )
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection  # noqa: E402
@@ -81,6 +84,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "CombinedOptimizer",
+    "CommType",
     "DataType",
     "DiskFullError",
     "DistributedModelParallel",
@@ -107,6 +111,7 @@ __all__ = [
     "Planner",
     "PlannerError",
     "PoolingType",
+    "QCommsConfig",
     "RecModule",
     "RecShardedFabricStrategy",
     "RecShardedStrategy",
@@ -125,6 +130,7 @@ __all__ = [
     "data_parallel",
     "full_state_dict",
     "fused_optimizer",
+    "get_qcomm_codecs_registry",
     "grid_shard",
     "in_backward_optimizer_filter",
     "row_wise",

@@ -25,6 +25,7 @@ from lightning_rec.checkpoint.safe import refusing_unsafe
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.optim import CombinedOptimizer
 from lightning_rec.pipeline.clip_grad_norm import clip_grad_norm_
+from lightning_rec.pipeline.qcomm import QCommsConfig
 from lightning_rec.pipeline.shard_modules import fused_optimizer, sharded_collections
 from lightning_rec.plans.mesh import MeshInfo
 from lightning_rec.plans.plan import ShardingPlan
@@ -76,12 +77,19 @@ class RecShardedFabricStrategy(ShardedFrontEnd, DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(seconds=1800),
         trusted_checkpoints: bool = False,
+        qcomms_config: QCommsConfig | None = None,
         **kwargs: Any,
     ) -> None:
         require_popen(kwargs, "RecShardedFabricStrategy")
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method="popen", **kwargs)
         self.core = ShardSetup(
-            plan, model_parallel_size, data_parallel_size, embedding_grad, embedding_optimizer, trusted_checkpoints
+            plan,
+            model_parallel_size,
+            data_parallel_size,
+            embedding_grad,
+            embedding_optimizer,
+            trusted_checkpoints,
+            qcomms_config,
         )
         self.embedding_optimizer = self.core.given_embedding_optimizer
         self.mesh_info: MeshInfo | None = None

@@ -16,6 +16,7 @@ from lightning_rec import _compat
 from lightning_rec import checkpoint as ckpt
 from lightning_rec.fused_kinds import FusedOptimizerSpec, as_spec
 from lightning_rec.pipeline.collectives import grad_scale
+from lightning_rec.pipeline.qcomm import QCommsConfig, get_qcomm_codecs_registry
 from lightning_rec.pipeline.shard_modules import ddp_ignored_names, fused_optimizer, shard_modules
 from lightning_rec.plans.mesh import MeshInfo, check_layout, init_2d_mesh
 from lightning_rec.plans.plan import ShardingPlan
@@ -68,8 +69,12 @@ class ShardSetup:
         embedding_grad: str,
         embedding_optimizer: Any,
         trusted_checkpoints: bool,
+        qcomms_config: QCommsConfig | None = None,
     ) -> None:
         grad_scale(embedding_grad, 1)  # validates the mode now, not at fit time
+        if qcomms_config is not None and not isinstance(qcomms_config, QCommsConfig):
+            raise TypeError(f"qcomms_config must be a QCommsConfig, got {type(qcomms_config).__name__}")
+        self.qcomms_config = qcomms_config
         if plan is not None and not isinstance(plan, ShardingPlan):
             raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
         self.plan = plan
@@ -121,6 +126,7 @@ class ShardSetup:
             embedding_grad=self.embedding_grad,
             local_size=mesh.local_size,
             embedding_optimizer=spec,
+            qcomm_codecs_registry=get_qcomm_codecs_registry(self.qcomms_config),
         )
         fused = fused_optimizer(module)
         for p in [] if fused is None else [p for g in fused.param_groups for p in g["params"]]:

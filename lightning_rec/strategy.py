@@ -30,6 +30,7 @@ from lightning_rec.distributed.train_pipeline import InputPrefetcher, PipelinedL
 from lightning_rec.optim import CombinedOptimizer
 from lightning_rec.pipeline.clip_grad_norm import clip_grad_norm_
 from lightning_rec.pipeline.dp_sparse_grad import use_sparse_grads_where_possible
+from lightning_rec.pipeline.qcomm import QCommsConfig
 from lightning_rec.pipeline.shard_modules import ShardedCollection, dense_state, fused_optimizer
 from lightning_rec.plans.mesh import MeshInfo
 from lightning_rec.plans.plan import ShardingPlan
@@ -91,6 +92,7 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(seconds=1800),
         trusted_checkpoints: bool = False,
+        qcomms_config: QCommsConfig | None = None,
         pipeline: bool = False,
         compile: bool | dict[str, Any] = False,
         **kwargs: Any,
@@ -99,7 +101,13 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method="popen", **kwargs)
         # shared with the Fabric strategy (shard_setup.py)
         self.core = ShardSetup(
-            plan, model_parallel_size, data_parallel_size, embedding_grad, embedding_optimizer, trusted_checkpoints
+            plan,
+            model_parallel_size,
+            data_parallel_size,
+            embedding_grad,
+            embedding_optimizer,
+            trusted_checkpoints,
+            qcomms_config,
         )
         self._plan = plan
         # the planner of an automatic plan (when none was given), its report

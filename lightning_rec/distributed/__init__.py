@@ -1,5 +1,5 @@
 """TorchRec's distributed training API for loops without Lightning: DistributedModelParallel, sharders,
-in-backward and keyed optimizers, and the training-loop helper."""
+in-backward and keyed optimizers, the training-loop helper, and quantized comms (``QCommsConfig``)."""
 
 from lightning_rec.distributed.model_parallel import (
     DistributedModelParallel,
@@ -20,18 +20,32 @@ from lightning_rec.distributed.optimizers import (
 )
 from lightning_rec.distributed.train_pipeline import TrainPipelineSparseDist
 
+# TorchRec's torchrec.distributed.fbgemm_qcomm_codec
+from lightning_rec.pipeline.qcomm import (
+    CommOp,
+    CommType,
+    QCommsConfig,
+    QuantizedCommCodecs,
+    get_qcomm_codecs_registry,
+)
+
 __all__ = [
+    "CommOp",
+    "CommType",
     "DistributedModelParallel",
     "EmbeddingBagCollectionSharder",
     "EmbeddingCollectionSharder",
     "KeyedOptimizerWrapper",
     "ModuleSharder",
+    "QCommsConfig",
+    "QuantizedCommCodecs",
     "RowWiseAdagrad",
     "ShardingEnv",
     "TrainPipelineSparseDist",
     "apply_optimizer_in_backward",
     "get_default_sharders",
     "get_module_to_default_sharders",
+    "get_qcomm_codecs_registry",
     "in_backward_optimizer_filter",
     "spec_from_fused_params",
     "spec_from_optimizer",

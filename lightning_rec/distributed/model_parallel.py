@@ -22,6 +22,7 @@ from lightning_rec.distributed.optimizers import in_backward_spec, spec_from_fus
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.fused_kinds import FusedOptimizerSpec
 from lightning_rec.optim import FusedOptimizer
+from lightning_rec.pipeline.qcomm import CommOp, pooled_codecs, sequence_codecs
 from lightning_rec.pipeline.shard_modules import ShardedCollection, ddp_ignored_names, sharded_collections
 from lightning_rec.plans.kinds import placement_of
 from lightning_rec.plans.mesh import default_local_size
@@ -58,11 +59,9 @@ class ModuleSharder:
     def __init__(
         self, fused_params: Mapping[str, Any] | None = None, qcomm_codecs_registry: Any = None, **kwargs: Any
     ) -> None:
-        if qcomm_codecs_registry is not None:
-            raise ValueError(
-                "quantized comms (qcomm_codecs_registry) are not supported; pass None "
-                "(embeddings travel in their own dtype)"
-            )
+        # checked now (a bad registry fails at construction); used by the collections this sharder shards
+        pooled_codecs(qcomm_codecs_registry)
+        self.qcomm_codecs_registry = dict(qcomm_codecs_registry) if qcomm_codecs_registry else None
         unknown = sorted(k for k, v in kwargs.items() if v not in (None, False))
         if unknown:
             raise ValueError(f"{type(self).__name__}: options {unknown} are not supported")
@@ -197,6 +196,19 @@ class DistributedModelParallel(nn.Module):
         if plan is not None and not isinstance(plan, ShardingPlan):
             plan = ShardingPlan({k: dict(v) for k, v in plan.items()})
         spec = _embedding_optimizer(module, self.sharders)
+        # as TorchRec's sharders: pooled codecs from the EmbeddingBagCollection's, sequence ones from the
+        # EmbeddingCollection's (refused: pooled only)
+        by_type = {s.module_type: s.qcomm_codecs_registry for s in self.sharders}
+        if sequence_codecs(by_type.get(EmbeddingCollection)) is not None:
+            raise ValueError(
+                "quantized comms apply to pooled embeddings only: the EmbeddingCollection sharder's "
+                f"qcomm_codecs_registry sets {CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.value}"
+            )
+        pooled_registry = {
+            op: c
+            for op, c in (by_type.get(EmbeddingBagCollection) or {}).items()
+            if op != CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.value
+        }
         sharded = shard_modules(
             module,
             plan,
@@ -204,6 +216,7 @@ class DistributedModelParallel(nn.Module):
             device=self.device,
             embedding_grad=embedding_grad,
             embedding_optimizer=spec,
+            qcomm_codecs_registry=pooled_registry or None,
         )
         self._plan = self._resolved_plan(sharded, plan)
         self._dmp_wrapped_module: nn.Module = sharded

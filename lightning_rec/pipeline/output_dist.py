@@ -18,6 +18,7 @@ import torch.distributed as dist
 from lightning_rec import transport
 from lightning_rec.pipeline import collectives as comm
 from lightning_rec.pipeline.input_dist import Received, regroup
+from lightning_rec.pipeline.qcomm import QuantizedCommCodecs
 from lightning_rec.pipeline.routing import ColumnGroup, RoutingTable
 from lightning_rec.plans.shard_geometry import offsets_of
 
@@ -31,7 +32,8 @@ def _group_view(t: torch.Tensor, first: int, n: int, count: int, step: int) -> t
 def _put(out: torch.Tensor, blocks: list[tuple[torch.Tensor, tuple[ColumnGroup, ...], tuple[bool, ...]]]) -> None:
     """Each ``(block, groups, adds)``'s column groups copied (or added) into ``out``, in order. A copy that the
     next group adds onto (the same columns: row blocks of a table) is one ``add`` of the two, one pass fewer
-    over those columns, with the same bits."""
+    over those columns, with the same bits (where the blocks already have ``out``'s dtype: a quantized block is
+    widened by the copy, then added in ``out``'s dtype)."""
     ops = [
         (geom, _group_view(block, geom[0], geom[2], geom[3], geom[2]), add)
         for block, groups, adds in blocks
@@ -41,7 +43,13 @@ def _put(out: torch.Tensor, blocks: list[tuple[torch.Tensor, tuple[ColumnGroup, 
     while i < len(ops):
         (_, dst, n, count, step), piece, add = ops[i]
         place = _group_view(out, dst, n, count, step)
-        if not add and i + 1 < len(ops) and ops[i + 1][2] and ops[i + 1][0][1:] == ops[i][0][1:]:
+        if (
+            not add
+            and i + 1 < len(ops)
+            and ops[i + 1][2]
+            and ops[i + 1][0][1:] == ops[i][0][1:]
+            and piece.dtype == ops[i + 1][1].dtype == out.dtype
+        ):
             torch.add(piece, ops[i + 1][1], out=place)
             i += 2
             continue
@@ -66,14 +74,16 @@ def pooled_output_dist(
     batches: list[int],
     b: int,
     group: dist.ProcessGroup,
+    codecs: QuantizedCommCodecs | None = None,
 ) -> torch.Tensor:
     """The ``[b, width]`` output of this rank's samples: every rank's pooled rows for them (``pooled`` is this
     rank's lookup, ``[sum(batches), its route columns]``) and ``dp_pooled``, the data-parallel tables' pooled
     rows (or None), each in its columns. Backward runs on every rank (an anchor needs a gradient even where
-    ``pooled`` does not), as :func:`collectives.all_to_all`'s does."""
+    ``pooled`` does not), as :func:`collectives.all_to_all`'s does. ``codecs``: the wire precision of the rows
+    and of their gradients (``qcomm.py``; None: as they are)."""
     anchor = torch.zeros(0, device=pooled.device, requires_grad=torch.is_grad_enabled())
     dp = () if dp_pooled is None else (dp_pooled,)
-    return _PooledOutputDist.apply(pooled, anchor, routing, tuple(batches), b, group, *dp)
+    return _PooledOutputDist.apply(pooled, anchor, routing, tuple(batches), b, group, codecs, *dp)
 
 
 class _PooledOutputDist(torch.autograd.Function):
@@ -83,48 +93,60 @@ class _PooledOutputDist(torch.autograd.Function):
     where the block is one group), into the rows of the pooled gradient."""
 
     @staticmethod
-    def forward(ctx, pooled, anchor, routing: RoutingTable, batches, b: int, group, *dp):  # type: ignore[override]
+    def forward(ctx, pooled, anchor, routing: RoutingTable, batches, b: int, group, codecs, *dp):  # type: ignore[override]
         runs, adds, cols_from = routing.colmap_runs, routing.colmap_add, routing.cols_from
         zero = routing.colmap_kind == "sum"
         out = (torch.zeros if zero else torch.empty)(b, routing.feat_off[-1], dtype=pooled.dtype, device=pooled.device)
         mine = pooled.shape[1]
-        sends = [[x] for x in torch.split(pooled.reshape(-1), [n * mine for n in batches])]
+        fwd = None if codecs is None or codecs.forward.is_identity else codecs.forward
+        wire = pooled if fwd is None else fwd.encode(pooled)
+        sends = [[x] for x in torch.split(wire.reshape(-1), [n * mine for n in batches])]
+
+        def block(piece: torch.Tensor, width: int) -> torch.Tensor:
+            piece = piece.view(b, width)
+            # a scaled block is unscaled on its way in (one more pass); an unscaled one is widened by _put's copy
+            return fwd.decode(piece, out.dtype) if fwd is not None and fwd.scale is not None else piece
 
         def place(got: list[list[torch.Tensor]]) -> torch.Tensor:
             blocks = [(dp[0], runs[0], adds[0])] if dp else []
-            blocks += [(pieces[0].view(b, cols_from[s]), runs[s + 1], adds[s + 1]) for s, pieces in enumerate(got)]
+            blocks += [(block(pieces[0], cols_from[s]), runs[s + 1], adds[s + 1]) for s, pieces in enumerate(got)]
             _put(out, blocks)
             return out
 
         transport.all_to_all_pieces(sends, [[b * w] for w in cols_from], place, group, pooled.device).wait()
         ctx.routing, ctx.batches, ctx.b, ctx.group, ctx.shape = routing, batches, b, group, pooled.shape
         ctx.dp_shape = dp[0].shape if dp else None
+        ctx.codecs = codecs
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         routing, b = ctx.routing, ctx.b
+        bwd = None if ctx.codecs is None or ctx.codecs.backward.is_identity else ctx.codecs.backward
+        wire = grad if bwd is None else bwd.encode(grad)
         sends: list[list[torch.Tensor]] = []
         for groups, w in zip(routing.colmap_runs[1:], routing.cols_from):
             if not groups:
                 sends.append([])
             elif len(groups) == 1 and groups[0][0] == 0 and groups[0][2] * groups[0][3] == w:
                 _, dst, n, count, step = groups[0]  # the block's row-major order is this view's
-                sends.append([_group_view(grad, dst, n, count, step)])
+                sends.append([_group_view(wire, dst, n, count, step)])
             else:
-                block = torch.empty(b, w, dtype=grad.dtype, device=grad.device)
-                _take(block, grad, groups)
+                block = torch.empty(b, w, dtype=wire.dtype, device=grad.device)
+                _take(block, wire, groups)
                 sends.append([block])
-        grad_pooled = torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device)
+        grad_pooled = torch.empty(ctx.shape, dtype=wire.dtype, device=grad.device)
         recvs = [[x] for x in torch.split(grad_pooled.view(-1), [n * ctx.shape[1] for n in ctx.batches])]
         transport.all_to_all_views(sends, recvs, ctx.group)
+        if bwd is not None:
+            grad_pooled = bwd.decode(grad_pooled, grad.dtype)
         grad_dp = None
         if ctx.dp_shape is not None:
             dp_runs = routing.colmap_runs[0]
             whole = b * sum(n * count for _, _, n, count, _ in dp_runs) == ctx.dp_shape.numel()
             grad_dp = (torch.empty if whole else torch.zeros)(ctx.dp_shape, dtype=grad.dtype, device=grad.device)
             _take(grad_dp, grad, dp_runs)
-        return (grad_pooled if ctx.needs_input_grad[0] else None), None, None, None, None, None, grad_dp
+        return (grad_pooled if ctx.needs_input_grad[0] else None), None, None, None, None, None, None, grad_dp
 
 
 @torch.compiler.disable

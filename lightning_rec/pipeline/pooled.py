@@ -30,6 +30,7 @@ import torch.distributed as dist
 from lightning_rec.embedding_modules import EmbeddingBagCollection
 from lightning_rec.pipeline import collectives as comm
 from lightning_rec.pipeline.output_dist import pooled_output_dist
+from lightning_rec.pipeline.qcomm import QuantizedCommCodecs
 from lightning_rec.pipeline.sharded_collection import LookupContext, ShardedCollection
 from lightning_rec.sparse import KeyedJaggedTensor, KeyedTensor, offsets_from_lengths
 
@@ -43,9 +44,23 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
 
     _attr = "embedding_bags"
 
-    def __init__(self, module: EmbeddingBagCollection, shards, shard_group: dist.ProcessGroup, **kw) -> None:
+    def __init__(
+        self,
+        module: EmbeddingBagCollection,
+        shards,
+        shard_group: dist.ProcessGroup,
+        *,
+        qcomm_codecs: QuantizedCommCodecs | None = None,
+        **kw,
+    ) -> None:
         super().__init__(module, shards, shard_group, **kw)
         self._is_weighted = module.is_weighted()
+        self._qcomm = qcomm_codecs  # the output dist's wire precision (qcomm.py); None: as the rows are
+
+    @property
+    def qcomm_codecs(self) -> QuantizedCommCodecs | None:
+        """The wire precision of the output dist (forward rows, backward gradients); None: unchanged."""
+        return self._qcomm
 
     def embedding_bag_configs(self):
         return list(self._layout.tables)
@@ -88,7 +103,9 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
                 else torch.zeros(b, 0, dtype=self._out_dtype(), device=self._device)
             )
         else:
-            out = pooled_output_dist(ctx.shard_out, ctx.dp_out, routing, list(recv.batches), b, self._group)
+            out = pooled_output_dist(
+                ctx.shard_out, ctx.dp_out, routing, list(recv.batches), b, self._group, self._qcomm
+            )
             if not routing.my_routes and recv.weights is not None and recv.weights.requires_grad:
                 # weights received for no shard still came by a differentiable all-to-all that every rank must
                 # run backward: keep it in this rank's graph, or the ranks holding shards wait for it forever

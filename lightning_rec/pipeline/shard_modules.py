@@ -8,7 +8,7 @@ through").
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import cast
 
 import torch
@@ -23,6 +23,7 @@ from lightning_rec.pipeline import collectives as comm
 from lightning_rec.pipeline.agreement import check_agreement, describe_table
 from lightning_rec.pipeline.materialize import target_device
 from lightning_rec.pipeline.pooled import ShardedEmbeddingBagCollection
+from lightning_rec.pipeline.qcomm import CommOp, QuantizedCommCodecs, pooled_codecs, sequence_codecs
 from lightning_rec.pipeline.sequence import ShardedEmbeddingCollection
 from lightning_rec.pipeline.sharded_collection import ShardedCollection
 from lightning_rec.pipeline.state_dict import full_state_dict
@@ -84,6 +85,7 @@ def shard_modules(
     embedding_grad: str = "sum",
     local_size: int | None = None,
     embedding_optimizer=None,
+    qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
 ) -> nn.Module:
     """Replace every EmbeddingBagCollection / EmbeddingCollection in ``model`` by its sharded counterpart.
 
@@ -107,6 +109,9 @@ def shard_modules(
     ``embedding_optimizer`` (a ``FusedOptimizerSpec`` or a dict such as ``{"kind": "rowwise_adagrad",
     "lr": 0.05}``) makes every sharded table update inside backward with fbgemm's kernel; step it with
     ``fused_optimizer(model)``. Without it, tables are ordinary parameters for any torch optimizer.
+
+    ``qcomm_codecs_registry`` (TorchRec's, from ``get_qcomm_codecs_registry(QCommsConfig(...))``) makes the
+    pooled collections' output dist send fp16 or bf16 rows and gradients (bounds: ``pipeline/qcomm.py``).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -125,7 +130,15 @@ def shard_modules(
     resolved: list[tuple] = []
     error: Exception | None = None
     kernels_of: dict[str, dict[str, str | None]] = {}
-    try:
+    codecs: QuantizedCommCodecs | None = None
+    try:  # a bad argument on some rank raises on every rank, in the agreement below
+        codecs = pooled_codecs(qcomm_codecs_registry)
+        sequence = [p or "<root>" for p, m in targets if type(m) is EmbeddingCollection]
+        if sequence and sequence_codecs(qcomm_codecs_registry) is not None:
+            raise ValueError(
+                f"quantized comms apply to pooled embeddings only; the EmbeddingCollections {sequence} would get "
+                f"{CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.value} codecs: leave that collective out of the registry"
+            )
         resolved = _resolve(model, plan, targets, gsize, local, gsize * replicas, embedding_optimizer, kernels_of)
     except (ValueError, TypeError, KeyError) as e:
         error = e
@@ -136,7 +149,8 @@ def shard_modules(
     }
     options = (
         f"embedding_grad={embedding_grad} embedding_optimizer={as_spec(embedding_optimizer)!r} "
-        f"shard_group_size={gsize} replicas={replicas} collections={[p for p, _ in targets]}"
+        f"shard_group_size={gsize} replicas={replicas} collections={[p for p, _ in targets]} "
+        f"qcomm=({codecs or 'none'})"
     )
     here = target_device(targets[0][1], device) if targets else _compat.indexed_device(device or "cpu")
     peers = check_agreement(
@@ -153,6 +167,7 @@ def shard_modules(
             embedding_optimizer=embedding_optimizer,
             peer_devices=peers,
             compute_kernels=kernels_of[path],
+            **({"qcomm_codecs": codecs} if type(m) is EmbeddingBagCollection else {}),
         )
         if path == "":
             return sharded

@@ -254,8 +254,10 @@ def test_optimizer_classes_map_to_fused_specs() -> None:
         spec_from_fused_params({"optimizer": "sgd", "cache_load_factor": 0.2})
     with pytest.raises(ValueError, match="not a fused kind"):
         spec_from_fused_params({"optimizer": "LARS"})
-    with pytest.raises(ValueError, match="quantized comms"):
+    with pytest.raises(ValueError, match=r"unknown collectives \['x'\]"):
         EmbeddingBagCollectionSharder(qcomm_codecs_registry={"x": 1})
+    with pytest.raises(TypeError, match="pooled_embeddings_all_to_all.*get_qcomm_codecs_registry"):
+        EmbeddingBagCollectionSharder(qcomm_codecs_registry={"pooled_embeddings_all_to_all": "fp16"})
 
 
 def test_keyed_optimizer_wrapper_state_by_name() -> None:
