@@ -50,10 +50,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, kernels
+from lightning_rec.pipeline import collectives as comm
 from lightning_rec.sharding import (
     ShardingPlan,
     column_wise,
-    comm,
     data_parallel,
     fused_optimizer,
     grid_shard,
