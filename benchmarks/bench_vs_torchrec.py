@@ -71,6 +71,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import importlib
 import io
 import json
 import os
@@ -85,6 +86,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -393,9 +395,108 @@ def timed_steps(step, cfg: dict) -> tuple[dict, list]:
     }, results
 
 
+# name -> module, as TorchRec's golden example and the port (examples/from_torchrec.py) import them
+GOLDEN_TORCHREC = {
+    "EmbeddingBagCollection": "torchrec",
+    "EmbeddingBagConfig": "torchrec",
+    "DEFAULT_CAT_NAMES": "torchrec.datasets.criteo",
+    "DEFAULT_INT_NAMES": "torchrec.datasets.criteo",
+    "RandomRecDataset": "torchrec.datasets.random",
+    "TrainPipelineSparseDist": "torchrec.distributed",
+    "EmbeddingBagCollectionSharder": "torchrec.distributed.embeddingbag",
+    "DistributedModelParallel": "torchrec.distributed.model_parallel",
+    "DLRM": "torchrec.models.dlrm",
+    "DLRMTrain": "torchrec.models.dlrm",
+    "apply_optimizer_in_backward": "torchrec.optim.apply_optimizer_in_backward",
+    "KeyedOptimizerWrapper": "torchrec.optim.keyed",
+    "in_backward_optimizer_filter": "torchrec.optim.optimizers",
+    "RowWiseAdagrad": "torchrec.optim.rowwise_adagrad",
+}
+GOLDEN_LIGHTNING_REC = {
+    "EmbeddingBagCollection": "lightning_rec",
+    "EmbeddingBagConfig": "lightning_rec",
+    "DEFAULT_CAT_NAMES": "lightning_rec.data",
+    "DEFAULT_INT_NAMES": "lightning_rec.data",
+    "RandomRecDataset": "lightning_rec.data",
+    **dict.fromkeys(
+        (
+            "TrainPipelineSparseDist",
+            "EmbeddingBagCollectionSharder",
+            "DistributedModelParallel",
+            "apply_optimizer_in_backward",
+            "KeyedOptimizerWrapper",
+            "in_backward_optimizer_filter",
+            "RowWiseAdagrad",
+        ),
+        "lightning_rec.distributed",
+    ),
+    "DLRM": "lightning_rec.models.dlrm",
+    "DLRMTrain": "lightning_rec.models.dlrm",
+}
+
+
+def golden_names(lib: str) -> SimpleNamespace:
+    """The names TorchRec's golden training example imports: from TorchRec, or from lightning_rec as
+    ``examples/from_torchrec.py`` imports them (the port changes nothing else)."""
+    where = GOLDEN_TORCHREC if lib == "torchrec" else GOLDEN_LIGHTNING_REC
+    return SimpleNamespace(**{name: getattr(importlib.import_module(mod), name) for name, mod in where.items()})
+
+
+def run_golden(lib: str, rank: int, world: int, cmd: dict) -> dict:
+    """TorchRec's golden training example (DLRM, 26 tables of ``--rows`` x ``--dim``, one id per bag, row-wise
+    Adagrad in backward, dense Adagrad, DMP's own plan, ``TrainPipelineSparseDist``), ``--batch`` samples per
+    rank, timed like the other jobs: the same code on both sides, only the imports differ."""
+    cfg, ns = cmd["cfg"], golden_names(lib)
+    dim, rows, lr = cfg["dim"], cfg["rows"], 0.1
+    torch.manual_seed(0)
+    dist.barrier()
+    t0 = time.perf_counter()
+    tables = [
+        ns.EmbeddingBagConfig(name=f"t_{f}", embedding_dim=dim, num_embeddings=rows, feature_names=[f])
+        for f in ns.DEFAULT_CAT_NAMES
+    ]
+    dlrm = ns.DLRM(
+        embedding_bag_collection=ns.EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
+        dense_in_features=len(ns.DEFAULT_INT_NAMES),
+        dense_arch_layer_sizes=[64, dim],
+        over_arch_layer_sizes=[64, 1],
+        dense_device=torch.device("cpu"),
+    )
+    train_model = ns.DLRMTrain(dlrm)
+    ns.apply_optimizer_in_backward(ns.RowWiseAdagrad, train_model.model.sparse_arch.parameters(), {"lr": lr})
+    model = ns.DistributedModelParallel(
+        module=train_model, device=torch.device("cpu"), sharders=[ns.EmbeddingBagCollectionSharder()]
+    )
+    opt = ns.KeyedOptimizerWrapper(
+        dict(ns.in_backward_optimizer_filter(model.named_parameters())),
+        lambda params: torch.optim.Adagrad(params, lr=lr),
+    )
+    pipeline = ns.TrainPipelineSparseDist(model, opt, torch.device("cpu"))
+    setup_s = time.perf_counter() - t0
+    batches = iter(
+        ns.RandomRecDataset(
+            keys=ns.DEFAULT_CAT_NAMES,
+            batch_size=cfg["batch"],
+            hash_size=rows,
+            ids_per_feature=1,
+            num_dense=len(ns.DEFAULT_INT_NAMES),
+            manual_seed=1000 + rank,
+        )
+    )
+    timing, losses = timed_steps(lambda i: pipeline.progress(batches)[0].detach(), cfg)
+    if lib == "lightning_rec":
+        from lightning_rec import transport
+
+        dist.barrier()
+        transport.close_all()
+    return {**timing, "setup_s": setup_s, "last_loss": float(losses[-1]) if losses else None, "trained": None}
+
+
 def run_config(lib: str, rank: int, world: int, cmd: dict) -> dict:
     if cmd.get("kernel_only"):
         return kernel_only(rank, world, cmd)
+    if cmd["job"] == "golden":
+        return run_golden(lib, rank, world, cmd)
     cfg, job, plan, variant = cmd["cfg"], cmd["job"], cmd["plan"], cmd["variant"]
     tables = job_tables(job, cfg)
     batches = make_batches(tables, cfg, seed=1000 + rank)
@@ -874,6 +975,14 @@ def write_report(
             f"loss = BCE-with-logits(mean of pooled, random 0/1 labels); SGD lr {cfg['lr']}; {cfg['warmup']} warm-up + "
             f"{cfg['steps']} timed steps between barriers, {cfg['distinct']} distinct batches per rank. "
             "Same ids on both sides (checksums compared)."
+            + (
+                f" `golden` = TorchRec's golden training example end to end, the same code with either library's "
+                f"imports: DLRM over 26 tables x {cfg['rows']:,} x {cfg['dim']}, one id per bag, "
+                f"{cfg['batch']:,} samples per rank, each library's DMP default plan, row-wise Adagrad in backward "
+                "+ dense Adagrad, TrainPipelineSparseDist; each side's own RandomRecDataset (no checksum)."
+                if any(r["job"] == "golden" for r in rows)
+                else ""
+            )
         ),
         "",
         "Cells: global samples/s over the timed steps (med = from the median step of the slowest rank); "
@@ -1021,6 +1130,9 @@ def configs(args: argparse.Namespace) -> list[tuple[str, int, str, str]]:
     out = []
     for job in args.jobs:
         for world in args.world_sizes:
+            if job == "golden":  # its own plan (DMP's planner) and optimizers
+                out.append((job, world, "dmp_default", "golden"))
+                continue
             for plan in args.plans:
                 if world == 1 and plan != "table_wise":
                     continue  # one process: every plan is the same local table
@@ -1076,7 +1188,13 @@ def main(argv: list[str] | None = None) -> int:
         help="TorchRec venv (built on first use); default $LIGHTNING_REC_TORCHREC_ENV, else benchmarks/.side_env",
     )
     ap.add_argument("--build-only", action="store_true", help="only build the side environment")
-    ap.add_argument("--jobs", nargs="+", default=["big", "dlrm"], choices=["big", "dlrm"])
+    ap.add_argument(
+        "--jobs",
+        nargs="+",
+        default=["big", "dlrm"],
+        choices=["big", "dlrm", "golden"],
+        help="golden: TorchRec's golden training example end to end (26 tables of --rows x --dim, --batch per rank)",
+    )
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--plans", nargs="+", default=list(PLANS), choices=PLANS)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)

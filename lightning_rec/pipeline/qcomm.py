@@ -115,11 +115,12 @@ class WireCodec:
         """``x`` as it goes on the wire (a new tensor unless the codec changes nothing)."""
         if self.is_identity or (self.dtype == x.dtype and self.scale is None):
             return x
-        y = x * self.scale if self.scale is not None else x
-        if self.dtype == torch.float16:
+        y = (x * self.scale if self.scale is not None else x).to(self.dtype or x.dtype)
+        if y.dtype == torch.float16:
+            # beyond +-65504 rounds to +-inf: clamping after the cast gives clamping before it, on half the bytes
             limit = torch.finfo(torch.float16).max
-            y = y.clamp(-limit, limit)
-        return y.to(self.dtype or x.dtype)
+            y.clamp_(-limit, limit)
+        return y
 
     def decode(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """What arrived, widened to ``dtype`` and unscaled."""
