@@ -107,7 +107,14 @@ def all_to_all_pieces(
                 return PendingPieces(done)
     dtype = pieces_dtype(sends)
     flat = [t for lst in sends for t in lst]
-    send = torch.cat(flat) if flat else torch.zeros(0, dtype=dtype, device=device)
+    whole = bytecopy.spanning(flat)  # pieces split from one buffer: send it as it is
+    send = (
+        whole.view(dtype)
+        if whole is not None and whole.numel() % torch.empty(0, dtype=dtype).element_size() == 0
+        else torch.cat(flat)
+        if flat
+        else torch.zeros(0, dtype=dtype, device=device)
+    )
     out_splits = [sum(sizes) for sizes in recv_sizes]
     out = torch.empty(sum(out_splits), dtype=dtype, device=device)
     work = dist.all_to_all_single(
@@ -142,8 +149,12 @@ def all_to_all_views(
     send = bytecopy.gather([t for lst in sends for t in lst]).to(device)
     in_splits = [sum(bytecopy.nbytes(t) for t in lst) for lst in sends]
     out_splits = [sum(bytecopy.nbytes(t) for t in lst) for lst in recvs]
-    out = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
+    # receivers that lie back to back (the pooled gradient's per-rank pieces) take the bytes in place
+    direct = bytecopy.spanning([t for lst in recvs for t in lst])
+    out = direct if direct is not None else torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
     dist.all_to_all_single(out, send, out_splits, in_splits, group=group)
+    if direct is not None:
+        return
     me = dist.get_rank(group)
     for r, (part, dsts) in enumerate(zip(torch.split(out, out_splits), recvs)):
         bytecopy.scatter(part, dsts, r, me)

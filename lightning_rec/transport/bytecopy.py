@@ -7,6 +7,7 @@ intermediate on either side.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -36,8 +37,28 @@ def put(dst: torch.Tensor, t: torch.Tensor) -> None:
         dst.view(t.dtype).view(t.shape).copy_(t)
 
 
+def spanning(ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """A 1-D byte view of the tensors when they already lie back to back in one storage (contiguous, each
+    starting where the one before ends: pieces ``torch.split`` cut from one buffer), else None."""
+    ts = [t for t in ts if t.numel()]
+    if not ts or not all(t.is_contiguous() and t.device == ts[0].device for t in ts):
+        return None
+    storage = ts[0].untyped_storage().data_ptr()
+    for a, b in itertools.pairwise(ts):
+        if b.untyped_storage().data_ptr() != storage or a.data_ptr() + nbytes(a) != b.data_ptr():
+            return None
+    first = ts[0].view(-1)
+    n = sum(nbytes(t) for t in ts)
+    if n % first.element_size():
+        return None
+    return first.as_strided((n // first.element_size(),), (1,)).view(torch.uint8)
+
+
 def gather(ts: list[torch.Tensor]) -> torch.Tensor:
-    """The tensors' elements back to back, as bytes."""
+    """The tensors' elements back to back, as bytes (a view, without a copy, where they already are)."""
+    whole = spanning(ts)
+    if whole is not None:
+        return whole
     return torch.cat([as_bytes(t) for t in ts]) if ts else torch.empty(0, dtype=torch.uint8, device="cpu")
 
 
