@@ -59,7 +59,16 @@ def gather(ts: list[torch.Tensor]) -> torch.Tensor:
     whole = spanning(ts)
     if whole is not None:
         return whole
-    return torch.cat([as_bytes(t) for t in ts]) if ts else torch.empty(0, dtype=torch.uint8, device="cpu")
+    if not ts:
+        return torch.empty(0, dtype=torch.uint8, device="cpu")
+    # each tensor copied once, straight into its place (a strided view is not made contiguous first)
+    out = torch.empty(sum(nbytes(t) for t in ts), dtype=torch.uint8, device=ts[0].device)
+    at = 0
+    for t in ts:
+        n = nbytes(t)
+        put(out[at : at + n], t)
+        at += n
+    return out
 
 
 def copy_own(srcs: list[torch.Tensor], dsts: list[torch.Tensor], rank: int) -> None:
