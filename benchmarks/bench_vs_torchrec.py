@@ -435,6 +435,16 @@ GOLDEN_LIGHTNING_REC = {
 }
 
 
+def release_buffers(lib: str) -> None:
+    """A worker serves many configurations: lightning_rec's gives back each one's shared-memory buffers, which
+    would otherwise pile up, one set per configuration."""
+    if lib == "lightning_rec":
+        from lightning_rec import transport
+
+        dist.barrier()
+        transport.close_all()
+
+
 def golden_names(lib: str) -> SimpleNamespace:
     """The names TorchRec's golden training example imports: from TorchRec, or from lightning_rec as
     ``examples/from_torchrec.py`` imports them (the port changes nothing else)."""
@@ -484,11 +494,7 @@ def run_golden(lib: str, rank: int, world: int, cmd: dict) -> dict:
         )
     )
     timing, losses = timed_steps(lambda i: pipeline.progress(batches)[0].detach(), cfg)
-    if lib == "lightning_rec":
-        from lightning_rec import transport
-
-        dist.barrier()
-        transport.close_all()
+    release_buffers(lib)
     return {**timing, "setup_s": setup_s, "last_loss": float(losses[-1]) if losses else None, "trained": None}
 
 
@@ -534,11 +540,7 @@ def run_config(lib: str, rank: int, world: int, cmd: dict) -> dict:
     first, last = losses[:d], losses[-d:] if len(losses) >= 2 * d else []
     trained = bool(sum(last) < sum(first)) if last else None
     opt_numel = sum(p.numel() for g in opt.param_groups for p in g["params"]) if variant == "dense" else None
-    if lib == "lightning_rec":  # this worker serves many configurations: give back each one's buffers
-        from lightning_rec import transport
-
-        dist.barrier()
-        transport.close_all()  # its shared buffers, which would otherwise pile up, one set per configuration
+    release_buffers(lib)
     return {
         **timing,
         "setup_s": setup_s,
