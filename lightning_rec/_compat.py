@@ -448,3 +448,18 @@ def unwrap_module(module: Any) -> Any:
 def ddp_ignore(model: Any, names: list[str]) -> None:
     """Make DDP (built on ``model`` later) leave these parameters and buffers alone (torch's private hook)."""
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+
+
+def ddp_on_current_stream(strategy: Any, module: torch.nn.Module) -> DistributedDataParallel:
+    """``module`` in DDP as Lightning's DDP strategies (Trainer and Fabric) build it, but on the current stream.
+
+    Lightning 2.6 builds DDP under a fresh side CUDA stream. DDP keeps each parameter's AccumulateGrad node,
+    which then belongs to that stream, and torch >= 2.10 warns at every backward on the default stream that
+    the streams differ and may synchronise (Lightning issue 21567; later Lightning releases build it on the
+    current stream too). On CPU the two are the same.
+    """
+    if hasattr(strategy, "determine_ddp_device_ids"):
+        device_ids = strategy.determine_ddp_device_ids()
+    else:
+        device_ids = strategy._determine_ddp_device_ids()
+    return DistributedDataParallel(module=module, device_ids=device_ids, **strategy._ddp_kwargs)

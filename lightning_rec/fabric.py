@@ -133,7 +133,7 @@ class RecShardedFabricStrategy(ShardedFrontEnd, DDPStrategy):
         self._module = module
         if not ignore_in_ddp(module):
             return module
-        return super().setup_module(module)
+        return _compat.ddp_on_current_stream(self, module)
 
     @override
     def module_to_device(self, module: nn.Module) -> None:

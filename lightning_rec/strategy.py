@@ -317,7 +317,7 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
     def _setup_model(self, model: nn.Module) -> nn.Module:  # type: ignore[override]  # returns model unwrapped too
         if not ignore_in_ddp(model, self.lightning_module):
             return model  # nothing dense to keep in sync
-        return super()._setup_model(model)
+        return _compat.ddp_on_current_stream(self, model)
 
     # -- checkpoints: torch.distributed.checkpoint directories (see lightning_rec.checkpoint) --------------
 

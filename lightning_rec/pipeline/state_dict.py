@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_rec import _compat
+from lightning_rec.pipeline import collectives as comm
 from lightning_rec.plans import shard_geometry as layout
 from lightning_rec.plans.shard_geometry import ShardMeta
 
@@ -146,8 +147,9 @@ def _tables(model: nn.Module) -> dict[str, tuple[torch.device, Any]]:
 def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """The unsharded state_dict of ``model``: plain full tensors under the unsharded keys.
 
-    Collective: every rank calls it. Full tables are gathered on the device of their collection (the
-    collective then runs where the group's backend can: NCCL groups see only CUDA tensors). With
+    Collective: every rank calls it. Full tables are gathered on the device of their collection and returned
+    there; CPU tables under an NCCL group (Lightning moves the module to the CPU when fit ends) are gathered
+    through the current CUDA device, since NCCL sees only CUDA tensors. With
     ``rank0_only`` the result is returned on rank 0 and ``{}`` elsewhere (less memory on the other ranks).
     """
     model = _compat.unwrap_module(model)  # Fabric's and DDP's wrappers keep the model's keys, not its paths
@@ -165,14 +167,17 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
         # gloo has no bfloat16 arithmetic; fp32 holds every bf16 value exactly
         wire = torch.float32 if dtype == torch.bfloat16 else dtype
         pieces = _compat.local_pieces(value)
-        full = torch.zeros(list(value.size()), dtype=wire, device=pieces[0][1].device if pieces else device)
+        here = pieces[0][1].device if pieces else device
+        # Lightning moves the module to the CPU when fit ends, while its process group stays NCCL
+        there = comm.collective_device(group) if here.type == "cpu" else here
+        full = torch.zeros(list(value.size()), dtype=wire, device=there)
         for (r, c), t in pieces:
-            full[r : r + t.shape[0], c : c + t.shape[1]] = t.detach().to(wire)
+            full[r : r + t.shape[0], c : c + t.shape[1]] = t.detach().to(there, wire)
         if rank0_only:
             dist.reduce(full, dst=dist.get_process_group_ranks(group)[0], group=group)
         else:
             dist.all_reduce(full, group=group)
-        out[key] = full.to(dtype)
+        out[key] = full.to(here, dtype)
     if rank0_only and dist.get_rank() != 0:
         return {}
     return out

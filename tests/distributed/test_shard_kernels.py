@@ -356,7 +356,9 @@ def _cuda_job(rank: int, ws: int, kernel: str) -> dict:
     out = sharded(kjt.to(sharded.device)).values()
     ref = _reference(tables, ref_w, kjt)
     fbgemm_cuda = kernels.has_fbgemm_op(kernels.DENSE_LOOKUP_OP, "cuda")
-    return dict(err=float((out.cpu() - ref).abs().max()), kernels=sharded.lookup_kernels, fbgemm_cuda=fbgemm_cuda)
+    return dict(
+        err=float((out.detach().cpu() - ref).abs().max()), kernels=sharded.lookup_kernels, fbgemm_cuda=fbgemm_cuda
+    )
 
 
 @pytest.mark.gpu
