@@ -1,6 +1,7 @@
 """TorchRec's distributed training API for loops without Lightning: DistributedModelParallel, sharders,
 in-backward and keyed optimizers, the training-loop helper, and quantized comms (``QCommsConfig``)."""
 
+from lightning_rec.distributed.data_parallel import DefaultDataParallelWrapper
 from lightning_rec.distributed.model_parallel import (
     DistributedModelParallel,
     EmbeddingBagCollectionSharder,
@@ -32,6 +33,7 @@ from lightning_rec.pipeline.qcomm import (
 __all__ = [
     "CommOp",
     "CommType",
+    "DefaultDataParallelWrapper",
     "DistributedModelParallel",
     "EmbeddingBagCollectionSharder",
     "EmbeddingCollectionSharder",

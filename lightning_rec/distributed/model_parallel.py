@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_rec import _compat
+from lightning_rec.distributed.data_parallel import DefaultDataParallelWrapper
 from lightning_rec.distributed.optimizers import in_backward_spec, spec_from_fused_params
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.fused_kinds import FusedOptimizerSpec
@@ -156,7 +157,8 @@ class DistributedModelParallel(nn.Module):
             or an in-backward optimizer on the tables (``apply_optimizer_in_backward``) selects the fused kernel.
         init_data_parallel: wrap the dense part in DDP now (else call :meth:`init_data_parallel`).
         init_parameters: materialise dense parameters left on the meta device (``reset_parameters``).
-        data_parallel_wrapper: not supported (must be None).
+        data_parallel_wrapper: a :class:`DefaultDataParallelWrapper` (default: its defaults, TorchRec's): the
+            DDP settings of the dense part.
         embedding_grad: ``"mean"`` (TorchRec's, default) or ``"sum"`` (see ``shard_modules``).
 
     ``state_dict()`` has the unsharded model's keys (sharded tables as DTensors). ``fused_optimizer`` is
@@ -178,8 +180,14 @@ class DistributedModelParallel(nn.Module):
         embedding_grad: str = "mean",
     ) -> None:
         super().__init__()
-        if data_parallel_wrapper is not None:
-            raise ValueError("data_parallel_wrapper is not supported: the dense part is wrapped in DDP")
+        if data_parallel_wrapper is None:
+            data_parallel_wrapper = DefaultDataParallelWrapper()
+        if not isinstance(data_parallel_wrapper, DefaultDataParallelWrapper):
+            raise ValueError(
+                f"data_parallel_wrapper: expected a DefaultDataParallelWrapper (its arguments choose the DDP "
+                f"settings), got {type(data_parallel_wrapper).__name__}"
+            )
+        self._data_parallel_wrapper = data_parallel_wrapper
         if env is None:
             if not dist.is_available() or not dist.is_initialized():
                 raise RuntimeError(
@@ -279,16 +287,12 @@ class DistributedModelParallel(nn.Module):
         sharded = ddp_ignored_names(model)  # the strategies' list: managed-collision remap state is per rank too
         dense = [p for n, p in model.named_parameters() if n not in set(sharded) and p.requires_grad]
         if dense and not isinstance(model, ShardedCollection):
-            _compat.ddp_ignore(model, sharded)
+            _compat.ddp_ignore(model, [*sharded, *self._data_parallel_wrapper.params_to_ignore])
             for p in dense:
                 if p.device != self.device:
                     p.data = p.data.to(self.device)
-            self._dmp_wrapped_module = DistributedDataParallel(
-                model,
-                device_ids=None if self.device.type == "cpu" else [self.device],
-                process_group=self._env.process_group,
-                gradient_as_bucket_view=True,
-            )
+            assert self._env.process_group is not None
+            self._dmp_wrapped_module = self._data_parallel_wrapper.wrap(model, self.device, self._env.process_group)
         self._ddp_wrapped = True
 
     @property

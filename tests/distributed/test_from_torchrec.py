@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, _compat
 from lightning_rec.data import Batch, RandomRecDataset
 from lightning_rec.distributed import (
+    DefaultDataParallelWrapper,
     DistributedModelParallel,
     EmbeddingBagCollectionSharder,
     KeyedOptimizerWrapper,
@@ -118,7 +120,7 @@ def _reference(state: dict, batches: list[list[Batch]], table_optimizer: type) -
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _dmp_vs_reference(rank: int, world: int, plan_kind: str, via: str) -> None:
+def _dmp_vs_reference(rank: int, world: int, plan_kind: str, via: str, dense_precision: str | None) -> None:
     torch.manual_seed(0)
     model = _model()
     initial = copy.deepcopy(model.state_dict())
@@ -144,9 +146,18 @@ def _dmp_vs_reference(rank: int, world: int, plan_kind: str, via: str) -> None:
         ),
     }
     env = ShardingEnv.from_process_group(dist.group.WORLD) if plan_kind == "mixed" else None
+    wrapper = None if dense_precision is None else DefaultDataParallelWrapper(allreduce_comm_precision=dense_precision)
     dmp = DistributedModelParallel(
-        model, env=env, device=torch.device("cpu"), plan=plans[plan_kind], sharders=[sharder]
+        model,
+        env=env,
+        device=torch.device("cpu"),
+        plan=plans[plan_kind],
+        sharders=[sharder],
+        data_parallel_wrapper=wrapper,
     )
+    # TorchRec's DDP settings: no buffer broadcast each forward, a static graph
+    (ddp,) = [m for m in dmp.modules() if isinstance(m, DistributedDataParallel)]
+    assert ddp.broadcast_buffers is False and ddp.static_graph is True
     assert set(dmp.state_dict()) == set(initial), "DMP state_dict keys differ from the unsharded model's"
     ebc_plan = dmp.plan.get_plan_for_module("model.sparse_arch.embedding_bag_collection")
     assert all(ps.ranks for ps in ebc_plan.values()), ebc_plan
@@ -166,8 +177,13 @@ def _dmp_vs_reference(rank: int, world: int, plan_kind: str, via: str) -> None:
     got = full_state_dict(dmp.module)
     want = _reference(initial, batches, RowWiseAdagrad if via == "in_backward" else torch.optim.Adagrad)
     assert set(got) == set(want)
+    # fp16 dense gradients: each within fp16's relative rounding (2^-11) of the fp32 one, moved by Adagrad's lr
+    atol = 1e-5 if dense_precision is None else 1e-3
     for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+    if dense_precision is not None:  # the compression hook took effect: the dense weights are not the fp32 ones
+        dense_keys = [k for k in want if "embedding_bag_collection" not in k]
+        assert any(not torch.allclose(got[k], want[k], rtol=0, atol=1e-7) for k in dense_keys)
     # state_dict round trip: zero every weight, load the saved state back, get the trained weights again
     saved = copy.deepcopy(full_state_dict(dmp.module))
     with torch.no_grad():
@@ -185,9 +201,17 @@ def _dmp_vs_reference(rank: int, world: int, plan_kind: str, via: str) -> None:
     dist.barrier()
 
 
-@pytest.mark.parametrize("plan_kind, via", [("auto", "in_backward"), ("mixed", "fused_params")])
-def test_dmp_equals_single_process_reference(plan_kind: str, via: str) -> None:
-    run_distributed(_dmp_vs_reference, 2, plan_kind, via)
+@pytest.mark.parametrize(
+    "plan_kind, via, dense_precision",
+    [("auto", "in_backward", None), ("mixed", "fused_params", None), ("auto", "in_backward", "fp16")],
+)
+def test_dmp_equals_single_process_reference(plan_kind: str, via: str, dense_precision: str | None) -> None:
+    run_distributed(_dmp_vs_reference, 2, plan_kind, via, dense_precision)
+
+
+def test_data_parallel_wrapper_refuses_what_it_cannot_do() -> None:
+    with pytest.raises(ValueError, match="allreduce_comm_precision='fp8'"):
+        DefaultDataParallelWrapper(allreduce_comm_precision="fp8")
 
 
 def _meta_model(rank: int, world: int) -> None:
@@ -217,3 +241,14 @@ def _meta_model(rank: int, world: int) -> None:
 
 def test_dmp_materialises_a_meta_model() -> None:
     run_distributed(_meta_model, 2)
+
+
+def _bf16_on_gloo(rank: int, world: int) -> None:
+    with pytest.raises(ValueError, match="'bf16' needs the NCCL backend"):
+        DistributedModelParallel(
+            _model(), data_parallel_wrapper=DefaultDataParallelWrapper(allreduce_comm_precision="bf16")
+        )
+
+
+def test_bf16_dense_gradients_on_gloo_are_refused_by_name() -> None:
+    run_distributed(_bf16_on_gloo, 2)
