@@ -120,12 +120,19 @@ def _reference(state: dict, batches: list[list[Batch]], table_optimizer: type) -
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _dmp_vs_reference(rank: int, world: int, plan_kind: str, via: str, dense_precision: str | None) -> None:
+def _dmp_vs_reference(
+    rank: int, world: int, plan_kind: str, via: str, dense_precision: str | None, device_type: str = "cpu"
+) -> None:
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     torch.manual_seed(0)
     model = _model()
     initial = copy.deepcopy(model.state_dict())
     if via == "in_backward":
         apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": LR})
+        sharder = EmbeddingBagCollectionSharder()
+    elif via == "plain":  # no fused kernel: the tables train with the loop's optimizer, as the dense part does
         sharder = EmbeddingBagCollectionSharder()
     else:
         # element-wise Adagrad: a column shard keeps the same per-value state as the whole table (row-wise
@@ -150,7 +157,7 @@ def _dmp_vs_reference(rank: int, world: int, plan_kind: str, via: str, dense_pre
     dmp = DistributedModelParallel(
         model,
         env=env,
-        device=torch.device("cpu"),
+        device=device,
         plan=plans[plan_kind],
         sharders=[sharder],
         data_parallel_wrapper=wrapper,
@@ -165,16 +172,16 @@ def _dmp_vs_reference(rank: int, world: int, plan_kind: str, via: str, dense_pre
         assert ebc_plan["t_a"].sharding_type == "row_wise" and ebc_plan["t_a"].ranks == [0, 1]
         assert ebc_plan["t_c"].ranks == [0, 1]
     dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
-    assert not any("embedding_bag_collection" in k for k in dense), sorted(dense)
+    assert any("embedding_bag_collection" in k for k in dense) == (via == "plain"), sorted(dense)
     opt = KeyedOptimizerWrapper(dense, lambda ps: torch.optim.Adagrad(ps, lr=LR))
-    pipeline = TrainPipelineSparseDist(dmp, opt, torch.device("cpu"))
+    pipeline = TrainPipelineSparseDist(dmp, opt, device)
     batches = [_batches(r) for r in range(world)]
     it = iter(batches[rank])
     for _ in range(STEPS):
         pipeline.progress(it)
     with pytest.raises(StopIteration):
         pipeline.progress(it)
-    got = full_state_dict(dmp.module)
+    got = {k: v.cpu() for k, v in full_state_dict(dmp.module).items()}
     want = _reference(initial, batches, RowWiseAdagrad if via == "in_backward" else torch.optim.Adagrad)
     assert set(got) == set(want)
     # fp16 dense gradients: each within fp16's relative rounding (2^-11) of the fp32 one, moved by Adagrad's lr
@@ -203,10 +210,23 @@ def _dmp_vs_reference(rank: int, world: int, plan_kind: str, via: str, dense_pre
 
 @pytest.mark.parametrize(
     "plan_kind, via, dense_precision",
-    [("auto", "in_backward", None), ("mixed", "fused_params", None), ("auto", "in_backward", "fp16")],
+    [
+        ("auto", "in_backward", None),
+        ("mixed", "fused_params", None),
+        ("auto", "in_backward", "fp16"),
+        ("mixed", "plain", None),
+    ],
 )
 def test_dmp_equals_single_process_reference(plan_kind: str, via: str, dense_precision: str | None) -> None:
     run_distributed(_dmp_vs_reference, 2, plan_kind, via, dense_precision)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("plan_kind", ["auto", "mixed"])
+def test_dmp_on_cuda_equals_single_cpu_process(plan_kind: str) -> None:
+    # 2 ranks on the one GPU over gloo; tables unfused (fbgemm's fused kernels need its CUDA build)
+    run_distributed(_dmp_vs_reference, 2, plan_kind, "plain", None, "cuda", timeout_s=300)
 
 
 def test_data_parallel_wrapper_refuses_what_it_cannot_do() -> None:

@@ -104,7 +104,8 @@ def test_k_backward_passes_then_one_step_equal_the_summed_gradient(kind: str, we
         _close(kernel, ref)
         if kind != "sgd":
             for got, want in zip(kernel.optimizer_states().values(), ref.sum):
-                torch.testing.assert_close(got["sum"], want, atol=1e-6, rtol=0)
+                # sums of squared gradients grow past 10: a few ulps of them, whatever order torch adds in
+                torch.testing.assert_close(got["sum"], want, atol=1e-6, rtol=1e-6)
 
 
 def test_one_step_in_accumulation_mode_is_bitwise_the_fused_backward() -> None:
