@@ -19,6 +19,10 @@ import socket
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
+
+# run as a script from a checkout: the ranks import lightning_rec from it, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 WORLD_TIMEOUT_S = 60
 
