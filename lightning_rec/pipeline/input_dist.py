@@ -329,6 +329,8 @@ def _sorted_payload(
 
 
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_HEADER = 4  # per rank pair: batch size, rejected, weights need a gradient, lengths and ids fit in int32
+_INT32_END = 1 << 31
 
 
 def as_int64(w: torch.Tensor) -> torch.Tensor:
@@ -379,12 +381,14 @@ def start_input_dist(
     ``weights`` are the per-sample weights in the dtype every rank agreed on (or None); ``rejected``: this
     rank's input failed its checks (``kjt`` may then be None): it still joins the exchange, so that every
     rank raises :class:`InputRejected` together instead of waiting. Comm, two collectives: an all-to-all of
-    a fixed-size header per rank pair (batch size, rejected flag, whether weights need a gradient, id count
-    of every route), then one all-to-all of lengths, ids and weights (their bits) in one int64 buffer. Per-
+    a fixed-size header per rank pair (batch size, rejected flag, whether weights need a gradient, whether
+    its lengths and ids fit in int32, id count of every route), then one all-to-all of lengths, ids and
+    weights (their bits) in one int64 buffer; int32 instead when every rank's fit, there are no weights and
+    the exchange goes through torch.distributed (half the bytes on the wire; widened back on arrival). Per-
     sample weights that need a gradient travel in a third, differentiable all-to-all instead.
 
     Example, 2 ranks, one row-wise table of 10 rows (0-4 | 5-9), rank 0's batch ``[[3, 7], [8]]``: rank 0
-    sends rank 1 the header ``[2, 0, 0, 2]`` and the payload ``[1, 1, 2, 3]`` (lengths, then ids 7-5, 8-5).
+    sends rank 1 the header ``[2, 0, 0, 1, 2]`` and the payload ``[1, 1, 2, 3]`` (lengths, then ids 7-5, 8-5).
     ``ranks``: the global rank of every group rank, to name them in errors. ``row_keys``: for features fed
     raw ids (managed collision), ``{feature: ids -> a row of the block that owns each id}``; those ids are
     routed by that row and travel unchanged (their owner remaps them). ``ids_checked``: every id is known to
@@ -422,21 +426,23 @@ def start_input_dist(
         return PendingInputDist(recv)
     weighted = out.weights is not None or (out.pieces is not None and out.pieces[2] is not None)
     w_grad = weighted and weights is not None and weights.requires_grad and torch.is_grad_enabled()
+    fits = not weighted and _fits_int32(out, kjt) and not _through_shared_memory(group, device)
     header, i = [], 0
     per_dest = [len(lst) for lst in routing.routes_to]
     for k in per_dest:
-        header += [b, int(rejected), int(w_grad), *out.sent[i : i + k]]
+        header += [b, int(rejected), int(w_grad), int(fits), *out.sent[i : i + k]]
         i += k
-    h = 3 + n_mine
+    h = _HEADER + n_mine
     got = comm.all_to_all(
-        torch.tensor(header, dtype=torch.long, device=device), [h] * n_ranks, [3 + k for k in per_dest], group
+        torch.tensor(header, dtype=torch.long, device=device), [h] * n_ranks, [_HEADER + k for k in per_dest], group
     ).tolist()
     bad = [s if ranks is None else ranks[s] for s in range(n_ranks) if got[s * h + 1]]
     if bad:
         raise InputRejected(f"ranks {bad} rejected their input (see the error raised there); stopping this rank too")
     batches = tuple(got[s * h] for s in range(n_ranks))
-    ids_from = [got[s * h + 3 : (s + 1) * h] for s in range(n_ranks)]
+    ids_from = [got[s * h + _HEADER : (s + 1) * h] for s in range(n_ranks)]
     w_apart = any(got[s * h + 2] for s in range(n_ranks))  # every rank sends weights the same way
+    narrow = all(got[s * h + 3] for s in range(n_ranks))  # every rank's lengths and ids fit in int32
     packed = weighted and not w_apart
     # to each rank, its routes' lengths, then ids, then weight bits: pieces of one int64 all-to-all
     route_lengths, route_values, route_weights = out.per_route(b)
@@ -448,6 +454,8 @@ def start_input_dist(
         if packed:
             assert route_weights is not None
             sends[-1] += [as_int64(w) for w in route_weights[i0:i1]]
+    if narrow:
+        sends = _narrowed(sends, device)
     recv_sizes = [[batches[s]] * n_mine + ids_from[s] + (ids_from[s] if packed else []) for s in range(n_ranks)]
     consume = partial(_route_major, n_mine=n_mine, packed=packed, device=device)
     work = transport.all_to_all_pieces(sends, recv_sizes, consume, group, device, async_op=async_op)
@@ -468,14 +476,46 @@ def start_input_dist(
     )
 
 
+def _fits_int32(out: _Outgoing, kjt: KeyedJaggedTensor | None) -> bool:
+    """Whether every length and id this rank sends is an int32 (then int32 carries them exactly)."""
+    if kjt is None:
+        return True
+    values = out.values if out.pieces is None else kjt.values()  # pieces are slices of the input's ids
+    if values is None or values.numel() == 0:
+        return True
+    if values.numel() >= _INT32_END:  # a bag could be that long
+        return False
+    lo, hi = torch.aminmax(values)
+    return int(lo) >= -_INT32_END and int(hi) < _INT32_END
+
+
+def _through_shared_memory(group: dist.ProcessGroup, device: torch.device) -> bool:
+    # the shared-memory transport copies each piece once either way: narrowing would add a pass, save no wire
+    return device.type == "cpu" and transport.shared_group(group) is not None
+
+
+def _narrowed(sends: list[list[torch.Tensor]], device: torch.device) -> list[list[torch.Tensor]]:
+    """The int64 pieces as int32 views of one buffer, narrowed in one pass and sent in place."""
+    flat = [t for lst in sends for t in lst]
+    sizes = [t.numel() for t in flat]
+    buf = torch.empty(sum(sizes), dtype=torch.int32, device=device)
+    if flat:
+        torch.cat(flat, out=buf)
+    views = iter(torch.split(buf, sizes))
+    return [[next(views) for _ in lst] for lst in sends]
+
+
 def _route_major(
     got: list[list[torch.Tensor]], n_mine: int, packed: bool, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Every source's ``[lengths | ids | weights][route]`` pieces as route-major lengths, ids, weight bits."""
+    """Every source's ``[lengths | ids | weights][route]`` pieces as route-major lengths, ids, weight bits
+    (int64; pieces that travelled as int32 are widened by the same copy)."""
 
     def cat(at: int) -> torch.Tensor:
         parts = [pieces[at + k] for k in range(n_mine) for pieces in got]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+        if not parts:
+            return torch.zeros(0, dtype=torch.long, device=device)
+        return torch.cat(parts, out=torch.empty(sum(p.numel() for p in parts), dtype=torch.long, device=device))
 
     return cat(0), cat(n_mine), cat(2 * n_mine) if packed else None
 

@@ -332,6 +332,48 @@ def test_int32_ids_and_lengths_train_as_int64_ones(kind: str) -> None:
         assert all(torch.equal(a[k], b[k]) for k in a), kind
 
 
+def _wire_job(rank: int, ws: int, big_raw_id: bool) -> tuple[list[torch.dtype], list[float]]:
+    """The dtypes the input dist hands torch.distributed, and what a raw-id (managed-collision) step computes."""
+    from lightning_rec.mc import (
+        ManagedCollisionCollection,
+        ManagedCollisionEmbeddingBagCollection,
+        MCHManagedCollisionModule,
+    )
+
+    os.environ["LIGHTNING_REC_SHM"] = "0"
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=16, feature_names=["f"])]
+    torch.manual_seed(0)
+    mcc = ManagedCollisionCollection({"t": MCHManagedCollisionModule(16, num_buckets=2)}, tables)
+    model = shard_modules(
+        ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables), mcc, return_remapped_features=False),
+        ShardingPlan({"_embedding_module": {"t": row_wise([8, 8])}}),
+    )
+    raw = [3, 2**40 + 7 if big_raw_id and rank == 1 else 9, 1 << 20]
+    seen, orig = [], dist.all_to_all_single
+
+    def spy(out, inp, *a, **kw):
+        seen.append(inp.dtype)
+        return orig(out, inp, *a, **kw)
+
+    dist.all_to_all_single = spy
+    try:
+        out, _ = model(KeyedJaggedTensor(["f"], torch.tensor(raw), lengths=torch.tensor([2, 1])))
+    finally:
+        dist.all_to_all_single = orig
+    return seen, out.values().flatten().tolist()
+
+
+def test_ids_travel_as_int32_through_gloo_only_when_every_rank_s_fit() -> None:
+    small = run_distributed(_wire_job, 2, False)
+    big = run_distributed(_wire_job, 2, True)
+    for seen, _ in small:
+        assert torch.int32 in seen, seen  # the payload, narrowed (the header stays int64)
+    for seen, _ in big:
+        assert torch.int32 not in seen, seen  # rank 1's raw id needs int64, so every rank sends int64
+    # the raw id that differs is rank 1's: rank 0's pooled rows are the same either way, rank 1's are not
+    assert small[0][1] == big[0][1] and small[1][1] != big[1][1]
+
+
 def _fd_job(rank: int, ws: int, shm: str) -> int:
     """Groups come and go (every shard_modules makes one): their descriptors go with them."""
     os.environ["LIGHTNING_REC_SHM"] = shm
