@@ -17,8 +17,8 @@ wrapping, on the sharded instance or in the library modules the pipeline looks t
   * input dist  -- ``_start`` of the sharded module: id range check, bucketing, the header all-to-all (batch
     sizes, id counts) and the payload all-to-all (lengths, ids, weights)
   * lookup fwd  -- ``kernels.torch_pooled`` (the shard lookups, and the replica lookup for data_parallel)
-  * out dist fwd/bwd -- ``comm._all_to_all`` calls outside the input dist: the pooled all-to-all in forward
-    and its reverse in backward
+  * out dist fwd/bwd -- the pooled output dist (``output_dist._PooledOutputDist``) forward and backward: the
+    exchange of pooled rows and of their gradients, its waits and the placement into the output's columns
   * dp grad sync -- ``comm._sum_touched_rows`` (data-parallel gradient all-reduce of touched rows, backward)
   * bwd rest -- ``loss.backward()`` minus out dist bwd and dp grad sync: the lookup backward (sparse grads)
   * optimizer -- ``opt.zero_grad()`` + ``opt.step()``
@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, kernels
 from lightning_rec.pipeline import collectives as comm
+from lightning_rec.pipeline import output_dist
 from lightning_rec.sharding import (
     ShardingPlan,
     column_wise,
@@ -152,25 +153,28 @@ def patch_library() -> None:
     """Time the lookups and the all-to-alls where the pipeline looks them up (once per process)."""
     if getattr(comm, "_bench_patched", False):
         return
-    orig_pooled, orig_a2a, orig_sum = kernels.torch_pooled, comm._all_to_all, comm._sum_touched_rows
+    orig_pooled, orig_sum = kernels.torch_pooled, comm._sum_touched_rows
+    place = output_dist._PooledOutputDist
+    orig_fwd, orig_bwd = place.forward, place.backward
 
     def pooled(*a, **kw):
         with TIMERS.time("lookup_fwd"):
             return orig_pooled(*a, **kw)
 
-    def a2a(*a, **kw):  # forward all-to-alls and the reverse ones of backward all pass through here
-        t0 = time.perf_counter()
-        try:
-            return orig_a2a(*a, **kw)
-        finally:
-            if not TIMERS.in_input_dist:
-                TIMERS.add("out_dist_fwd" if TIMERS.phase == "fwd" else "out_dist_bwd", time.perf_counter() - t0)
+    def out_fwd(*a, **kw):
+        with TIMERS.time("out_dist_fwd"):
+            return orig_fwd(*a, **kw)
+
+    def out_bwd(*a, **kw):
+        with TIMERS.time("out_dist_bwd"):
+            return orig_bwd(*a, **kw)
 
     def sum_rows(*a, **kw):
         with TIMERS.time("dp_grad_sync"):
             return orig_sum(*a, **kw)
 
-    kernels.torch_pooled, comm._all_to_all, comm._sum_touched_rows = pooled, a2a, sum_rows
+    kernels.torch_pooled, comm._sum_touched_rows = pooled, sum_rows
+    place.forward, place.backward = staticmethod(out_fwd), staticmethod(out_bwd)  # type: ignore[method-assign]
     comm._bench_patched = True
 
 
@@ -434,8 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         (
             "How the breakdown is measured: `time.perf_counter` around wrapped calls in each worker: "
             "input dist = `_start` of the sharded module (id range check, bucketing, the header and payload "
-            "all-to-alls); lookup fwd = `kernels.torch_pooled`; out dist fwd / bwd = `comm._all_to_all` calls "
-            "outside the input dist, in forward and in backward (the pooled all-to-all and its reverse); "
+            "all-to-alls); lookup fwd = `kernels.torch_pooled`; out dist fwd / bwd = the pooled output dist "
+            "(`output_dist._PooledOutputDist`) forward and backward (the exchange, its waits, the placement); "
             "dp grad sync = `comm._sum_touched_rows` (data-parallel gradient all-reduce of touched rows); "
             "bwd rest = `loss.backward()` minus out dist bwd and dp grad sync (mostly the sparse lookup backward); "
             "optimizer = `SGD.step()` + `zero_grad()`. Collective times include waiting for the slowest rank."
