@@ -79,3 +79,21 @@ def test_lines_fit_in_100_columns(report) -> None:
     lines = str(report).splitlines()
     assert max(len(line) for line in lines) <= WIDTH, [line for line in lines if len(line) > WIDTH]
     assert "every word of it matters" in str(report)
+
+
+def test_times_below_a_microsecond_keep_two_digits() -> None:
+    # a GPU's per-table times: printed as 0.000 they said nothing
+    from lightning_rec.plans.planner.topology import human_ms
+
+    assert [human_ms(x) for x in (0, 2.613, 0.002, 0.00012, 0.0000123)] == [
+        "0.000",
+        "2.613",
+        "0.002",
+        "0.00012",
+        "0.000012",
+    ]
+    tables = [EmbeddingBagConfig(100, 16, f"t{i}", [f"f{i}"]) for i in range(3)]
+    planner = Planner(Topology(1, device="cuda"), batch_size=8)
+    planner.plan(tables)
+    table_rows = [line for line in str(planner.explain()).splitlines() if line.startswith("t")]
+    assert table_rows and not any(line.split()[-1] == "0.000" for line in table_rows), table_rows

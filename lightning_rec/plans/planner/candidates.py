@@ -13,7 +13,7 @@ from lightning_rec.configs import ShardingType
 from lightning_rec.plans.kinds import ParameterSharding
 from lightning_rec.plans.planner.cost import MEMORY_PARTS, CostModel, Load, TableStats
 from lightning_rec.plans.planner.terms import Terms, probe_memory, probe_need
-from lightning_rec.plans.planner.topology import Topology, human_bytes
+from lightning_rec.plans.planner.topology import Topology, human_bytes, human_ms
 
 
 @dataclass
@@ -180,7 +180,7 @@ def why(best: Candidate, other: Candidate) -> str:
     b, o = best.new, other.new
     assert b is not None and o is not None  # both were scored
     if o.max() > b.max():
-        return f"slowest rank {1e3 * o.max():.3f} ms instead of {1e3 * b.max():.3f} ms"
+        return f"slowest rank {human_ms(1e3 * o.max())} ms instead of {human_ms(1e3 * b.max())} ms"
     if o.sum() > b.sum():
-        return f"same slowest rank, {1e3 * (o.sum() - b.sum()):.3f} ms more work over all ranks"
+        return f"same slowest rank, {human_ms(1e3 * (o.sum() - b.sum()))} ms more work over all ranks"
     return "placed by memory balance instead"

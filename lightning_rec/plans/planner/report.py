@@ -11,7 +11,7 @@ import numpy as np
 from lightning_rec.plans.kinds import KINDS, ParameterSharding
 from lightning_rec.plans.plan import ShardingPlan
 from lightning_rec.plans.planner.cost import MEMORY_PARTS, TIME_PARTS
-from lightning_rec.plans.planner.topology import Topology, human_bytes
+from lightning_rec.plans.planner.topology import Topology, human_bytes, human_ms
 
 
 def placement_label(ps: ParameterSharding) -> str:
@@ -132,8 +132,8 @@ class PlanReport:
             *textwrap.wrap(
                 "settings: " + ", ".join(f"{k}={v}" for k, v in self.settings.items()), 100, subsequent_indent=" " * 10
             ),
-            f"estimated step time {self.step_time_ms:.3f} ms (slowest rank {self.slowest_rank}; "
-            f"mean {self.rank_time_ms.mean():.3f} ms)",
+            f"estimated step time {human_ms(self.step_time_ms)} ms (slowest rank {self.slowest_rank}; "
+            f"mean {human_ms(self.rank_time_ms.mean())} ms)",
             f"peak memory {human_bytes(self.memory.sum(0).max())} per rank",
             "",
         ]
@@ -147,14 +147,14 @@ class PlanReport:
         t = self.rank_time_ms
         shown = range(M) if M <= 16 else sorted(np.argsort(-t, kind="stable")[:8].tolist())
         for r in shown:
-            ms = " ".join(f"{1e3 * x:.3f}" for x in (*self.time[:, r], self.latency_s))
+            ms = " ".join(human_ms(1e3 * x) for x in (*self.time[:, r], self.latency_s))
             mem = " ".join(human_bytes(x) for x in self.memory[:, r])
-            lines.append(f"  rank {r:>5}: {t[r]:9.3f} ms = {ms}")
+            lines.append(f"  rank {r:>5}: {human_ms(t[r]):>9} ms = {ms}")
             lines.append(f"{'':13}{human_bytes(self.memory[:, r].sum()):>9} = {mem}")
         if M > 16:
             lines.append(
                 f"  ... the {len(shown)} slowest of {M} ranks; time min/median/max "
-                f"{t.min():.3f}/{np.median(t):.3f}/{t.max():.3f} ms"
+                f"{human_ms(t.min())}/{human_ms(float(np.median(t)))}/{human_ms(t.max())} ms"
             )
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(w for line in lines for w in _fit(line, 100))
@@ -175,7 +175,7 @@ def _table_lines(tables: list, width: int = 100) -> list[str]:
         name = f"{c.module}/{c.table}" if c.module else c.table
         where = placement_label(c.sharding) + (" [host mem]" if c.offloaded else "") + (" [fixed]" if c.fixed else "")
         why = f"{c.runner_up}: {c.rejected_because}" if c.runner_up else c.rejected_because
-        rows.append((name, where, human_bytes(c.memory_per_rank), f"{c.time_ms:.3f}", why))
+        rows.append((name, where, human_bytes(c.memory_per_rank), human_ms(c.time_ms), why))
     name_w = min(max([5] + [len(r[0]) for r in rows]), 40)
     where_w = min(max([9] + [len(r[1]) for r in rows]), 34)
     lines = [f"{'table':<{name_w}}  {'placement':<{where_w}}  {'mem/rank':>10}  {'ms':>8}"]

@@ -51,6 +51,14 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def human_ms(ms: float) -> str:
+    """Milliseconds to 0.001 ms, and to two significant digits below that (a GPU's per-table times), never a
+    bare ``0.000`` for a time that is not zero."""
+    if ms == 0 or abs(ms) >= 0.0005:
+        return f"{ms:.3f}"
+    return f"{ms:.{1 - math.floor(math.log10(abs(ms)))}f}"
+
+
 @dataclass(frozen=True)
 class Hardware:
     """Speeds the cost model assumes; bandwidths in bytes per second.
