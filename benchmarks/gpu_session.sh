@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything a short loan of a GPU machine should check, in one command (see docs/ARCHITECTURE.md, "GPU"):
 #   1. the CUDA-marked tests (pytest -m gpu), four at a time;
-#   2. at the same time, the DLRM main job on one GPU with a hand-written mixed plan
-#      (examples/plan_mixed_1gpu.yaml), its checkpoint, and a resume of it for a second epoch;
+#   2. at the same time, the DLRM main job on one GPU with a hand-written mixed plan (examples/plan_mixed_1gpu.yaml:
+#      table-wise and data-parallel lookups on one process), its checkpoint, and a resume of it for a second epoch;
 #   3. then, alone on the machine, benchmarks/bench_gpu.py (its world-size-2 part runs 2 processes on the one
 #      GPU over gloo).
 # Logs go to $OUT (the device tool's output folder; /tmp/gpu_session elsewhere). Wheels of the packages the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -286,7 +287,7 @@ data:
 """
 
 
-def _example_job(rank: int, ws: int, config: str) -> dict:
+def _example_job(rank: int, ws: int, config: str, *more: str) -> dict:
     import contextlib
     import io
     import sys
@@ -297,7 +298,7 @@ def _example_job(rank: int, ws: int, config: str) -> dict:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        metrics = dlrm.main(["--config", config])
+        metrics = dlrm.main(["--config", config, *more])
     return {"metrics": metrics, "stdout": out.getvalue()}
 
 
@@ -313,3 +314,33 @@ def test_main_job_learns_on_two_processes(tmp_path) -> None:
     assert final and f"val AUC {r0['metrics']['val_auroc']:.4f}" in final[-1] and "achievable AUC" in final[-1]
     assert not [line for line in r1["stdout"].splitlines() if line.startswith("final: ")]  # rank 0 prints it
     assert (tmp_path / "checkpoints" / "dlrm-final.ckpt").exists()
+
+
+def test_main_job_takes_the_hand_written_mixed_plan(tmp_path) -> None:
+    """examples/plan_mixed_1gpu.yaml (the GPU session's plan) stays valid and is the plan the job trains with."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY.format(root=tmp_path))
+    mixed = str(Path(__file__).resolve().parents[2] / "examples" / "plan_mixed_1gpu.yaml")
+    # the tiny sizes on top of the mixed plan (a later --config wins where both set a key)
+    (r,) = run_distributed(_summary_job, 1, mixed, "--config", str(config), init_process_group=False, timeout_s=300)
+    assert r["metrics"]["val_auroc"] > 0.55, r["metrics"]
+    # the plan was the file's, for all 26 tables; on one process a row-, column- or table-row-wise table is one
+    # shard, which the summary labels as table-wise
+    assert r["summary"].count("[fixed]") == 26, r["summary"]
+    assert "data_parallel" in r["summary"] and "table_wise" in r["summary"]
+
+
+def _summary_job(rank: int, ws: int, *args: str) -> dict:
+    """The main job's metrics and what ShardingSummary logged (Lightning's rank-zero logger)."""
+    import logging
+
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logger.addHandler(handler)
+    try:
+        out = _example_job(rank, ws, *args)
+    finally:
+        logger.removeHandler(handler)
+    return {"metrics": out["metrics"], "summary": "\n".join(m for m in logged if "Sharding summary" in m)}
