@@ -56,18 +56,19 @@ class DefaultDataParallelWrapper:
         self, module: nn.Module, device: torch.device, process_group: dist.ProcessGroup
     ) -> DistributedDataParallel:
         """``module`` in DDP on ``device`` over ``process_group`` (the names to leave alone already marked)."""
+        backend = str(dist.get_backend(process_group))
+        if self.allreduce_comm_precision == "bf16" and "nccl" not in backend:
+            # torch's bf16 hook needs NCCL, and gloo cannot sum bf16
+            raise ValueError(
+                f"allreduce_comm_precision='bf16' needs the NCCL backend (this process group is {backend}); "
+                "use 'fp16' or None"
+            )
         ddp = DistributedDataParallel(
             module,
             device_ids=None if device.type == "cpu" else [device],
             process_group=process_group,
             **self.kwargs,
         )
-        if self.allreduce_comm_precision == "bf16" and dist.get_backend(process_group) != "nccl":
-            # torch's bf16 hook needs NCCL, and gloo cannot sum bf16
-            raise ValueError(
-                f"allreduce_comm_precision='bf16' needs the NCCL backend (this process group is "
-                f"{dist.get_backend(process_group)}); use 'fp16' or None"
-            )
         if self.allreduce_comm_precision is not None:
             ddp.register_comm_hook(process_group, _HOOKS[self.allreduce_comm_precision])
         return ddp
