@@ -495,12 +495,11 @@ def _through_shared_memory(group: dist.ProcessGroup, device: torch.device) -> bo
 
 
 def _narrowed(sends: list[list[torch.Tensor]], device: torch.device) -> list[list[torch.Tensor]]:
-    """The int64 pieces as int32 views of one buffer, narrowed in one pass and sent in place."""
+    """The int64 pieces as int32 views of one buffer (sent in place)."""
     flat = [t for lst in sends for t in lst]
     sizes = [t.numel() for t in flat]
-    buf = torch.empty(sum(sizes), dtype=torch.int32, device=device)
-    if flat:
-        torch.cat(flat, out=buf)
+    # a same-dtype cat, then one cast: the kernels every device has (no cat into another dtype)
+    buf = torch.cat(flat).to(torch.int32) if flat else torch.zeros(0, dtype=torch.int32, device=device)
     views = iter(torch.split(buf, sizes))
     return [[next(views) for _ in lst] for lst in sends]
 
@@ -509,13 +508,11 @@ def _route_major(
     got: list[list[torch.Tensor]], n_mine: int, packed: bool, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Every source's ``[lengths | ids | weights][route]`` pieces as route-major lengths, ids, weight bits
-    (int64; pieces that travelled as int32 are widened by the same copy)."""
+    (int64: pieces that travelled as int32 are widened)."""
 
     def cat(at: int) -> torch.Tensor:
         parts = [pieces[at + k] for k in range(n_mine) for pieces in got]
-        if not parts:
-            return torch.zeros(0, dtype=torch.long, device=device)
-        return torch.cat(parts, out=torch.empty(sum(p.numel() for p in parts), dtype=torch.long, device=device))
+        return torch.cat(parts).long() if parts else torch.zeros(0, dtype=torch.long, device=device)
 
     return cat(0), cat(n_mine), cat(2 * n_mine) if packed else None
 
