@@ -48,6 +48,7 @@ from lightning_rec.sharding import (
     table_wise,
 )
 from lightning_rec.testing import run_distributed
+from lightning_rec.transport import shm
 
 # Criteo Kaggle's 26 categorical cardinalities
 CRITEO = [
@@ -182,26 +183,55 @@ def calibrate_transport(rank: int, world: int) -> dict:
     return {"collective_latency": latency, "transport_bandwidth": peer_bytes / max(out["big"] - latency, 1e-9)}
 
 
-def _median_time_of_steps(model, batches: list[KeyedJaggedTensor], cfg: dict) -> float:
+_WAITED = [0.0]  # seconds this rank spent in the shared-memory transport's waits for its peers
+
+
+def _count_waits() -> None:
+    """Time the transport's waits for peers, so that a rank's own work is its step minus them (once)."""
+    cls = shm._SharedGroup
+    if getattr(cls, "_bench_timed", False):
+        return
+    orig = cls._wait_all
+
+    def timed(self):
+        t0 = time.perf_counter()
+        try:
+            return orig(self)
+        finally:
+            _WAITED[0] += time.perf_counter() - t0
+
+    cls._wait_all, cls._bench_timed = timed, True
+
+
+def _median_time_of_steps(model, batches: list[KeyedJaggedTensor], cfg: dict) -> tuple[float, float]:
+    """The median step of the slowest rank, and this rank's median own work (its step minus its waits)."""
     opt = fused_optimizer(model)
     count = iter(range(10**9))
+    own: list[float] = []
 
     def step() -> None:
+        waited, t0 = _WAITED[0], time.perf_counter()
         model(batches[next(count) % len(batches)]).values().square().mean().backward()
         if opt is not None:  # a rank holding no table has no fused optimizer
             opt.step()  # the kernel updated in backward; this ends its step (and pushes the lr)
+        own.append(time.perf_counter() - t0 - (_WAITED[0] - waited))
 
     for _ in range(cfg["warmup"]):
         step()
-    return _median_time(step, cfg["steps"])
+    own.clear()
+    return _median_time(step, cfg["steps"]), statistics.median(own)
 
 
-def time_plans(rank: int, world: int, plans: dict[str, ShardingPlan], cfg: dict) -> dict[str, list[float]]:
+def time_plans(
+    rank: int, world: int, plans: dict[str, ShardingPlan], cfg: dict
+) -> dict[str, list[tuple[float, float]]]:
+    """Per plan and round: (the slowest rank's median step, this rank's median own work)."""
     import warnings
 
     warnings.filterwarnings("ignore", message=r".*Sparse invariant checks.*")
+    _count_waits()
     batches = make_batches(cfg, seed=1000 + rank)
-    times: dict[str, list[float]] = {k: [] for k in plans}
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in plans}
     names = list(plans)
     for r in range(cfg["rounds"]):
         for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate: no plan always runs first
@@ -217,7 +247,7 @@ def lookup_job(rank: int, world: int, cfg: dict) -> float:
     """One process, every table table-wise on it: the step is lookups and updates (collectives stay local)."""
     tables = make_tables(cfg)
     plan = ShardingPlan({"": {t.name: table_wise(0) for t in tables}})
-    return min(time_plans(rank, world, {"local": plan}, cfg)["local"])
+    return min(step for step, _ in time_plans(rank, world, {"local": plan}, cfg)["local"])
 
 
 def measured_hardware(cfg: dict, base: Hardware, comm: dict, local_step_s: float) -> Hardware:
@@ -283,8 +313,10 @@ def main(argv: list[str] | None = None) -> int:
 
     plans = plans_for(cfg, world, planner_with(default))
     plans["planner (measured speeds)"] = planner_with(fitted).plan(tables)
-    times = run_distributed(time_plans, world, plans, cfg, timeout_s=1800)[0]
-    med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    by_rank = run_distributed(time_plans, world, plans, cfg, timeout_s=1800)
+    med = {k: 1e3 * statistics.median(step for step, _ in v) for k, v in by_rank[0].items()}
+    # each rank's own work (its step minus its waits for the others), median over rounds
+    own = {k: [1e3 * statistics.median(w for _, w in r[k]) for r in by_rank] for k in plans}
     summary = []
     for label, hw in (("default", default), ("measured", fitted)):
         est = {k: planner_with(hw).estimate(tables, p).step_time_ms for k, p in plans.items()}
@@ -317,6 +349,19 @@ def main(argv: list[str] | None = None) -> int:
             f"| {k}{mark} | {med[k]:.2f} | {summary[0][3][k]:.2f} | {summary[0][3][k] / med[k]:.2f} "
             f"| {summary[1][3][k]:.2f} | {summary[1][3][k] / med[k]:.2f} |"
         )
+    lines.append("")
+    lines += [
+        "",
+        "Per rank: own work measured (the step minus the waits for the other ranks inside the shared-memory "
+        "transport) against the default model's estimate of that rank (ms).",
+        "",
+        "| plan | " + " | ".join(f"rank {r} measured / est." for r in range(world)) + " |",
+        "|---|" + "---:|" * world,
+    ]
+    for k, p in plans.items():
+        est_r = planner_with(default).estimate(tables, p).rank_time_ms
+        cells = " | ".join(f"{own[k][r]:.2f} / {est_r[r]:.2f}" for r in range(world))
+        lines.append(f"| {k} | {cells} |")
     lines.append("")
     for label, rho, ratio, _ in summary:
         lines.append(

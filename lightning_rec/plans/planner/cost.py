@@ -10,7 +10,9 @@ It follows what the sharded pipeline actually does (``pipeline/shard_modules.py`
   all-to-all in backward; ids are bucketized by row block on the sender when a table has several;
 * data-parallel tables: a lookup on every rank, then the touched rows' union is gathered and all-reduced
   over the whole world (``comm.embedding_grad``); with 2D layouts, shards all-reduce their touched rows
-  over the replica group likewise.
+  over the replica group likewise. Fused data-parallel tables instead look up and update the union of
+  every rank's batch on every replica, after an all-gather of the ids (and of the pooled gradients in
+  backward).
 
 An all-to-all costs each rank (bytes sent + bytes received) / 2 over the bandwidth of each link (within
 a host or across hosts); an all-reduce ``2 (n - 1) / n x bytes`` over the slowest link it crosses.
@@ -239,12 +241,22 @@ class CostModel:
         uniq = N * -math.expm1(-local_ids / N)
         union = N * -math.expm1(-self.world * local_ids / N)
         t, m = load.time, load.mem
-        t[0] = local_ids * (D * s.elem + hw.lookup_overhead_bytes) / hw.lookup_bandwidth
         row_bytes = 2 * D * s.elem + s.state_bytes(D)
-        t[1] = (N * (row_bytes + D * s.elem) if s.grads == "dense" else union * row_bytes) / hw.update_bandwidth
-        if self.world > 1:
-            w = self.world
-            t[5] = (w * uniq * 8 + 2 * (w - 1) / w * union * D * s.wire) / self.world_bw
+        w = self.world
+        if s.grads == "fused":
+            # every replica looks up, and updates in backward, the union of every rank's batch: the ids are
+            # all-gathered in forward and the pooled gradients in backward (pipeline/fused_lookup.py)
+            t[0] = w * local_ids * (D * s.elem + hw.lookup_overhead_bytes) / hw.lookup_bandwidth
+            t[1] = w * local_ids * row_bytes / hw.update_bandwidth
+            if w > 1:
+                rows_out = B * (s.features if s.pooled else s.ids)
+                gathered = B * (8 * s.ids + 8 * s.features) + rows_out * D * s.wire
+                t[5] = (w - 1) * gathered / self.world_bw
+        else:
+            t[0] = local_ids * (D * s.elem + hw.lookup_overhead_bytes) / hw.lookup_bandwidth
+            t[1] = (N * (row_bytes + D * s.elem) if s.grads == "dense" else union * row_bytes) / hw.update_bandwidth
+            if w > 1:
+                t[5] = (w * uniq * 8 + 2 * (w - 1) / w * union * D * s.wire) / self.world_bw
         m[0] = N * D * s.elem
         m[1] = N * s.state_bytes(D)
         m[2] = N * D * s.elem if s.grads == "dense" else (local_ids + union) * D * s.elem
