@@ -45,6 +45,22 @@ def _cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in full_state_dict(model).items()}
 
 
+def _trainer(accelerator: str, **kw) -> L.Trainer:
+    """One device, STEPS training steps, nothing else (no logger, checkpoints, bars or validation)."""
+    return L.Trainer(
+        accelerator=accelerator,
+        devices=1,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        **kw,
+    )
+
+
 class _DenseDevice(L.Callback):
     """Where the dense part trains (Lightning moves the module back to the CPU when fit ends)."""
 
@@ -57,19 +73,11 @@ class _DenseDevice(L.Callback):
 def _trainer_job(rank: int, ws: int, device: str, ckpt: str) -> tuple[dict, list[str], str]:
     model = ClickModule(batch_size=BATCH, lr=LR, plan=ONE_RANK)
     seen = _DenseDevice()
-    trainer = L.Trainer(
-        accelerator="gpu" if device == "cuda" else "cpu",
-        devices=1,
+    trainer = _trainer(
+        "gpu" if device == "cuda" else "cpu",
         strategy=RecShardedStrategy(),
         use_distributed_sampler=False,  # Lightning's (as under "ddp") reorders samples even at one process
-        max_steps=STEPS,
         callbacks=[seen],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -98,18 +106,7 @@ def _fabric_job(rank: int, ws: int, device: str, ckpt: str) -> tuple[dict, list[
 
 def _reference() -> dict[str, torch.Tensor]:
     model = ClickModule(batch_size=BATCH, lr=LR)
-    L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy="auto",
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    ).fit(model)
+    _trainer("cpu", strategy="auto").fit(model)
     return model.state_dict()
 
 
