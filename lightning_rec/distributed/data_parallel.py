@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -63,12 +64,16 @@ class DefaultDataParallelWrapper:
                 f"allreduce_comm_precision='bf16' needs the NCCL backend (this process group is {backend}); "
                 "use 'fp16' or None"
             )
-        ddp = DistributedDataParallel(
-            module,
-            device_ids=None if device.type == "cpu" else [device],
-            process_group=process_group,
-            **self.kwargs,
-        )
+        with warnings.catch_warnings():
+            # torch 2.13 deprecates broadcast_buffers for forward_sync_buffers, whose False still syncs buffers
+            # at init; its own advice for TorchRec's setting (no sync at all) is to keep broadcast_buffers=False
+            warnings.filterwarnings("ignore", message=r".*`broadcast_buffers` is deprecated", category=FutureWarning)
+            ddp = DistributedDataParallel(
+                module,
+                device_ids=None if device.type == "cpu" else [device],
+                process_group=process_group,
+                **self.kwargs,
+            )
         if self.allreduce_comm_precision is not None:
             ddp.register_comm_hook(process_group, _HOOKS[self.allreduce_comm_precision])
         return ddp

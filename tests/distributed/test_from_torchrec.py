@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import warnings
 from pathlib import Path
 
 import pytest
@@ -154,14 +155,18 @@ def _dmp_vs_reference(
     }
     env = ShardingEnv.from_process_group(dist.group.WORLD) if plan_kind == "mixed" else None
     wrapper = None if dense_precision is None else DefaultDataParallelWrapper(allreduce_comm_precision=dense_precision)
-    dmp = DistributedModelParallel(
-        model,
-        env=env,
-        device=device,
-        plan=plans[plan_kind],
-        sharders=[sharder],
-        data_parallel_wrapper=wrapper,
-    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dmp = DistributedModelParallel(
+            model,
+            env=env,
+            device=device,
+            plan=plans[plan_kind],
+            sharders=[sharder],
+            data_parallel_wrapper=wrapper,
+        )
+    # TorchRec's setting, kept deliberately: torch 2.13's deprecation notice for it is not the user's to read
+    assert not [w for w in caught if "broadcast_buffers" in str(w.message)]
     # TorchRec's DDP settings: no buffer broadcast each forward, a static graph
     (ddp,) = [m for m in dmp.modules() if isinstance(m, DistributedDataParallel)]
     assert ddp.broadcast_buffers is False and ddp.static_graph is True
