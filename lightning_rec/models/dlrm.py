@@ -67,25 +67,25 @@ def _combined(dense_features: torch.Tensor, sparse_features: torch.Tensor) -> to
 
 class _PairDots(torch.autograd.Function):
     """The dot products of the pairs ``pairs`` (flat indices ``i * n + j``, i < j) of the ``n`` rows of every
-    sample of ``combined`` ``[B, n, D]``.
+    sample of ``combined`` ``[B, n, D]``; ``spread[i * n + j]`` is the pair of (i, j) or (j, i), or the number of
+    pairs on the diagonal.
 
-    Backward uses the symmetry of ``C C^T``: the gradient ``G`` (upper triangle) gives ``(G + G^T) C``, one
-    batched matmul where autograd's ``bmm`` backward runs two (and an ``index_put``); the interaction's
+    Backward uses the symmetry of ``C C^T``: the gradient ``G`` (upper triangle) gives ``(G + G^T) C``, a gather
+    and one batched matmul where autograd's ``bmm`` backward runs an ``index_put`` and two; the interaction's
     backward takes about half as long (``benchmarks/results/vs_torchrec_golden.md``)."""
 
     @staticmethod
-    def forward(ctx, combined: torch.Tensor, pairs: torch.Tensor, mirrored: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(combined, pairs, mirrored)
+    def forward(ctx, combined: torch.Tensor, pairs: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(combined, spread)
         b, n, _ = combined.shape
         return torch.bmm(combined, combined.transpose(1, 2)).view(b, n * n).index_select(1, pairs)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        combined, pairs, mirrored = ctx.saved_tensors
+        combined, spread = ctx.saved_tensors
         b, n, _ = combined.shape
-        sym = grad.new_zeros(b, n * n)
-        sym.index_copy_(1, pairs, grad)
-        sym.index_copy_(1, mirrored, grad)  # (j, i): the diagonal stays zero
+        # G + G^T in one gather: (i, j) and (j, i) read their pair's gradient, the diagonal a zero column
+        sym = torch.cat([grad, grad.new_zeros(b, 1)], 1).index_select(1, spread)
         # under autocast the products (and so grad) may be narrower than combined: its gradient has its dtype
         return torch.bmm(sym.view(b, n, n).to(combined.dtype), combined), None, None
 
@@ -96,7 +96,7 @@ class InteractionArch(nn.Module):
 
     triu_indices: torch.Tensor  # buffers (register_buffer in __init__)
     _pairs: torch.Tensor
-    _mirrored: torch.Tensor
+    _spread: torch.Tensor
 
     def __init__(self, num_sparse_features: int) -> None:
         super().__init__()
@@ -105,8 +105,11 @@ class InteractionArch(nn.Module):
         n = self.F + 1
         triu = torch.triu_indices(n, n, offset=1)
         self.register_buffer("triu_indices", triu, persistent=False)
-        self.register_buffer("_pairs", triu[0] * n + triu[1], persistent=False)
-        self.register_buffer("_mirrored", triu[1] * n + triu[0], persistent=False)
+        pairs = triu[0] * n + triu[1]
+        spread = torch.full((n * n,), pairs.numel(), dtype=torch.long)
+        spread[pairs] = spread[triu[1] * n + triu[0]] = torch.arange(pairs.numel())
+        self.register_buffer("_pairs", pairs, persistent=False)
+        self.register_buffer("_spread", spread, persistent=False)
 
     def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
         if self.F <= 0:
@@ -126,7 +129,7 @@ class InteractionArch(nn.Module):
 
     @torch.jit.unused
     def _pair_dots(self, combined: torch.Tensor) -> torch.Tensor:
-        return _PairDots.apply(combined, self._pairs, self._mirrored)
+        return _PairDots.apply(combined, self._pairs, self._spread)
 
 
 class InteractionDCNArch(nn.Module):
