@@ -3,11 +3,14 @@
 A 26-table Criteo-like job (table sizes of Criteo's 26 categorical features scaled down, dim 64, mixed pooling:
 most features one id, a few multi-hot), fused SGD, 2 gloo processes on one host (the shared-memory transport).
 Ten plans, the planner's among them, each timed as the median over interleaved rounds of the slowest rank's
-step (forward + backward, the fused update inside backward).
+step (forward + backward, the fused update inside backward). The planner's plan is timed a second time, under
+another name, as the control: how far apart one plan measures twice in one run (the rank correlation and the
+ratios leave it out).
 
 Calibration (run first, same processes): the per-collective latency (an all-to-all of 8 bytes), the transport's
-bandwidth (an all-to-all of 8 MiB per peer), and the lookup + update speed (one rank's table-wise fused step with
-no peer: world 1). These give the measured ``Hardware``; the plans are estimated with the library's default
+bandwidth (an all-to-all of 8 MiB per peer), and the lookup + update speed (a table-wise fused step of every
+table on one rank, run by every rank at once, each in a group of its own: the ranks share the host's memory
+system as in a real step; the same step alone at world 1 is reported beside it). These give the measured ``Hardware``; the plans are estimated with the library's default
 ``Hardware`` and with the measured one.
 
 Usage:
@@ -82,6 +85,7 @@ CRITEO = [
 MULTI_HOT = {2: 20, 3: 8, 11: 30, 15: 5, 20: 12}  # feature index -> ids per sample; others one
 SECTION = "## Cost model: estimated vs measured (fused SGD, Criteo-like, 2 processes)"
 SPEC = {"kind": "sgd", "lr": 0.01}
+AGAIN = "planner, again"
 
 
 def make_tables(cfg: dict) -> list[EmbeddingBagConfig]:
@@ -223,9 +227,10 @@ def _median_time_of_steps(model, batches: list[KeyedJaggedTensor], cfg: dict) ->
 
 
 def time_plans(
-    rank: int, world: int, plans: dict[str, ShardingPlan], cfg: dict
+    rank: int, world: int, plans: dict[str, ShardingPlan], cfg: dict, group: dist.ProcessGroup | None = None
 ) -> dict[str, list[tuple[float, float]]]:
-    """Per plan and round: (the slowest rank's median step, this rank's median own work)."""
+    """Per plan and round: (the slowest rank's median step, this rank's median own work); ``group``: the
+    shard group (default: every rank)."""
     import warnings
 
     warnings.filterwarnings("ignore", message=r".*Sparse invariant checks.*")
@@ -237,17 +242,22 @@ def time_plans(
         for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate: no plan always runs first
             torch.manual_seed(0)
             model = shard_modules(
-                EmbeddingBagCollection(make_tables(cfg), device="meta"), plans[name], embedding_optimizer=SPEC
+                EmbeddingBagCollection(make_tables(cfg), device="meta"),
+                plans[name],
+                process_group=group,
+                embedding_optimizer=SPEC,
             )
             times[name].append(_median_time_of_steps(model, batches, cfg))
     return times
 
 
 def lookup_job(rank: int, world: int, cfg: dict) -> float:
-    """One process, every table table-wise on it: the step is lookups and updates (collectives stay local)."""
+    """Every rank at once, each with every table on itself (its own group of one): the step is lookups and
+    updates (collectives stay local), with the other ranks of the host busy as they are in a real step."""
     tables = make_tables(cfg)
     plan = ShardingPlan({"": {t.name: table_wise(0) for t in tables}})
-    return min(step for step, _ in time_plans(rank, world, {"local": plan}, cfg)["local"])
+    groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group, in one order
+    return min(step for step, _ in time_plans(rank, world, {"local": plan}, cfg, groups[rank])["local"])
 
 
 def measured_hardware(cfg: dict, base: Hardware, comm: dict, local_step_s: float) -> Hardware:
@@ -289,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "planner.md"))
     args = ap.parse_args(argv)
@@ -297,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     world, load0 = args.world, load()
     default = Hardware.defaults("cpu")
     comm = run_distributed(calibrate_transport, world, timeout_s=600)[0]
-    local_step = run_distributed(lookup_job, 1, cfg, timeout_s=600)[0]
+    alone = run_distributed(lookup_job, 1, cfg, timeout_s=600)[0]
+    local_step = run_distributed(lookup_job, world, cfg, timeout_s=600)[0]
     fitted = measured_hardware(cfg, default, comm, local_step)
     print(f"calibration: {comm}, local step {1e3 * local_step:.2f} ms -> {fitted}", flush=True)
     tables = make_tables(cfg)
@@ -313,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
 
     plans = plans_for(cfg, world, planner_with(default))
     plans["planner (measured speeds)"] = planner_with(fitted).plan(tables)
+    # the control: one plan measured twice in the same rounds gives the run's noise floor
+    plans[AGAIN] = plans["planner"]
     by_rank = run_distributed(time_plans, world, plans, cfg, timeout_s=1800)
     med = {k: 1e3 * statistics.median(step for step, _ in v) for k, v in by_rank[0].items()}
     # each rank's own work (its step minus its waits for the others), median over rounds
@@ -320,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = []
     for label, hw in (("default", default), ("measured", fitted)):
         est = {k: planner_with(hw).estimate(tables, p).step_time_ms for k, p in plans.items()}
-        names = list(plans)
+        names = [k for k in plans if k != AGAIN]
         rho = spearman([est[k] for k in names], [med[k] for k in names])
         ratio = [est[k] / med[k] for k in names]
         summary.append((label, rho, ratio, est))
@@ -336,9 +349,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} interleaved rounds x median of {args.steps} steps after {args.warmup} warm-up.",
         "",
         f"Calibration: per-collective latency {1e6 * comm['collective_latency']:.0f} us, transport "
-        f"{comm['transport_bandwidth'] / 1e9:.2f} GB/s per peer, one process's local step "
-        f"{1e3 * local_step:.2f} ms -> lookup {fitted.lookup_bandwidth / 1e9:.2f} GB/s, update "
-        f"{fitted.update_bandwidth / 1e9:.2f} GB/s.",
+        f"{comm['transport_bandwidth'] / 1e9:.2f} GB/s per peer, a local step with every table on one process "
+        f"{1e3 * alone:.2f} ms alone and {1e3 * local_step:.2f} ms with each of the {world} processes running "
+        f"its own at once -> lookup {fitted.lookup_bandwidth / 1e9:.2f} GB/s, update "
+        f"{fitted.update_bandwidth / 1e9:.2f} GB/s (from the latter).",
         "",
         "| plan | measured ms | est. default ms | ratio | est. measured-speeds ms | ratio |",
         "|---|---:|---:|---:|---:|---:|",
@@ -370,6 +384,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     for k in ("planner", "planner (measured speeds)"):
         lines.append(f"- {k}: {med[k]:.2f} ms measured, {100 * (med[k] / best - 1):.1f}% above the best measured")
+    same = [k for k, p in plans.items() if p.plan == plans["planner"].plan]  # the control, and any twin
+    lo, hi = min(med[k] for k in same), max(med[k] for k in same)
+    lines.append(
+        f"- noise floor: the planner's plan, measured {len(same)} times in the same rounds ({', '.join(same)}): "
+        f"{lo:.2f}-{hi:.2f} ms ({100 * (hi / lo - 1):.1f}% apart); plans closer than that are not ordered by this run"
+    )
     lines += [
         "",
         f"Load average at start: {load0}; at end: {load()}.",
