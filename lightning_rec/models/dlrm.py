@@ -86,8 +86,9 @@ class _PairDots(torch.autograd.Function):
         b, n, _ = combined.shape
         # G + G^T in one gather: (i, j) and (j, i) read their pair's gradient, the diagonal a zero column
         sym = torch.cat([grad, grad.new_zeros(b, 1)], 1).index_select(1, spread)
-        # under autocast the products (and so grad) may be narrower than combined: its gradient has its dtype
-        return torch.bmm(sym.view(b, n, n).to(combined.dtype), combined), None, None
+        # under autocast the products (and so grad) are narrower than combined: the matmul runs in grad's dtype,
+        # as autograd's bmm backward would, and combined's gradient comes back in its own dtype
+        return torch.bmm(sym.view(b, n, n), combined.to(grad.dtype)).to(combined.dtype), None, None
 
 
 class InteractionArch(nn.Module):

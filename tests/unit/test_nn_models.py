@@ -201,3 +201,27 @@ def test_interaction_backward_equals_every_pairwise_dots_gradient() -> None:
     with torch.no_grad():
         torch.testing.assert_close(arch(dense, sparse), want)
         torch.testing.assert_close(torch.jit.script(arch)(dense, sparse), want)
+
+
+def test_interaction_backward_under_autocast_matches_autograds_within_bf16() -> None:
+    # the products run in bf16 under autocast; the symmetric backward's matmul runs in bf16 too, as autograd's
+    # would, and hands back fp32 gradients
+    from lightning_rec.models.dlrm import InteractionArch
+
+    arch = InteractionArch(5)
+    grads = []
+    for fast in (True, False):
+        dense = torch.randn(7, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        sparse = torch.randn(7, 5, 8, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if fast:
+                out = arch(dense, sparse)
+            else:
+                c = torch.cat([dense.unsqueeze(1), sparse], 1)
+                dots = torch.bmm(c, c.transpose(1, 2))
+                out = torch.cat([dense, dots[:, arch.triu_indices[0], arch.triu_indices[1]]], 1)
+        out.float().square().sum().backward()
+        assert dense.grad is not None and sparse.grad is not None
+        assert dense.grad.dtype == sparse.grad.dtype == torch.float32
+        grads.append(torch.cat([dense.grad.flatten(), sparse.grad.flatten()]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=2e-2, atol=2e-2 * float(grads[1].abs().max()))
