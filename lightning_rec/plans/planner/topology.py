@@ -67,7 +67,10 @@ class Hardware:
     (each id also costs ``lookup_overhead_bytes``); ``update_bandwidth``: bytes per second of an optimizer
     step over rows (weight, gradient, state); ``host_lookup_bandwidth``: lookups of tables kept in host
     memory; ``bucketize_rate``: ids per second a sender sorts into row blocks.
-    The CPU / gloo defaults were fitted to ``benchmarks/results/sharding.md``; the CUDA / NCCL ones are
+    The CPU / gloo defaults were fitted to ``benchmarks/results/sharding.md``, the lookup and update speeds
+    then lowered by a fifth for every rank of a host being busy at once, as in a balanced plan's step (the
+    ranks share the memory system: a local step measured 18-49% slower with both ranks of a 2-core host
+    running one, ``benchmarks/results/planner.md``); the CUDA / NCCL ones are
     round numbers for a current GPU node (NVLink within a host, a 200 Gb/s NIC per GPU across hosts).
     """
 
@@ -88,7 +91,7 @@ class Hardware:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         if device == "cpu":
-            hw = Hardware(4e9, 6e9, 1e9, 1e9, 4e9, 2.7e7, 2e-4)
+            hw = Hardware(3.2e9, 4.8e9, 1e9, 1e9, 3.2e9, 2.7e7, 2e-4)
         else:
             hw = Hardware(1e12, 1.5e12, 1.5e11, 2.5e10, 2e10, 5e9, 3e-5)
         if backend == "gloo" and device == "cuda":  # gloo moves GPU tensors through host memory over TCP
