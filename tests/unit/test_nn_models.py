@@ -225,3 +225,26 @@ def test_interaction_backward_under_autocast_matches_autograds_within_bf16() -> 
         assert dense.grad.dtype == sparse.grad.dtype == torch.float32
         grads.append(torch.cat([dense.grad.flatten(), sparse.grad.flatten()]))
     torch.testing.assert_close(grads[0], grads[1], rtol=2e-2, atol=2e-2 * float(grads[1].abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("autocast", [False, True])
+def test_interaction_symmetric_backward_on_cuda_matches_cpu(autocast: bool) -> None:
+    # the gather and batched matmul of the symmetric backward on a GPU, fp32 and under bf16 autocast, against the
+    # same module on CPU
+    from lightning_rec.models.dlrm import InteractionArch
+
+    arch = InteractionArch(6)
+    results = []
+    for device in ("cpu", "cuda"):
+        dense = torch.randn(9, 8, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_()
+        sparse = torch.randn(9, 6, 8, generator=torch.Generator().manual_seed(2)).to(device).requires_grad_()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            out = arch.to(device)(dense, sparse)
+        out.float().square().sum().backward()
+        assert dense.grad is not None and sparse.grad is not None
+        results.append([t.detach().float().cpu() for t in (out, dense.grad, sparse.grad)])
+    rtol = 3e-2 if autocast else 1e-4  # bf16 sums in another order on each device
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * float(want.abs().max()))
