@@ -24,6 +24,7 @@ from lightning_rec import (
     table_wise,
 )
 from lightning_rec.testing import run_distributed
+from tests.lightning.models import QUIET_TRAINER
 
 KEYS = ["user", "item"]
 HOT = torch.randint(0, 2**62, (24,), generator=torch.Generator().manual_seed(3))
@@ -92,11 +93,7 @@ def _trainer(**kw) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
         max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET_TRAINER,
         callbacks=[ManagedCollisionCallback(resize_at={1: 2})],
         **kw,
     )

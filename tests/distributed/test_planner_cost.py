@@ -12,6 +12,7 @@ import torch
 from lightning_rec import EmbeddingBagConfig
 from lightning_rec.sharding import Planner, ShardingPlan, Topology, data_parallel, row_wise, table_wise
 from lightning_rec.testing import run_distributed
+from tests.lightning.models import QUIET_TRAINER
 
 N_TABLES, ROWS, DIM, BATCH, IDS = 8, 20_000, 32, 512, 10
 
@@ -57,11 +58,7 @@ def _fit_with_summary(rank: int, world: int, tables_optimizer: str) -> dict:
         devices=world,
         strategy="rec_sharded",
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET_TRAINER,
         limit_val_batches=0,
         callbacks=[summary],
     )

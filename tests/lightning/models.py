@@ -15,6 +15,14 @@ TABLES = [
     EmbeddingBagConfig(name="geo", num_embeddings=5, embedding_dim=4, feature_names=["geo"]),
 ]
 KEYS = [f for t in TABLES for f in t.feature_names]
+# Trainer arguments of a test fit: no logger, checkpoints, progress bar, model summary or sanity check
+QUIET_TRAINER = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "num_sanity_val_steps": 0,
+}
 
 
 class Clicks(Dataset):

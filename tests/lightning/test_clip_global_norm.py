@@ -16,7 +16,7 @@ from lightning_rec import (
     table_wise,
 )
 from lightning_rec.testing import run_distributed
-from tests.lightning.models import ClickModule
+from tests.lightning.models import QUIET_TRAINER, ClickModule
 
 STEPS = 4
 CLIP = 0.05  # well below the gradient norms of this job: every step is clipped
@@ -35,11 +35,7 @@ def _trainer(**kw) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET_TRAINER,
         limit_val_batches=0,
         gradient_clip_val=CLIP,
         **kw,
@@ -68,11 +64,7 @@ def test_clipped_training_matches_one_process(plan: str, algorithm: str) -> None
     L.Trainer(
         accelerator="cpu",
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET_TRAINER,
         limit_val_batches=0,
     ).fit(unclipped)
     # the bound is reached: clipping changed the outcome, so the comparison below tests it

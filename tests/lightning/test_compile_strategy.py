@@ -9,7 +9,7 @@ import torch
 from lightning_rec import RecShardedStrategy, ShardingPlan, full_state_dict
 from lightning_rec.sharding import column_wise, data_parallel, row_wise
 from lightning_rec.testing import run_distributed
-from tests.lightning.models import ClickModule
+from tests.lightning.models import QUIET_TRAINER, ClickModule
 
 STEPS = 3
 PLAN = ShardingPlan({"ebc": {"user": row_wise(), "item": column_wise(ranks=[1, 0]), "geo": data_parallel()}})
@@ -32,11 +32,7 @@ def _fit(strategy: RecShardedStrategy, model: L.LightningModule | torch.nn.Modul
         accelerator="cpu",
         devices=2,
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET_TRAINER,
         limit_val_batches=0,
         strategy=strategy,
         use_distributed_sampler=False,

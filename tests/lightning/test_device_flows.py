@@ -22,7 +22,7 @@ from lightning_rec import (
     table_wise,
 )
 from lightning_rec.testing import run_distributed
-from tests.lightning.models import ClickModule, Clicks, collate
+from tests.lightning.models import QUIET_TRAINER, ClickModule, Clicks, collate
 
 STEPS = 4
 BATCH = 4
@@ -51,11 +51,7 @@ def _trainer(accelerator: str, **kw) -> L.Trainer:
         accelerator=accelerator,
         devices=1,
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET_TRAINER,
         limit_val_batches=0,
         **kw,
     )

@@ -23,6 +23,7 @@ from lightning_rec import (
 )
 from lightning_rec.models import DLRM, InteractionArch, SyntheticSessions, TwoTowerRetrieval
 from lightning_rec.testing import run_distributed
+from tests.lightning.models import QUIET_TRAINER
 
 STEPS, BATCH, DENSE, DIM = 4, 6, 3, 4
 # names with dots and spaces: tables are user data
@@ -43,11 +44,7 @@ def _trainer(**kw) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET_TRAINER,
         use_distributed_sampler=False,
         **kw,
     )

@@ -25,7 +25,7 @@ from lightning_rec import (
 )
 from lightning_rec.distributed import RowWiseAdagrad
 from lightning_rec.testing import run_distributed
-from tests.lightning.models import ClickModule, Clicks, collate
+from tests.lightning.models import QUIET_TRAINER, ClickModule, Clicks, collate
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
 LR = 0.2
@@ -205,11 +205,7 @@ def _trainer(ws: int, plan) -> L.Trainer:
         accelerator="cpu",
         devices=ws,
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET_TRAINER,
         limit_val_batches=0,
         use_distributed_sampler=False,
         strategy=RecShardedStrategy(embedding_grad="mean", plan=plan),

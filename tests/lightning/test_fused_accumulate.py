@@ -24,7 +24,7 @@ from lightning_rec import (
 )
 from lightning_rec.testing import run_distributed
 from tests.distributed.test_sharded_equivalence import _RowwiseAdagrad
-from tests.lightning.models import KEYS, TABLES, ClickModule
+from tests.lightning.models import KEYS, QUIET_TRAINER, TABLES, ClickModule
 
 STEPS = 3
 LR = 0.2
@@ -72,11 +72,7 @@ def _trainer(k: int, **kw) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET_TRAINER,
         limit_val_batches=0,
         accumulate_grad_batches=k,
         **kw,

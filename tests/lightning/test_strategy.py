@@ -18,7 +18,7 @@ from lightning_rec import (
     table_wise,
 )
 from lightning_rec.testing import run_distributed
-from tests.lightning.models import ClickModule
+from tests.lightning.models import QUIET_TRAINER, ClickModule
 
 STEPS = 4
 
@@ -27,11 +27,7 @@ def _trainer(**kw) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET_TRAINER,
         limit_val_batches=2,
         **kw,
     )

@@ -8,7 +8,7 @@ import torch
 
 from lightning_rec import RecShardedStrategy, ShardingPlan, data_parallel, full_state_dict, row_wise
 from lightning_rec.testing import run_distributed
-from tests.lightning.models import ClickModule
+from tests.lightning.models import QUIET_TRAINER, ClickModule
 
 STEPS = 4
 PLAN = ShardingPlan({"ebc": {"user": row_wise(), "item": data_parallel(), "geo": data_parallel()}})
@@ -39,11 +39,7 @@ def _trainer(**kw) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET_TRAINER,
         limit_val_batches=0,
         **kw,
     )

@@ -40,7 +40,7 @@ from lightning_rec.mc import (
     MCHManagedCollisionModule,
 )
 from lightning_rec.testing import run_distributed
-from tests.lightning.models import Clicks, collate
+from tests.lightning.models import QUIET_TRAINER, Clicks, collate
 
 STEPS = 4
 
@@ -116,11 +116,7 @@ def _trainer(devices: int, strategy, **kw) -> L.Trainer:
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET_TRAINER,
         use_distributed_sampler=False,
         **kw,
     )

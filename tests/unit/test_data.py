@@ -22,6 +22,7 @@ from lightning_rec.data import (
     collate,
     rank_batch_ranges,
 )
+from tests.lightning.models import QUIET_TRAINER
 
 # -- helpers -----------------------------------------------------------------------------------------------
 
@@ -408,11 +409,7 @@ def test_datamodule_feeds_a_lightning_trainer() -> None:
         accelerator="cpu",
         devices=1,
         max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET_TRAINER,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
