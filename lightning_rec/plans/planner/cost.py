@@ -243,17 +243,18 @@ class CostModel:
         t, m = load.time, load.mem
         row_bytes = 2 * D * s.elem + s.state_bytes(D)
         w = self.world
-        if s.grads == "fused":
-            # every replica looks up, and updates in backward, the union of every rank's batch: the ids are
-            # all-gathered in forward and the pooled gradients in backward (pipeline/fused_lookup.py)
-            t[0] = w * local_ids * (D * s.elem + hw.lookup_overhead_bytes) / hw.lookup_bandwidth
-            t[1] = w * local_ids * row_bytes / hw.update_bandwidth
+        fused = s.grads == "fused"
+        # fused: every replica looks up, and updates in backward, the union of every rank's batch: the ids are
+        # all-gathered in forward and the pooled gradients in backward (pipeline/fused_lookup.py)
+        looked_up = w * local_ids if fused else local_ids
+        t[0] = looked_up * (D * s.elem + hw.lookup_overhead_bytes) / hw.lookup_bandwidth
+        if fused:
+            t[1] = looked_up * row_bytes / hw.update_bandwidth
             if w > 1:
                 rows_out = B * (s.features if s.pooled else s.ids)
                 gathered = B * (8 * s.ids + 8 * s.features) + rows_out * D * s.wire
                 t[5] = (w - 1) * gathered / self.world_bw
         else:
-            t[0] = local_ids * (D * s.elem + hw.lookup_overhead_bytes) / hw.lookup_bandwidth
             t[1] = (N * (row_bytes + D * s.elem) if s.grads == "dense" else union * row_bytes) / hw.update_bandwidth
             if w > 1:
                 t[5] = (w * uniq * 8 + 2 * (w - 1) / w * union * D * s.wire) / self.world_bw
