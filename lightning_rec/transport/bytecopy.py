@@ -37,6 +37,16 @@ def put(dst: torch.Tensor, t: torch.Tensor) -> None:
         dst.view(t.dtype).view(t.shape).copy_(t)
 
 
+def put_all(dst: torch.Tensor, ts: list[torch.Tensor]) -> None:
+    """The elements of every tensor of ``ts`` (any layout), one tensor after the other, into the byte tensor
+    ``dst``: each copied once, straight into its place."""
+    at = 0
+    for t in ts:
+        n = nbytes(t)
+        put(dst[at : at + n], t)
+        at += n
+
+
 def spanning(ts: list[torch.Tensor]) -> torch.Tensor | None:
     """A 1-D byte view of the tensors when they already lie back to back in one storage (contiguous, each
     starting where the one before ends: pieces ``torch.split`` cut from one buffer), else None."""
@@ -61,13 +71,8 @@ def gather(ts: list[torch.Tensor]) -> torch.Tensor:
         return whole
     if not ts:
         return torch.empty(0, dtype=torch.uint8, device="cpu")
-    # each tensor copied once, straight into its place (a strided view is not made contiguous first)
     out = torch.empty(sum(nbytes(t) for t in ts), dtype=torch.uint8, device=ts[0].device)
-    at = 0
-    for t in ts:
-        n = nbytes(t)
-        put(out[at : at + n], t)
-        at += n
+    put_all(out, ts)  # a strided view is not made contiguous first
     return out
 
 

@@ -252,11 +252,7 @@ class _SharedGroup:
                 # one op for many pieces (they all start aligned to their element size)
                 torch.cat([p.view(-1) for p in pieces], out=buf.view[header:nbytes].view(cast(torch.dtype, dtype)))
             else:
-                at = header
-                for p in pieces:
-                    n = bytecopy.nbytes(p)
-                    bytecopy.put(buf.view[at : at + n], p)
-                    at += n
+                bytecopy.put_all(buf.view[header:nbytes], pieces)
         ctrl = self.me.ctrl
         ctrl[_STATUS + self.seq % 2] = status
         ctrl[_READY] = self.seq  # last: the data above is visible before this word (x86-64 store order)
