@@ -141,6 +141,19 @@ class _Resettable(Protocol):
     def reset_parameters(self) -> None: ...
 
 
+def _move_dense(model: nn.Module, skip: set[str], device: torch.device) -> None:
+    # the dense part follows the DMP's device, buffers included: an index buffer left on the CPU breaks a CUDA
+    # forward (index_select wants both on one device); the parameters keep their identity (p.data)
+    for path, m in model.named_modules():
+        prefix = f"{path}." if path else ""
+        for name, p in m._parameters.items():
+            if p is not None and prefix + name not in skip and p.device != device:
+                p.data = p.data.to(device)
+        for name, b in list(m._buffers.items()):
+            if b is not None and prefix + name not in skip and b.device != device:
+                m._buffers[name] = b.to(device)
+
+
 def _unwrap(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
@@ -274,6 +287,7 @@ class DistributedModelParallel(nn.Module):
                 for name, b in list(m._buffers.items()):
                     if b is not None and b.device.type == "meta":
                         m._buffers[name] = torch.zeros_like(b, device=self.device)
+                        fresh = True
                 if fresh and hasattr(m, "reset_parameters"):
                     cast(_Resettable, m).reset_parameters()
 
@@ -285,12 +299,11 @@ class DistributedModelParallel(nn.Module):
             self._init_parameters(self._dmp_wrapped_module)
         model = self._dmp_wrapped_module
         sharded = ddp_ignored_names(model)  # the strategies' list: managed-collision remap state is per rank too
+        if not isinstance(model, ShardedCollection):
+            _move_dense(model, set(sharded), self.device)
         dense = [p for n, p in model.named_parameters() if n not in set(sharded) and p.requires_grad]
         if dense and not isinstance(model, ShardedCollection):
             _compat.ddp_ignore(model, [*sharded, *self._data_parallel_wrapper.params_to_ignore])
-            for p in dense:
-                if p.device != self.device:
-                    p.data = p.data.to(self.device)
             assert self._env.process_group is not None
             self._dmp_wrapped_module = self._data_parallel_wrapper.wrap(model, self.device, self._env.process_group)
         self._ddp_wrapped = True

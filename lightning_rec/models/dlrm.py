@@ -102,13 +102,20 @@ class InteractionArch(nn.Module):
     def __init__(self, num_sparse_features: int) -> None:
         super().__init__()
         self.F = num_sparse_features
-        # buffers so .to(device) moves them; not persistent: derived from F
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """(Re)build the pair indices: buffers so ``.to(device)`` moves them, not persistent (derived from ``F``).
+        A model built on the meta device gets them back this way (``DistributedModelParallel`` calls it once the
+        buffers have storage), where its buffers would otherwise hold zeros."""
+        old = self._buffers.get("triu_indices")
+        device = None if old is None or old.device.type == "meta" else old.device
         n = self.F + 1
-        triu = torch.triu_indices(n, n, offset=1)
-        self.register_buffer("triu_indices", triu, persistent=False)
+        triu = torch.triu_indices(n, n, offset=1, device=device)
         pairs = triu[0] * n + triu[1]
-        spread = torch.full((n * n,), pairs.numel(), dtype=torch.long)
-        spread[pairs] = spread[triu[1] * n + triu[0]] = torch.arange(pairs.numel())
+        spread = torch.full((n * n,), pairs.numel(), dtype=torch.long, device=device)
+        spread[pairs] = spread[triu[1] * n + triu[0]] = torch.arange(pairs.numel(), device=device)
+        self.register_buffer("triu_indices", triu, persistent=False)
         self.register_buffer("_pairs", pairs, persistent=False)
         self.register_buffer("_spread", spread, persistent=False)
 

@@ -26,7 +26,7 @@ from lightning_rec.distributed import (
     apply_optimizer_in_backward,
     in_backward_optimizer_filter,
 )
-from lightning_rec.models.dlrm import DLRM, DLRMTrain
+from lightning_rec.models.dlrm import DLRM, DLRMTrain, InteractionArch
 from lightning_rec.pipeline.state_dict import full_state_dict
 from lightning_rec.sharding import ShardingPlan, column_wise, row_wise, table_wise
 from lightning_rec.testing import run_distributed
@@ -239,20 +239,26 @@ def test_data_parallel_wrapper_refuses_what_it_cannot_do() -> None:
         DefaultDataParallelWrapper(allreduce_comm_precision="fp8")
 
 
-def _meta_model(rank: int, world: int) -> None:
+def _meta_model(rank: int, world: int, how: str) -> None:
     torch.manual_seed(rank)  # different seeds: DDP must make the dense replicas equal
     meta = torch.device("meta")
-    ebc = EmbeddingBagCollection([EmbeddingBagConfig(n, d, name, f) for name, n, d, f in TABLES], device=meta)
-    model = DLRMTrain(
-        DLRM(
-            embedding_bag_collection=ebc,
-            dense_in_features=5,
-            dense_arch_layer_sizes=[6, 8],
-            over_arch_layer_sizes=[4, 1],
-            dense_device=meta,
-        )
-    )
+
+    def build() -> DLRMTrain:
+        tables = [EmbeddingBagConfig(n, d, name, f) for name, n, d, f in TABLES]
+        ebc = EmbeddingBagCollection(tables, device=meta if how == "arguments" else None)
+        dlrm = DLRM(ebc, 5, [6, 8], [4, 1], dense_device=meta if how == "arguments" else None)
+        return DLRMTrain(dlrm)
+
+    if how == "arguments":  # TorchRec's way: devices passed down
+        model = build()
+    else:  # torch's way: every tensor, buffers included, on the meta device
+        with meta:
+            model = build()
     dmp = DistributedModelParallel(model, device=torch.device("cpu"))
+    # the interaction's pair indices are buffers derived from the feature count, not zeros
+    fresh = InteractionArch(len(TABLES))
+    for name, b in dmp.module.model.inter_arch.named_buffers():
+        torch.testing.assert_close(b, fresh.get_buffer(name), rtol=0, atol=0, msg=name)
     assert not [n for n, p in dmp.named_parameters() if p.device.type == "meta"]
     dense = {k: v for k, v in dmp.state_dict().items() if "embedding_bag_collection" not in k}
     assert all(v.abs().sum() > 0 for v in dense.values()), "meta dense parameters were not initialised"
@@ -264,8 +270,9 @@ def _meta_model(rank: int, world: int) -> None:
     assert torch.isfinite(loss)
 
 
-def test_dmp_materialises_a_meta_model() -> None:
-    run_distributed(_meta_model, 2)
+@pytest.mark.parametrize("how", ["arguments", "context"])
+def test_dmp_materialises_a_meta_model(how: str) -> None:
+    run_distributed(_meta_model, 2, how)
 
 
 def _bf16_on_gloo(rank: int, world: int) -> None:
