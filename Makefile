@@ -32,7 +32,7 @@ demo-lookup: install
 test: install
 	$(PY) -m pytest -q -x tests
 
-test-fast: install   # the unit tier: no processes launched, well under a minute
+test-fast: install   # the unit tier: no processes launched, no graphs compiled, under a minute
 	$(PY) -m pytest -q -x tests/unit
 
 # CUDA tests and the GPU benchmark; on a machine whose python already has a CUDA torch (and, optionally,

@@ -14,7 +14,7 @@ from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJagge
 from lightning_rec.export import SIGNATURE_FILE, export_program
 from lightning_rec.models import DLRM
 from lightning_rec.testing import run_distributed
-from tests.unit.test_export_program import CARDS, DENSE, SHAPES, _batch, _dlrm
+from tests.integration.test_export_program import CARDS, DENSE, SHAPES, _batch, _dlrm
 
 # the serving process imports torch only, and reports what else got imported
 SERVE = """
