@@ -8,6 +8,7 @@ ranks), so a DMP job on N ranks with batch B per rank trains like one process on
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -273,11 +274,12 @@ class DistributedModelParallel(nn.Module):
     def _init_parameters(self, module: nn.Module) -> None:
         # dense parameters built on the meta device get real storage here and their own initialisation
         inside = {id(x) for _, c in sharded_collections(module) for x in c.modules()}
+        guessed: list[str] = []
         with torch.no_grad():
-            for m in module.modules():
+            for path, m in module.named_modules():
                 if id(m) in inside:  # shards are initialised by shard_modules
                     continue
-                fresh = False
+                fresh, zeroed = False, []
                 for name, p in list(m._parameters.items()):
                     if p is not None and p.device.type == "meta":
                         m._parameters[name] = nn.Parameter(
@@ -288,8 +290,19 @@ class DistributedModelParallel(nn.Module):
                     if b is not None and b.device.type == "meta":
                         m._buffers[name] = torch.zeros_like(b, device=self.device)
                         fresh = True
+                        zeroed.append(f"{path}.{name}" if path else name)
                 if fresh and hasattr(m, "reset_parameters"):
                     cast(_Resettable, m).reset_parameters()
+                else:
+                    guessed += zeroed
+        if guessed:
+            # a meta buffer holds no values: zeros are a guess unless the module rebuilds it or a checkpoint does
+            warnings.warn(
+                f"DistributedModelParallel: the buffers {guessed} were on the meta device and their modules have no "
+                "reset_parameters(); they now hold zeros. Build them on a real device, give their module a "
+                "reset_parameters() that fills them, or load them from a checkpoint.",
+                stacklevel=3,
+            )
 
     def init_data_parallel(self) -> None:
         """Wrap the dense (non-sharded) parameters in DDP. Safe to call again."""

@@ -239,6 +239,12 @@ def test_data_parallel_wrapper_refuses_what_it_cannot_do() -> None:
         DefaultDataParallelWrapper(allreduce_comm_precision="fp8")
 
 
+class _Seen(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.ones(1))
+
+
 def _meta_model(rank: int, world: int, how: str) -> None:
     torch.manual_seed(rank)  # different seeds: DDP must make the dense replicas equal
     meta = torch.device("meta")
@@ -254,13 +260,21 @@ def _meta_model(rank: int, world: int, how: str) -> None:
     else:  # torch's way: every tensor, buffers included, on the meta device
         with meta:
             model = build()
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"))
+            model.seen = _Seen()  # a buffer no reset_parameters() fills
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dmp = DistributedModelParallel(model, device=torch.device("cpu"))
+    guessed = [str(w.message) for w in caught if "meta device" in str(w.message)]
+    if how == "arguments":
+        assert not guessed
+    else:  # named, with what to do; the interaction's buffers are not among them (its reset_parameters fills them)
+        assert len(guessed) == 1 and "['seen.count']" in guessed[0] and "reset_parameters" in guessed[0], guessed
     # the interaction's pair indices are buffers derived from the feature count, not zeros
     fresh = InteractionArch(len(TABLES))
     for name, b in dmp.module.model.inter_arch.named_buffers():
         torch.testing.assert_close(b, fresh.get_buffer(name), rtol=0, atol=0, msg=name)
     assert not [n for n, p in dmp.named_parameters() if p.device.type == "meta"]
-    dense = {k: v for k, v in dmp.state_dict().items() if "embedding_bag_collection" not in k}
+    dense = {k: v for k, v in dmp.state_dict().items() if "embedding_bag_collection" not in k and "seen." not in k}
     assert all(v.abs().sum() > 0 for v in dense.values()), "meta dense parameters were not initialised"
     gathered = [None] * world
     dist.all_gather_object(gathered, dense)
