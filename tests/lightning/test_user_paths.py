@@ -4,7 +4,8 @@
   managed-collision collections, every sharding type);
 - tables marked with TorchRec's ``apply_optimizer_in_backward`` train with that optimizer, fused;
 - a sharded table no optimizer updates is named in a warning at fit start;
-- ``trainer.predict`` with Lightning's own (unpadded) sampler, and validation with loaders of unequal lengths.
+- ``trainer.predict`` with Lightning's own (unpadded) sampler, and validation with loaders of unequal lengths;
+- the model built in ``configure_model``, or under ``trainer.init_module()``.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from lightning_rec.mc import (
     ManagedCollisionEmbeddingBagCollection,
     MCHManagedCollisionModule,
 )
+from lightning_rec.sharding import ShardedEmbeddingBagCollection
 from lightning_rec.testing import run_distributed
-from tests.lightning.models import QUIET_TRAINER, Clicks, collate
+from tests.lightning.models import KEYS, QUIET_TRAINER, TABLES, Clicks, collate
 
 STEPS = 4
 
@@ -292,3 +294,59 @@ def test_predict_and_validate_with_unequal_batch_counts(name: str) -> None:
         assert sorted(got) == list(range(n)), f"{stage}: every sample exactly once"
         for i in got:
             assert abs(got[i] - want[i]) < 1e-5, (stage, i, got[i], want[i])
+
+
+class BuiltLate(RecModule):
+    """The collection and head built in ``configure_model`` (Lightning's hook for models built at setup)."""
+
+    def __init__(self, batch_size: int = 4) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.ebc: EmbeddingBagCollection | None = None
+
+    def configure_model(self) -> None:
+        if self.ebc is not None:  # Lightning calls it again on every fit / validate / test
+            return
+        torch.manual_seed(0)
+        self.ebc = EmbeddingBagCollection(TABLES)
+        self.head = torch.nn.Linear(4 * len(KEYS), 1)
+
+    def training_step(self, batch, _):
+        kjt, y = batch
+        assert self.ebc is not None
+        logits = self.head(self.ebc(kjt).values()).squeeze(1)
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.2)
+
+    def train_dataloader(self):
+        ds = Clicks()
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        sampler = torch.utils.data.DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=False)
+        return DataLoader(ds, batch_size=self.batch_size, collate_fn=collate, sampler=sampler)
+
+
+def _built_late_job(rank: int, ws: int, how: str) -> dict:
+    trainer = _trainer(ws, RecShardedStrategy(embedding_grad="mean"))
+    if how == "init_module":  # Lightning's way to build on the strategy's device and precision
+        with trainer.init_module():
+            model = BuiltLate()
+            model.configure_model()
+    else:
+        model = BuiltLate()
+    trainer.fit(model)
+    assert isinstance(model.ebc, ShardedEmbeddingBagCollection), type(model.ebc)  # sharded, not replicated by DDP
+    state = full_state_dict(model)
+    return state if rank == 0 else {}
+
+
+@pytest.mark.parametrize("how", ["configure_model", "init_module"])
+def test_a_model_built_at_setup_trains_as_one_process(how: str) -> None:
+    got = run_distributed(_built_late_job, 2, how, init_process_group=False, timeout_s=240)[0]
+    reference = BuiltLate(batch_size=8)
+    _trainer(1, "auto").fit(reference)
+    want = reference.state_dict()
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=0, msg=lambda m: f"{how} {k}: {m}")
