@@ -1,6 +1,7 @@
 """SIGTERM to one rank of a rec_sharded fit stops every rank at the same step, with exit code 143, and the
 checkpoints written before are intact (Lightning's own handler broadcasts from inside the handler on the
-signalled rank only, and the ranks hung)."""
+signalled rank only, and the ranks hung). Through shared memory the ranks stop before the next batch; through
+gloo, where the flags travel during a batch and are read at the next, one batch later."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ class Preempted(ClickModule):
         return super().training_step(batch, batch_idx)
 
 
-def _job(rank: int, ws: int, root: str, signalled_rank: int) -> dict:
+def _job(rank: int, ws: int, root: str, signalled_rank: int, shm: str) -> dict:
+    os.environ["LIGHTNING_REC_SHM"] = shm  # before the Trainer makes the process group
     model = Preempted(signalled_rank)
     ckpt = ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1, filename="{step}")
     trainer = L.Trainer(
@@ -62,20 +64,22 @@ def _job(rank: int, ws: int, root: str, signalled_rank: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("signalled_rank", [1, 0])
-def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path, signalled_rank: int) -> None:
-    results = run_distributed(_job, 2, str(tmp_path), signalled_rank, init_process_group=False, timeout_s=240)
+@pytest.mark.parametrize(("signalled_rank", "shm"), [(1, "1"), (0, "1"), (1, "0")])
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path, signalled_rank: int, shm: str) -> None:
+    results = run_distributed(_job, 2, str(tmp_path), signalled_rank, shm, init_process_group=False, timeout_s=240)
+    # the signalled batch (the third) finished; through gloo the flags of the fourth's start arrive at the fifth
+    last = 3 if shm == "1" else 4
     for r in results:
         assert r["code"] == EXIT_CODE, r["code"]  # not 0: a preempted job did not succeed
-        assert r["step"] == 3, r["step"]  # the signalled batch finished, no rank started the next one
+        assert r["step"] == last, r["step"]  # no rank started a batch past that
         assert r["restored"]
     saved = sorted(p.name for p in tmp_path.iterdir())
-    assert saved == ["step=1.ckpt", "step=2.ckpt", "step=3.ckpt"], saved
+    assert saved == [f"step={s}.ckpt" for s in range(1, last + 1)], saved
     # the last checkpoint is complete and holds the state the ranks stopped with
     from lightning_rec import checkpoint as ckpt
 
     model = ClickModule(batch_size=4)
-    ckpt.load(tmp_path / "step=3.ckpt", model)
+    ckpt.load(tmp_path / f"step={last}.ckpt", model)
     want = results[0]["state"]
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, want[k], atol=0, rtol=0, msg=k)
