@@ -102,22 +102,27 @@ class RecShardedFabricStrategy(ShardedFrontEnd, DDPStrategy):
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
     ) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
-        tables = {
-            id(p): f"{path}.{n}" if path else n
+        in_optimizers = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
+        tables = sorted(
+            f"{path}.{n}" if path else n
             for path, m in module.named_modules()
             if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))
             for n, p in m.named_parameters()
-        }
-        held = sorted(
-            {tables[id(p)] for o in optimizers for g in o.param_groups for p in g["params"] if id(p) in tables}
+            if id(p) in in_optimizers
         )
-        if held:
-            raise ValueError(
-                f"rec_sharded: the optimizer was built before sharding and holds the unsharded tables {held[:5]}"
-                f"{' ...' if len(held) > 5 else ''}, which sharding replaces by this rank's shards. Set up the "
-                "module first, then build the optimizer from its parameters: model = fabric.setup_module(model); "
-                "optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), ...))"
-            )
+        meta = sorted(n for n, p in module.named_parameters() if p.device.type == "meta" and id(p) in in_optimizers)
+        for held, what in (
+            (tables, "the unsharded tables {}, which sharding replaces by this rank's shards"),
+            (meta, "parameters on the meta device {}, which set-up replaces by initialised ones"),
+        ):
+            if held:
+                raise ValueError(
+                    "rec_sharded: the optimizer was built before sharding and holds "
+                    + what.format(f"{held[:5]}{' ...' if len(held) > 5 else ''}")
+                    + ". Set up the module first, then build the optimizer from its parameters: "
+                    "model = fabric.setup_module(model); "
+                    "optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), ...))"
+                )
         module = self.setup_module(module)
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler
 
@@ -137,6 +142,8 @@ class RecShardedFabricStrategy(ShardedFrontEnd, DDPStrategy):
 
     @override
     def module_to_device(self, module: nn.Module) -> None:
+        if any(t.device.type == "meta" for t in [*module.parameters(), *module.buffers()]):
+            return  # setup_module gives meta tensors storage, then moves the module (as ModelParallelStrategy)
         module.to(self.root_device)
 
     @override

@@ -17,7 +17,7 @@ from lightning_rec import checkpoint as ckpt
 from lightning_rec.fused_kinds import FusedOptimizerSpec, as_spec
 from lightning_rec.pipeline.collectives import grad_scale
 from lightning_rec.pipeline.qcomm import QCommsConfig, get_qcomm_codecs_registry
-from lightning_rec.pipeline.shard_modules import ddp_ignored_names, fused_optimizer, shard_modules
+from lightning_rec.pipeline.shard_modules import ddp_ignored_names, fused_optimizer, materialize_dense, shard_modules
 from lightning_rec.plans.mesh import MeshInfo, check_layout, init_2d_mesh
 from lightning_rec.plans.plan import ShardingPlan
 from lightning_rec.plans.planner import Planner, automatic_plan
@@ -128,6 +128,9 @@ class ShardSetup:
             embedding_optimizer=spec,
             qcomm_codecs_registry=get_qcomm_codecs_registry(self.qcomms_config),
         )
+        # a dense part built on the meta device (configure_model under torch.device("meta"), as for
+        # ModelParallelStrategy) gets storage and its modules' own initialisation, as DMP gives it
+        materialize_dense(module, device, "rec_sharded")
         fused = fused_optimizer(module)
         for p in [] if fused is None else [p for g in fused.param_groups for p in g["params"]]:
             p._in_backward_optimizers = [fused]  # as DMP: in_backward_optimizer_filter leaves fused tables out

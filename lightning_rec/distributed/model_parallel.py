@@ -8,10 +8,9 @@ ranks), so a DMP job on N ranks with batch B per rank trains like one process on
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,12 @@ from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCol
 from lightning_rec.fused_kinds import FusedOptimizerSpec
 from lightning_rec.optim import FusedOptimizer
 from lightning_rec.pipeline.qcomm import CommOp, pooled_codecs, sequence_codecs
-from lightning_rec.pipeline.shard_modules import ShardedCollection, ddp_ignored_names, sharded_collections
+from lightning_rec.pipeline.shard_modules import (
+    ShardedCollection,
+    ddp_ignored_names,
+    materialize_dense,
+    sharded_collections,
+)
 from lightning_rec.plans.kinds import placement_of
 from lightning_rec.plans.mesh import default_local_size
 from lightning_rec.plans.plan import with_resolved_ranks
@@ -136,10 +140,6 @@ def _embedding_optimizer(module: nn.Module, sharders: list[ModuleSharder]) -> Fu
     if len(specs) > 1:
         raise ValueError(f"collections need one fused optimizer (or none) for all; got {found}")
     return specs.pop() if specs else None
-
-
-class _Resettable(Protocol):
-    def reset_parameters(self) -> None: ...
 
 
 def _move_dense(model: nn.Module, skip: set[str], device: torch.device) -> None:
@@ -273,36 +273,7 @@ class DistributedModelParallel(nn.Module):
 
     def _init_parameters(self, module: nn.Module) -> None:
         # dense parameters built on the meta device get real storage here and their own initialisation
-        inside = {id(x) for _, c in sharded_collections(module) for x in c.modules()}
-        guessed: list[str] = []
-        with torch.no_grad():
-            for path, m in module.named_modules():
-                if id(m) in inside:  # shards are initialised by shard_modules
-                    continue
-                fresh, zeroed = False, []
-                for name, p in list(m._parameters.items()):
-                    if p is not None and p.device.type == "meta":
-                        m._parameters[name] = nn.Parameter(
-                            torch.empty_like(p, device=self.device), requires_grad=p.requires_grad
-                        )
-                        fresh = True
-                for name, b in list(m._buffers.items()):
-                    if b is not None and b.device.type == "meta":
-                        m._buffers[name] = torch.zeros_like(b, device=self.device)
-                        fresh = True
-                        zeroed.append(f"{path}.{name}" if path else name)
-                if fresh and hasattr(m, "reset_parameters"):
-                    cast(_Resettable, m).reset_parameters()
-                else:
-                    guessed += zeroed
-        if guessed:
-            # a meta buffer holds no values: zeros are a guess unless the module rebuilds it or a checkpoint does
-            warnings.warn(
-                f"DistributedModelParallel: the buffers {guessed} were on the meta device and their modules have no "
-                "reset_parameters(); they now hold zeros. Build them on a real device, give their module a "
-                "reset_parameters() that fills them, or load them from a checkpoint.",
-                stacklevel=3,
-            )
+        materialize_dense(module, self.device, "DistributedModelParallel")
 
     def init_data_parallel(self) -> None:
         """Wrap the dense (non-sharded) parameters in DDP. Safe to call again."""

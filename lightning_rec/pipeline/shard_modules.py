@@ -8,6 +8,7 @@ through").
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import cast
 
@@ -36,6 +37,7 @@ __all__ = [
     "ShardedEmbeddingCollection",
     "full_state_dict",
     "fused_optimizer",
+    "materialize_dense",
     "shard_modules",
     "sharded_collections",
 ]
@@ -46,6 +48,47 @@ def sharded_collections(model: nn.Module) -> Iterator[tuple[str, ShardedCollecti
     for path, m in model.named_modules():
         if isinstance(m, ShardedCollection):
             yield path, m
+
+
+def materialize_dense(model: nn.Module, device: torch.device, who: str) -> None:
+    """Give the dense part's meta-device parameters and buffers storage on ``device``, then let each such module
+    fill them with its own ``reset_parameters()`` (torch's convention for deferred initialisation).
+
+    Sharded collections and per-rank state are skipped: shard_modules built those. A meta buffer whose module
+    has no ``reset_parameters()`` holds zeros, and one warning (from ``who``) names every such buffer.
+    Parameters are new objects: build optimizers afterwards.
+    """
+    skip = {id(x) for path, m in model.named_modules() if getattr(m, "per_rank_state", False) for x in m.modules()}
+    guessed: list[str] = []
+    with torch.no_grad():
+        for path, m in model.named_modules():
+            if id(m) in skip:
+                continue
+            fresh, zeroed = False, []
+            for name, p in list(m._parameters.items()):
+                if p is not None and p.device.type == "meta":
+                    m._parameters[name] = nn.Parameter(
+                        torch.empty_like(p, device=device), requires_grad=p.requires_grad
+                    )
+                    fresh = True
+            for name, b in list(m._buffers.items()):
+                if b is not None and b.device.type == "meta":
+                    m._buffers[name] = torch.zeros_like(b, device=device)
+                    fresh = True
+                    zeroed.append(f"{path}.{name}" if path else name)
+            reset = getattr(m, "reset_parameters", None)
+            if fresh and callable(reset):
+                reset()
+            else:
+                guessed += zeroed
+    if guessed:
+        # a meta buffer holds no values: zeros are a guess unless the module rebuilds it or a checkpoint does
+        warnings.warn(
+            f"{who}: the buffers {guessed} were on the meta device and their modules have no reset_parameters(); "
+            "they now hold zeros. Build them on a real device, give their module a reset_parameters() that fills "
+            "them, or load them from a checkpoint.",
+            stacklevel=3,
+        )
 
 
 def ddp_ignored_names(module: nn.Module) -> list[str]:

@@ -25,7 +25,7 @@ from lightning_rec import (
 )
 from lightning_rec.distributed import RowWiseAdagrad
 from lightning_rec.testing import run_distributed
-from tests.lightning.models import QUIET_TRAINER, ClickModule, Clicks, collate
+from tests.lightning.models import KEYS, QUIET_TRAINER, ClickModule, Clicks, collate
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
 LR = 0.2
@@ -150,10 +150,12 @@ def test_accumulation_under_no_backward_sync_with_a_fused_optimizer(fused: str) 
         torch.testing.assert_close(got[k], v, atol=1e-6, rtol=0, msg=lambda m: f"{fused} {k}: {m}")
 
 
-def _optimizer_before_sharding_job(rank: int, ws: int) -> str:
+def _optimizer_before_sharding_job(rank: int, ws: int, held: str) -> str:
     fabric = _fabric(ws)
     model = ClickModule()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    if held == "meta":  # a dense layer built on the meta device: set-up gives it new, initialised parameters
+        model.head = torch.nn.Linear(4 * len(KEYS), 1, device="meta")
+    opt = torch.optim.SGD(model.parameters() if held == "tables" else model.head.parameters(), lr=LR)
     try:
         fabric.setup(model, opt)
     except ValueError as e:
@@ -161,9 +163,28 @@ def _optimizer_before_sharding_job(rank: int, ws: int) -> str:
     return "no error"
 
 
-def test_an_optimizer_built_before_sharding_is_refused() -> None:
-    for msg in run_distributed(_optimizer_before_sharding_job, 2, init_process_group=False):
-        assert "built before sharding" in msg and "ebc.embedding_bags.user.weight" in msg, msg
+def _meta_dense_job(rank: int, ws: int) -> list[float]:
+    fabric = _fabric(ws)
+    model = ClickModule()
+    torch.manual_seed(rank)  # different draws per rank: DDP must make the replicas equal
+    model.head = torch.nn.Linear(4 * len(KEYS), 1, device="meta")
+    model = fabric.setup_module(model)
+    head = model.module.head
+    assert head.weight.device.type == "cpu" and bool(torch.isfinite(head.weight).all())
+    assert float(head.weight.abs().sum()) > 0  # reset_parameters() drew it: not zeros, not garbage
+    return head.weight.detach().flatten().tolist()
+
+
+def test_a_meta_dense_layer_is_initialised_at_set_up() -> None:
+    first, second = run_distributed(_meta_dense_job, 2, init_process_group=False)
+    assert first == second
+
+
+@pytest.mark.parametrize(("held", "named"), [("tables", "ebc.embedding_bags.user.weight"), ("meta", "head.weight")])
+def test_an_optimizer_built_before_sharding_is_refused(held: str, named: str) -> None:
+    for msg in run_distributed(_optimizer_before_sharding_job, 2, held, init_process_group=False):
+        assert "built before sharding" in msg and named in msg, msg
+        assert ("meta device" in msg) == (held == "meta"), msg
         assert "fabric.setup_module(model)" in msg
 
 

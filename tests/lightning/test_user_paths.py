@@ -5,11 +5,12 @@
 - tables marked with TorchRec's ``apply_optimizer_in_backward`` train with that optimizer, fused;
 - a sharded table no optimizer updates is named in a warning at fit start;
 - ``trainer.predict`` with Lightning's own (unpadded) sampler, and validation with loaders of unequal lengths;
-- the model built in ``configure_model``, or under ``trainer.init_module()``.
+- the model built in ``configure_model`` (on the meta device too), or under ``trainer.init_module()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import lightning as L
@@ -297,19 +298,21 @@ def test_predict_and_validate_with_unequal_batch_counts(name: str) -> None:
 
 
 class BuiltLate(RecModule):
-    """The collection and head built in ``configure_model`` (Lightning's hook for models built at setup)."""
+    """The collection and head built in ``configure_model`` (Lightning's hook for models built at setup), on the
+    meta device when ``meta`` (as for ModelParallelStrategy: the strategy gives them storage)."""
 
-    def __init__(self, batch_size: int = 4) -> None:
+    def __init__(self, batch_size: int = 4, meta: bool = False) -> None:
         super().__init__()
-        self.batch_size = batch_size
+        self.batch_size, self.meta = batch_size, meta
         self.ebc: EmbeddingBagCollection | None = None
 
     def configure_model(self) -> None:
         if self.ebc is not None:  # Lightning calls it again on every fit / validate / test
             return
         torch.manual_seed(0)
-        self.ebc = EmbeddingBagCollection(TABLES)
-        self.head = torch.nn.Linear(4 * len(KEYS), 1)
+        with torch.device("meta") if self.meta else contextlib.nullcontext():
+            self.ebc = EmbeddingBagCollection(TABLES)
+            self.head = torch.nn.Linear(4 * len(KEYS), 1)
 
     def training_step(self, batch, _):
         kjt, y = batch
@@ -327,26 +330,42 @@ class BuiltLate(RecModule):
         return DataLoader(ds, batch_size=self.batch_size, collate_fn=collate, sampler=sampler)
 
 
+class _Initial(L.Callback):
+    """The whole model as training starts (collective): where a meta-built model's values come from."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.state = {k: v.clone() for k, v in full_state_dict(pl_module).items()}  # dense entries are live views
+
+
 def _built_late_job(rank: int, ws: int, how: str) -> dict:
-    trainer = _trainer(ws, RecShardedStrategy(embedding_grad="mean"))
+    initial = _Initial()
+    trainer = _trainer(ws, RecShardedStrategy(embedding_grad="mean"), callbacks=[initial])
     if how == "init_module":  # Lightning's way to build on the strategy's device and precision
         with trainer.init_module():
             model = BuiltLate()
             model.configure_model()
     else:
-        model = BuiltLate()
+        model = BuiltLate(meta=how == "meta")
     trainer.fit(model)
     assert isinstance(model.ebc, ShardedEmbeddingBagCollection), type(model.ebc)  # sharded, not replicated by DDP
     state = full_state_dict(model)
-    return state if rank == 0 else {}
+    return {"initial": initial.state, "final": state} if rank == 0 else {}
 
 
-@pytest.mark.parametrize("how", ["configure_model", "init_module"])
+@pytest.mark.parametrize("how", ["configure_model", "init_module", "meta"])
 def test_a_model_built_at_setup_trains_as_one_process(how: str) -> None:
     got = run_distributed(_built_late_job, 2, how, init_process_group=False, timeout_s=240)[0]
     reference = BuiltLate(batch_size=8)
+    reference.configure_model()
+    if how == "meta":  # initialised by the strategy, not by the seed: start the reference from the same values
+        assert all(torch.isfinite(v).all() and v.abs().sum() > 0 for v in got["initial"].values())
+        reference.load_state_dict(got["initial"])
+    else:
+        want = reference.state_dict()
+        for k in want:
+            torch.testing.assert_close(got["initial"][k], want[k], atol=0, rtol=0, msg=k)
     _trainer(1, "auto").fit(reference)
     want = reference.state_dict()
-    assert set(got) == set(want)
+    assert set(got["final"]) == set(want)
     for k in want:
-        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=0, msg=lambda m: f"{how} {k}: {m}")
+        torch.testing.assert_close(got["final"][k], want[k], atol=1e-6, rtol=0, msg=lambda m: f"{how} {k}: {m}")
