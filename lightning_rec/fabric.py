@@ -9,7 +9,7 @@ strategy, and ``fabric.save`` / ``fabric.load`` read and write the same checkpoi
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -139,6 +139,17 @@ class RecShardedFabricStrategy(ShardedFrontEnd, DDPStrategy):
         if not ignore_in_ddp(module):
             return module
         return _compat.ddp_on_current_stream(self, module)
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """``empty_init=True`` (``fabric.init_module(empty_init=True)``) builds on the meta device: set-up then
+        allocates only each rank's shards and gives the dense part storage and its ``reset_parameters()``."""
+        if not empty_init:
+            return super().module_init_context(empty_init)
+        stack = ExitStack()
+        stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
 
     @override
     def module_to_device(self, module: nn.Module) -> None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -156,6 +157,19 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         self.embedding_optimizer, self.planner = self.core.shard(
             module, self.mesh_info, self.root_device, self.world_size, batch_size
         )
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``empty_init=True`` (``trainer.init_module(empty_init=True)``) builds on the meta device, as
+        ModelParallelStrategy does: sharding allocates only each rank's shards, filled from the tables' configs,
+        and the dense part gets storage and its ``reset_parameters()`` (not uninitialised memory)."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
 
     @override
     def setup(self, trainer: L.Trainer) -> None:

@@ -163,20 +163,28 @@ def _optimizer_before_sharding_job(rank: int, ws: int, held: str) -> str:
     return "no error"
 
 
-def _meta_dense_job(rank: int, ws: int) -> list[float]:
+def _meta_dense_job(rank: int, ws: int, how: str) -> list[float]:
     fabric = _fabric(ws)
-    model = ClickModule()
+    if how == "empty_init":  # everything on the meta device
+        with fabric.init_module(empty_init=True):
+            model = ClickModule()
+        assert model.ebc.embedding_bags["user"].weight.device.type == "meta"
+    else:
+        model = ClickModule()
     torch.manual_seed(rank)  # different draws per rank: DDP must make the replicas equal
     model.head = torch.nn.Linear(4 * len(KEYS), 1, device="meta")
     model = fabric.setup_module(model)
     head = model.module.head
     assert head.weight.device.type == "cpu" and bool(torch.isfinite(head.weight).all())
     assert float(head.weight.abs().sum()) > 0  # reset_parameters() drew it: not zeros, not garbage
+    for p in model.module.ebc.parameters():  # this rank's shards, filled from the tables' configs
+        assert p.device.type == "cpu" and bool(torch.isfinite(p).all()) and (p.numel() == 0 or float(p.abs().sum()) > 0)
     return head.weight.detach().flatten().tolist()
 
 
-def test_a_meta_dense_layer_is_initialised_at_set_up() -> None:
-    first, second = run_distributed(_meta_dense_job, 2, init_process_group=False)
+@pytest.mark.parametrize("how", ["head", "empty_init"])
+def test_a_meta_dense_layer_is_initialised_at_set_up(how: str) -> None:
+    first, second = run_distributed(_meta_dense_job, 2, how, init_process_group=False)
     assert first == second
 
 

@@ -5,7 +5,8 @@
 - tables marked with TorchRec's ``apply_optimizer_in_backward`` train with that optimizer, fused;
 - a sharded table no optimizer updates is named in a warning at fit start;
 - ``trainer.predict`` with Lightning's own (unpadded) sampler, and validation with loaders of unequal lengths;
-- the model built in ``configure_model`` (on the meta device too), or under ``trainer.init_module()``.
+- the model built in ``configure_model`` (on the meta device too), or under ``trainer.init_module()`` (with
+  ``empty_init=True`` too: on the meta device, initialised at set-up).
 """
 
 from __future__ import annotations
@@ -340,10 +341,11 @@ class _Initial(L.Callback):
 def _built_late_job(rank: int, ws: int, how: str) -> dict:
     initial = _Initial()
     trainer = _trainer(ws, RecShardedStrategy(embedding_grad="mean"), callbacks=[initial])
-    if how == "init_module":  # Lightning's way to build on the strategy's device and precision
-        with trainer.init_module():
+    if how.startswith("init_module"):  # Lightning's way to build on the strategy's device and precision
+        with trainer.init_module(empty_init=how == "init_module_empty"):  # empty: on the meta device
             model = BuiltLate()
             model.configure_model()
+        assert (model.head.weight.device.type == "meta") == (how == "init_module_empty")
     else:
         model = BuiltLate(meta=how == "meta")
     trainer.fit(model)
@@ -352,12 +354,12 @@ def _built_late_job(rank: int, ws: int, how: str) -> dict:
     return {"initial": initial.state, "final": state} if rank == 0 else {}
 
 
-@pytest.mark.parametrize("how", ["configure_model", "init_module", "meta"])
+@pytest.mark.parametrize("how", ["configure_model", "init_module", "meta", "init_module_empty"])
 def test_a_model_built_at_setup_trains_as_one_process(how: str) -> None:
     got = run_distributed(_built_late_job, 2, how, init_process_group=False, timeout_s=240)[0]
     reference = BuiltLate(batch_size=8)
     reference.configure_model()
-    if how == "meta":  # initialised by the strategy, not by the seed: start the reference from the same values
+    if how in ("meta", "init_module_empty"):  # initialised at set-up, not by the seed: start the reference there
         assert all(torch.isfinite(v).all() and v.abs().sum() > 0 for v in got["initial"].values())
         reference.load_state_dict(got["initial"])
     else:
