@@ -6,7 +6,8 @@
 - a sharded table no optimizer updates is named in a warning at fit start;
 - ``trainer.predict`` with Lightning's own (unpadded) sampler, and validation with loaders of unequal lengths;
 - the model built in ``configure_model`` (on the meta device too), or under ``trainer.init_module()`` (with
-  ``empty_init=True`` too: on the meta device, initialised at set-up).
+  ``empty_init=True`` too: on the meta device, initialised at set-up);
+- weights-only top-k and last checkpoints with EarlyStopping, an LR scheduler and LearningRateMonitor.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import warnings
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_rec import (
@@ -44,7 +47,7 @@ from lightning_rec.mc import (
 )
 from lightning_rec.sharding import ShardedEmbeddingBagCollection
 from lightning_rec.testing import run_distributed
-from tests.lightning.models import KEYS, QUIET_TRAINER, TABLES, Clicks, collate
+from tests.lightning.models import KEYS, QUIET_TRAINER, TABLES, ClickModule, Clicks, collate
 
 STEPS = 4
 
@@ -371,3 +374,57 @@ def test_a_model_built_at_setup_trains_as_one_process(how: str) -> None:
     assert set(got["final"]) == set(want)
     for k in want:
         torch.testing.assert_close(got["final"][k], want[k], atol=1e-6, rtol=0, msg=lambda m: f"{how} {k}: {m}")
+
+
+class Monitored(ClickModule):
+    """Validation on the training data, SGD with a step schedule."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.2)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)}
+
+    def train_dataloader(self):
+        ds = Clicks()
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        sampler = torch.utils.data.DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=False)
+        return DataLoader(ds, batch_size=self.batch_size, collate_fn=collate, sampler=sampler)
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+def _monitored_job(rank: int, ws: int, root: str) -> dict:
+    top = ModelCheckpoint(dirpath=root, save_weights_only=True, monitor="val_loss", save_top_k=2, save_last=True)
+    stop = EarlyStopping(monitor="val_loss", patience=0, min_delta=10.0)  # no epoch improves by 10: stops at the 2nd
+    quiet = {k: v for k, v in QUIET_TRAINER.items() if k not in ("logger", "enable_checkpointing")}
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=ws,
+        strategy=RecShardedStrategy(embedding_grad="mean"),
+        max_epochs=5,
+        limit_train_batches=3,
+        limit_val_batches=2,
+        use_distributed_sampler=False,
+        callbacks=[top, stop, LearningRateMonitor()],
+        logger=CSVLogger(root),
+        **quiet,
+    )
+    model = Monitored()
+    trainer.fit(model)
+    state = full_state_dict(model)
+    return {"epoch": trainer.current_epoch, "step": trainer.global_step, "best": top.best_model_path, "state": state}
+
+
+def test_weights_only_checkpoints_with_early_stopping_and_a_schedule(tmp_path) -> None:
+    results = run_distributed(_monitored_job, 2, str(tmp_path), init_process_group=False, timeout_s=240)
+    assert [(r["epoch"], r["step"]) for r in results] == [(2, 6), (2, 6)]  # every rank stopped after epoch 1
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == [
+        "epoch=0-step=3.ckpt",
+        "epoch=1-step=6.ckpt",
+        "last.ckpt",
+    ]
+    assert (tmp_path / "lightning_logs").exists()  # the monitor's learning rates were logged
+    last = Monitored.load_from_checkpoint(tmp_path / "last.ckpt")  # weights only, into one process
+    for k, v in results[0]["state"].items():
+        torch.testing.assert_close(last.state_dict()[k], v, atol=0, rtol=0, msg=k)
+    assert set(Monitored.load_from_checkpoint(results[0]["best"]).state_dict()) == set(results[0]["state"])
