@@ -13,6 +13,7 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.data import sized_len
+from lightning.pytorch import callbacks
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -186,6 +187,7 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
+            self._refuse_model_copies(trainer)
             self._check_fused_trainer(trainer)
             if self.pipeline:  # after sharding: it finds the sharded collections
                 self._prefetcher = InputPrefetcher(self.lightning_module, "RecShardedStrategy(pipeline=True)")
@@ -242,6 +244,23 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         if scaler is not None:
             # the plugins with a scaler (mixed precision, FSDP's) share no base class that declares it
             cast(Any, self.precision_plugin).scaler = _compat.synced_grad_scaler(scaler, torch.distributed.group.WORLD)
+
+    @staticmethod
+    def _refuse_model_copies(trainer: L.Trainer) -> None:
+        # weight averaging copies the LightningModule in its setup hook, before sharding: the copy holds whole
+        # tables, the live model this rank's shards, and averaging them fails on mismatched shapes (or, where
+        # shapes happen to agree, averages unrelated rows)
+        kinds = tuple(
+            c for c in (getattr(callbacks, n, None) for n in ("StochasticWeightAveraging", "WeightAveraging")) if c
+        )
+        found = [type(c).__name__ for c in trainer.callbacks if isinstance(c, kinds)]  # type: ignore[attr-defined]
+        if found:
+            raise ValueError(
+                f"rec_sharded: {found[0]} keeps a copy of the whole model, made before the tables are sharded, and "
+                "averages it with this rank's shards, which cannot match. Average the dense part yourself (for "
+                "example torch.optim.swa_utils.AveragedModel of the dense modules, updated in on_train_batch_end), "
+                "or train without weight averaging"
+            )
 
     def _check_fused_trainer(self, trainer: L.Trainer) -> None:
         if self.embedding_optimizer is None:

@@ -7,7 +7,8 @@
 - ``trainer.predict`` with Lightning's own (unpadded) sampler, and validation with loaders of unequal lengths;
 - the model built in ``configure_model`` (on the meta device too), or under ``trainer.init_module()`` (with
   ``empty_init=True`` too: on the meta device, initialised at set-up);
-- weights-only top-k and last checkpoints with EarlyStopping, an LR scheduler and LearningRateMonitor.
+- weights-only top-k and last checkpoints with EarlyStopping, an LR scheduler and LearningRateMonitor;
+- weight averaging (its copy of the model predates sharding) refused with what to do instead.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import warnings
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch import callbacks
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
@@ -428,3 +430,21 @@ def test_weights_only_checkpoints_with_early_stopping_and_a_schedule(tmp_path) -
     for k, v in results[0]["state"].items():
         torch.testing.assert_close(last.state_dict()[k], v, atol=0, rtol=0, msg=k)
     assert set(Monitored.load_from_checkpoint(results[0]["best"]).state_dict()) == set(results[0]["state"])
+
+
+def _averaging_job(rank: int, ws: int, name: str) -> str:
+    averaging = getattr(callbacks, name)
+    callback = averaging(swa_lrs=0.1) if name == "StochasticWeightAveraging" else averaging()
+    trainer = _trainer(ws, RecShardedStrategy(), callbacks=[callback], max_epochs=2, max_steps=-1)
+    try:
+        trainer.fit(Monitored())
+    except ValueError as e:
+        return str(e)
+    return "trained"
+
+
+@pytest.mark.parametrize("name", [n for n in ("StochasticWeightAveraging", "WeightAveraging") if hasattr(callbacks, n)])
+def test_weight_averaging_is_refused_on_every_rank(name: str) -> None:
+    for msg in run_distributed(_averaging_job, 2, name, init_process_group=False, timeout_s=240):
+        assert msg.startswith(f"rec_sharded: {name} keeps a copy of the whole model"), msg
+        assert "AveragedModel of the dense modules" in msg
