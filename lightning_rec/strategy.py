@@ -175,6 +175,8 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
     @override
     def setup(self, trainer: L.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._refuse_model_copies(trainer)  # before any collective: every rank refuses alike
         self.accelerator.setup(trainer)
         self._shard()  # before DDP and before the optimizers see the parameters
         if self.compile_options is not None:
@@ -187,7 +189,6 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
-            self._refuse_model_copies(trainer)
             self._check_fused_trainer(trainer)
             if self.pipeline:  # after sharding: it finds the sharded collections
                 self._prefetcher = InputPrefetcher(self.lightning_module, "RecShardedStrategy(pipeline=True)")

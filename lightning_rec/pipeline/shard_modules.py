@@ -58,7 +58,7 @@ def materialize_dense(model: nn.Module, device: torch.device, who: str) -> None:
     has no ``reset_parameters()`` holds zeros, and one warning (from ``who``) names every such buffer.
     Parameters are new objects: build optimizers afterwards.
     """
-    skip = {id(x) for path, m in model.named_modules() if getattr(m, "per_rank_state", False) for x in m.modules()}
+    skip = {id(x) for m in model.modules() if getattr(m, "per_rank_state", False) for x in m.modules()}
     guessed: list[str] = []
     with torch.no_grad():
         for path, m in model.named_modules():
