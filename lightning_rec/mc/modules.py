@@ -78,7 +78,7 @@ class MCHManagedCollisionModule(nn.Module):
         name: str | None = None,
     ) -> None:
         super().__init__()
-        if device is not None and torch.device(device).type != "cpu":
+        if device is not None and torch.device(device).type not in ("cpu", "meta"):
             raise ValueError(f"managed collision {name!r}: remapping runs on CPU, got device {device}")
         self._name = name
         policy = eviction_policy if eviction_policy is not None else LRU_EvictionPolicy()
@@ -90,12 +90,15 @@ class MCHManagedCollisionModule(nn.Module):
         self._zch_size = int(zch_size)
         self.check_num_buckets(num_buckets)
         self._target_num_buckets = int(num_buckets)
-        self.register_buffer("_mch_raw_ids", torch.full((zch_size,), -1, dtype=torch.int64))
-        self.register_buffer("_mch_last_access", torch.zeros(zch_size, dtype=torch.int64))
-        self.register_buffer("_mch_counts", torch.zeros(zch_size, dtype=torch.int64))
-        self.register_buffer("_mch_step", torch.zeros((), dtype=torch.int64))
-        self.register_buffer("_mch_num_buckets", torch.tensor(int(num_buckets), dtype=torch.int64))
-        self.register_buffer("_mch_generation", torch.tensor(_fresh_generation(), dtype=torch.int64))
+        # the remap state is real from the start, on the CPU, even in a model built on the meta device
+        # (device="meta" as TorchRec's examples pass it, or under torch.device("meta")): only tables are deferred
+        long, cpu = torch.int64, torch.device("cpu")
+        self.register_buffer("_mch_raw_ids", torch.full((zch_size,), -1, dtype=long, device=cpu))
+        self.register_buffer("_mch_last_access", torch.zeros(zch_size, dtype=long, device=cpu))
+        self.register_buffer("_mch_counts", torch.zeros(zch_size, dtype=long, device=cpu))
+        self.register_buffer("_mch_step", torch.zeros((), dtype=long, device=cpu))
+        self.register_buffer("_mch_num_buckets", torch.tensor(int(num_buckets), dtype=long, device=cpu))
+        self.register_buffer("_mch_generation", torch.tensor(_fresh_generation(), dtype=long, device=cpu))
         self._index: _remap.SlotIndex | None = None
         self._index_generation: int | None = None
         self._owned: torch.Tensor | None = None  # rows this rank owns when sharded (None: all)

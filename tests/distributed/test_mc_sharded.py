@@ -45,17 +45,22 @@ RESIZE_AT = {2: 16, 4: 4}  # step -> new bucket count (table "a": 8 -> 16 -> 4 b
 LR = 0.25  # a power of two: with a sum loss the updates are exact, whatever the order of the sum
 
 
-def _model(return_remapped: bool = True) -> ManagedCollisionEmbeddingBagCollection:
+def _model(return_remapped: bool = True, meta: str | None = None) -> ManagedCollisionEmbeddingBagCollection:
+    """``meta``: built on the meta device, by ``"arguments"`` (TorchRec's ``device=``) or in a ``"context"``."""
     torch.manual_seed(0)
+    if meta == "context":
+        with torch.device("meta"):
+            return _model(return_remapped)
+    device = "meta" if meta == "arguments" else None
     tables = [
         EmbeddingBagConfig(name="a", num_embeddings=64, embedding_dim=4, feature_names=["f", "g"]),
         EmbeddingBagConfig(name="b.x", num_embeddings=32, embedding_dim=4, feature_names=["h"], pooling="mean"),
     ]
-    ebc = EmbeddingBagCollection(tables)
+    ebc = EmbeddingBagCollection(tables, device=device)
     mcc = ManagedCollisionCollection(
         {
-            "a": MCHManagedCollisionModule(64, num_buckets=8, eviction_policy=LRU_EvictionPolicy()),
-            "b.x": MCHManagedCollisionModule(32, num_buckets=8, eviction_policy=LFU_EvictionPolicy()),
+            "a": MCHManagedCollisionModule(64, device, num_buckets=8, eviction_policy=LRU_EvictionPolicy()),
+            "b.x": MCHManagedCollisionModule(32, device, num_buckets=8, eviction_policy=LFU_EvictionPolicy()),
         },
         tables,
     )
@@ -163,6 +168,26 @@ def test_sharded_matches_single_process(kind, ws):
         for k in ref_state:
             assert torch.equal(state[k], ref_state[k]), (rank, k)
     assert int(ref_state["_managed_collision_collection._managed_collision_modules.a._mch_num_buckets"]) == 4
+
+
+def _meta_job(rank: int, ws: int, meta: str):
+    model = _model(meta=meta)
+    assert next(model.parameters()).device.type == "meta"  # the tables are deferred, the remap state is not
+    model = shard_modules(model, _plan("rw", ws))
+    remaps = _train(model, rank, ws)
+    return remaps, {k: v for k, v in _full_state(model).items() if "_mch_" in k}
+
+
+@pytest.mark.parametrize("meta", ["arguments", "context"])
+def test_a_meta_built_model_remaps_as_one_process(meta: str) -> None:
+    # tables built on the meta device are filled at shard time; the remap state starts as a CPU-built one's
+    ref_remaps, ref_state = _reference()
+    for rank, (remaps, state) in enumerate(run_distributed(_meta_job, 2, meta)):
+        for step in range(STEPS):
+            assert remaps[step] == _per_rank(ref_remaps[step], step, rank, 2), (rank, step)
+        assert state.keys() == {k for k in ref_state if "_mch_" in k}
+        for k in state:
+            assert torch.equal(state[k], ref_state[k]), (rank, k)
 
 
 def _save_job(rank: int, ws: int, path: str):
