@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import IO, Any, Self
 
@@ -19,6 +20,7 @@ from lightning_rec.pipeline.shard_modules import (
     ShardedEmbeddingBagCollection,
     ShardedEmbeddingCollection,
     fused_optimizer,
+    materialize_dense,
 )
 from lightning_rec.plans.plan import ShardingPlan
 
@@ -104,12 +106,21 @@ class RecModule(L.LightningModule):
             else:
                 raise ValueError(".csv, .yml or .yaml is required for `hparams_file`")
         checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {}).update(kwargs)
-        model = _compat.lightning_load_state(cls, checkpoint, strict, **kwargs)
+        with warnings.catch_warnings():
+            # a meta-built model is loaded again below, once it has storage: torch's notice is not the user's
+            warnings.filterwarnings("ignore", message=r".*to a meta parameter in the current model.*")
+            model = _compat.lightning_load_state(cls, checkpoint, strict, **kwargs)
         state = checkpoint["state_dict"]
         if not state:
             rank_zero_warn(f"The state dict in {str(path)!r} contains no parameters.")
             return model
-        return model.to(next(iter(state.values())).device)
+        device = next(iter(state.values())).device
+        if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
+            # configure_model built on the meta device, and loading copied into nothing: give the model storage
+            # (and what reset_parameters() derives, such as non-persistent buffers), then load again
+            materialize_dense(model, device, "load_from_checkpoint")
+            model.load_state_dict(state, strict=model.strict_loading if strict is None else strict)
+        return model.to(device)
 
 
 def _stored_device(map_location: Any) -> torch.device:

@@ -310,6 +310,7 @@ class BuiltLate(RecModule):
 
     def __init__(self, batch_size: int = 4, meta: bool = False) -> None:
         super().__init__()
+        self.save_hyperparameters()  # load_from_checkpoint builds it the same way (on the meta device too)
         self.batch_size, self.meta = batch_size, meta
         self.ebc: EmbeddingBagCollection | None = None
 
@@ -342,6 +343,25 @@ class _Initial(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.state = {k: v.clone() for k, v in full_state_dict(pl_module).items()}  # dense entries are live views
+
+
+def _saved_meta_job(rank: int, ws: int, path: str) -> dict:
+    trainer = _trainer(ws, RecShardedStrategy(embedding_grad="mean"))
+    model = BuiltLate(meta=True)
+    trainer.fit(model)
+    trainer.save_checkpoint(path)
+    return full_state_dict(model)
+
+
+def test_a_meta_built_model_loads_from_its_checkpoint_into_one_process(tmp_path) -> None:
+    final = run_distributed(_saved_meta_job, 2, str(tmp_path / "m.ckpt"), init_process_group=False)[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = BuiltLate.load_from_checkpoint(tmp_path / "m.ckpt")  # configure_model builds it on meta again
+    assert not [w for w in caught if "meta" in str(w.message)], [str(w.message) for w in caught]
+    assert loaded.meta and {p.device.type for p in loaded.parameters()} == {"cpu"}
+    for k, v in final.items():
+        torch.testing.assert_close(loaded.state_dict()[k], v, atol=0, rtol=0, msg=k)
 
 
 def _built_late_job(rank: int, ws: int, how: str) -> dict:
