@@ -1,5 +1,6 @@
 """Input pipelining without Lightning: ``TrainPipelineSparseDist`` starts batch i+1's input dist before batch i
-trains, and its weights are bitwise those of the plain loop (2 gloo processes, every sharding type)."""
+trains, and its weights are bitwise those of the plain loop (2 gloo processes, every sharding type, pooled and
+sequence collections)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from lightning_rec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    KeyedJaggedTensor,
+)
 from lightning_rec.data import Batch
 from lightning_rec.distributed import TrainPipelineSparseDist
 from lightning_rec.distributed.train_pipeline import InputPrefetcher, find_kjts
@@ -168,6 +175,54 @@ def test_pipelined_weights_equal_the_plain_loop_bitwise(
     weighted: bool, fused: bool, rebuild: bool, repeat: bool
 ) -> None:
     run_distributed(_job, 2, weighted, fused, rebuild, repeat)
+
+
+class _SequenceModel(nn.Module):
+    """A sequence collection of every sharding type, each sample's embeddings summed, times a dense layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ec = EmbeddingCollection([EmbeddingConfig(r, 8, name, [f"f_{name}"]) for r, name in zip(ROWS, TABLES)])
+        self.dense = nn.Linear(3, 8)
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        b = batch.dense.shape[0]
+        summed = torch.zeros(b, 8)
+        for jt in self.ec(batch.sparse).values():
+            summed = summed.index_add(0, torch.repeat_interleave(torch.arange(b), jt.lengths()), jt.values())
+        logits = (summed * self.dense(batch.dense)).sum(1)
+        return nn.functional.binary_cross_entropy_with_logits(logits, batch.labels), logits.detach()
+
+
+def _sequence_job(rank: int, ws: int) -> None:
+    def sharded() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        plan = {"tw": table_wise(1 % ws), "rw": row_wise(), "cw": column_wise([0, 1 % ws]), "dp": data_parallel()}
+        model = shard_modules(_SequenceModel(), ShardingPlan({"ec": plan}))
+        return model, torch.optim.SGD(model.parameters(), lr=0.3)
+
+    model, opt = sharded()
+    for batch in _batches(rank, False):
+        opt.zero_grad()
+        model(batch)[0].backward()
+        opt.step()
+    want = full_state_dict(model)
+    model, opt = sharded()
+    pipeline, it, steps = TrainPipelineSparseDist(model, opt, torch.device("cpu")), iter(_batches(rank, False)), 0
+    while True:
+        try:
+            pipeline.progress(it)
+        except StopIteration:
+            break
+        steps += 1
+    got = full_state_dict(model)
+    assert steps == 4
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k} differs on rank {rank}"
+
+
+def test_pipelined_sequence_collection_equals_the_plain_loop_bitwise() -> None:
+    run_distributed(_sequence_job, 2)
 
 
 def _modified_job(rank: int, ws: int) -> str:
