@@ -15,10 +15,12 @@ import torch
 import torch.fx._pytree as _fx_pytree
 import torch.fx.experimental._config as _fx_shape_config
 import torch.utils._pytree as _pytree
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher as _FabricPopen
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.wrappers import _FabricModule
 from lightning.pytorch.core.saving import _load_state
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher as _TrainerPopen
 from lightning.pytorch.utilities.model_helpers import _restricted_classmethod
 from torch.distributed import distributed_c10d
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -412,6 +414,10 @@ def sparse_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 #: Lightning Fabric's base for a strategy's ``no_backward_sync`` (``_BackwardSyncControl``: run on lightning 2.6,
 #: there since 2.0)
 BackwardSyncControl = _BackwardSyncControl
+
+# Lightning's popen launchers (``python train.py`` with devices=N): the Trainer's and Fabric's, since Lightning 2.0
+TrainerPopenLauncher = _TrainerPopen
+FabricPopenLauncher = _FabricPopen
 
 
 def group_timeout(group: Any = None) -> timedelta:

@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_rec import transport
 from lightning_rec.data.loader import status_group
+from lightning_rec.transport import inflight
 
 EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
 
@@ -66,9 +67,16 @@ class AgreedStop:
         world = dist.get_world_size(group)
         flags = torch.empty(world, dtype=torch.int64)
         mine = torch.full((world,), int(self.signalled), dtype=torch.int64)
-        self._pending = (flags, dist.all_to_all_single(flags, mine, group=group, async_op=True))
+        work = dist.all_to_all_single(flags, mine, group=group, async_op=True)
+        self._pending = (flags, inflight.track(work, flags, mine))
 
     def close(self) -> None:
+        """Restore the previous handler; the flags still in flight (sent at the last batch by every rank) are
+        waited for, not left running past the fit."""
+        if self._pending is not None:
+            _, work = self._pending
+            self._pending = None
+            work.settle()
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None

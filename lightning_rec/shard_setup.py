@@ -12,7 +12,7 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
-from lightning_rec import _compat
+from lightning_rec import _compat, child_exits
 from lightning_rec import checkpoint as ckpt
 from lightning_rec.fused_kinds import FusedOptimizerSpec, as_spec
 from lightning_rec.pipeline.collectives import grad_scale
@@ -22,6 +22,7 @@ from lightning_rec.plans.mesh import MeshInfo, check_layout, init_2d_mesh
 from lightning_rec.plans.plan import ShardingPlan
 from lightning_rec.plans.planner import Planner, automatic_plan
 from lightning_rec.table_optimizers import marked_embedding_optimizer
+from lightning_rec.transport import inflight
 
 
 def ignore_in_ddp(model: nn.Module, module: nn.Module | None = None) -> bool:
@@ -205,4 +206,16 @@ class ShardedFrontEnd:
 
     def setup_environment(self) -> None:
         super().setup_environment()  # type: ignore[misc]
+        inflight.install_exit_hook()  # after Lightning's exit handler: runs before it
         self.mesh_info = self.core.init_mesh(self.world_size, self.num_processes, self.num_nodes, self.root_device)
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()  # type: ignore[misc]
+        # ranks that fail after rank 0 finished make the job fail too (child_exits)
+        self._launcher = child_exits.reporting(self._launcher)
+
+    def teardown(self) -> None:
+        # collectives still in flight (a loader's status exchange for a batch never asked for) finish here, not
+        # while the interpreter shuts down
+        inflight.drain()
+        super().teardown()  # type: ignore[misc]

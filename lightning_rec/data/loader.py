@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from lightning_rec import _compat
 from lightning_rec.data._stream import ClickStream
+from lightning_rec.transport import inflight
 
 _OK, _DONE, _FAILED = 0, 1, 2
 _GLOO_GROUPS: dict[int, Any] = {}
@@ -62,9 +63,10 @@ def agreed(iterator: Iterator[Any], what: str) -> Iterator[Any]:
     group = status_group()
     world = dist.get_world_size(group)
 
-    def exchange(status: int) -> tuple[list[torch.Tensor], Any]:
+    def exchange(status: int) -> tuple[list[torch.Tensor], inflight.Tracked]:
         flags = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
-        return flags, dist.all_gather(flags, torch.tensor([status], dtype=torch.int32), group=group, async_op=True)
+        mine = torch.tensor([status], dtype=torch.int32)
+        return flags, inflight.track(dist.all_gather(flags, mine, group=group, async_op=True), flags, mine)
 
     step = 0
     item, error, status = _fetch(iterator)
@@ -76,7 +78,13 @@ def agreed(iterator: Iterator[Any], what: str) -> Iterator[Any]:
             current = item
             item, error, status = _fetch(iterator)
             flags, work = exchange(status)
-            yield current
+            try:
+                yield current
+            except GeneratorExit:
+                # the caller stopped early (max_steps, limit_*_batches, an error): every rank sent this status
+                # before handing out its batch, so it completes; waited for here, not left running at exit
+                work.settle()
+                raise
             step += 1
             continue
         if all(s == _DONE for s in statuses):

@@ -42,6 +42,7 @@ LAYERS = {
     "fabric": 5,
     "uneven": 5,
     "preemption": 5,
+    "child_exits": 5,
     "shard_setup": 5,
     "table_optimizers": 5,
     "rec_module": 5,
