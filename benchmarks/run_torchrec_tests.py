@@ -45,8 +45,12 @@ HELPERS = {"torchrec.sparse.tests.utils": "torchrec/sparse/tests/utils.py"}
 # Why the remaining failures fail (kept in the report so a reader can check each one against the list).
 KNOWN_DIFFERENCES = """\
 History: commit 58aa38e: sparse 9/111, models 3/60. Commit 5ee0af6: sparse 70/111, models 48/60, sharding not
-run. Now: the sparse types and the collections are torch.jit.script-able; values / weights past the last bag
-are accepted.
+run. Then: the sparse types and the collections are torch.jit.script-able; values / weights past the last bag
+are accepted (sparse 94/111 at TorchRec a48cef7). Now: `kt_regroup_arguments` (TorchRec's
+`_kt_regroup_arguments`) and `KeyedTensor.regroup` reading a key held by several inputs from the last one, as
+TorchRec's does; the `torch.ops.fbgemm` regroup ops these tests call (`permute_multi_embedding`,
+`kt_regroup_arguments`, `regroup_keyed_tensor`) are fbgemm-gpu's own, loaded by the alias as importing TorchRec
+loads them (sparse 102/111; without fbgemm-gpu installed the 7 tests calling them fail).
 
 Remaining failures, by reason:
 - Malformed inputs kept refused (no defined result, or a silently different batch):
@@ -54,11 +58,11 @@ Remaining failures, by reason:
   lengths that cover MORE entries than `values` has; `test_vbe_kjt_stride` gives 3 keys but
   `stride_per_key_per_rank` for 2. (`KeyedJaggedTensor.concat` / `from_jt_dict` of an input whose values run
   past its last bag is refused too: TorchRec concatenates the raw values, which shifts the next input's bags.)
-- TorchRec internals not copied: `_kt_regroup_arguments`, the `fbgemm.regroup_keyed_tensor` /
-  `kt_regroup_arguments` ops (8 tests of TestKeyedTensorRegroupOp); the `dist_labels` / `dist_splits` /
-  `dist_tensors` / `dist_init` input-dist helpers (`test_scriptable_forward`); lazily computed lengths / offsets
-  (`test_pytree_kjt` expects `lengths_or_none() is None`); empty JaggedTensors with an empty (not `[0]`) offsets
-  tensor (`test_empty`, `test_empty_to_dict`).
+- TorchRec internals not copied: the `dist_labels` / `dist_splits` / `dist_tensors` / `dist_init` input-dist
+  helpers of its sharded input dist (`test_scriptable_forward`); lazily computed lengths / offsets
+  (`test_pytree_kjt` expects `lengths_or_none() is None`; here both are computed when the KJT is built and
+  checked once); empty JaggedTensors with an empty (not `[0]`) offsets tensor (`test_empty`,
+  `test_empty_to_dict`: here offsets always hold one more entry than bags, which the lookups rely on).
 - Numeric checks against TorchRec's seeded initial weights: TorchRec's nn.EmbeddingBag draws a normal_ init
   before the uniform one, so the same seed gives other weights here (the maths is checked against plain torch
   in tests/unit/test_nn_models.py).

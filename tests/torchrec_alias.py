@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.fx
 
-from lightning_rec.sparse import KeyedTensor
+from lightning_rec.sparse import KeyedTensor, kt_regroup_arguments
 
 # torchrec module -> lightning_rec modules searched in order for each attribute
 _SOURCES: dict[str, list[str]] = {
@@ -95,10 +95,13 @@ def _skip_if_asan(func: Callable) -> Callable:
 
 _EXTRA: dict[str, dict[str, Any]] = {
     # TorchRec's several implementations of KeyedTensor.regroup (fbgemm ops, fused permutes), one here
-    "torchrec.sparse.jagged_tensor": dict.fromkeys(
-        ("regroup_kts", "_regroup_keyed_tensors", "permute_multi_embedding", "_fbgemm_permute_pooled_embs"),
-        KeyedTensor.regroup,
-    ),
+    "torchrec.sparse.jagged_tensor": {
+        **dict.fromkeys(
+            ("regroup_kts", "_regroup_keyed_tensors", "permute_multi_embedding", "_fbgemm_permute_pooled_embs"),
+            KeyedTensor.regroup,
+        ),
+        "_kt_regroup_arguments": kt_regroup_arguments,
+    },
     "torchrec.fx": {"symbolic_trace": torch.fx.symbolic_trace, "Tracer": torch.fx.Tracer},
     "torchrec.test_utils": {"skip_if_asan_class": _skip_if_asan_class, "skip_if_asan": _skip_if_asan},
 }
@@ -160,6 +163,10 @@ def install(extra_files: dict[str, Path] | None = None) -> None:
     (TorchRec's test helpers such as ``torchrec.sparse.tests.utils``)."""
     for name in _SOURCES:
         sys.modules.setdefault(name, _make_module(name))
+    # importing TorchRec's jagged_tensor loads fbgemm's sparse ops, and its tests call some of them directly
+    # (torch.ops.fbgemm.permute_multi_embedding, kt_regroup_arguments, regroup_keyed_tensor)
+    if importlib.util.find_spec("fbgemm_gpu") is not None:
+        importlib.import_module("fbgemm_gpu")
     if importlib.util.find_spec("parameterized") is None:
         sys.modules["parameterized"] = _parameterized_shim()
     for name, path in (extra_files or {}).items():

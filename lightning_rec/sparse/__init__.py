@@ -8,6 +8,7 @@ import torch
 
 from lightning_rec._compat import TreeSpec, register_pytree_flatten_spec, register_pytree_node
 from lightning_rec.sparse._kjt_extras import ComputeJTDictToKJT, ComputeKJTToJTDict, kjt_is_equal
+from lightning_rec.sparse._regroup import kt_regroup_arguments
 from lightning_rec.sparse._utils import SparseInputError, checks_enabled, offsets_from_lengths, segment_gather_index
 from lightning_rec.sparse.jagged_tensor import JaggedTensor, jt_is_equal
 from lightning_rec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
@@ -23,6 +24,7 @@ __all__ = [
     "checks_enabled",
     "jt_is_equal",
     "kjt_is_equal",
+    "kt_regroup_arguments",
     "offsets_from_lengths",
     "segment_gather_index",
 ]

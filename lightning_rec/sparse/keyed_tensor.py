@@ -4,6 +4,7 @@
 import torch
 
 from lightning_rec.sparse import _format
+from lightning_rec.sparse._regroup import regroup_values
 from lightning_rec.sparse._utils import SparseMeta, checks_enabled, cumsum_list
 
 
@@ -92,29 +93,26 @@ class KeyedTensor(metaclass=SparseMeta):
     def regroup(keyed_tensors: list["KeyedTensor"], groups: list[list[str]]) -> list[torch.Tensor]:
         """One tensor per group: the named keys' blocks side by side, taken from several KeyedTensors.
 
-        A key found in several KeyedTensors is taken from the first; a key may appear in several groups.
+        A key found in several KeyedTensors is taken from the last (TorchRec's rule); a key may appear in
+        several groups (its gradient sums over them).
         """
         return _regroup(keyed_tensors, groups)
 
     @staticmethod
     def _regroup(keyed_tensors: list["KeyedTensor"], groups: list[list[str]]) -> list[torch.Tensor]:
-        where: dict[str, tuple[int, int]] = {}
-        for t, kt in enumerate(keyed_tensors):
-            if kt.key_dim() != 1:
-                raise ValueError("KeyedTensor.regroup needs key_dim=1 KeyedTensors")
-            for i, k in enumerate(kt.keys()):
-                if k not in where:  # the first KeyedTensor holding a key wins
-                    where[k] = (t, i)
-        out: list[torch.Tensor] = []
-        for g in groups:
-            blocks: list[torch.Tensor] = []
-            for k in g:
-                if k not in where:
-                    raise KeyError("regroup: key '" + k + "' not found (available: " + ", ".join(where.keys()) + ")")
-                t, i = where[k]
-                blocks.append(keyed_tensors[t]._block(i))
-            out.append(torch.cat(blocks, dim=1))
-        return out
+        if len(keyed_tensors) == 0:
+            raise ValueError("KeyedTensor.regroup needs at least one KeyedTensor")
+        key_dim = keyed_tensors[0].key_dim()
+        for kt in keyed_tensors:
+            if kt.key_dim() != key_dim:
+                raise ValueError("KeyedTensor.regroup needs KeyedTensors of one key_dim")
+        return regroup_values(
+            [kt.values() for kt in keyed_tensors],
+            [kt.keys() for kt in keyed_tensors],
+            [kt.length_per_key() for kt in keyed_tensors],
+            groups,
+            key_dim,
+        )
 
     @staticmethod
     def regroup_as_dict(
