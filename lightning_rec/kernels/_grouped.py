@@ -93,19 +93,23 @@ class GroupedPooledLookup:
         per_sample_weights: torch.Tensor | None,
         sparse_grad: bool,
         storage: Sequence[torch.Tensor] | None = None,
+        bounds: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """Like :func:`torch_pooled`; ``storage``: the leaf parameters behind ``tables`` (which may be views
-        made for autograd) that fbgemm packs into its flat buffer (default: ``tables``)."""
+        """Like :func:`torch_pooled` (``bounds`` too); ``storage``: the leaf parameters behind ``tables`` (which may
+        be views made for autograd) that fbgemm packs into its flat buffer (default: ``tables``)."""
         b = batch_size
         storage = list(tables) if storage is None else list(storage)
         if not self.uses_fbgemm or b == 0 or torch.compiler.is_compiling():
             # an empty batch keeps the [0, D] output in the autograd graph through F.embedding_bag; under
             # torch.compile ids go unchecked (checks would break the graph) and fbgemm's op is opaque, while
             # F.embedding_bag traces and checks its ids itself
-            return torch_pooled(tables, self.feature_table, values, offsets, b, per_sample_weights, sparse_grad)
+            return torch_pooled(tables, self.feature_table, values, offsets, b, per_sample_weights, sparse_grad, bounds)
         if len(self._groups) == 1:
-            return self._run(self._groups[0], tables, storage, values, offsets, b, per_sample_weights, sparse_grad)
-        bounds = offsets[::b].tolist()
+            return self._run(
+                self._groups[0], tables, storage, values, offsets, b, per_sample_weights, sparse_grad, bounds
+            )
+        if bounds is None:
+            bounds = offsets[::b].tolist()
         lengths = offsets.diff()
         outs = []
         for g in self._groups:
@@ -115,7 +119,7 @@ class GroupedPooledLookup:
             w = None
             if per_sample_weights is not None:
                 w = torch.cat([per_sample_weights[bounds[f] : bounds[f + 1]] for f in g.features])
-            outs.append(self._run(g, tables, storage, v, o, b, w, sparse_grad))
+            outs.append(self._run(g, tables, storage, v, o, b, w, sparse_grad, None))
         dtype = outs[0].dtype
         for o in outs[1:]:
             dtype = torch.promote_types(dtype, o.dtype)
@@ -127,8 +131,8 @@ class GroupedPooledLookup:
         return out.index_select(1, self._inverse_t)
 
     @staticmethod
-    def _run(g: _Group, tables, storage, values, offsets, b, psw, sparse_grad) -> torch.Tensor:
+    def _run(g: _Group, tables, storage, values, offsets, b, psw, sparse_grad, bounds) -> torch.Tensor:
         mine = [tables[t] for t in g.tables]
         if g.kernel is None:
-            return torch_pooled(mine, g.local_ft, values, offsets, b, psw, sparse_grad)
+            return torch_pooled(mine, g.local_ft, values, offsets, b, psw, sparse_grad, bounds)
         return g.kernel(mine, values, offsets, psw, storage=[storage[t] for t in g.tables])

@@ -24,12 +24,12 @@ def check_ids(
     """
     if values.numel() == 0:
         return
-    # one pass over the ids when they all fit the smallest table (one host sync), else one min/max per feature:
-    # both far cheaper than comparing every id with its own table's size
-    lo, hi = values.aminmax()
-    if bool((lo >= 0) & (hi < rows.min())):
+    # every id against its own table's size, on the device; reading the verdict is the one host sync
+    # (lengths given as a tensor whose sum equals the ids, as validate_ids builds it from host sizes)
+    per_id = torch.repeat_interleave(rows, lengths, output_size=values.numel())
+    if not bool(((values < 0) | (values >= per_id)).any()):
         return
-    lens = lengths.tolist()
+    lens = lengths.tolist()  # an id is out of range: find it and say where (syncs are fine on the way to raise)
     pieces = values.split(lens)
     keep = [f for f, k in enumerate(lens) if k]
     extremes = [pieces[f].aminmax() for f in keep]
@@ -70,8 +70,9 @@ def check_offsets(values: torch.Tensor, offsets: torch.Tensor, batch: int) -> No
         if n or int(offsets[0]) != 0:
             raise ValueError(f"batch size 0 but {n} ids (offsets {offsets.tolist()})")
         return
-    if int(offsets[0]) != 0 or int(offsets[-1]) != n or bool((offsets.diff() < 0).any()):
+    first, last, decreasing = torch.stack([offsets[0], offsets[-1], (offsets.diff() < 0).any()]).tolist()  # one sync
+    if first != 0 or last != n or decreasing:
         raise ValueError(
-            f"offsets must start at 0, never decrease and end at the number of ids ({n}); got first "
-            f"{int(offsets[0])}, last {int(offsets[-1])}"
+            f"offsets must start at 0, never decrease and end at the number of ids ({n}); "
+            f"got first {first}, last {last}"
         )

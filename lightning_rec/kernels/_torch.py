@@ -39,14 +39,18 @@ def torch_pooled(
     batch_size: int,
     per_sample_weights: torch.Tensor | None,
     sparse_grad: bool,
+    bounds: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """SUM-pooled ``[batch_size, sum of feature dims]`` from feature-major ``values`` / ``offsets``."""
+    """SUM-pooled ``[batch_size, sum of feature dims]`` from feature-major ``values`` / ``offsets``.
+    ``bounds``: where each feature's ids start in ``values`` (and the end), where the caller knows them on the
+    host; read from ``offsets`` otherwise (a host sync on a GPU)."""
     b = batch_size
     if not feature_table:
         return torch.zeros(b, 0, dtype=promoted_dtype([t.dtype for t in tables]), device=values.device)
     # An empty batch still goes through F.embedding_bag so that the [0, D] output stays in the autograd
     # graph: backward through it must work (and give zero gradients) on a rank that got no samples.
-    bounds = offsets[::b].tolist() if b else [0] * (len(feature_table) + 1)
+    if bounds is None:
+        bounds = offsets[::b].tolist() if b else [0] * (len(feature_table) + 1)
     outs = []
     # One lookup per run of consecutive features that share a table: a table then gets one gradient
     # instead of a sum of several, which torch cannot add when they are sparse fp16 / bf16 on CPU.

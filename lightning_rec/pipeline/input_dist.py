@@ -32,7 +32,7 @@ def regroup(x: torch.Tensor, seg_sizes: list[int], n_outer: int, n_inner: int) -
     sizes = torch.tensor(seg_sizes, dtype=torch.long, device=x.device)
     starts = offsets_from_lengths(sizes)[:-1]
     perm = torch.arange(n_outer * n_inner, device=x.device).view(n_outer, n_inner).t().reshape(-1)
-    return x[segment_gather_index(starts[perm], sizes[perm])]
+    return x[segment_gather_index(starts[perm], sizes[perm], sum(seg_sizes))]
 
 
 @dataclass(frozen=True)
@@ -426,7 +426,11 @@ def start_input_dist(
         return PendingInputDist(recv)
     weighted = out.weights is not None or (out.pieces is not None and out.pieces[2] is not None)
     w_grad = weighted and weights is not None and weights.requires_grad and torch.is_grad_enabled()
-    fits = not weighted and _fits_int32(out, kjt) and not _through_shared_memory(group, device)
+    fits = (
+        not weighted
+        and not _through_shared_memory(group, device)
+        and _fits_int32(out, kjt, ids_checked and not row_keys and routing.rows_fit_int32)
+    )
     header, i = [], 0
     per_dest = [len(lst) for lst in routing.routes_to]
     for k in per_dest:
@@ -476,8 +480,9 @@ def start_input_dist(
     )
 
 
-def _fits_int32(out: _Outgoing, kjt: KeyedJaggedTensor | None) -> bool:
-    """Whether every length and id this rank sends is an int32 (then int32 carries them exactly)."""
+def _fits_int32(out: _Outgoing, kjt: KeyedJaggedTensor | None, ids_in_tables: bool) -> bool:
+    """Whether every length and id this rank sends is an int32 (then int32 carries them exactly).
+    ``ids_in_tables``: the ids were checked against tables of at most 2**31 rows (then no need to look)."""
     if kjt is None:
         return True
     values = out.values if out.pieces is None else kjt.values()  # pieces are slices of the input's ids
@@ -485,8 +490,10 @@ def _fits_int32(out: _Outgoing, kjt: KeyedJaggedTensor | None) -> bool:
         return True
     if values.numel() >= _INT32_END:  # a bag could be that long
         return False
-    lo, hi = torch.aminmax(values)
-    return int(lo) >= -_INT32_END and int(hi) < _INT32_END
+    if ids_in_tables:
+        return True
+    lo, hi = torch.stack(list(torch.aminmax(values))).tolist()  # one host sync for both bounds
+    return lo >= -_INT32_END and hi < _INT32_END
 
 
 def _through_shared_memory(group: dist.ProcessGroup, device: torch.device) -> bool:

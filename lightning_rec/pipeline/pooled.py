@@ -33,6 +33,7 @@ from lightning_rec.pipeline.output_dist import pooled_output_dist
 from lightning_rec.pipeline.qcomm import QuantizedCommCodecs
 from lightning_rec.pipeline.sharded_collection import LookupContext, ShardedCollection
 from lightning_rec.sparse import KeyedJaggedTensor, KeyedTensor, offsets_from_lengths
+from lightning_rec.sparse._utils import cumsum_list
 
 
 class ShardedEmbeddingBagCollection(ShardedCollection):
@@ -129,7 +130,14 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             ).to(dtype)
         assert self._dp_table_lookup is not None
         return self._dp_table_lookup(
-            self._dp_weights(kjt), sub.values(), sub.offsets(), b, psw, self._dp_sparse_grad, storage=self._dp_params()
+            self._dp_weights(kjt),
+            sub.values(),
+            sub.offsets(),
+            b,
+            psw,
+            self._dp_sparse_grad,
+            storage=self._dp_params(),
+            bounds=cumsum_list(sub.length_per_key()),  # read once by the input check: no second host sync
         ).to(dtype)
 
     def _lookup_shards(self, recv, b_global: int) -> torch.Tensor:
@@ -156,4 +164,5 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             recv.weights,
             self.sparse_grad,
             storage=self._shard_params(),
+            bounds=cumsum_list(recv.ids_per_route()),  # from the input dist's header, on the host
         ).to(dtype)

@@ -95,6 +95,7 @@ class RoutingTable:
     # features) is an id's (route, bag) slot, every unread feature's slots after all routes' ones
     bucket_route_rel: torch.Tensor | None = None
     routes_in_order: bool = False  # the routes read every feature once, in order: the payload is the KJT itself
+    rows_fit_int32: bool = False  # every sharded table has at most 2**31 rows: its checked ids are int32s
 
     @property
     def group_size(self) -> int:
@@ -248,6 +249,7 @@ def build_routing(
         feature_bucket=torch.tensor(first_bucket, dtype=torch.long, device=device),
         block_bounds=block_bounds,
         route_segment=route_segment,
+        rows_fit_int32=all(s.row_offset + s.rows <= 1 << 31 for shards in table_shards for s in shards or []),
         block_cuts=torch.tensor(cuts, dtype=torch.long, device=device).view(len(feature_table), n_cuts),
         bucket_route_rel=torch.tensor(rel, dtype=torch.long, device=device) if unique and rel else None,
         routes_in_order=[r.feature for r in all_routes] == list(range(len(feature_table))),

@@ -13,6 +13,7 @@ from lightning_rec import kernels
 from lightning_rec.pipeline.output_dist import sequence_output_dist
 from lightning_rec.pipeline.sharded_collection import LookupContext, ShardedCollection
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor
+from lightning_rec.sparse.jagged_tensor import jagged_from_checked
 
 
 class ShardedEmbeddingCollection(ShardedCollection):
@@ -83,5 +84,5 @@ class ShardedEmbeddingCollection(ShardedCollection):
                 )
                 emb = torch.zeros(n * d, dtype=src.dtype, device=self._device).index_add(0, idx, src).view(n, d)
             lengths = kjt.lengths()[f * b : (f + 1) * b]
-            out[name] = JaggedTensor(emb.to(self._output_dtype or dtypes[f]), lengths=lengths)
+            out[name] = jagged_from_checked(emb.to(self._output_dtype or dtypes[f]), lengths)
         return out

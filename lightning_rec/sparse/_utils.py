@@ -64,8 +64,6 @@ def lengths_and_offsets(
     if lengths is not None:
         if check:
             _check_integer("lengths", lengths, what)
-            if lengths.numel() and int(lengths.min()) < 0:
-                raise SparseInputError(f"{what}: `lengths` must be non-negative, got min {int(lengths.min())}")
         if not lengths.numel() and lengths.is_floating_point():
             lengths = lengths.long()
         computed = offsets_from_lengths(lengths)
@@ -73,6 +71,7 @@ def lengths_and_offsets(
             _check_integer("offsets", offsets, what)
             if not torch.equal(offsets.long(), computed.long()):
                 raise SparseInputError(f"{what}: `offsets` do not match the cumulative sum of `lengths`")
+        given = "lengths"
         offsets = computed if offsets is None else offsets
     else:
         assert offsets is not None
@@ -82,14 +81,19 @@ def lengths_and_offsets(
             offsets = torch.zeros(
                 1, dtype=torch.long if offsets.is_floating_point() else offsets.dtype, device=offsets.device
             )
-        if check and int(offsets[0]) != 0:
-            raise SparseInputError(f"{what}: `offsets` must start with 0 and have one more entry than bags")
+        given = "offsets"
         lengths = offsets[1:] - offsets[:-1]
-        if check and lengths.numel() and int(lengths.min()) < 0:
-            raise SparseInputError(f"{what}: `offsets` must be non-decreasing")
     total = -1
     if check:
-        total = int(offsets[-1])
+        # every bound in one read: on a GPU each read would make the host wait for the device
+        low = lengths.min().long() if lengths.numel() else torch.zeros((), dtype=torch.long, device=offsets.device)
+        first, smallest, total = torch.stack([offsets[0].long(), low, offsets[-1].long()]).tolist()
+        if first != 0:
+            raise SparseInputError(f"{what}: `offsets` must start with 0 and have one more entry than bags")
+        if smallest < 0:
+            if given == "lengths":
+                raise SparseInputError(f"{what}: `lengths` must be non-negative, got min {smallest}")
+            raise SparseInputError(f"{what}: `offsets` must be non-decreasing")
         if total > values.size(0):
             raise SparseInputError(f"{what}: lengths sum to {total} but `values` has only {values.size(0)} entries")
         if weights is not None and total > weights.size(0):

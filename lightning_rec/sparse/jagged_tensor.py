@@ -202,3 +202,12 @@ def _from_dense_lengths(values: torch.Tensor, lengths: torch.Tensor, weights: to
     # one fx node: ``weights is None`` cannot be decided on a traced argument
     mask = torch.arange(values.size(1), device=values.device).unsqueeze(0) < lengths.unsqueeze(1)
     return JaggedTensor(values[mask], None if weights is None else weights[mask], lengths, None)
+
+
+def jagged_from_checked(values: torch.Tensor, lengths: torch.Tensor) -> JaggedTensor:
+    """A JaggedTensor of the library's own making, from ``lengths`` that an input check already saw: built
+    without the data-dependent checks, each of which would make a CUDA host wait for its device."""
+    jt = JaggedTensor.__new__(JaggedTensor)
+    jt._lengths, jt._offsets = script_lengths_and_offsets(lengths, None)
+    jt._values, jt._weights = values, None
+    return jt

@@ -21,6 +21,7 @@ LAYERS = {
     "_compat": 0,
     "sparse": 1,
     "configs": 1,
+    "host_syncs": 1,
     "memory": 1,
     "fused_kinds": 1,
     "plans.shard_geometry": 1,
