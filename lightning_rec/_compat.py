@@ -30,6 +30,7 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.fx._symbolic_trace import ProxyableClassMeta, is_fx_symbolic_tracing
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 
 # Lightning 2.6 checks `isinstance(treespec, LeafSpec)`, which torch 2.13 deprecates, on every batch; not the
 # user's business (Lightning's fix: TreeSpec.is_leaf()).
@@ -37,20 +38,30 @@ warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` 
 
 # fbgemm-gpu wheels are built against one torch minor release; a mismatch fails later with undefined
 # symbols deep inside torch.ops, so we check at import time. fbgemm minor -> the torch minor it is built for.
-_FBGEMM_TORCH = {"1.6": "2.11", "1.7": "2.12", "1.8": "2.13"}
-_DEFAULT_TORCH = "2.13"
+_FBGEMM_TORCH = {"1.6": "2.11", "1.7": "2.12", "1.8": "2.13", "1.9": "2.14"}
+_DEFAULT_TORCH = "2.14"
+_DEFAULT_RELEASE = "2.14.1"  # the default pair's torch release (the Makefile's TORCH)
 
 
 def _minor(version: str) -> str:
     return ".".join(version.split("+")[0].split(".")[:2])
 
 
+def _minor_key(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in _minor(version).split(".") if p.isdigit())
+
+
 def fbgemm_for_torch(torch_version: str) -> str | None:
-    """The fbgemm-gpu release (``"1.8.0"``) built for ``torch_version``'s minor release, None if unsupported."""
+    """The fbgemm-gpu release (``"1.9.0"``) built for ``torch_version``'s minor release, None if unsupported."""
     for fbgemm, torch_minor in _FBGEMM_TORCH.items():
         if torch_minor == _minor(torch_version):
             return f"{fbgemm}.0"
     return None
+
+
+def torch_ahead_of_fbgemm(torch_version: str) -> bool:
+    """Whether ``torch_version`` is newer than every torch an fbgemm-gpu release is built for (yet)."""
+    return _minor_key(torch_version) > max(_minor_key(t) for t in _FBGEMM_TORCH.values())
 
 
 def fbgemm_install_hint(torch_version: str, device_type: str = "cpu") -> str:
@@ -59,7 +70,7 @@ def fbgemm_install_hint(torch_version: str, device_type: str = "cpu") -> str:
     fbgemm = fbgemm_for_torch(torch_version)
     if fbgemm is None:
         default = fbgemm_for_torch(_DEFAULT_TORCH)
-        return f"pip install torch=={_DEFAULT_TORCH}.0 '{package}=={default}'"
+        return f"pip install torch=={_DEFAULT_RELEASE} '{package}=={default}'"
     return f"pip install '{package}=={fbgemm}'"
 
 
@@ -72,10 +83,23 @@ def fbgemm_distribution() -> tuple[str, str] | None:
     return None
 
 
+def without_fbgemm_notice(torch_version: str) -> str:
+    """What runs, and what does not, on a torch that no fbgemm-gpu release is built for yet."""
+    return (
+        f"lightning_rec: torch {torch_version} has no fbgemm-gpu release yet (the newest pair is torch "
+        f"{_DEFAULT_TORCH} with fbgemm-gpu {fbgemm_for_torch(_DEFAULT_TORCH)}), and none is installed: lookups, "
+        "input dists and sparse ops run on torch's own kernels (slower), and fused embedding optimizers "
+        "(embedding_optimizer=..., apply_optimizer_in_backward, compute_kernel='fbgemm') are unavailable. For "
+        f"those: {fbgemm_install_hint(torch_version)}"
+    )
+
+
 def check_versions(torch_version: str, fbgemm: tuple[str, str] | None) -> None:
-    """Raise ImportError when fbgemm-gpu is missing or built for another torch."""
+    """Raise ImportError when fbgemm-gpu is missing or built for another torch. A torch newer than every fbgemm
+    release, with none installed, imports (torch kernels only) with one warning saying what that costs."""
     pairs = ", ".join(f"torch {t}.x with fbgemm-gpu {f}.x" for f, t in _FBGEMM_TORCH.items())
-    hint = "pip install torch==2.13.0 'fbgemm-gpu-cpu==1.8.0'  (CPU) or 'fbgemm-gpu==1.8.0' (CUDA)"
+    default = fbgemm_for_torch(_DEFAULT_TORCH)
+    hint = f"pip install torch=={_DEFAULT_RELEASE} 'fbgemm-gpu-cpu=={default}'  (CPU) or 'fbgemm-gpu=={default}' (CUDA)"
     own = fbgemm_for_torch(torch_version)
     if own is not None:
         hint = (
@@ -83,6 +107,9 @@ def check_versions(torch_version: str, fbgemm: tuple[str, str] | None) -> None:
             f"{_minor(torch_version)}, or {hint}"
         )
     if fbgemm is None:
+        if torch_ahead_of_fbgemm(torch_version):
+            warnings.warn(without_fbgemm_notice(torch_version), stacklevel=3)
+            return
         raise ImportError(f"lightning_rec needs the fbgemm-gpu kernels, which are not installed. Install: {hint}")
     dist, version = fbgemm
     want = _FBGEMM_TORCH.get(_minor(version))
@@ -414,6 +441,9 @@ def sparse_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 #: Lightning Fabric's base for a strategy's ``no_backward_sync`` (``_BackwardSyncControl``: run on lightning 2.6,
 #: there since 2.0)
 BackwardSyncControl = _BackwardSyncControl
+
+# torch's dispatch-mode base (intercepts every op torch dispatches; public in spirit, private by path since 2.0)
+TorchDispatchMode = _TorchDispatchMode
 
 # Lightning's popen launchers (``python train.py`` with devices=N): the Trainer's and Fabric's, since Lightning 2.0
 TrainerPopenLauncher = _TrainerPopen

@@ -186,6 +186,7 @@ class ShardedFrontEnd:
     strategy_name = "rec_sharded"
     core: ShardSetup
     mesh_info: MeshInfo | None = None
+    _launcher: Any
     local_rank: int
     world_size: int
     num_processes: int

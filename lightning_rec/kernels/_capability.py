@@ -57,14 +57,12 @@ def load_fbgemm() -> None:
 
 @functools.cache
 def has_fbgemm_op(op: str, device_type: str) -> bool:
-    """Whether the installed fbgemm build has a kernel of ``op`` for ``device_type`` (asked once, then cached)."""
+    """Whether the installed fbgemm build has a kernel of ``op`` for ``device_type`` (asked once, then cached).
+    False without fbgemm-gpu (a torch newer than every fbgemm release: the import check allowed it)."""
+    if _compat.fbgemm_distribution() is None:
+        return False
     load_fbgemm()
     return _compat.has_kernel_for(op, device_type)
-
-
-def _installed() -> str:
-    dist = _compat.fbgemm_distribution()
-    return "no fbgemm-gpu" if dist is None else f"{dist[0]}=={dist[1]}"
 
 
 def missing_ops_reason(ops: Sequence[str], device: torch.device) -> str | None:
@@ -72,10 +70,13 @@ def missing_ops_reason(ops: Sequence[str], device: torch.device) -> str | None:
     missing = [op for op in ops if not has_fbgemm_op(op, device.type)]
     if not missing:
         return None
+    dist = _compat.fbgemm_distribution()
+    hint = _compat.fbgemm_install_hint(torch.__version__, device.type)
+    if dist is None:
+        return f"fbgemm-gpu is not installed (torch {torch.__version__} has no fbgemm-gpu release yet): {hint}"
     return (
-        f"the installed {_installed()} has no {device.type} kernel for {missing[0]}; install the "
-        f"{'CUDA' if device.type == 'cuda' else 'CPU'} build that matches torch {torch.__version__}: "
-        f"{_compat.fbgemm_install_hint(torch.__version__, device.type)}"
+        f"the installed {dist[0]}=={dist[1]} has no {device.type} kernel for {missing[0]}; install the "
+        f"{'CUDA' if device.type == 'cuda' else 'CPU'} build that matches torch {torch.__version__}: {hint}"
     )
 
 

@@ -21,6 +21,8 @@ from lightning_rec._compat import check_versions
         ("2.13.0", ("fbgemm-gpu", "1.8.2")),
         ("2.11.0+cu130", ("fbgemm-gpu-cpu", "1.6.0")),
         ("2.12.1", ("fbgemm-gpu", "1.7.0")),
+        ("2.14.1+cu130", ("fbgemm-gpu-cpu", "1.9.0")),
+        ("2.14.0", ("fbgemm-gpu", "1.9.0")),
     ],
 )
 def test_matching_versions_pass(torch_version: str, fbgemm: tuple[str, str]) -> None:
@@ -34,15 +36,27 @@ def test_torch_mismatch_names_both_versions() -> None:
     assert "fbgemm-gpu-cpu==1.8.0" in msg
     assert "torch 2.13.x" in msg  # what this fbgemm needs
     assert "torch 2.12.0 is installed" in msg  # what is there
-    assert "pip install torch==2.13.0" in msg
+    assert "pip install torch==2.14.1" in msg  # the default pair
     with pytest.raises(ImportError, match=re.escape("torch 2.14.0+cpu is installed")):
         check_versions("2.14.0+cpu", ("fbgemm-gpu-cpu", "1.8.0"))
+    with pytest.raises(ImportError, match=re.escape("torch 2.15.0 is installed")):  # no fbgemm for 2.15 yet
+        check_versions("2.15.0", ("fbgemm-gpu-cpu", "1.9.0"))
 
 
 def test_missing_fbgemm() -> None:
     with pytest.raises(ImportError, match="fbgemm-gpu kernels, which are not installed") as err:
         check_versions("2.13.0", None)
     assert "fbgemm-gpu-cpu==1.8.0" in str(err.value)
+
+
+@pytest.mark.parametrize("torch_version", ["2.15.0", "2.15.1+cu130", "2.16.0", "3.0.0"])
+def test_a_torch_ahead_of_every_fbgemm_release_imports_with_one_notice(torch_version: str) -> None:
+    with pytest.warns(UserWarning, match="has no fbgemm-gpu release yet") as seen:
+        check_versions(torch_version, None)
+    assert len(seen) == 1
+    text = str(seen[0].message)
+    assert f"torch {torch_version}" in text and "fused embedding optimizers" in text
+    assert "pip install torch==2.14.1 'fbgemm-gpu-cpu==1.9.0'" in text
 
 
 def test_unsupported_fbgemm_release() -> None:
@@ -67,7 +81,10 @@ def test_torch_fbgemm_pairs() -> None:
     assert _compat.fbgemm_for_torch("2.11.0+cu130") == "1.6.0"
     assert _compat.fbgemm_for_torch("2.12.0") == "1.7.0"
     assert _compat.fbgemm_for_torch("2.13.1") == "1.8.0"
-    assert _compat.fbgemm_for_torch("2.14.0") is None
+    assert _compat.fbgemm_for_torch("2.14.1") == "1.9.0"
+    assert _compat.fbgemm_for_torch("2.15.0") is None
+    assert _compat.torch_ahead_of_fbgemm("2.15.0") and not _compat.torch_ahead_of_fbgemm("2.14.1+cu130")
+    assert not _compat.torch_ahead_of_fbgemm("2.10.0")  # older than every release: refused, not ahead
     assert _compat.fbgemm_install_hint("2.11.0", "cuda") == "pip install 'fbgemm-gpu==1.6.0'"
     assert _compat.fbgemm_install_hint("2.13.0", "cpu") == "pip install 'fbgemm-gpu-cpu==1.8.0'"
 
@@ -86,7 +103,8 @@ def _fbgemm_notice(fbgemm: str, torch_version: str) -> str:
         ("1.7.0", "2.12.0+cu130", False),  # supported pairs: the notice is noise
         ("1.6.0", "2.11.0", False),
         ("1.6.0", "2.13.0", True),  # a pair check_versions refuses, or a release it does not know, stays visible
-        ("1.9.0", "2.14.0", True),
+        ("1.9.0", "2.14.0", False),
+        ("2.0.0", "2.15.0", True),
     ],
 )
 def test_fbgemm_compat_notice_dropped_only_for_supported_pairs(fbgemm, torch_version, shown, caplog) -> None:
