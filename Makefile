@@ -13,6 +13,8 @@ TORCH_INDEX ?=
 OLDEST_TORCH := 2.11.0
 KERNELS := $(if $(filter 1,$(CUDA)),cuda,cpu)
 FBGEMM_PKG := $(if $(filter 1,$(CUDA)),fbgemm-gpu,fbgemm-gpu-cpu)
+COMMA := ,
+EXTRAS := $(if $(FBGEMM),$(KERNELS)$(COMMA)dev,dev)
 PIP := $(VENV)/bin/pip
 PY := $(VENV)/bin/python
 
@@ -20,7 +22,7 @@ $(VENV)/.installed-$(KERNELS)-$(TORCH): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PIP) install -q -e ".$(if $(FBGEMM),[$(KERNELS),dev],[dev])" $(if $(FBGEMM),"$(FBGEMM_PKG)==$(FBGEMM)")
+	$(PIP) install -q -e ".[$(EXTRAS)]" $(if $(FBGEMM),"$(FBGEMM_PKG)==$(FBGEMM)")
 	touch $@
 
 install: $(VENV)/.installed-$(KERNELS)-$(TORCH)

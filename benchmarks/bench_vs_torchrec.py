@@ -1,10 +1,11 @@
-"""lightning_rec against TorchRec 1.8.0 on the same embedding jobs, side by side in one run (gloo, CPU).
+"""lightning_rec against TorchRec on the same embedding jobs, side by side in one run (gloo, CPU).
 
-TorchRec lives in a side environment, never in the project's: on first use this script creates a venv
-(``--side-env``, or ``$LIGHTNING_REC_TORCHREC_ENV``, default ``benchmarks/.side_env``, git-ignored) with
-``torch==2.13.0`` (CPU), ``fbgemm-gpu-cpu==1.8.0``, ``tensordict pyre-extensions iopath tqdm`` and
-``torchrec==1.8.0 --no-deps`` (TorchRec's own requirements would pull a different torch). ``--build-only``
-just builds it.
+TorchRec is the release built for the torch this script runs on (torch 2.14: TorchRec 1.9.2 with fbgemm-gpu 1.9.0;
+torch 2.13: TorchRec 1.8.0 with fbgemm-gpu 1.8.0). It lives in a side environment, never in the project's: on
+first use this script creates a venv (``--side-env``, or ``$LIGHTNING_REC_TORCHREC_ENV``, default
+``benchmarks/.side_env/torchrec-<version>``, git-ignored) with the same torch release, its ``fbgemm-gpu-cpu``,
+``tensordict pyre-extensions iopath tqdm`` and ``torchrec --no-deps`` (TorchRec's own requirements would pull a
+different torch). ``--build-only`` just builds it.
 
 The job, identical for both libraries:
   * jobs: ``big`` = ``--big-tables`` tables of ``--rows`` x ``--dim`` (default 8 x 100,000 x 64); ``dlrm`` =
@@ -31,7 +32,7 @@ The job, identical for both libraries:
     blocks of 128, so it needs dim >= 256). TorchRec's plans come from ``construct_module_sharding_plan`` with
     the helpers of ``torchrec.distributed.sharding_plan`` and an explicit compute kernel, and go to
     ``DistributedModelParallel``; lightning_rec's go to ``shard_modules``. TorchRec's fused data_parallel does
-    not build in 1.8 (an assertion in its fused optimizer): that cell reads "fails", and the closing note
+    not build in 1.8 or 1.9 (an assertion in its fused optimizer): that cell reads "fails", and the closing note
     compares our fused data_parallel with TorchRec's best working variant. Gradient convention: each library's
     default (TorchRec divides sharded gradients by the group size, lightning_rec sums); it changes the
     update's scale, not its cost.
@@ -94,8 +95,20 @@ from torch import nn
 from torch.nn import functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_ENV = ROOT / "benchmarks" / ".side_env"
-SIDE_PACKAGES = ["torch==2.13.0", "fbgemm-gpu-cpu==1.8.0", "tensordict", "pyre-extensions", "iopath", "tqdm"]
+# torch minor -> (TorchRec release, fbgemm-gpu release) built for it
+TORCHREC_FOR_TORCH = {"2.13": ("1.8.0", "1.8.0"), "2.14": ("1.9.2", "1.9.0")}
+_TORCH_RELEASE = torch.__version__.split("+")[0]
+TORCHREC, SIDE_FBGEMM = TORCHREC_FOR_TORCH.get(".".join(_TORCH_RELEASE.split(".")[:2]), ("1.9.2", "1.9.0"))
+DEFAULT_ENV = ROOT / "benchmarks" / ".side_env" / f"torchrec-{TORCHREC}"
+SIDE_PACKAGES = [
+    f"torch=={_TORCH_RELEASE}",
+    f"fbgemm-gpu-cpu=={SIDE_FBGEMM}",
+    "tensordict",
+    "pyre-extensions",
+    "iopath",
+    "tqdm",
+]
+TORCHREC_MINOR = ".".join(TORCHREC.split(".")[:2])
 LIBS = ("torchrec", "lightning_rec")
 PLANS = ("table_wise", "row_wise", "column_wise", "data_parallel", "table_row_wise", "grid_shard")
 LOCAL_SIZE = 2  # ranks per "host" for table_row_wise and grid_shard
@@ -116,7 +129,7 @@ def side_python(env: Path) -> Path:
 def build_side_env(env: Path) -> Path:
     """Create the TorchRec venv once (a marker file says it is complete); return its python."""
     py = side_python(env)
-    marker = env / ".torchrec-1.8.0-complete"
+    marker = env / f".torchrec-{TORCHREC}-complete"
     if marker.exists():
         return py
     print(f"building the TorchRec side environment in {env} (once; a few minutes) ...", flush=True)
@@ -125,7 +138,7 @@ def build_side_env(env: Path) -> Path:
         [sys.executable, "-m", "venv", str(env)],
         [str(py), "-m", "pip", "install", "-q", *SIDE_PACKAGES],
         # TorchRec's own requirements would replace torch / fbgemm: install it alone
-        [str(py), "-m", "pip", "install", "-q", "--no-deps", "torchrec==1.8.0"],
+        [str(py), "-m", "pip", "install", "-q", "--no-deps", f"torchrec=={TORCHREC}"],
         [str(py), "-c", "import torchrec.distributed.model_parallel, fbgemm_gpu"],
     ]
     for cmd in steps:
@@ -330,7 +343,7 @@ def build_lightning_rec(tables, plan: str, variant: str, world: int, lr: float):
 def bare_kernel(tables, batches: list, cfg: dict) -> tuple[nn.Module, list[tuple[torch.Tensor, ...]]]:
     """fbgemm's split table-batched kernel over the job's tables (EXACT_SGD at the job's rate) and the batches as
     its (ids, offsets, labels) inputs."""
-    # both environments have fbgemm-gpu-cpu 1.8.0
+    # both environments have the fbgemm-gpu-cpu release of their (same) torch
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         ComputeDevice,
         EmbeddingLocation,
@@ -962,9 +975,9 @@ def write_report(
                     key = (row["job"], row["variant"])
                     single[key] = max(single.get(key, 0.0), row[lib]["sps"])
     lines = [
-        "# lightning_rec vs TorchRec 1.8.0 (gloo, CPU, one run)",
+        f"# lightning_rec vs TorchRec {TORCHREC} (gloo, CPU, one run)",
         "",
-        f"Machine: {machine()}. TorchRec 1.8.0 + fbgemm-gpu-cpu 1.8.0 in a side venv.",
+        f"Machine: {machine()}. TorchRec {TORCHREC} + fbgemm-gpu-cpu {SIDE_FBGEMM} in a side venv.",
         "",
         transport_line(),
         "",
@@ -1003,7 +1016,7 @@ def write_report(
         f"are; lightning_rec's fused tables are on 2 MiB pages (THP here: {thp_mode()}; "
         "`lightning_rec/memory/huge_pages.py`), so its fraction can pass 100%.",
         "",
-        "| job | world | plan | variant | first | TorchRec 1.8 | lightning_rec | ratio | scaling | of limit |",
+        f"| job | world | plan | variant | first | TorchRec {TORCHREC_MINOR} | lightning_rec | ratio | scaling | of limit |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     ratios = []
@@ -1058,7 +1071,7 @@ def write_report(
             "(`SplitTableBatchedEmbeddingBagsCodegen`, EXACT_SGD, same tables, ids and loss) in the same process; "
             "the difference is the library's own per-step overhead.",
             "",
-            "| job | variant | TorchRec 1.8 | lightning_rec |",
+            f"| job | variant | TorchRec {TORCHREC_MINOR} | lightning_rec |",
             "|---|---|---|---|",
             *bare_lines,
         ]

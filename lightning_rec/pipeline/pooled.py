@@ -24,6 +24,8 @@ some rank touched are summed across ranks (only those rows move) and scaled the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -137,8 +139,14 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             psw,
             self._dp_sparse_grad,
             storage=self._dp_params(),
-            bounds=cumsum_list(sub.length_per_key()),  # read once by the input check: no second host sync
+            bounds=self._host_bounds(sub.length_per_key),  # read once by the input check: no second host sync
         ).to(dtype)
+
+    @staticmethod
+    def _host_bounds(counts: Callable[[], list[int]]) -> list[int] | None:
+        """Where each feature's ids start (and end), from ``counts`` the host already holds; None while compiling,
+        where sizes that change every step would recompile the graph (the kernel reads the offsets instead)."""
+        return None if torch.compiler.is_compiling() else cumsum_list(counts())
 
     def _lookup_shards(self, recv, b_global: int) -> torch.Tensor:
         """SUM-pool every received bag over this rank's shards: ``[b_global, route columns]``."""
@@ -164,5 +172,5 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             recv.weights,
             self.sparse_grad,
             storage=self._shard_params(),
-            bounds=cumsum_list(recv.ids_per_route()),  # from the input dist's header, on the host
+            bounds=self._host_bounds(recv.ids_per_route),  # from the input dist's header, on the host
         ).to(dtype)

@@ -163,7 +163,12 @@ def shard_modules(
         )
     comm.grad_scale(embedding_grad, 1)
     # a group torch creates waits its default 30 min; the world's timeout is what the user chose
-    group = process_group if process_group is not None else dist.new_group(timeout=_compat.group_timeout())
+    # every rank is a member of a group over the whole world (never torch's non-member marker)
+    group = (
+        process_group
+        if process_group is not None
+        else cast(dist.ProcessGroup, dist.new_group(timeout=_compat.group_timeout()))
+    )
     gsize = dist.get_world_size(group)
     replicas = 1 if replica_group is None else dist.get_world_size(replica_group)
     # every rank that exchanges with this one
