@@ -165,3 +165,31 @@ def resolve_table_kernel(
             f"table {table!r}: compute_kernel='fbgemm' cannot be used: "
             f"{str(e).split(': ', 1)[-1].replace('Use kernel=', 'Use compute_kernel=')}"
         ) from None
+
+
+def fused_width_problem(name: str, dim: int, widths: Sequence[int]) -> str | None:
+    """Why fbgemm's fused kernel cannot hold table ``name`` (``dim`` columns) as pieces ``widths`` wide; None if
+    it can (F6: every piece a multiple of 4 wide). The planner asks the same before it proposes a plan."""
+    bad = [w for w in widths if w % 4]
+    if not bad:
+        return None
+    lower, upper = dim // 4 * 4, dim // 4 * 4 + 4
+    sizes = f"{lower} or {upper}" if lower else f"{upper}"
+    no_fused = "or use embedding_optimizer=None (plain parameters stepped by a torch optimizer)"
+    if all(w == dim for w in widths):  # not column-split: only the table's own width can be wrong
+        return (
+            f"table {name!r}: embedding_dim={dim} is not a multiple of 4, which the fused fbgemm kernel needs; "
+            f"give the table a width that is a multiple of 4 (e.g. {sizes}), {no_fused}"
+        )
+    if dim % 4:  # no split of these columns can help: the shard widths would not add up to dim
+        return (
+            f"table {name!r}: embedding_dim={dim} is not a multiple of 4 and its column shards are {widths} "
+            "wide; the fused fbgemm kernel needs every column shard to be a multiple of 4 wide, which no "
+            f"split of {dim} columns gives: give the table a width that is a multiple of 4 (e.g. {sizes}) "
+            f"and column shards that are multiples of 4, {no_fused}"
+        )
+    return (
+        f"table {name!r}: a column shard of it is {bad[0]} wide (column shards {widths} of embedding_dim="
+        f"{dim}); the fused fbgemm kernel needs every column shard to be a multiple of 4 wide: choose column "
+        f"shards that are (or do not split the columns), {no_fused}"
+    )

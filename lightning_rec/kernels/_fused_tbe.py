@@ -12,6 +12,7 @@ import copy
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -65,6 +66,8 @@ class FusedPooledKernel(torch.nn.Module):
     RuntimeError. With :attr:`accumulate` on, backward keeps each lookup's gradient and :meth:`finish_step`
     applies one update from their sum (gradient accumulation, several losses per step).
     """
+
+    _tbe: Any  # fbgemm's split TBE, set past nn.Module's registry (its tables are this module's parameters)
 
     def __init__(
         self,

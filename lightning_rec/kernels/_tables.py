@@ -8,7 +8,7 @@ first ``.`` to find a child, which would misreport the key of a table named ``"u
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -55,7 +55,7 @@ class TableContainer(torch.nn.Module):
             state_dict, prefix, local_metadata, False, missing_keys, unexpected_keys, error_msgs
         )
         if strict:
-            own = [f"{prefix}{name}.{k}" for name, m in self._modules.items() for k in m.state_dict(keep_vars=True)]
+            own = [f"{prefix}{name}.{k}" for name, m in self.named_children() for k in m.state_dict(keep_vars=True)]
             unexpected_keys.extend(unexpected_table_keys(state_dict, prefix, own))
 
 
@@ -86,6 +86,8 @@ class FusedTables(TableContainer):
     ``embedding_bags`` attribute, so state_dict keys stay those of the unsharded module. The kernels are not
     submodules (their tables would be registered twice); conversions are refused as each kernel refuses them.
     """
+
+    _kernels: list[Any]  # set past nn.Module's registry
 
     def __init__(self, fused: Sequence[TableKernel], order: Sequence[str]) -> None:
         super().__init__()

@@ -299,10 +299,10 @@ class _EmbeddingGrad(torch.autograd.Function):
         return tuple(w.view_as(w) for w in weights)
 
     @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
+    def backward(ctx, *incoming):  # type: ignore[override]
         ids = list(ctx.saved_tensors)
         # a table whose output fed nothing still joins the exchange, with a zero gradient
-        grads = [torch.zeros(s, dtype=d, device=dev) if g is None else g for g, (s, d, dev) in zip(grads, ctx.meta)]
+        grads = [torch.zeros(s, dtype=d, device=dev) if g is None else g for g, (s, d, dev) in zip(incoming, ctx.meta)]
         if ctx.group is not None:
             grads = _sum_touched_rows(grads, ids, [s for s, _, _ in ctx.meta], ctx.group)
         if ctx.scale != 1.0:

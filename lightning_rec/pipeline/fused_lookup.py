@@ -14,38 +14,10 @@ from lightning_rec import kernels
 from lightning_rec.configs import BaseEmbeddingConfig
 from lightning_rec.fused_kinds import FusedOptimizerSpec
 from lightning_rec.pipeline import collectives as comm
-from lightning_rec.pipeline import input_dist as dists
+from lightning_rec.pipeline.input_dist import as_int64, from_int64, regroup
 from lightning_rec.pipeline.routing import RoutingTable
 from lightning_rec.plans.shard_geometry import ShardMeta
 from lightning_rec.sparse import offsets_from_lengths, segment_gather_index
-
-
-def fused_width_problem(name: str, dim: int, widths: Sequence[int]) -> str | None:
-    """Why fbgemm's fused kernel cannot hold table ``name`` (``dim`` columns) as pieces ``widths`` wide; None if
-    it can (F6: every piece a multiple of 4 wide). The planner asks the same before it proposes a plan."""
-    bad = [w for w in widths if w % 4]
-    if not bad:
-        return None
-    lower, upper = dim // 4 * 4, dim // 4 * 4 + 4
-    sizes = f"{lower} or {upper}" if lower else f"{upper}"
-    no_fused = "or use embedding_optimizer=None (plain parameters stepped by a torch optimizer)"
-    if all(w == dim for w in widths):  # not column-split: only the table's own width can be wrong
-        return (
-            f"table {name!r}: embedding_dim={dim} is not a multiple of 4, which the fused fbgemm kernel needs; "
-            f"give the table a width that is a multiple of 4 (e.g. {sizes}), {no_fused}"
-        )
-    if dim % 4:  # no split of these columns can help: the shard widths would not add up to dim
-        return (
-            f"table {name!r}: embedding_dim={dim} is not a multiple of 4 and its column shards are {widths} "
-            "wide; the fused fbgemm kernel needs every column shard to be a multiple of 4 wide, which no "
-            f"split of {dim} columns gives: give the table a width that is a multiple of 4 (e.g. {sizes}) "
-            f"and column shards that are multiples of 4, {no_fused}"
-        )
-    return (
-        f"table {name!r}: a column shard of it is {bad[0]} wide (column shards {widths} of embedding_dim="
-        f"{dim}); the fused fbgemm kernel needs every column shard to be a multiple of 4 wide: choose column "
-        f"shards that are (or do not split the columns), {no_fused}"
-    )
 
 
 def check_fused(
@@ -71,7 +43,7 @@ def check_fused(
                 f"split would compute per column shard (shard widths {widths}); shard this table table_wise, "
                 "row_wise, table_row_wise or data_parallel, or use an element-wise optimizer (sgd, adagrad)"
             )
-        problem = fused_width_problem(t.name, t.embedding_dim, widths)
+        problem = kernels.fused_width_problem(t.name, t.embedding_dim, widths)
         if problem:
             raise ValueError(problem)
         for owner in ["dp"] if pieces is None else sorted({s.rank for s in pieces if s.rows > 0}):
@@ -155,7 +127,7 @@ def union_lookup(
     # weights that need a gradient (on any rank: all must pack alike) travel in their own differentiable
     # gather; others as bits in the buffer
     w_bits = weights is not None and not any(row[1] for row in info)
-    parts = [lengths.long(), values.long()] + ([dists.as_int64(cast(torch.Tensor, weights))] if w_bits else [])
+    parts = [lengths.long(), values.long()] + ([as_int64(cast(torch.Tensor, weights))] if w_bits else [])
     sizes = [n * b + (2 if w_bits else 1) * sum(c) for b, c in zip(batches, id_counts)]
     buf, stride = comm.all_gather_padded(torch.cat(parts), sizes, group)
     # regroup [rank][lengths | ids | weights][feature] into [feature][rank] pieces with one index (rank r's
@@ -177,10 +149,10 @@ def union_lookup(
     union_lengths, union_values = pieces[0], pieces[1]
     if w_bits:
         assert weights is not None
-        weights = dists.from_int64(pieces[2], weights.dtype)
+        weights = from_int64(pieces[2], weights.dtype)
     elif weights is not None:
         seg = [c for row in id_counts for c in row]
-        weights = dists.regroup(comm.gather_union(weights, [sum(c) for c in id_counts], group), seg, len(batches), n)
+        weights = regroup(comm.gather_union(weights, [sum(c) for c in id_counts], group), seg, len(batches), n)
     union = kernel(
         union_values, offsets_from_lengths(union_lengths), weights, grad_scale=scale, ids_checked=ids_checked
     )

@@ -22,11 +22,9 @@ from lightning_rec.configs import BaseEmbeddingConfig
 from lightning_rec.embedding_modules import FeatureLayout, Table
 from lightning_rec.fused_kinds import as_spec
 from lightning_rec.pipeline import collectives as comm
-from lightning_rec.pipeline import input_dist as dists
-from lightning_rec.pipeline import state_dict as state
 from lightning_rec.pipeline.dp_sparse_grad import DataParallelGradMode
 from lightning_rec.pipeline.fused_lookup import build_kernels, check_fused, union_lookup
-from lightning_rec.pipeline.input_dist import Received
+from lightning_rec.pipeline.input_dist import InputRejected, PendingInputDist, Received, RowKey, start_input_dist
 from lightning_rec.pipeline.materialize import (
     broadcast_from_first,
     filler,
@@ -36,6 +34,7 @@ from lightning_rec.pipeline.materialize import (
     warn_large_tables,
 )
 from lightning_rec.pipeline.routing import RoutingTable, build_routing
+from lightning_rec.pipeline.state_dict import load_hook, sharded_state_dict_hook
 from lightning_rec.plans.shard_geometry import ShardMeta
 from lightning_rec.sparse import KeyedJaggedTensor, checks_enabled
 
@@ -52,7 +51,7 @@ class LookupContext:
     """
 
     kjt: KeyedJaggedTensor  # this rank's input, checked, in config order
-    pending: dists.PendingInputDist | None = None  # the input dist in flight; None: no model-parallel table
+    pending: PendingInputDist | None = None  # the input dist in flight; None: no model-parallel table
     on_received: Callable[[Received], Received] | None = None  # managed collision: remap on the owner
     received: Received | None = None  # what the input dist delivered to this rank (set by ``compute``)
     dp_out: Any = None  # the data-parallel tables' lookup of this rank's samples (set by ``compute``)
@@ -213,10 +212,10 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
             for name, group in pending:  # in table order on every rank, as the plain path broadcasts
                 broadcast_from_first(cast(torch.Tensor, held[name].weight), group)
         self._build_lookups()
-        self._register_state_dict_hook(state.sharded_state_dict_hook)
+        self._register_state_dict_hook(sharded_state_dict_hook)
         self._register_load_state_dict_pre_hook(self._load_hook)
         # raw-id tables (managed collision, see route_raw_ids): unset unless a wrapper is driving this forward
-        self._row_keys: dict[int, dists.RowKey] | None = None
+        self._row_keys: dict[int, RowKey] | None = None
         self._on_received: Callable[[Received], Received] | None = None
         self._raw_id_layout: FeatureLayout | None = None
 
@@ -318,7 +317,7 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         )
 
     def _load_hook(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        state.load_hook(self, state_dict, prefix)
+        load_hook(self, state_dict, prefix)
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
         if self._keep_table_dtypes:
@@ -402,7 +401,7 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
                 return LookupContext(kjt)
         weights = self._wire_weights(kjt.weights_or_none()) if kjt is not None and self._uses_weights() else None
         try:
-            pending = dists.start_input_dist(
+            pending = start_input_dist(
                 kjt,
                 weights,
                 self._routing,
@@ -415,7 +414,7 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
                 row_keys=self._row_keys,
                 ids_checked=checks_enabled(),
             )
-        except dists.InputRejected:
+        except InputRejected:
             if err is not None:
                 raise err from None
             raise
@@ -527,7 +526,7 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         return [pos[self._layout.feature_table[f]] for f in self._routing.dp_features]
 
     def route_raw_ids(
-        self, row_of: Mapping[str, dists.RowKey] | None, on_received: Callable[[Received], Received] | None
+        self, row_of: Mapping[str, RowKey] | None, on_received: Callable[[Received], Received] | None
     ) -> None:
         """Let tables take raw ids (managed collision) until called again with ``None``.
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_rec import _compat
 from lightning_rec.pipeline import collectives as comm
-from lightning_rec.plans import shard_geometry as layout
+from lightning_rec.plans import shard_geometry
 from lightning_rec.plans.shard_geometry import ShardMeta
 
 
@@ -56,12 +56,12 @@ def table_dtensor(
 ) -> Any:
     """A DTensor over a table tiled by ``shards`` (shard-group ranks) from this rank's ``pieces`` (tensor, offsets).
 
-    Placements follow :func:`layout.dtensor_placement`: ``Shard(0)`` / ``Shard(1)`` over the shard group where the
-    tiling is ``torch.chunk``'s, ``Replicate()`` on the owner's one-rank mesh for a whole table, local pieces
+    Placements follow :func:`shard_geometry.dtensor_placement`: ``Shard(0)`` / ``Shard(1)`` over the shard group
+    where the tiling is ``torch.chunk``'s, ``Replicate()`` on the owner's one-rank mesh for a whole table, local pieces
     with offsets otherwise. The pieces share storage with the given tensors.
     """
     ranks = dist.get_process_group_ranks(group)
-    where = layout.dtensor_placement(shards, shape[0], shape[1], len(ranks))
+    where = shard_geometry.dtensor_placement(shards, shape[0], shape[1], len(ranks))
     if where is not None and where[0] == "owner":
         where = ("owner", ranks[where[1]])
     described = [([s.row_offset, s.col_offset], [s.rows, s.cols], ranks[s.rank]) for s in shards]

@@ -16,7 +16,7 @@ import numpy as np
 
 from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
 from lightning_rec.fused_kinds import as_spec
-from lightning_rec.pipeline.fused_lookup import fused_width_problem
+from lightning_rec.kernels import fused_width_problem
 from lightning_rec.plans.kinds import KINDS, ParameterSharding, placement_of
 from lightning_rec.plans.plan import ShardingPlan, data_parallel, resolve_table, table_wise
 from lightning_rec.plans.planner.candidates import Candidate, Probes, Space, divisors, in_host_memory, score, why
