@@ -30,6 +30,26 @@ class MicroBatch:
         self.values, self.offsets, self.weights, self.batch = values, offsets, weights, batch
         self.grad: torch.Tensor | None = None
 
+    def drop_rows(self, features: list[int], rows: torch.Tensor) -> None:
+        """Forget every occurrence of ``rows`` in the bags of ``features``: those rows were given to other ids
+        since (managed collision), so this micro-batch's gradient no longer belongs to them. The pooled gradient
+        of each bag stays: the bag's other rows get what they got."""
+        lengths = self.offsets.diff()
+        bagged = int(self.offsets[-1])  # ids past the last bag belong to no bag: dropped too
+        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths, output_size=bagged)
+        ids = self.values[:bagged]
+        feature = torch.div(bag, max(self.batch, 1), rounding_mode="floor")
+        drop = torch.isin(feature, torch.tensor(features, device=feature.device)) & torch.isin(
+            ids, rows.to(ids.device, ids.dtype)
+        )
+        if not bool(drop.any()):
+            return
+        keep = ~drop
+        kept = torch.bincount(bag[keep], minlength=lengths.numel()).to(self.offsets.dtype)
+        self.values = ids[keep]
+        self.weights = None if self.weights is None else self.weights[:bagged][keep]
+        self.offsets = torch.cat([self.offsets.new_zeros(1), torch.cumsum(kept, 0)])
+
     def nbytes(self) -> int:
         """Bytes this micro-batch keeps until the step (its inputs and its gradient)."""
         kept = [self.values, self.offsets, self.weights, self.grad]

@@ -361,6 +361,14 @@ class FusedPooledKernel(torch.nn.Module):
             names = [self.table_names[t] for t in self.feature_table]
             check_ids(values, offsets[::batch].diff(), self._rows_per_feature, range(len(names)), names)
 
+    def drop_kept_rows(self, table: str, rows: torch.Tensor) -> None:
+        """Forget the kept gradient (accumulation) of ``rows`` of ``table`` (this kernel's rows of it): managed
+        collision gave them to new ids since those lookups."""
+        t = self.table_names.index(table)
+        features = [f for f, ft in enumerate(self.feature_table) if ft == t]
+        for mb in self._pending:
+            mb.drop_rows(features, rows)
+
     # -- optimizer ----------------------------------------------------------------------------------------
 
     def finish_step(self) -> None:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from lightning_rec import _compat
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, FeatureLayout
 from lightning_rec.mc import _dist, _remap
 from lightning_rec.mc.modules import ManagedCollisionCollection, MCHManagedCollisionModule, remap_local
@@ -189,6 +190,12 @@ class _ManagedCollisionWrapper(nn.Module):
                 weight[local] = self._row_init(weight[local], ids).to(weight.device, weight.dtype)
             for v in self._state_tensors(table, weight, fused):
                 v[local] = 0
+            # a gradient kept from an earlier micro-batch (accumulation) belongs to the id that left the row
+            _drop_kept_gradient(weight, local)
+            if isinstance(self._embedding_module, ShardedCollection):
+                for k in self._embedding_module.fused_kernels():
+                    if table in k.table_names:
+                        k.drop_kept_rows(table, local)
 
     def _reinit_values(self, table: str, ids: torch.Tensor, cfg) -> torch.Tensor:
         # a pure function of (seed, table, id): every rank and layout re-initialises a row identically
@@ -400,6 +407,20 @@ class ManagedCollisionEmbeddingCollection(_ManagedCollisionWrapper):
 
     def forward(self, features: KeyedJaggedTensor) -> tuple[dict[str, JaggedTensor], KeyedJaggedTensor | None]:
         return self._lookup(features)
+
+
+def _drop_kept_gradient(weight: torch.Tensor, rows: torch.Tensor) -> None:
+    """Forget ``rows`` of ``weight``'s accumulated gradient (dense or sparse)."""
+    grad = weight.grad
+    if grad is None:
+        return
+    if not grad.is_sparse:
+        grad[rows] = 0
+        return
+    ids, values = _compat.sparse_rows(grad)
+    keep = ~torch.isin(ids, rows)
+    if not bool(keep.all()):
+        weight.grad = torch.sparse_coo_tensor(ids[keep].unsqueeze(0), values[keep], grad.shape)
 
 
 def _auto_register(optimizer: torch.optim.Optimizer, args, kwargs) -> None:

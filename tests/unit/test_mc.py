@@ -288,3 +288,24 @@ def test_eval_mode_reads_only():
     m.train()
     m(_kjt([99], []))
     assert 99 in m._managed_collision_collection.modules_by_table()["t.1"]._mch_raw_ids.tolist()
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense-grad", "sparse-grad"])
+def test_a_row_given_to_a_new_id_forgets_the_gradient_kept_for_the_old_one(sparse: bool) -> None:
+    cfg = EmbeddingBagConfig(name="t.1", num_embeddings=2, embedding_dim=4, feature_names=["f", "g"])
+    ebc = EmbeddingBagCollection([cfg], sparse_grad=sparse)
+    mcc = ManagedCollisionCollection(
+        {"t.1": MCHManagedCollisionModule(2, num_buckets=1, eviction_policy=LRU_EvictionPolicy())},
+        ebc.embedding_bag_configs(),
+    )
+    m = ManagedCollisionEmbeddingBagCollection(ebc, mcc, return_remapped_features=True)
+    w = m._embedding_module.embedding_bags["t.1"].weight
+    out, r1 = m(_kjt([11], [12]))  # micro-batch 1: ids 11 and 12 take both rows
+    out.values().sum().backward()
+    rows1 = dict(zip([11, 12], r1.values().tolist()))
+    _, r2 = m(_kjt([12], [13]))  # micro-batch 2: 13 evicts 11 (least recently used), before its own backward
+    taken = int(r2.values()[1])
+    assert taken == rows1[11]
+    grad = w.grad.to_dense() if sparse else w.grad
+    assert torch.all(grad[taken] == 0), "the evicted id's kept gradient stayed on the row its successor took"
+    assert torch.all(grad[rows1[12]] == 1)  # the staying id keeps its gradient (the sum of its bag's output)
