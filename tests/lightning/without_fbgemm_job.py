@@ -1,5 +1,6 @@
-"""A 2-process Trainer job on a torch that no fbgemm-gpu release is built for (torch 2.15 when this was written),
-simulated here: fbgemm-gpu hidden (not importable, no installed distribution) and torch naming itself 2.15.0.
+"""A 2-process Trainer job on a torch that no fbgemm-gpu release is built for (torch 2.15 when this was written).
+Where fbgemm-gpu is installed, that torch is simulated: fbgemm-gpu hidden (not importable, no installed
+distribution) and torch naming itself 2.15.0; in an environment of torch 2.15 without fbgemm it runs as is.
 
 ``python -m tests.lightning.without_fbgemm_job``; Lightning's launcher runs it again for rank 1. Rank 0 checks
 the import notice (exactly one), the trained state against one unsharded process, and the fused optimizers'
@@ -9,6 +10,7 @@ error, and exits non-zero on any mismatch.
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import importlib.util
 import sys
 import warnings
 
@@ -21,12 +23,15 @@ def _version(name: str) -> str:
     return _real_version(name)
 
 
-metadata.version = _version
-sys.modules["fbgemm_gpu"] = None  # type: ignore[assignment]  # import fbgemm_gpu raises ImportError
+SIMULATED = importlib.util.find_spec("fbgemm_gpu") is not None
+if SIMULATED:
+    metadata.version = _version
+    sys.modules["fbgemm_gpu"] = None  # type: ignore[assignment]  # import fbgemm_gpu raises ImportError
 
 import torch  # noqa: E402
 
-torch.__version__ = "2.15.0"  # type: ignore[assignment]
+if SIMULATED:
+    torch.__version__ = "2.15.0"  # type: ignore[assignment]
 
 with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
@@ -58,7 +63,8 @@ def main() -> None:
         assert "fbgemm-gpu is not installed" in str(e), e
     else:
         raise AssertionError("a fused optimizer was accepted without fbgemm-gpu")
-    print("without fbgemm: trained equal to one process", flush=True)
+    how = "simulated" if SIMULATED else f"torch {torch.__version__}, no fbgemm-gpu installed"
+    print(f"without fbgemm ({how}): trained equal to one process", flush=True)
 
 
 if __name__ == "__main__":
