@@ -45,6 +45,7 @@ from lightning_rec.mc import (  # noqa: E402
     MCHManagedCollisionModule,
 )
 from lightning_rec.optim import CombinedOptimizer, FusedOptimizer, FusedOptimizerSpec  # noqa: E402
+from lightning_rec.quant import load_quantized, quantize_embeddings  # noqa: E402
 from lightning_rec.rec_module import RecModule  # noqa: E402
 from lightning_rec.sharding import (  # noqa: E402
     ParameterSharding,
@@ -133,6 +134,8 @@ __all__ = [
     "get_qcomm_codecs_registry",
     "grid_shard",
     "in_backward_optimizer_filter",
+    "load_quantized",
+    "quantize_embeddings",
     "row_wise",
     "shard_modules",
     "table_column_wise",

@@ -1,4 +1,5 @@
 """The ``lightning-rec`` command. ``lightning-rec plan tables.yaml --world-size 512 ...`` plans a cluster.
+``lightning-rec export CKPT_DIR --quantize int8 -o model.pt`` writes a checkpoint's model, tables quantized.
 
 The table file (YAML or JSON) holds a list of tables, or a mapping with ``tables`` and optional
 ``together`` (lists of table names placed together)::
@@ -18,17 +19,26 @@ The table file (YAML or JSON) holds a list of tables, or a mapping with ``tables
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
 import yaml
 
+from lightning_rec.checkpoint import atomic
 from lightning_rec.configs import EmbeddingBagConfig, EmbeddingConfig
 from lightning_rec.data import convert
 from lightning_rec.plans.kinds import ParameterSharding, kind_of
 from lightning_rec.plans.planner import OPTIMIZER_STATE, Planner, PlannerError, TableConstraint, Topology
+from lightning_rec.quant import EmbeddingBagCollection as QuantEmbeddingBagCollection
+from lightning_rec.quant import EmbeddingCollection as QuantEmbeddingCollection
+from lightning_rec.quant import load_quantized
+from lightning_rec.rec_module import RecModule
 
 _TABLE_KEYS = {
     "name",
@@ -185,7 +195,87 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-column-width", type=int, default=32)
     p.add_argument("--json", metavar="FILE", help="also write the plan and estimates as JSON ('-' for stdout only)")
     convert.add_parser(sub)
+    _export_parser(sub)
     return ap
+
+
+_STORAGE = ("int8", "int4", "int2", "fp16", "fp32")
+_OUTPUT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _export_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a checkpoint directory's model as one state_dict file, embedding tables quantized (--quantize)",
+        description="Reads a checkpoint directory (any plan and world size) in this process. The file loads with "
+        "torch.load into the model quantized the same way: "
+        "quantize_embeddings(Model(...), dtype).load_state_dict(torch.load(FILE)).",
+    )
+    p.add_argument("checkpoint", help="checkpoint directory (Trainer(strategy='rec_sharded') or checkpoint.save)")
+    p.add_argument("-o", "--output", required=True, help="the state_dict file to write (torch.save format)")
+    p.add_argument(
+        "--model",
+        default="lightning_rec.models.DLRM",
+        help="the RecModule class built from the saved hyper-parameters: package.module.Class or "
+        "package.module:Class (default: %(default)s)",
+    )
+    p.add_argument("--quantize", choices=_STORAGE, help="store every embedding table as this type (default: float)")
+    p.add_argument(
+        "--table-dtype", action="append", default=[], metavar="TABLE=TYPE", help="one table's type (repeatable)"
+    )
+    p.add_argument("--output-dtype", choices=sorted(_OUTPUT), default="fp32", help="the collections' outputs")
+    p.add_argument("--row-alignment", type=int, default=16, help="pad stored rows to this many bytes (1: packed)")
+    p.add_argument("--trust-checkpoint", action="store_true", help="unpickle the checkpoint fully (runs its code)")
+
+
+def _model_class(spec: str) -> type[RecModule]:
+    module, sep, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name) if sep else None
+    except (ImportError, AttributeError) as e:
+        raise CliError(f"--model {spec}: cannot import it ({e})") from None
+    if not (isinstance(cls, type) and issubclass(cls, RecModule)):
+        raise CliError(f"--model {spec}: expected a RecModule subclass (package.module.Class), got {cls!r}")
+    return cls
+
+
+def export_command(args: argparse.Namespace) -> int:
+    out = Path(args.output)
+    if not out.parent.is_dir():
+        raise CliError(f"--output {args.output}: the directory {str(out.parent)!r} does not exist")
+    per_table = {}
+    for item in args.table_dtype:
+        name, sep, kind = item.rpartition("=")  # table names may hold "=", the type never does
+        if not sep or kind not in _STORAGE:
+            raise CliError(f"--table-dtype {item!r}: expected TABLE=TYPE with TYPE one of {list(_STORAGE)}")
+        per_table[name] = kind
+    if per_table and not args.quantize:
+        raise CliError("--table-dtype needs --quantize (the type of the other tables)")
+    cls = _model_class(args.model)
+    if args.quantize:
+        model = load_quantized(
+            args.checkpoint,
+            cls,
+            args.quantize,
+            per_table_weight_dtype=per_table,
+            output_dtype=_OUTPUT[args.output_dtype],
+            row_alignment=args.row_alignment,
+            trusted=args.trust_checkpoint,
+        )
+    else:
+        model = cls.load_from_checkpoint(args.checkpoint, trusted_checkpoints=args.trust_checkpoint).eval()
+    tmp = atomic.partial_path(out)
+    try:
+        torch.save(model.state_dict(), tmp)
+        os.replace(tmp, out)
+    finally:
+        atomic.remove(tmp)
+    quantized = [m for m in model.modules() if isinstance(m, (QuantEmbeddingBagCollection, QuantEmbeddingCollection))]
+    kinds = Counter(t.name for m in quantized for t in m.storage_types().values())
+    stored = sum(m.storage_bytes() for m in quantized)
+    rows = f": tables {dict(sorted(kinds.items()))}, {stored / 2**20:.1f} MiB of stored rows" if quantized else ""
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB){rows}")
+    return 0
 
 
 def plan_command(args: argparse.Namespace) -> int:
@@ -233,6 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lightning-rec`` console script."""
     args = _parser().parse_args(argv)
     try:
+        if args.command == "export":
+            return export_command(args)
         return convert.command(args) if args.command == "convert" else plan_command(args)
     except (PlannerError, ValueError, TypeError, OSError, CliError) as e:
         print(f"lightning-rec {args.command}: error: {e}", file=sys.stderr)

@@ -50,6 +50,7 @@ LAYERS = {
     "callbacks": 5,
     "metrics": 5,
     "testing": 5,
+    "quant": 5,
     "models": 6,
     "nn": 6,
     "cli": 7,
