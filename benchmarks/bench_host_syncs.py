@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_rec.testing import run_distributed  # noqa: E402
-from tests.distributed.host_sync_cases import all_counts  # noqa: E402
+from tests.distributed.host_sync_cases import all_counts, main_job_counts  # noqa: E402
 
 
 def main() -> None:
@@ -42,6 +42,17 @@ def main() -> None:
         )
         for k, v in sites0.items():
             sites[k] = max(sites.get(k, 0), v)
+    for fused in (False, True):
+        job = run_distributed(main_job_counts, 2, fused, init_process_group=False, timeout_s=600)
+        lines.append("")
+        lines.append(
+            f"The main job's model (DLRM, Trainer + rec_sharded, mixed plan, {'fused Adagrad' if fused else 'torch Adagrad'}"
+            f" tables), one training step: {max(r['total'] for r in job)} host syncs (most over 2 ranks; rank 0 by op: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(job[0]["by_op"].items()))
+            + ")"
+        )
+        for site, n in sorted(job[0]["by_site"].items(), key=lambda kv: -kv[1]):
+            lines.append(f"- {site}: {n}")
     text = "\n".join(lines)
     if args.where:
         text += "\n\nWhere (rank 0, most per step in any configuration):\n\n" + "\n".join(

@@ -41,8 +41,19 @@ _DATA_DEPENDENT = {
 }
 
 
-# the shared-memory transport moves CPU tensors only (never a device's): its reads are of host memory
-_HOST_ONLY = ("lightning_rec/transport/shm.py", "lightning_rec/transport/bytecopy.py")
+# reads of tensors that live on the host on every backend, so never make a device wait: the shared-memory
+# transport's (CPU tensors only), the SIGTERM flags (a gloo group's CPU tensors, NCCL or not) and torch optimizers'
+# step counters (CPU scalars unless capturable / fused)
+_HOST_ONLY = (
+    "lightning_rec/transport/shm.py",
+    "lightning_rec/transport/bytecopy.py",
+    "lightning_rec/preemption.py",
+    "torch/optim/",
+)
+
+
+# frames between the line that reads and this counter (dispatch, dynamo's wrappers)
+_MACHINERY = ("lightning_rec/host_syncs.py", "torch/_compile.py", "torch/_dynamo/", "torch/utils/_python_dispatch.py")
 
 
 class HostSyncCounter(_compat.TorchDispatchMode):
@@ -50,8 +61,8 @@ class HostSyncCounter(_compat.TorchDispatchMode):
 
     ``by_op``: a Counter of op names (``"tolist"`` for ``Tensor.tolist``); ``total``: their sum.
     ``where=True`` also records, per op, the innermost lightning_rec frame that issued it (``by_site``).
-    Only the thread that entered the block is counted, and not the shared-memory transport's reads of its
-    own buffers (host memory by construction: it only carries CPU tensors).
+    Only the thread that entered the block is counted, and not reads of tensors that stay on the host on every
+    backend (the shared-memory transport's buffers, the SIGTERM flags, torch optimizers' step counters).
     """
 
     def __init__(self, where: bool = False) -> None:
@@ -68,7 +79,8 @@ class HostSyncCounter(_compat.TorchDispatchMode):
 
     def _count(self, name: str) -> None:
         stack = traceback.extract_stack()[:-2]
-        if any(f.filename.endswith(_HOST_ONLY) for f in stack):
+        reader = next((f for f in reversed(stack) if not any(m in f.filename for m in _MACHINERY)), None)
+        if reader is not None and any(part in reader.filename for part in _HOST_ONLY):
             return
         self.by_op[name] += 1
         if self._where:

@@ -86,6 +86,14 @@ class DeferringKernel(Protocol):
     def tables(self) -> list[torch.nn.Parameter]: ...
 
 
+def drop_kept_rows(kernel: DeferringKernel, table: int, rows: torch.Tensor) -> None:
+    """Forget the kept gradient (accumulation) of ``rows`` of the kernel's table ``table`` in every waiting
+    micro-batch: managed collision gave those rows to new ids since those lookups."""
+    features = [f for f, t in enumerate(kernel.feature_table) if t == table]
+    for mb in kernel._pending:
+        mb.drop_rows(features, rows)
+
+
 class _DeferredLookup(torch.autograd.Function):
     """The kernel's pooled output; backward keeps the gradient for the step instead of updating."""
 

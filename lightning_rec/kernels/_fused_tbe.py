@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from lightning_rec.fused_kinds import as_spec
-from lightning_rec.kernels._accumulate import MicroBatch, deferred_lookup, union_of
+from lightning_rec.kernels._accumulate import MicroBatch, deferred_lookup, drop_kept_rows, union_of
 from lightning_rec.kernels._capability import check_fused_available, fbgemm_training
-from lightning_rec.kernels._guards import _FusedBackwardGuard, _FusedStepCounter, _ScaleGrad
+from lightning_rec.kernels._guards import _FusedBackwardGuard, _FusedStepCounter, _ScaleGrad, check_feature_table
 from lightning_rec.kernels._ids import check_ids, check_offsets
 from lightning_rec.kernels._tables import FusedTable, unexpected_table_keys
 from lightning_rec.memory.huge_pages import zero_into_huge_pages
@@ -89,7 +89,7 @@ class FusedPooledKernel(torch.nn.Module):
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         names, rows, dims, dtype = self._check_tables(tables)
-        feature_table = self._check_feature_table(feature_table, names)
+        feature_table = check_feature_table(feature_table, names)
 
         tbe_ops = fbgemm_training()
         on_cpu = dev.type == "cpu"
@@ -211,27 +211,6 @@ class FusedPooledKernel(torch.nn.Module):
             detail = ", ".join(f"{n!r}: {d}" for n, d in zip(names, dtypes))
             raise ValueError(f"one fused kernel needs one dtype for all its tables, got {detail}")
         return names, rows, dims, dtypes[0]
-
-    @staticmethod
-    def _check_feature_table(feature_table, names: list[str]) -> list[int]:
-        ft = [int(t) for t in feature_table]
-        if not ft:
-            raise ValueError("FusedPooledKernel needs at least one feature")
-        for f, t in enumerate(ft):
-            if not 0 <= t < len(names):
-                raise ValueError(f"feature {f} maps to table index {t}, outside [0, {len(names) - 1}]")
-        for f in range(1, len(ft)):
-            if ft[f] < ft[f - 1]:
-                raise ValueError(
-                    f"feature_table must be non-decreasing (features grouped by table, in table order), got {ft}: "
-                    f"feature {f} (table {names[ft[f]]!r}) comes after feature {f - 1} (table {names[ft[f - 1]]!r}). "
-                    "fbgemm's Adagrad kernels are silently wrong or crash otherwise; sort the features by table "
-                    "and permute the output columns afterwards"
-                )
-        unused = [names[t] for t in range(len(names)) if t not in set(ft)]
-        if unused:
-            raise ValueError(f"tables {unused} have no feature; fbgemm needs at least one feature per table")
-        return ft
 
     # -- tables -------------------------------------------------------------------------------------------
 
@@ -362,12 +341,8 @@ class FusedPooledKernel(torch.nn.Module):
             check_ids(values, offsets[::batch].diff(), self._rows_per_feature, range(len(names)), names)
 
     def drop_kept_rows(self, table: str, rows: torch.Tensor) -> None:
-        """Forget the kept gradient (accumulation) of ``rows`` of ``table`` (this kernel's rows of it): managed
-        collision gave them to new ids since those lookups."""
-        t = self.table_names.index(table)
-        features = [f for f, ft in enumerate(self.feature_table) if ft == t]
-        for mb in self._pending:
-            mb.drop_rows(features, rows)
+        """Forget the kept gradient of ``rows`` of ``table``: managed collision gave them to new ids since."""
+        drop_kept_rows(self, self.table_names.index(table), rows)
 
     # -- optimizer ----------------------------------------------------------------------------------------
 

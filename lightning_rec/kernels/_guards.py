@@ -1,7 +1,10 @@
-"""Autograd guards of the fused kernel: a fused optimizer updates inside backward, so what it cannot honour
-(a repeated backward, gradient accumulation) is refused there, and the gradient is scaled on its way in."""
+"""Guards of the fused kernel: its feature -> table map, checked at construction (fbgemm's Adagrad kernels are
+silently wrong on others); and in autograd, since a fused optimizer updates inside backward, what it cannot
+honour (a repeated backward, gradient accumulation) is refused there, and the gradient is scaled on its way in."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -67,3 +70,25 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         return grad * ctx.scale, None
+
+
+def check_feature_table(feature_table: Sequence[int], names: list[str]) -> list[int]:
+    """The fused kernel's feature -> table map, checked: every table read, features grouped by table (F2)."""
+    ft = [int(t) for t in feature_table]
+    if not ft:
+        raise ValueError("FusedPooledKernel needs at least one feature")
+    for f, t in enumerate(ft):
+        if not 0 <= t < len(names):
+            raise ValueError(f"feature {f} maps to table index {t}, outside [0, {len(names) - 1}]")
+    for f in range(1, len(ft)):
+        if ft[f] < ft[f - 1]:
+            raise ValueError(
+                f"feature_table must be non-decreasing (features grouped by table, in table order), got {ft}: "
+                f"feature {f} (table {names[ft[f]]!r}) comes after feature {f - 1} (table {names[ft[f - 1]]!r}). "
+                "fbgemm's Adagrad kernels are silently wrong or crash otherwise; sort the features by table "
+                "and permute the output columns afterwards"
+            )
+    unused = [names[t] for t in range(len(names)) if t not in set(ft)]
+    if unused:
+        raise ValueError(f"tables {unused} have no feature; fbgemm needs at least one feature per table")
+    return ft

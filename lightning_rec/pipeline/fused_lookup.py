@@ -143,8 +143,8 @@ def union_lookup(
     if w_bits:
         starts.append(id_starts + counts.sum(1)[rank])
         lens.append(lens[1])
-    index = segment_gather_index(torch.cat(starts), torch.cat(lens))
     n_lengths, n_ids = n * sum(batches), sum(map(sum, id_counts))
+    index = segment_gather_index(torch.cat(starts), torch.cat(lens), n_lengths + n_ids * (2 if w_bits else 1))
     pieces = torch.split(buf.index_select(0, index), [n_lengths, n_ids, n_ids if w_bits else 0])
     union_lengths, union_values = pieces[0], pieces[1]
     if w_bits:

@@ -35,7 +35,7 @@ from lightning_rec.pipeline.output_dist import pooled_output_dist
 from lightning_rec.pipeline.qcomm import QuantizedCommCodecs
 from lightning_rec.pipeline.sharded_collection import LookupContext, ShardedCollection
 from lightning_rec.sparse import KeyedJaggedTensor, KeyedTensor, offsets_from_lengths
-from lightning_rec.sparse._utils import cumsum_list
+from lightning_rec.sparse._utils import cumsum_list, from_checked
 
 
 class ShardedEmbeddingBagCollection(ShardedCollection):
@@ -123,7 +123,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         b, dtype = kjt.stride(), self._out_dtype()
         dp_features = list(self._routing.dp_features)
         # every feature data-parallel (the usual data_parallel plan): the input is already the sub-batch
-        sub = kjt if dp_features == list(range(len(kjt.keys()))) else kjt.permute(dp_features)
+        sub = kjt if dp_features == list(range(len(kjt.keys()))) else _permuted(kjt, dp_features)
         psw = self._wire_weights(sub.weights_or_none()) if self._is_weighted else None
         if self._dp_fused is not None:
             group = self._dp_group if dist.get_world_size(self._dp_group) > 1 else None
@@ -174,3 +174,12 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             storage=self._shard_params(),
             bounds=self._host_bounds(recv.ids_per_route),  # from the input dist's header, on the host
         ).to(dtype)
+
+
+def _permuted(kjt: KeyedJaggedTensor, features: list[int]) -> KeyedJaggedTensor:
+    """``kjt.permute(features)`` of an input already checked: built without checking it again (each check reads
+    the device), except while compiling, where no check runs anyway."""
+    if torch.compiler.is_compiling():
+        return kjt.permute(features)
+    with from_checked():
+        return kjt.permute(features)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,8 +22,34 @@ class SparseInputError(ValueError, AssertionError):
 
 
 def checks_enabled() -> bool:
-    """Data-dependent checks run eagerly only: under torch.compile / TorchScript they would break the graph."""
-    return not (torch.compiler.is_compiling() or torch.jit.is_scripting())
+    """Data-dependent checks run eagerly only: under torch.compile / TorchScript they would break the graph;
+    and not inside :func:`from_checked`."""
+    if torch.jit.is_scripting():
+        return False
+    return not (torch.compiler.is_compiling() or _from_checked())
+
+
+@torch.jit.unused
+def _from_checked() -> bool:
+    return _FROM_CHECKED.on
+
+
+class _Flag(threading.local):
+    on = False
+
+
+_FROM_CHECKED = _Flag()
+
+
+@contextlib.contextmanager
+def from_checked() -> Iterator[None]:
+    """Build sparse types from parts an input check already saw (a permutation of a checked KJT, say): their
+    data-dependent checks are skipped, each of which would make a CUDA host wait for its device."""
+    before, _FROM_CHECKED.on = _FROM_CHECKED.on, True
+    try:
+        yield
+    finally:
+        _FROM_CHECKED.on = before
 
 
 def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:

@@ -135,3 +135,69 @@ def all_counts(rank: int, ws: int, where: bool) -> list:
             continue  # sequence collections have no fused kernel yet
         rows.append(((pooled, kind, fused, pipelined), count_step(rank, ws, kind, pooled, fused, pipelined, where)))
     return rows
+
+
+def main_job_counts(rank: int, ws: int, fused: bool) -> dict:
+    """The main job's model (``lightning_rec.models.DLRM``) under ``Trainer(strategy="rec_sharded")`` with a
+    mixed plan: the host syncs of its third training step (Lightning's loop, logging and both optimizers
+    included), by op and by the library line that issued them."""
+    import lightning as L
+
+    from lightning_rec import RecShardedStrategy
+    from lightning_rec.models import DLRM
+
+    cards = {"user id": 23, "item": 31, "geo.city": 7, "hist": 17}
+    plan = ShardingPlan(
+        {
+            "sparse_arch.embedding_bag_collection": {
+                "user id": row_wise(),
+                "item": table_wise(1 % ws),
+                "geo.city": column_wise([1 % ws, 0]),
+                "hist": data_parallel(),
+            }
+        }
+    )
+    torch.manual_seed(0)
+    model = DLRM(
+        num_dense=3,
+        feature_names=list(cards),
+        num_embeddings_per_feature=list(cards.values()),
+        embedding_dim=8,
+        dense_arch_layer_sizes=[8, 8],
+        over_arch_layer_sizes=[8, 1],
+        plan=plan,
+    )
+    g = torch.Generator().manual_seed(100 + rank)
+    data = []
+    for _ in range(4):
+        lengths = torch.randint(0, 3, (len(cards) * BATCH,), generator=g)
+        per = lengths.view(len(cards), BATCH).sum(1).tolist()
+        ids = torch.cat([torch.randint(0, n, (k,), generator=g) for n, k in zip(cards.values(), per)])
+        kjt = KeyedJaggedTensor(list(cards), ids, lengths=lengths)
+        data.append((torch.randn(BATCH, 3, generator=g), kjt, torch.randint(0, 2, (BATCH,), generator=g).float()))
+    counter = HostSyncCounter(where=True)
+
+    class Count(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 2:
+                counter.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 2:
+                counter.__exit__(None, None, None)
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=ws,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        callbacks=[Count()],
+        strategy=RecShardedStrategy(embedding_optimizer={"kind": "adagrad", "lr": 0.1} if fused else None),
+    )
+    trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    return {"total": counter.total, "by_op": dict(counter.by_op), "by_site": dict(counter.by_site)}

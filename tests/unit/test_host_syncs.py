@@ -9,6 +9,9 @@ from lightning_rec.host_syncs import HostSyncCounter
 
 def test_counts_reads_and_data_dependent_shapes_only() -> None:
     x = torch.tensor([1, 0, 2])
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = torch.optim.Adagrad([p])
     original = torch.Tensor.tolist
     with HostSyncCounter(where=True) as syncs:
         x.tolist()  # a read into Python
@@ -25,6 +28,7 @@ def test_counts_reads_and_data_dependent_shapes_only() -> None:
         x.cumsum(0) + 1
         x[torch.tensor([0, 2])]
         torch.empty(0, dtype=torch.long).tolist()  # nothing to read
+        opt.step()  # torch's optimizers read their step counters, CPU scalars on every device
     assert syncs.by_op == {
         "tolist": 1,
         "aten._local_scalar_dense": 2,
