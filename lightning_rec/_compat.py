@@ -499,3 +499,45 @@ def ddp_on_current_stream(strategy: Any, module: torch.nn.Module) -> Distributed
     else:
         device_ids = strategy._determine_ddp_device_ids()
     return DistributedDataParallel(module=module, device_ids=device_ids, **strategy._ddp_kwargs)
+
+
+# -- private state of torch's and Lightning's instances (run on torch 2.11-2.15 and Lightning 2.6) ---------------
+def child_modules(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s registry of child modules (``nn.Module._modules``), for names ``add_module`` refuses: a table's
+    name is user data and may hold dots."""
+    return cast("dict[str, Any]", module._modules)
+
+
+def own_parameters(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s own parameters by name (``nn.Module._parameters``), to replace one in place."""
+    return cast("dict[str, Any]", module._parameters)
+
+
+def own_buffers(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s own buffers by name (``nn.Module._buffers``), to replace one in place."""
+    return cast("dict[str, Any]", module._buffers)
+
+
+def register_state_dict_hook(module: torch.nn.Module, hook: Callable[..., Any]) -> None:
+    """A hook that may rewrite ``module``'s state_dict after it is built (torch's private one, the only one whose
+    return value replaces the state_dict on every supported torch)."""
+    module._register_state_dict_hook(hook)
+
+
+def register_load_state_dict_pre_hook(module: torch.nn.Module, hook: Callable[..., Any]) -> None:
+    """A hook called with the state_dict before ``module`` loads it (torch's private form, without the module)."""
+    module._register_load_state_dict_pre_hook(hook)
+
+
+def strategy_launcher(strategy: Any) -> Any:
+    """The launcher a Lightning strategy configured (``Strategy._launcher``)."""
+    return strategy._launcher
+
+
+def set_strategy_launcher(strategy: Any, launcher: Any) -> None:
+    strategy._launcher = launcher
+
+
+def attached_trainer(module: Any) -> Any:
+    """The Trainer a LightningModule is attached to, or None (``module.trainer`` raises when there is none)."""
+    return module._trainer

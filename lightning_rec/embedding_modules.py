@@ -253,7 +253,7 @@ class _CollectionBase(nn.Module):
         tables = getattr(self, self._container_name)
         if isinstance(tables, nn.Module):
             # fx names a parameter by its dotted module path: a table named "geo.city" has no such path
-            dotted = [name for name in tables._modules if "." in name]
+            dotted = [name for name in _compat.child_modules(tables) if "." in name]
             if dotted:
                 raise ValueError(
                     f"torch.fx cannot address tables {dotted}: their names hold a '.', which fx reads as "

@@ -36,7 +36,7 @@ class AgreedStop:
 
     def __init__(self, launcher: Any = None) -> None:
         self.signalled = False
-        self._launcher = launcher
+        self._children = launcher  # Lightning's launcher, when it started this job's other ranks
         # the flags in flight through gloo (every rank sent them at the same batch; read at the next)
         self._pending: tuple[torch.Tensor, Any] | None = None
         self._previous: Any = None
@@ -44,8 +44,8 @@ class AgreedStop:
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        if not self.signalled and self._launcher is not None:
-            self._launcher.kill(signum)  # the ranks Lightning's launcher started get it too
+        if not self.signalled and self._children is not None:
+            self._children.kill(signum)  # the ranks Lightning's launcher started get it too
         self.signalled = True  # nothing collective here: the other ranks are busy in their own collectives
 
     def check(self) -> None:

@@ -213,7 +213,7 @@ class ShardedFrontEnd:
     def _configure_launcher(self) -> None:
         super()._configure_launcher()  # type: ignore[misc]
         # ranks that fail after rank 0 finished make the job fail too (child_exits)
-        self._launcher = child_exits.reporting(self._launcher)
+        _compat.set_strategy_launcher(self, child_exits.reporting(_compat.strategy_launcher(self)))
 
     def teardown(self) -> None:
         # collectives still in flight (a loader's status exchange for a batch never asked for) finish here, not

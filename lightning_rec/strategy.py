@@ -403,7 +403,7 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         module = self.lightning_module
         assert module is not None
         path = checkpoint_path
-        fitting = module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        fitting = _compat.attached_trainer(module) is not None and module.trainer.state.fn == TrainerFn.FITTING
         optimizers = self.optimizers if fitting else []
         if ckpt.is_checkpoint_dir(path):
             meta = self.core.read_checkpoint(path, module, optimizers, module.strict_loading, weights_only)

@@ -147,12 +147,12 @@ def _move_dense(model: nn.Module, skip: set[str], device: torch.device) -> None:
     # forward (index_select wants both on one device); the parameters keep their identity (p.data)
     for path, m in model.named_modules():
         prefix = f"{path}." if path else ""
-        for name, p in m._parameters.items():
+        for name, p in _compat.own_parameters(m).items():
             if p is not None and prefix + name not in skip and p.device != device:
                 p.data = p.data.to(device)
-        for name, b in list(m._buffers.items()):
+        for name, b in list(_compat.own_buffers(m).items()):
             if b is not None and prefix + name not in skip and b.device != device:
-                m._buffers[name] = b.to(device)
+                _compat.own_buffers(m)[name] = b.to(device)
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lightning_rec import _compat
 from lightning_rec.fused_kinds import as_spec
 from lightning_rec.kernels._accumulate import MicroBatch, deferred_lookup, drop_kept_rows, union_of
 from lightning_rec.kernels._capability import check_fused_available, fbgemm_training
@@ -166,7 +167,7 @@ class FusedPooledKernel(torch.nn.Module):
                         )
                     v.copy_(w)
         for name, v in zip(names, views):
-            self._modules[name] = FusedTable(torch.nn.Parameter(v, requires_grad=False))
+            _compat.child_modules(self)[name] = FusedTable(torch.nn.Parameter(v, requires_grad=False))
         self._ptrs = [v.data_ptr() for v in views]
 
     # -- construction checks ------------------------------------------------------------------------------
@@ -217,7 +218,7 @@ class FusedPooledKernel(torch.nn.Module):
     def tables(self) -> list[torch.nn.Parameter]:
         """One leaf ``nn.Parameter`` per table (``[rows, dim]``, ``requires_grad=False``), views of the kernel's
         storage: the kernel's updates are visible in them, and writes to them reach the kernel."""
-        return [self._modules[name].weight for name in self.table_names]  # type: ignore[union-attr, misc]
+        return [_compat.child_modules(self)[name].weight for name in self.table_names]  # type: ignore[union-attr, misc]
 
     def _check_aliases(self) -> None:
         for name, p, ptr in zip(self.table_names, self.tables(), self._ptrs):

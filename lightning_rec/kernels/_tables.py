@@ -12,17 +12,16 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from lightning_rec import _compat
+
 
 class TableKernel(Protocol):
-    """What :class:`FusedTables` needs of each kernel it holds: its table modules by name, and its refusal of
-    conversions. :class:`~lightning_rec.kernels._fused_tbe.FusedPooledKernel` is one; it imports this module, so
-    naming it here would make the two modules need each other."""
+    """What :class:`FusedTables` needs of each kernel it holds (an nn.Module whose children are its table modules,
+    by name): the names, and its refusal of conversions. :class:`~lightning_rec.kernels._fused_tbe.FusedPooledKernel`
+    is one; it imports this module, so naming it here would make the two modules need each other."""
 
     @property
     def table_names(self) -> list[str]: ...
-
-    @property
-    def _modules(self) -> dict[str, torch.nn.Module | None]: ...
 
     def _refuse_conversion(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None: ...
 
@@ -37,16 +36,16 @@ class TableContainer(torch.nn.Module):
     """``ModuleDict`` without its key rules: table names are user data, so ``.`` or spaces are allowed."""
 
     def add(self, name: str, module: torch.nn.Module) -> None:
-        self._modules[name] = module
+        _compat.child_modules(self)[name] = module
 
     def __getitem__(self, name: str) -> torch.nn.Module:
-        return self._modules[name]  # type: ignore[return-value]
+        return _compat.child_modules(self)[name]
 
     def __iter__(self):
-        return iter(self._modules)
+        return iter(_compat.child_modules(self))
 
     def __len__(self) -> int:
-        return len(self._modules)
+        return len(_compat.child_modules(self))
 
     def _load_from_state_dict(  # type: ignore[override]
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -92,8 +91,8 @@ class FusedTables(TableContainer):
     def __init__(self, fused: Sequence[TableKernel], order: Sequence[str]) -> None:
         super().__init__()
         object.__setattr__(self, "_kernels", list(fused))
-        # torch types _modules' values Optional; a kernel's tables are all there
-        held = {name: cast(torch.nn.Module, k._modules[name]) for k in fused for name in k.table_names}
+        # a kernel is an nn.Module whose child modules are its tables, by name
+        held = {name: _compat.child_modules(cast(torch.nn.Module, k))[name] for k in fused for name in k.table_names}
         for name in [n for n in order if n in held] + [n for n in held if n not in set(order)]:
             self.add(name, held[name])
 

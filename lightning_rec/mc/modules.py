@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_rec import _compat
 from lightning_rec.configs import BaseEmbeddingConfig
 from lightning_rec.kernels import TableContainer
 from lightning_rec.mc import _batch, _remap
@@ -104,7 +105,7 @@ class MCHManagedCollisionModule(nn.Module):
         self._owned: torch.Tensor | None = None  # rows this rank owns when sharded (None: all)
         self._group: dist.ProcessGroup | None = None  # set while the table is sharded
         self.last_stats: dict[str, int] = {}
-        self._register_state_dict_hook(_gather_state_hook)
+        _compat.register_state_dict_hook(self, _gather_state_hook)
 
     def _label(self) -> str:
         return "module" if self._name is None else f"table {self._name!r}"
@@ -366,7 +367,7 @@ class _ModuleMap(TableContainer):
             self.add(k, m)
 
     def items(self):
-        return self._modules.items()
+        return _compat.child_modules(self).items()
 
 
 def split_by_table(mcc: ManagedCollisionCollection, kjt: KeyedJaggedTensor):

@@ -108,7 +108,7 @@ class InteractionArch(nn.Module):
         """(Re)build the pair indices: buffers so ``.to(device)`` moves them, not persistent (derived from ``F``).
         A model built on the meta device gets them back this way (``DistributedModelParallel`` calls it once the
         buffers have storage), where its buffers would otherwise hold zeros."""
-        old = self._buffers.get("triu_indices")
+        old = dict(self.named_buffers(recurse=False)).get("triu_indices")
         device = None if old is None or old.device.type == "meta" else old.device
         n = self.F + 1
         triu = torch.triu_indices(n, n, offset=1, device=device)

@@ -65,15 +65,15 @@ def materialize_dense(model: nn.Module, device: torch.device, who: str) -> None:
             if id(m) in skip:
                 continue
             fresh, zeroed = False, []
-            for name, p in list(m._parameters.items()):
+            for name, p in list(_compat.own_parameters(m).items()):
                 if p is not None and p.device.type == "meta":
-                    m._parameters[name] = nn.Parameter(
+                    _compat.own_parameters(m)[name] = nn.Parameter(
                         torch.empty_like(p, device=device), requires_grad=p.requires_grad
                     )
                     fresh = True
-            for name, b in list(m._buffers.items()):
+            for name, b in list(_compat.own_buffers(m).items()):
                 if b is not None and b.device.type == "meta":
-                    m._buffers[name] = torch.zeros_like(b, device=device)
+                    _compat.own_buffers(m)[name] = torch.zeros_like(b, device=device)
                     fresh = True
                     zeroed.append(f"{path}.{name}" if path else name)
             reset = getattr(m, "reset_parameters", None)
@@ -220,7 +220,7 @@ def shard_modules(
         if path == "":
             return sharded
         parent_path, _, name = path.rpartition(".")
-        model.get_submodule(parent_path)._modules[name] = sharded
+        _compat.child_modules(model.get_submodule(parent_path))[name] = sharded
     return model
 
 

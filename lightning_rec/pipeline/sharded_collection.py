@@ -212,8 +212,8 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
             for name, group in pending:  # in table order on every rank, as the plain path broadcasts
                 broadcast_from_first(cast(torch.Tensor, held[name].weight), group)
         self._build_lookups()
-        self._register_state_dict_hook(sharded_state_dict_hook)
-        self._register_load_state_dict_pre_hook(self._load_hook)
+        _compat.register_state_dict_hook(self, sharded_state_dict_hook)
+        _compat.register_load_state_dict_pre_hook(self, self._load_hook)
         # raw-id tables (managed collision, see route_raw_ids): unset unless a wrapper is driving this forward
         self._row_keys: dict[int, RowKey] | None = None
         self._on_received: Callable[[Received], Received] | None = None
@@ -489,7 +489,7 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         return [self._table_param(ti) for ti in self._routing.dp_tables]
 
     def _table_param(self, ti: int) -> torch.Tensor:
-        return getattr(self, self._attr)._modules[self._layout.tables[ti].name].weight
+        return _compat.child_modules(getattr(self, self._attr))[self._layout.tables[ti].name].weight
 
     def fused_kernels(self) -> list[kernels.FusedPooledKernel]:
         """The fused kernels of this rank (shards first, then data-parallel tables); empty without a fused optimizer."""

@@ -266,6 +266,49 @@ def _private_uses(path: Path) -> list[str]:
     return [f"{path.relative_to(ROOT.parent)}:{line}: {expr}" for line, expr in sorted(set(hits))]
 
 
+# private attributes of torch's and Lightning's *instances* (an nn.Module's registries and hooks, a strategy's
+# launcher, a LightningModule's trainer): reached on any object, they are version-dependent all the same
+INSTANCE_PRIVATES = frozenset(
+    {
+        "_parameters",
+        "_buffers",
+        "_modules",
+        "_non_persistent_buffers_set",
+        "_forward_hooks",
+        "_forward_pre_hooks",
+        "_backward_hooks",
+        "_state_dict_hooks",
+        "_load_state_dict_pre_hooks",
+        "_register_state_dict_hook",
+        "_register_load_state_dict_pre_hook",
+        "_launcher",
+        "_trainer",
+        "_strategy",
+        "_accelerator_connector",
+        "_forward_module",
+        "_original_module",
+    }
+)
+
+
+def _instance_private_uses(path: Path) -> list[str]:
+    """``line: expression`` of every attribute in INSTANCE_PRIVATES reached on any value."""
+    hits = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in INSTANCE_PRIVATES:
+            hits.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {ast.unparse(node)}")
+    return sorted(set(hits))
+
+
+def test_private_instance_attributes_only_in_compat() -> None:
+    """``m._parameters``, ``self._modules[name]``, ``strategy._launcher``: the private state of torch's and Lightning's
+    objects goes through ``_compat`` too (INSTANCE_PRIVATES)."""
+    hits = [hit for mod, path in sorted(_modules().items()) if mod != "_compat" for hit in _instance_private_uses(path)]
+    assert not hits, "private instance attributes of torch / Lightning outside lightning_rec/_compat.py:\n" + "\n".join(
+        hits
+    )
+
+
 def test_private_symbols_only_in_compat() -> None:
     """torch, Lightning and fbgemm change their private attributes between minor releases without notice; every
     use goes through a documented function of ``_compat``, so a version bump has one file to check."""
