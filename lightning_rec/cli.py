@@ -1,5 +1,6 @@
 """The ``lightning-rec`` command. ``lightning-rec plan tables.yaml --world-size 512 ...`` plans a cluster.
-``lightning-rec export CKPT_DIR --quantize int8 -o model.pt`` writes a checkpoint's model, tables quantized.
+``lightning-rec export CKPT_DIR --quantize int8 -o model.pt`` writes a checkpoint's model, tables quantized
+(``--program -o model.pt2``: a ``torch.export`` program that serves with torch alone).
 
 The table file (YAML or JSON) holds a list of tables, or a mapping with ``tables`` and optional
 ``together`` (lists of table names placed together)::
@@ -33,6 +34,7 @@ import yaml
 from lightning_rec.checkpoint import atomic
 from lightning_rec.configs import EmbeddingBagConfig, EmbeddingConfig
 from lightning_rec.data import convert
+from lightning_rec.export import export_program
 from lightning_rec.plans.kinds import ParameterSharding, kind_of
 from lightning_rec.plans.planner import OPTIMIZER_STATE, Planner, PlannerError, TableConstraint, Topology
 from lightning_rec.quant import EmbeddingBagCollection as QuantEmbeddingBagCollection
@@ -206,13 +208,23 @@ _OUTPUT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 def _export_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export",
-        help="write a checkpoint directory's model as one state_dict file, embedding tables quantized (--quantize)",
-        description="Reads a checkpoint directory (any plan and world size) in this process. The file loads with "
-        "torch.load into the model quantized the same way: "
-        "quantize_embeddings(Model(...), dtype).load_state_dict(torch.load(FILE)).",
+        help="write a checkpoint directory's model as one state_dict file or a torch.export program (--program), "
+        "embedding tables quantized (--quantize)",
+        description="Reads a checkpoint directory (any plan and world size) in this process. The state_dict file "
+        "loads with torch.load into the model quantized the same way: "
+        "quantize_embeddings(Model(...), dtype).load_state_dict(torch.load(FILE)). With --program the file is a "
+        "torch.export program (.pt2) that serves with torch alone: torch.export.load(FILE).module()(dense, values, "
+        "lengths) (without dense when the model has no num_dense attribute).",
     )
     p.add_argument("checkpoint", help="checkpoint directory (Trainer(strategy='rec_sharded') or checkpoint.save)")
-    p.add_argument("-o", "--output", required=True, help="the state_dict file to write (torch.save format)")
+    p.add_argument(
+        "-o", "--output", required=True, help="the file to write (torch.save format, or .pt2 with --program)"
+    )
+    p.add_argument(
+        "--program",
+        action="store_true",
+        help="write a torch.export program (lightning_rec.export.export_program) instead of a state_dict",
+    )
     p.add_argument(
         "--model",
         default="lightning_rec.models.DLRM",
@@ -264,12 +276,16 @@ def export_command(args: argparse.Namespace) -> int:
         )
     else:
         model = cls.load_from_checkpoint(args.checkpoint, trusted_checkpoints=args.trust_checkpoint).eval()
-    tmp = atomic.partial_path(out)
-    try:
-        torch.save(model.state_dict(), tmp)
-        os.replace(tmp, out)
-    finally:
-        atomic.remove(tmp)
+    if args.program:
+        # a model with a num_dense attribute is called as model(dense, kjt), any other as model(kjt)
+        export_program(model, out, num_dense=getattr(model, "num_dense", None))
+    else:
+        tmp = atomic.partial_path(out)
+        try:
+            torch.save(model.state_dict(), tmp)
+            os.replace(tmp, out)
+        finally:
+            atomic.remove(tmp)
     quantized = [m for m in model.modules() if isinstance(m, (QuantEmbeddingBagCollection, QuantEmbeddingCollection))]
     kinds = Counter(t.name for m in quantized for t in m.storage_types().values())
     stored = sum(m.storage_bytes() for m in quantized)

@@ -11,7 +11,9 @@ record in place as its shards arrive; the other ranks only send their own shards
 plain tensors in (``dense [B, num_dense]``, ``values [N]``, ``lengths [F * B]`` key-major, as
 ``KeyedJaggedTensor.lengths()``), tensors out, a dynamic batch and any bag lengths, only aten ops in the
 graph (the torch lookup, never fbgemm), so ``torch.export.load`` serves it in a process that has neither
-lightning_rec nor fbgemm. :func:`inference_model` is the unsharded CPU copy it traces.
+lightning_rec nor fbgemm. :func:`inference_model` is the unsharded CPU copy it traces. Quantized collections
+(``export_program(quantize=...)``, or a model quantized already) trace their torch lookup: the stored rows,
+dequantized by aten ops.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import json
 import os
 import re
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -37,6 +39,9 @@ from lightning_rec.checkpoint.errors import DiskFullError
 from lightning_rec.configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.kernels import TableContainer
+from lightning_rec.quant import EmbeddingBagCollection as QuantEmbeddingBagCollection
+from lightning_rec.quant import EmbeddingCollection as QuantEmbeddingCollection
+from lightning_rec.quant import quantize_embeddings
 from lightning_rec.sharding import (
     ShardedCollection,
     ShardedEmbeddingBagCollection,
@@ -240,10 +245,10 @@ class _ExportTables(TableContainer):
         for i, name in enumerate(tables):
             safe = f"t{i}_" + re.sub(r"\W", "_", name)
             self._names[name] = safe
-            self._modules[safe] = tables[name]
+            self.add_module(safe, tables[name])
 
     def __getitem__(self, name: str) -> nn.Module:
-        return self._modules[self._names[name]]  # type: ignore[return-value]
+        return self.get_submodule(self._names[name])
 
     def __iter__(self):
         return iter(self._names)
@@ -297,16 +302,18 @@ def inference_model(model: nn.Module) -> nn.Module | None:
             m.kernel = "torch"  # aten ops only: the program loads where fbgemm is not installed
         if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection)):
             m.sparse_grad = False  # inference: no gradient, and a plain embedding_bag in the graph
+        if isinstance(m, (QuantEmbeddingBagCollection, QuantEmbeddingCollection)):
+            m.use_torch_lookup()  # dequantized in aten ops: the program needs no fbgemm either
     return out.to("cpu").eval()
 
 
 def _rename_tables(model: nn.Module) -> None:
     """Tables under dot-free names (see ``_ExportTables``); state_dict keys change, so only just before tracing."""
     for m in model.modules():
-        if isinstance(m, EmbeddingBagCollection):
-            m.embedding_bags = _ExportTables(m.embedding_bags)
-        elif isinstance(m, EmbeddingCollection):
-            m.embeddings = _ExportTables(m.embeddings)
+        if isinstance(m, (EmbeddingBagCollection, QuantEmbeddingBagCollection)):
+            m.embedding_bags = _ExportTables(cast(TableContainer, m.embedding_bags))
+        elif isinstance(m, (EmbeddingCollection, QuantEmbeddingCollection)):
+            m.embeddings = _ExportTables(cast(TableContainer, m.embeddings))
 
 
 def _collection_features(model: nn.Module) -> tuple[dict[str, int], dict[str, list[str]]]:
@@ -315,9 +322,9 @@ def _collection_features(model: nn.Module) -> tuple[dict[str, int], dict[str, li
     features: dict[str, list[str]] = {}
     for path, m in model.named_modules():
         configs: Sequence[BaseEmbeddingConfig]
-        if isinstance(m, EmbeddingBagCollection):
+        if isinstance(m, (EmbeddingBagCollection, QuantEmbeddingBagCollection)):
             configs = m.embedding_bag_configs()
-        elif isinstance(m, EmbeddingCollection):
+        elif isinstance(m, (EmbeddingCollection, QuantEmbeddingCollection)):
             configs = m.embedding_configs()
         else:
             continue
@@ -440,13 +447,21 @@ def _trace(
     with torch.no_grad():
         program = torch.export.export(wrapper, example, dynamic_shapes=(tuple(shapes),))  # one *inputs
     names = ([] if num_dense is None else ["dense"]) + ["values", "lengths"] + (["weights"] if weighted else [])
-    signature = {
+    signature: dict[str, Any] = {
         "inputs": names,
         "keys": keys,
         "num_dense": num_dense,
         "weighted": weighted,
         "rows": {k: rows[k] for k in keys},
     }
+    stored = {
+        t: kind.name
+        for m in model.modules()
+        if isinstance(m, (QuantEmbeddingBagCollection, QuantEmbeddingCollection))
+        for t, kind in m.storage_types().items()
+    }
+    if stored:
+        signature["quantized"] = stored  # {table: storage type}, e.g. "INT8"
     return program, signature
 
 
@@ -460,6 +475,8 @@ def export_program(
     checkpoint_dir: str | os.PathLike | None = None,
     trusted: bool = False,
     example_batch_size: int = 4,
+    quantize: Any = None,
+    per_table_weight_dtype: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write a ``torch.export`` program of ``model``'s unsharded copy to ``path`` (``torch.export.save``).
 
@@ -480,6 +497,10 @@ def export_program(
             ``rec_sharded`` Trainer checkpoint, from any world size or plan) into the unsharded copy first;
             single process only. ``trusted`` as in ``lightning_rec.checkpoint.load``.
         example_batch_size: batch size of the example traced (the program takes any batch size >= 1).
+        quantize: store the copy's embedding tables quantized (``torch.qint8`` / ``"int8"``, ``"int4"``, ...: see
+            :func:`lightning_rec.quant.quantize_embeddings`), ``per_table_weight_dtype`` overriding it per table. A
+            model whose collections are quantized already exports as it is. Either way the program dequantizes
+            the looked-up rows in aten ops, so it still serves without fbgemm.
 
     The signature (input names, keys, num_dense, rows per feature) is stored with the program as the
     extra file ``SIGNATURE_FILE`` (JSON).
@@ -489,6 +510,8 @@ def export_program(
             "export_program(checkpoint_dir=...) runs in one process (it loads the checkpoint into an "
             "unsharded copy); under a process group, load the checkpoint into the model first"
         )
+    if per_table_weight_dtype and quantize is None:
+        raise ValueError("export_program: per_table_weight_dtype needs quantize= (the type of the other tables)")
     path = collective.broadcast_path(path)
     twin = inference_model(model)  # None on ranks other than 0
     error: BaseException | None = None
@@ -497,6 +520,10 @@ def export_program(
         try:
             if checkpoint_dir is not None:
                 checkpoint.load(checkpoint_dir, twin, trusted=trusted)
+            if quantize is not None:
+                twin = quantize_embeddings(
+                    twin, quantize, per_table_weight_dtype=per_table_weight_dtype, kernel="torch"
+                )
             program, signature = _trace(twin, keys, _num_dense(twin, num_dense), weighted, example_batch_size)
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:  # a file object: the partial name need not end in .pt2

@@ -147,6 +147,17 @@ class _QuantCollection(nn.Module):
             tables[s.name].weight = w
         return fresh
 
+    def use_torch_lookup(self) -> None:
+        """Dequantize in torch from now on, every table in a buffer of its own: what ``torch.export`` traces.
+
+        The program then holds aten ops only and serves without fbgemm. fbgemm's module cannot be traced (it holds a
+        TorchScript counter without a fake class), and its tables are views of one flat buffer, which
+        ``torch.export.save`` would store as overlapping tensors."""
+        tables = cast(kernels.TableContainer, getattr(self, self._attr))
+        for s in self._specs:
+            tables[s.name].weight = cast(torch.Tensor, tables[s.name].weight).clone()
+        self._lookup.use_torch()
+
     def quantize_from(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Store float ``weights`` (``{table: [rows, dim]}``, every table) in this collection's formats."""
         missing = [s.name for s in self._specs if s.name not in weights]

@@ -143,6 +143,11 @@ class QuantLookup:
             for s in self.specs
         ]
 
+    def use_torch(self) -> None:
+        """Dequantize in torch from now on (``kernel="torch"``), dropping the fbgemm kernels."""
+        self.kernel = "torch"
+        self._kernels = []
+
     def _build(self, device: torch.device) -> list[torch.Tensor]:
         self._kernels = []
         views: list[torch.Tensor] = [torch.empty(0)] * len(self.specs)
