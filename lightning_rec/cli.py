@@ -27,6 +27,7 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -70,7 +71,7 @@ def _line(node: yaml.Node) -> int:
     return node.start_mark.line + 1
 
 
-def _plain(node: yaml.Node):
+def _plain(node: yaml.Node) -> Any:
     return yaml.safe_load(yaml.serialize(node))
 
 

@@ -1,8 +1,8 @@
 """Unsharded embedding collections: the reference semantics every sharded plan must reproduce."""
 
 # no ``from __future__ import annotations``: TorchScript reads the annotations of ignored methods as objects
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +27,15 @@ class Table(nn.Module):
         self.weight = nn.Parameter(weight)
 
     def _load_from_state_dict(  # type: ignore[override]
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ):
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
         # Unexpected keys are checked by the container: with tables "a" and "a.b", the key "a.b.weight"
         # starts with this table's prefix "a." but belongs to the other table.
         n = len(unexpected_keys)

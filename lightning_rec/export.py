@@ -24,7 +24,7 @@ import json
 import os
 import re
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -250,7 +250,7 @@ class _ExportTables(TableContainer):
     def __getitem__(self, name: str) -> nn.Module:
         return self.get_submodule(self._names[name])
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self._names)
 
 

@@ -7,6 +7,8 @@ ranks with different numbers of samples, or none -- the value equals the single-
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.classification import BinaryAUROC
@@ -47,7 +49,7 @@ class _WeightedSums(Metric):
     prob_sum: torch.Tensor
     ce_sum: torch.Tensor
 
-    def __init__(self, validate_args: bool = True, **kwargs) -> None:
+    def __init__(self, validate_args: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.validate_args = validate_args
         for name in ("weight_sum", "positive_sum", "prob_sum", "ce_sum"):
@@ -100,7 +102,7 @@ class Calibration(_WeightedSums):
 
 
 class _RecMetricCollection(MetricCollection):
-    def update(self, *args, **kwargs) -> None:
+    def update(self, *args: Any, **kwargs: Any) -> None:
         # BinaryAUROC would silently drop per-sample weights; refuse them rather than mix weighted and unweighted
         if kwargs.get("weight") is not None or len(args) > 2:
             raise ValueError(

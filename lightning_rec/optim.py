@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -174,7 +174,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Bytes the kernels keep for the next step's update (accumulation mode)."""
         return sum(k.pending_bytes() for k in self._kernels)
 
-    def step(self, closure=None):  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Run ``closure`` (forward + backward: the kernels update their tables there), then end the step.
 
         Ending the step pushes each group's ``lr`` into its kernel, applies the gradients kept since the last
@@ -299,7 +299,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         return merged
 
     @state.setter
-    def state(self, value) -> None:  # torch's Optimizer machinery may assign; the children own state
+    def state(self, value: dict) -> None:  # torch's Optimizer machinery may assign; the children own state
         pass
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -309,7 +309,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         for o in self.optimizers:
             o.zero_grad(set_to_none=set_to_none)
 
-    def step(self, closure=None):  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -12,10 +12,12 @@ import torch
 from lightning.pytorch.core.saving import load_hparams_from_tags_csv, load_hparams_from_yaml
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_rec import _compat
 from lightning_rec import checkpoint as ckpt
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from lightning_rec.optim import FusedOptimizer
 from lightning_rec.pipeline.shard_modules import (
     ShardedEmbeddingBagCollection,
     ShardedEmbeddingCollection,
@@ -43,7 +45,7 @@ class RecModule(L.LightningModule):
         """``{module path: collection}`` for every (sharded or unsharded) embedding collection."""
         return {name: m for name, m in self.named_modules() if isinstance(m, _COLLECTIONS)}
 
-    def fused_optimizer(self):
+    def fused_optimizer(self) -> FusedOptimizer | None:
         """The FusedOptimizer of this module's fused embedding kernels (None without ``embedding_optimizer``).
 
         Combine it with the dense optimizer in ``configure_optimizers`` so LR schedulers drive both:
@@ -52,7 +54,7 @@ class RecModule(L.LightningModule):
         return fused_optimizer(self)
 
     @property
-    def device_mesh(self):
+    def device_mesh(self) -> DeviceMesh | None:
         """The ("replicate", "shard") DeviceMesh under the rec_sharded strategy, else None."""
         return getattr(self, "_device_mesh", None)
 

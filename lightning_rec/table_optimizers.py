@@ -18,6 +18,7 @@ from lightning_rec.distributed.optimizers import in_backward_spec
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.fused_kinds import FusedOptimizerSpec
 from lightning_rec.pipeline.shard_modules import sharded_collections
+from lightning_rec.plans.planner import Planner, PlanReport
 
 
 def marked_embedding_optimizer(module: nn.Module, given: FusedOptimizerSpec | None) -> FusedOptimizerSpec | None:
@@ -136,7 +137,9 @@ def tables_optimizer_kind(module: nn.Module, optimizers: Sequence[torch.optim.Op
     return kind
 
 
-def automatic_plan_report(planner, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]):
+def automatic_plan_report(
+    planner: Planner, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+) -> PlanReport:
     """The report of the plan ``planner`` chose for ``module`` (now sharded), for the tables' real optimizer.
 
     The strategy plans before ``configure_optimizers`` runs, so the planner may have assumed another optimizer's

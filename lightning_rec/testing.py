@@ -10,6 +10,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing.queues import SimpleQueue
 from typing import Any
 
 import torch
@@ -29,7 +30,14 @@ def _free_port() -> int:
 
 
 def _run_job(
-    fn, rank: int, world_size: int, port: int, args: tuple, timeout_s: float, init: bool, per_node: int
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple,
+    timeout_s: float,
+    init: bool,
+    per_node: int,
 ) -> tuple[int, bool, Any]:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -55,7 +63,7 @@ def _run_job(
             dist.destroy_process_group()
 
 
-def _serve(rank: int, jobs, results) -> None:
+def _serve(rank: int, jobs: SimpleQueue[Any], results: SimpleQueue[Any]) -> None:
     """A pooled rank: runs jobs until told to stop, each from the same clean environment and defaults."""
     environ = dict(os.environ)
     while (job := jobs.get()) is not None:

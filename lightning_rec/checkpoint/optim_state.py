@@ -11,8 +11,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -173,7 +173,9 @@ def _merge_over_ranks(leaves: dict[str, dict[str, Any]], error: Exception | None
     return out
 
 
-def optimizer_targets(model: nn.Module, optimizer: Any, saved: dict[str, dict[str, Any]], index: int):
+def optimizer_targets(
+    model: nn.Module, optimizer: Any, saved: dict[str, dict[str, Any]], index: int
+) -> tuple[dict[str, Any], Callable[[], None]]:
     """DCP load targets for one optimizer, and a function that applies what was loaded. Checks first."""
     names = _param_names(model, optimizer)
     params = dict(model.named_parameters())
@@ -265,14 +267,14 @@ def optimizer_targets(model: nn.Module, optimizer: Any, saved: dict[str, dict[st
         for j, leaf in leaves.items():
             state = {name: {k: _restore(v) for k, v in entries.items()} for name, entries in loaded[j].items()}
             if j == "fused":
-                _load_fused(leaf, names, state, saved[j])
+                _load_fused(cast(FusedOptimizer, leaf), names, state, saved[j])
             else:
                 _load_torch(leaf, names, state, saved[j])
 
     return targets, apply
 
 
-def _rows_target(param: torch.Tensor, place: Placement | None, dtype: torch.dtype, k: int):
+def _rows_target(param: torch.Tensor, place: Placement | None, dtype: torch.dtype, k: int) -> tuple[Any, torch.Tensor]:
     """A load target for the rows this rank holds of a [table rows, k] row-wise state, and a view of those rows."""
     if place is None:
         buf = torch.empty(param.shape[0], k, dtype=dtype, device=param.device)
@@ -319,7 +321,9 @@ def _row_values(spread: torch.Tensor) -> torch.Tensor:
     return torch.where((spread == first[:, None]).all(1), first, spread.mean(1))
 
 
-def _load_torch(leaf, names, loaded: dict[str, dict[str, Any]], saved: dict[str, Any]) -> None:
+def _load_torch(
+    leaf: torch.optim.Optimizer, names: dict[int, str], loaded: dict[str, dict[str, Any]], saved: dict[str, Any]
+) -> None:
     index: dict[str, int] = {}
     groups = []
     for gi, g in enumerate(leaf.param_groups):
@@ -331,7 +335,9 @@ def _load_torch(leaf, names, loaded: dict[str, dict[str, Any]], saved: dict[str,
     leaf.load_state_dict({"state": {index[n]: st for n, st in loaded.items()}, "param_groups": groups})
 
 
-def _load_fused(leaf, names, loaded: dict[str, dict[str, Any]], saved: dict[str, Any]) -> None:
+def _load_fused(
+    leaf: FusedOptimizer, names: dict[int, str], loaded: dict[str, dict[str, Any]], saved: dict[str, Any]
+) -> None:
     hp = saved["groups"][0]["hparams"]
     tables: dict[str, dict[str, torch.Tensor]] = {}
     groups = []

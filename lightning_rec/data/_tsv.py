@@ -203,7 +203,9 @@ def hash_ids(raw: np.ndarray, lengths: np.ndarray, cardinalities: np.ndarray) ->
         ).astype(np.int64)
 
 
-def parse_lines(buf: bytes, path: str, first_line: int, cardinalities: np.ndarray):
+def parse_lines(
+    buf: bytes, path: str, first_line: int, cardinalities: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Parse Criteo lines: (dense float32 [n, 13], lengths int64 [26, n], values int64, labels float32 [n]),
     ids hashed per feature into ``[0, cardinality)``."""
     labels, ints, lengths, raw = parse_raw(buf, path, first_line)

@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -98,7 +98,17 @@ def convert(
     return done
 
 
-def _write_npy(arrays, row: int, labels, ints, lengths, raw, cards, path: str, first: int) -> None:
+def _write_npy(
+    arrays: Mapping[str, np.ndarray],
+    row: int,
+    labels: np.ndarray,
+    ints: np.ndarray,
+    lengths: np.ndarray,
+    raw: np.ndarray,
+    cards: np.ndarray,
+    path: str,
+    first: int,
+) -> None:
     n = labels.shape[0]
     big = np.flatnonzero(np.abs(ints).max(1) > np.iinfo(np.int32).max)
     if big.size:

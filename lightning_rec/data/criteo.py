@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lightning_rec.data._stream import ClickStream, concat_rows
+from lightning_rec.data._stream import Arrays, ClickStream, concat_rows
 from lightning_rec.data._tsv import NUM_CAT, LineIndex, dense_of, hash_ids, parse_raw
 from lightning_rec.data.synthetic import CRITEO_CARDINALITIES, FEATURE_NAMES, NUM_DENSE
 
@@ -151,7 +151,7 @@ class CriteoTSV(_CriteoFiles):
         self._first_row = np.cumsum([0] + [ix.lines for ix in self._index])
         return int(self._first_row[-1])
 
-    def read_rows(self, start: int, stop: int):
+    def read_rows(self, start: int, stop: int) -> Arrays:
         start, stop = start + self.start, stop + self.start
         parts = []
         f = int(np.searchsorted(self._first_row, start, side="right")) - 1
@@ -242,7 +242,7 @@ class CriteoNpy(ClickStream):
                 )
             return [z[k] for k in cls.FILES], {k: f"{path}[{k}]" for k in cls.FILES}
 
-    def read_rows(self, start: int, stop: int):
+    def read_rows(self, start: int, stop: int) -> Arrays:
         a, b = start + self.start, stop + self.start
         cat, y, x_int = np.asarray(self._x_cat[a:b]), np.asarray(self._y[a:b]), np.asarray(self._x_int[a:b])
         bad: np.ndarray = np.argwhere(cat < 0)

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from lightning_rec.data._stream import concat_rows
+from lightning_rec.data._stream import Arrays, concat_rows
 from lightning_rec.data._tsv import NUM_CAT, dense_of
 from lightning_rec.data.criteo import _CriteoFiles
 from lightning_rec.data.synthetic import NUM_DENSE
@@ -98,7 +98,7 @@ class CriteoParquet(_CriteoFiles):
             self._cache = (k, pq.ParquetFile(self.paths[f]).read_row_group(g, columns=SCHEMA.names))
         return self._cache[1]
 
-    def read_rows(self, start: int, stop: int):
+    def read_rows(self, start: int, stop: int) -> Arrays:
         start, stop = start + self.start, stop + self.start
         parts = []
         k = int(np.searchsorted(self._group_starts, start, side="right")) - 1
@@ -109,7 +109,7 @@ class CriteoParquet(_CriteoFiles):
             start, k = start + take, k + 1
         return concat_rows(parts)
 
-    def _convert(self, t: pa.Table, k: int):
+    def _convert(self, t: pa.Table, k: int) -> Arrays:
         labels = _column(t, LABEL)
         if labels.null_count or not np.all((_values(labels) == 0) | (_values(labels) == 1)):
             f, g, _ = self._groups[k]

@@ -260,7 +260,9 @@ class SyntheticClicks(ClickStream):
         labels = (uniform(row_key, rows + np.uint64(_LABEL)) < probs).astype(np.float32)
         return dense.astype(np.float32), lengths, values, labels, probs
 
-    def _probabilities(self, z, values, feat, bag, flat_len, b) -> np.ndarray:
+    def _probabilities(
+        self, z: np.ndarray, values: np.ndarray, feat: np.ndarray, bag: np.ndarray, flat_len: np.ndarray, b: int
+    ) -> np.ndarray:
         f = len(self.feature_names)
         cell = (values.astype(np.uint64) << np.uint64(6)) | feat.astype(np.uint64)  # (id, feature) -> counter
         denom = np.maximum(flat_len, 1).astype(np.float64)

@@ -297,7 +297,7 @@ class KeyedOptimizerWrapper(torch.optim.Optimizer):
         return self._optimizer.state
 
     @state.setter
-    def state(self, value) -> None:  # torch's machinery may assign; the wrapped optimizer owns the state
+    def state(self, value: dict) -> None:  # torch's machinery may assign; the wrapped optimizer owns the state
         pass
 
     def zero_grad(self, set_to_none: bool = True) -> None:

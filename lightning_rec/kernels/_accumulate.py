@@ -98,7 +98,14 @@ class _DeferredLookup(torch.autograd.Function):
     """The kernel's pooled output; backward keeps the gradient for the step instead of updating."""
 
     @staticmethod
-    def forward(ctx, anchor, weights, kernel, mb, grad_scale):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        anchor: torch.Tensor,
+        weights: torch.Tensor | None,
+        kernel: DeferringKernel,
+        mb: MicroBatch,
+        grad_scale: float,
+    ) -> torch.Tensor:
         ctx.kernel, ctx.mb, ctx.grad_scale = kernel, mb, grad_scale
         step = kernel.optimizer_iter
         with torch.no_grad():
@@ -108,7 +115,9 @@ class _DeferredLookup(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[None, torch.Tensor | None, None, None, None]:
         kernel, mb = ctx.kernel, ctx.mb
         w_grad = weights_grad(kernel, mb, grad) if ctx.needs_input_grad[1] else None
         scaled = grad * ctx.grad_scale if ctx.grad_scale != 1.0 else grad.contiguous()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from math import log2
+from typing import Any
 
 import torch
 
@@ -30,12 +31,12 @@ class _FlatAlias(torch.autograd.Function):
     """Expose a flat buffer whose pieces are the given parameters, routing its gradient to them."""
 
     @staticmethod
-    def forward(ctx, flat: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, flat: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.shapes = [p.shape for p in params]
         return flat.view_as(flat)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         out, start = [], 0
         for shape in ctx.shapes:
             n = shape.numel()
@@ -50,7 +51,7 @@ class _CpuLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
+        ctx: Any,
         meta: dict,
         flat: torch.Tensor,
         values: torch.Tensor,
@@ -76,7 +77,7 @@ class _CpuLookup(torch.autograd.Function):
         )
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         flat, values, offsets, psw = ctx.saved_tensors
         meta, grad = ctx.meta, grad.contiguous()
         grad_psw = None

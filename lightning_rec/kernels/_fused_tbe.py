@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lightning_rec import _compat
-from lightning_rec.fused_kinds import as_spec
+from lightning_rec.fused_kinds import FusedOptimizerSpec, as_spec
 from lightning_rec.kernels._accumulate import MicroBatch, deferred_lookup, drop_kept_rows, union_of
 from lightning_rec.kernels._capability import check_fused_available, fbgemm_training
 from lightning_rec.kernels._guards import _FusedBackwardGuard, _FusedStepCounter, _ScaleGrad, check_feature_table
@@ -27,7 +27,7 @@ from lightning_rec.memory.huge_pages import zero_into_huge_pages
 from lightning_rec.memory.malloc import keep_freed_memory
 
 
-def _as_int(x):
+def _as_int(x: Any) -> Any:
     """``x`` as a Python int when it is an integer of any kind (numpy, 0-d tensor), else unchanged."""
     try:
         return operator.index(x)
@@ -74,7 +74,7 @@ class FusedPooledKernel(torch.nn.Module):
         self,
         tables: Sequence[tuple[str, int, int, torch.dtype]],
         feature_table: Sequence[int],
-        optimizer,
+        optimizer: FusedOptimizerSpec | Mapping[str, Any],
         device: torch.device | str | None = None,
         weights: Sequence[torch.Tensor | Callable[[torch.Tensor], object]] | None = None,
     ) -> None:
@@ -173,7 +173,9 @@ class FusedPooledKernel(torch.nn.Module):
     # -- construction checks ------------------------------------------------------------------------------
 
     @staticmethod
-    def _check_tables(tables) -> tuple[list[str], list[int], list[int], torch.dtype]:
+    def _check_tables(
+        tables: Sequence[tuple[str, int, int, torch.dtype]],
+    ) -> tuple[list[str], list[int], list[int], torch.dtype]:
         tables = list(tables)
         if not tables:
             raise ValueError("FusedPooledKernel needs at least one table")
@@ -229,11 +231,11 @@ class FusedPooledKernel(torch.nn.Module):
                     "updates its own storage; build the kernel on the target device and dtype instead"
                 )
 
-    def _apply(self, fn, recurse=True):  # type: ignore[override]
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FusedPooledKernel:  # type: ignore[override]
         self._refuse_conversion(fn)
         return super()._apply(fn, recurse)
 
-    def _refuse_conversion(self, fn) -> None:
+    def _refuse_conversion(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         # .to() / .cuda() / .half() would give the table parameters new storage the kernel never sees.
         for name, p in zip(self.table_names, self.tables()):
             q = fn(p)
@@ -245,8 +247,15 @@ class FusedPooledKernel(torch.nn.Module):
                 )
 
     def _load_from_state_dict(  # type: ignore[override]
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ):
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
         # nn.Module splits keys at the first "." to find the child, so a table named "user.id" would make its
         # own key look unexpected; check against the tables' keys instead.
         super()._load_from_state_dict(
@@ -256,7 +265,7 @@ class FusedPooledKernel(torch.nn.Module):
             own = [f"{prefix}{name}.weight" for name in self.table_names]
             unexpected_keys.extend(unexpected_table_keys(state_dict, prefix, own))
 
-    def __deepcopy__(self, memo):
+    def __deepcopy__(self, memo: dict[int, Any]) -> FusedPooledKernel:
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for key, value in self.__dict__.items():
@@ -393,10 +402,10 @@ class FusedPooledKernel(torch.nn.Module):
             out = self._tbe(values, offsets, per_sample_weights=weights)  # type: ignore[operator]
             out.backward(grad.to(out.dtype))
 
-    def _attach(self, optimizer_ref, index: int) -> None:
+    def _attach(self, optimizer_ref: Callable[[], torch.optim.Optimizer | None], index: int) -> None:
         self._owner = (optimizer_ref, index)
 
-    def _owned_by(self, optimizer, index: int) -> bool:
+    def _owned_by(self, optimizer: torch.optim.Optimizer, index: int) -> bool:
         return self._owner is not None and self._owner[0]() is optimizer and self._owner[1] == index
 
     def _owner_group(self) -> dict | None:

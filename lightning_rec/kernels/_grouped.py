@@ -131,7 +131,17 @@ class GroupedPooledLookup:
         return out.index_select(1, self._inverse_t)
 
     @staticmethod
-    def _run(g: _Group, tables, storage, values, offsets, b, psw, sparse_grad, bounds) -> torch.Tensor:
+    def _run(
+        g: _Group,
+        tables: Sequence[torch.Tensor],
+        storage: Sequence[torch.Tensor],
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        b: int,
+        psw: torch.Tensor | None,
+        sparse_grad: bool,
+        bounds: Sequence[int] | None,
+    ) -> torch.Tensor:
         mine = [tables[t] for t in g.tables]
         if g.kernel is None:
             return torch_pooled(mine, g.local_ft, values, offsets, b, psw, sparse_grad, bounds)

@@ -5,6 +5,7 @@ honour (a repeated backward, gradient accumulation) is refused there, and the gr
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ class _FusedBackwardGuard(torch.autograd.Function):
     """Identity on the kernel's output; in backward: refuse a repeated backward, count it, scale the gradient."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, counter: _FusedStepCounter, grad_scale: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, out: torch.Tensor, counter: _FusedStepCounter, grad_scale: float) -> torch.Tensor:  # type: ignore[override]
         ctx.counter = counter
         ctx.grad_scale = grad_scale
         ctx.used = False
@@ -47,7 +48,7 @@ class _FusedBackwardGuard(torch.autograd.Function):
         return out.detach()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         if ctx.used:
             raise RuntimeError(_DOUBLE_BACKWARD)
         if ctx.counter.count >= 1:
@@ -63,12 +64,12 @@ class _ScaleGrad(torch.autograd.Function):
     """Identity whose backward multiplies the gradient by ``scale``."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
         ctx.scale = scale
         return x.detach()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         return grad * ctx.scale, None
 
 

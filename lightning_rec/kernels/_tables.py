@@ -7,7 +7,7 @@ first ``.`` to find a child, which would misreport the key of a table named ``"u
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, cast
 
 import torch
@@ -41,15 +41,22 @@ class TableContainer(torch.nn.Module):
     def __getitem__(self, name: str) -> torch.nn.Module:
         return _compat.child_modules(self)[name]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(_compat.child_modules(self))
 
     def __len__(self) -> int:
         return len(_compat.child_modules(self))
 
     def _load_from_state_dict(  # type: ignore[override]
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ):
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, False, missing_keys, unexpected_keys, error_msgs
         )
@@ -66,8 +73,15 @@ class FusedTable(torch.nn.Module):
         self.weight = weight
 
     def _load_from_state_dict(  # type: ignore[override]
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ):
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
         # Always copy into the kernel's storage: load_state_dict(assign=True) would swap in a tensor the kernel
         # never sees. Unexpected keys are checked by the container (a key of table "a.b" starts with "a.").
         local_metadata = {**local_metadata, "assign_to_params_buffers": False}
@@ -96,7 +110,7 @@ class FusedTables(TableContainer):
         for name in [n for n in order if n in held] + [n for n in held if n not in set(order)]:
             self.add(name, held[name])
 
-    def _apply(self, fn, recurse=True):  # type: ignore[override]
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FusedTables:  # type: ignore[override]
         for k in self._kernels:
             k._refuse_conversion(fn)
         return super()._apply(fn, recurse)

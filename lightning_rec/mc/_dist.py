@@ -16,13 +16,14 @@ up on rank 1 and returns the pooled row.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from lightning_rec import transport
+from lightning_rec.configs import BaseEmbeddingConfig
 from lightning_rec.mc import _remap
 from lightning_rec.mc.modules import (
     ManagedCollisionCollection,
@@ -33,6 +34,7 @@ from lightning_rec.mc.modules import (
 )
 from lightning_rec.pipeline.input_dist import Received
 from lightning_rec.pipeline.sharded_collection import ShardedCollection
+from lightning_rec.plans.shard_geometry import ShardMeta
 from lightning_rec.sparse import KeyedJaggedTensor
 
 
@@ -44,7 +46,7 @@ class Ownership:
     owned_rows: torch.Tensor  # [zch] bool, this rank
 
 
-def _row_shards(coll: ShardedCollection, table: str):
+def _row_shards(coll: ShardedCollection, table: str) -> tuple[BaseEmbeddingConfig, list[ShardMeta]]:
     cfg = next(c for c in coll.tables if c.name == table)
     shards = coll.shards[table]
     if shards is None:
@@ -86,7 +88,7 @@ def check_alignment(coll: ShardedCollection, table: str, zch: int, num_buckets: 
             )
 
 
-def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:
     out = torch.empty(sum(recv), dtype=x.dtype)
     transport.all_to_all_single(out, x.contiguous(), recv, send, group)
     return out
@@ -177,7 +179,7 @@ def remap_sharded(
 
 
 # -- remapping folded into the sharded collection's input dist -------------------------------------------------
-def row_key(m: MCHManagedCollisionModule):
+def row_key(m: MCHManagedCollisionModule) -> Callable[[torch.Tensor], torch.Tensor]:
     """Raw ids -> the first row of their bucket: the input dist sends each id to the block holding that row."""
     nb = int(m._mch_num_buckets)
     bs = m.zch_size // nb

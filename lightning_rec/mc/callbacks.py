@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import lightning as L
 import torch
@@ -68,7 +69,9 @@ class ManagedCollisionCallback(L.Callback):
                     )
                 m.resize(counts)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
+    def on_train_batch_end(  # type: ignore[override]
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         for path, m in managed_collision_modules(pl_module):
             for table, s in m.mc_stats().items():
                 tot = self._totals.setdefault(f"{path}/{table}", [0, 0, 0])

@@ -10,18 +10,20 @@ exchange before the lookup (``_dist.remap_sharded``).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_rec import _compat
+from lightning_rec.configs import BaseEmbeddingConfig
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, FeatureLayout
 from lightning_rec.mc import _dist, _remap
 from lightning_rec.mc.modules import ManagedCollisionCollection, MCHManagedCollisionModule, remap_local
+from lightning_rec.pipeline.input_dist import Received
 from lightning_rec.pipeline.sharded_collection import ShardedCollection
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
@@ -145,7 +147,7 @@ class _ManagedCollisionWrapper(nn.Module):
             n = torch.tensor([admitted[t].admitted_ids.numel() for t in tables])
             cfgs = [self._configs[t] for t in tables]
 
-            def per_row(xs, dtype, n=n):
+            def per_row(xs: Sequence[float | None], dtype: torch.dtype, n: torch.Tensor = n) -> torch.Tensor:
                 return torch.repeat_interleave(torch.tensor(xs, dtype=dtype), n)
 
             lows, highs = [c.weight_init_min for c in cfgs], [c.weight_init_max for c in cfgs]
@@ -197,10 +199,15 @@ class _ManagedCollisionWrapper(nn.Module):
                     if table in k.table_names:
                         k.drop_kept_rows(table, local)
 
-    def _reinit_values(self, table: str, ids: torch.Tensor, cfg) -> torch.Tensor:
-        # a pure function of (seed, table, id): every rank and layout re-initialises a row identically
+    def _reinit_values(self, table: str, ids: torch.Tensor, cfg: BaseEmbeddingConfig) -> torch.Tensor:
+        # a pure function of (seed, table, id): every rank and layout re-initialises a row identically (the
+        # configs' __post_init__ fills in the default bounds)
         return _remap.hashed_uniform(
-            ids, cfg.embedding_dim, self._table_seed(table), cfg.weight_init_min, cfg.weight_init_max
+            ids,
+            cfg.embedding_dim,
+            self._table_seed(table),
+            cast(float, cfg.weight_init_min),
+            cast(float, cfg.weight_init_max),
         )
 
     def _table_seed(self, table: str) -> int:
@@ -245,7 +252,9 @@ class _ManagedCollisionWrapper(nn.Module):
                 self._resize_table(t, m, m.num_buckets, owners)
         return owners
 
-    def _resize_table(self, t: str, m: MCHManagedCollisionModule, num_buckets: int, owners) -> int:
+    def _resize_table(
+        self, t: str, m: MCHManagedCollisionModule, num_buckets: int, owners: dict[str, _dist.Ownership] | None
+    ) -> int:
         if owners is not None:
             _dist.check_alignment(cast(ShardedCollection, self._embedding_module), t, m.zch_size, num_buckets)
         src, dst, evicted = m.resize_plan(num_buckets)
@@ -315,7 +324,7 @@ class _ManagedCollisionWrapper(nn.Module):
         self._reinit_all(results)
         return kjt
 
-    def _lookup(self, features: KeyedJaggedTensor):
+    def _lookup(self, features: KeyedJaggedTensor) -> tuple[Any, KeyedJaggedTensor | None]:
         """The embedding module's output for raw ``features``, and the remapped KJT when it is asked for.
 
         Sharded, without ``return_remapped_features``: the collection's input dist routes the raw ids to
@@ -331,7 +340,7 @@ class _ManagedCollisionWrapper(nn.Module):
         for m in mods.values():
             m.begin_step()
 
-        def on_received(recv):
+        def on_received(recv: Received) -> Received:
             recv, results = _dist.remap_received(coll, mods, recv)
             self._reinit_all(results)
             return recv
@@ -423,7 +432,7 @@ def _drop_kept_gradient(weight: torch.Tensor, rows: torch.Tensor) -> None:
         weight.grad = torch.sparse_coo_tensor(ids[keep].unsqueeze(0), values[keep], grad.shape)
 
 
-def _auto_register(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+def _auto_register(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     # an optimizer stepping a managed table's weights must see its per-row state reset on eviction
     params = {id(p) for g in optimizer.param_groups for p in g["params"]}
     for w in list(_WRAPPERS):

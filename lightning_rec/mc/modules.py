@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from typing import cast
+from collections.abc import ItemsView, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -179,14 +179,14 @@ class MCHManagedCollisionModule(nn.Module):
 
     def _load_from_state_dict(
         self,
-        state_dict,
-        prefix,
-        local_metadata,
-        strict,
-        missing_keys,
-        unexpected_keys,  # type: ignore[override]
-        error_msgs,
-    ):
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],  # type: ignore[override]
+        error_msgs: list[str],
+    ) -> None:
         # with tables "a" and "a.b", the key "a.b._mch_raw_ids" starts with this module's prefix "a." but is
         # the other table's; the container checks unexpected keys
         n = len(unexpected_keys)
@@ -286,7 +286,9 @@ def remap_tables(mods: Sequence[MCHManagedCollisionModule], ids: Sequence[torch.
     return out  # type: ignore[return-value]
 
 
-def _gather_state_hook(module: MCHManagedCollisionModule, state_dict, prefix, local_metadata):
+def _gather_state_hook(
+    module: MCHManagedCollisionModule, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any]
+) -> dict[str, Any]:
     """Sharded: fill every rank's buffers with the owners' rows, so state_dict is the full, replicated state.
 
     Collective over the shard group. Rows a rank does not own are empty (-1 / 0), so MAX picks the owner's
@@ -366,11 +368,13 @@ class _ModuleMap(TableContainer):
         for k, m in modules.items():
             self.add(k, m)
 
-    def items(self):
+    def items(self) -> ItemsView[str, MCHManagedCollisionModule]:
         return _compat.child_modules(self).items()
 
 
-def split_by_table(mcc: ManagedCollisionCollection, kjt: KeyedJaggedTensor):
+def split_by_table(
+    mcc: ManagedCollisionCollection, kjt: KeyedJaggedTensor
+) -> tuple[list[torch.Tensor], dict[str, list[int]]]:
     """``(per-key value segments, {table: key positions})`` for the managed tables of ``kjt``."""
     # remap state lives on CPU (sorting and hashing small batches); ids come back on the input's device
     segs = list(torch.split(kjt.values().cpu(), kjt.length_per_key()))

@@ -17,6 +17,7 @@ import ctypes
 import functools
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -39,7 +40,7 @@ def thp_mode() -> str | None:
 
 
 @functools.cache
-def _madvise():
+def _madvise() -> Callable[..., int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:

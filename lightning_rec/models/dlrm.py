@@ -75,13 +75,13 @@ class _PairDots(torch.autograd.Function):
     backward takes about half as long (``benchmarks/results/vs_torchrec_golden.md``)."""
 
     @staticmethod
-    def forward(ctx, combined: torch.Tensor, pairs: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, combined: torch.Tensor, pairs: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(combined, spread)
         b, n, _ = combined.shape
         return torch.bmm(combined, combined.transpose(1, 2)).view(b, n * n).index_select(1, pairs)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         combined, spread = ctx.saved_tensors
         b, n, _ = combined.shape
         # G + G^T in one gather: (i, j) and (j, i) read their pair's gradient, the diagonal a zero column

@@ -11,6 +11,7 @@ as unbacked symbols, recompiling or breaking the graph at every read; eager, the
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,12 +40,21 @@ def _all_to_all(
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, anchor, out_splits, in_splits, group):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        anchor: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
         ctx.splits, ctx.group, ctx.x_grad = (out_splits, in_splits), group, x.requires_grad
         return _all_to_all(x, out_splits, in_splits, group)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, None, None, None, None]:
         out_splits, in_splits = ctx.splits
         back = _all_to_all(grad.contiguous(), in_splits, out_splits, ctx.group)
         return (back if ctx.x_grad else None), None, None, None, None
@@ -133,35 +143,39 @@ def _own_rows(counts: list[int], group: dist.ProcessGroup) -> slice:
 
 class _GatherUnion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, counts, group):  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, counts: list[int], group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
         ctx.rows = _own_rows(counts, group)
         return _all_gather_rows(x, counts, group)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         return grad[ctx.rows], None, None
 
 
 class _OwnRowsOfUnion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, union, anchor, counts, group):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, union: torch.Tensor, anchor: torch.Tensor, counts: list[int], group: dist.ProcessGroup
+    ) -> torch.Tensor:
         ctx.counts, ctx.group, ctx.union_grad = counts, group, union.requires_grad
         return union[_own_rows(counts, group)].clone()
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, None, None, None]:
         union = _all_gather_rows(grad.contiguous(), ctx.counts, ctx.group)
         return (union if ctx.union_grad else None), None, None, None
 
 
 class _Tie(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, other):  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.other = (other.shape, other.dtype, other.device)
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         shape, dtype, device = ctx.other
         return grad, torch.zeros(shape, dtype=dtype, device=device)
 
@@ -291,7 +305,9 @@ def _sum_touched_rows_sparse(
 
 class _EmbeddingGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group, scale, n, *weights_and_ids):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, group: dist.ProcessGroup | None, scale: float, n: int, *weights_and_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         weights, ids = weights_and_ids[:n], weights_and_ids[n:]
         ctx.save_for_backward(*ids)
         ctx.group, ctx.scale = group, scale
@@ -299,7 +315,7 @@ class _EmbeddingGrad(torch.autograd.Function):
         return tuple(w.view_as(w) for w in weights)
 
     @staticmethod
-    def backward(ctx, *incoming):  # type: ignore[override]
+    def backward(ctx: Any, *incoming: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         ids = list(ctx.saved_tensors)
         # a table whose output fed nothing still joins the exchange, with a zero gradient
         grads = [torch.zeros(s, dtype=d, device=dev) if g is None else g for g, (s, d, dev) in zip(incoming, ctx.meta)]

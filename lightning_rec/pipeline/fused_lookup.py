@@ -59,7 +59,7 @@ def check_fused(
 
 def build_kernels(
     sources: dict[str, tuple[tuple[int, int], torch.dtype, torch.Tensor | Callable[[torch.Tensor], object]]],
-    spec,
+    spec: FusedOptimizerSpec,
     table_names: list[str],
     feature_table: Sequence[int],
     routing: RoutingTable,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -350,7 +351,7 @@ class PendingInputDist:
     Made by :func:`start_input_dist`; waiting twice returns the same :class:`Received`.
     """
 
-    def __init__(self, received: Received | None = None, **parts) -> None:
+    def __init__(self, received: Received | None = None, **parts: Any) -> None:
         self._received = received
         self._parts = parts
 
@@ -528,11 +529,21 @@ def _starts(sizes: list[int]) -> list[int]:
     return offsets_of(sizes)[:-1]
 
 
-def _unpack(work, batches, ids_from, sent, positions, packed_dtype, separate_weights, n_mine) -> Received:
+def _unpack(
+    work: transport.PendingPieces[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    batches: tuple[int, ...],
+    ids_from: list[list[int]],
+    sent: list[int],
+    positions: list[torch.Tensor | None],
+    packed_dtype: torch.dtype | None,
+    separate_weights: torch.Tensor | None,
+    n_mine: int,
+) -> Received:
     """What arrived, route-major (each route's bags from every source rank in group order)."""
     lengths, values, weights = work.wait()
     if packed_dtype is not None:
-        weights = from_int64(weights, packed_dtype)
+        # packed_dtype is set only where the weight bits travelled with the ids
+        weights = from_int64(weights, packed_dtype)  # type: ignore[arg-type]
     if separate_weights is not None:
         weights = regroup(separate_weights, [c for row in ids_from for c in row], len(batches), n_mine)
     return Received(

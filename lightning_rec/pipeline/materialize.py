@@ -36,7 +36,7 @@ LARGE_TABLE_BYTES = 256 * 2**20
 _warned_large: set[tuple[str, tuple[int, ...]]] = set()
 
 
-def _takes_offsets(fn) -> bool:
+def _takes_offsets(fn: Callable[..., object]) -> bool:
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # builtins without a signature
@@ -77,7 +77,9 @@ def materialize(
     return torch.empty(shape, dtype=full.dtype, device=device).copy_(shard.of(full))
 
 
-def filler(table: BaseEmbeddingConfig, full: torch.Tensor, shard: ShardMeta | None):
+def filler(
+    table: BaseEmbeddingConfig, full: torch.Tensor, shard: ShardMeta | None
+) -> torch.Tensor | Callable[[torch.Tensor], None]:
     """What the fused kernel copies its initial weights from: a view of ``full`` or, from the meta device,
     the table's init applied to the kernel's own storage."""
     if full.is_meta:

@@ -12,6 +12,8 @@ on either side. One path serves every layout and group size.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -93,7 +95,17 @@ class _PooledOutputDist(torch.autograd.Function):
     where the block is one group), into the rows of the pooled gradient."""
 
     @staticmethod
-    def forward(ctx, pooled, anchor, routing: RoutingTable, batches, b: int, group, codecs, *dp):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        pooled: torch.Tensor,
+        anchor: torch.Tensor,
+        routing: RoutingTable,
+        batches: tuple[int, ...],
+        b: int,
+        group: dist.ProcessGroup,
+        codecs: QuantizedCommCodecs | None,
+        *dp: torch.Tensor,
+    ) -> torch.Tensor:
         runs, adds, cols_from = routing.colmap_runs, routing.colmap_add, routing.cols_from
         zero = routing.colmap_kind == "sum"
         out = (torch.zeros if zero else torch.empty)(b, routing.feat_off[-1], dtype=pooled.dtype, device=pooled.device)
@@ -120,7 +132,7 @@ class _PooledOutputDist(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         routing, b = ctx.routing, ctx.b
         bwd = None if ctx.codecs is None or ctx.codecs.backward.is_identity else ctx.codecs.backward
         wire = grad if bwd is None else bwd.encode(grad)

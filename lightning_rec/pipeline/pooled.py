@@ -25,15 +25,19 @@ some rank touched are summed across ranks (only those rows move) and scaled the 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lightning_rec.configs import EmbeddingBagConfig
 from lightning_rec.embedding_modules import EmbeddingBagCollection
 from lightning_rec.pipeline import collectives as comm
+from lightning_rec.pipeline.input_dist import Received
 from lightning_rec.pipeline.output_dist import pooled_output_dist
 from lightning_rec.pipeline.qcomm import QuantizedCommCodecs
 from lightning_rec.pipeline.sharded_collection import LookupContext, ShardedCollection
+from lightning_rec.plans.shard_geometry import ShardMeta
 from lightning_rec.sparse import KeyedJaggedTensor, KeyedTensor, offsets_from_lengths
 from lightning_rec.sparse._utils import cumsum_list, from_checked
 
@@ -50,11 +54,11 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
     def __init__(
         self,
         module: EmbeddingBagCollection,
-        shards,
+        shards: dict[str, list[ShardMeta] | None],
         shard_group: dist.ProcessGroup,
         *,
         qcomm_codecs: QuantizedCommCodecs | None = None,
-        **kw,
+        **kw: Any,
     ) -> None:
         super().__init__(module, shards, shard_group, **kw)
         self._is_weighted = module.is_weighted()
@@ -65,8 +69,8 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         """The wire precision of the output dist (forward rows, backward gradients); None: unchanged."""
         return self._qcomm
 
-    def embedding_bag_configs(self):
-        return list(self._layout.tables)
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return list(self._layout.tables)  # type: ignore[arg-type]
 
     def is_weighted(self) -> bool:
         return self._is_weighted
@@ -148,7 +152,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         where sizes that change every step would recompile the graph (the kernel reads the offsets instead)."""
         return None if torch.compiler.is_compiling() else cumsum_list(counts())
 
-    def _lookup_shards(self, recv, b_global: int) -> torch.Tensor:
+    def _lookup_shards(self, recv: Received, b_global: int) -> torch.Tensor:
         """SUM-pool every received bag over this rank's shards: ``[b_global, route columns]``."""
         dtype, routing = self._out_dtype(), self._routing
         if self._fused is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from lightning_rec import kernels
+from lightning_rec.configs import EmbeddingConfig
 from lightning_rec.pipeline.output_dist import sequence_output_dist
 from lightning_rec.pipeline.sharded_collection import LookupContext, ShardedCollection
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor
@@ -21,8 +22,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
 
     _attr = "embeddings"
 
-    def embedding_configs(self):
-        return list(self._layout.tables)
+    def embedding_configs(self) -> list[EmbeddingConfig]:
+        return list(self._layout.tables)  # type: ignore[arg-type]
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         ctx = self.input_dist(features)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_rec import _compat
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-from lightning_rec.fused_kinds import as_spec
+from lightning_rec.fused_kinds import FusedOptimizerSpec, as_spec
 from lightning_rec.optim import FusedOptimizer
 from lightning_rec.pipeline import collectives as comm
 from lightning_rec.pipeline.agreement import check_agreement, describe_table
@@ -127,7 +127,7 @@ def shard_modules(
     device: torch.device | str | None = None,
     embedding_grad: str = "sum",
     local_size: int | None = None,
-    embedding_optimizer=None,
+    embedding_optimizer: FusedOptimizerSpec | Mapping[str, Any] | None = None,
     qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
 ) -> nn.Module:
     """Replace every EmbeddingBagCollection / EmbeddingCollection in ``model`` by its sharded counterpart.
@@ -225,13 +225,13 @@ def shard_modules(
 
 
 def _resolve(
-    model,
-    plan,
-    targets,
+    model: nn.Module,
+    plan: ShardingPlan | None,
+    targets: list[tuple[str, nn.Module]],
     gsize: int,
     local: int,
     world: int,
-    embedding_optimizer,
+    embedding_optimizer: FusedOptimizerSpec | Mapping[str, Any] | None,
     kernels_of: dict[str, dict[str, str | None]],
 ) -> list[tuple]:
     """``(path, module, {table: shards or None})`` for every collection to shard; raises on a bad plan.
@@ -260,7 +260,7 @@ def _resolve(
     return resolved
 
 
-def fused_optimizer(model: nn.Module):
+def fused_optimizer(model: nn.Module) -> FusedOptimizer | None:
     """The ``FusedOptimizer`` driving every fused kernel in ``model`` (None if it has none).
 
     Its ``step()`` pushes learning rates into the kernels and closes the step; call it once per step, like

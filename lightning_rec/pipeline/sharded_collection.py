@@ -20,7 +20,7 @@ from torch import nn
 from lightning_rec import _compat, kernels
 from lightning_rec.configs import BaseEmbeddingConfig
 from lightning_rec.embedding_modules import FeatureLayout, Table
-from lightning_rec.fused_kinds import as_spec
+from lightning_rec.fused_kinds import FusedOptimizerSpec, as_spec
 from lightning_rec.pipeline import collectives as comm
 from lightning_rec.pipeline.dp_sparse_grad import DataParallelGradMode
 from lightning_rec.pipeline.fused_lookup import build_kernels, check_fused, union_lookup
@@ -96,7 +96,7 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         replica_group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         sparse_grad: bool | None = None,
-        embedding_optimizer=None,
+        embedding_optimizer: FusedOptimizerSpec | Mapping[str, Any] | None = None,
         peer_devices: dict[int, torch.device] | None = None,
         compute_kernels: Mapping[str, str | None] | None = None,
     ) -> None:
@@ -316,10 +316,19 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
             [self._layout.dims[f] for f in routing.dp_features],
         )
 
-    def _load_hook(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def _load_hook(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
         load_hook(self, state_dict, prefix)
 
-    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ShardedCollection:  # type: ignore[override]
         if self._keep_table_dtypes:
             # a precision plugin converting the model moves tables but keeps the dtype their config fixed
             convert = fn
@@ -495,7 +504,16 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         """The fused kernels of this rank (shards first, then data-parallel tables); empty without a fused optimizer."""
         return [k for k in (self._fused, self._dp_fused) if k is not None]
 
-    def _fused_lookup(self, kernel, lengths, values, weights, ids_per_feature, batch, group) -> torch.Tensor:
+    def _fused_lookup(
+        self,
+        kernel: kernels.FusedPooledKernel,
+        lengths: torch.Tensor,
+        values: torch.Tensor,
+        weights: torch.Tensor | None,
+        ids_per_feature: list[int],
+        batch: int,
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
         # select() checked every id of this step against its table (and each rank its own), unless checks
         # are off (compiling): then the kernel checks them itself
         return union_lookup(

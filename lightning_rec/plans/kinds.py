@@ -338,13 +338,15 @@ class DataParallel(ShardingKind):
 
     sharding_type = ShardingType.DATA_PARALLEL
 
-    def _tile(self, table, ps, group_size, local_size):
+    def _tile(
+        self, table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int, local_size: int
+    ) -> Tiling | None:
         return None
 
-    def candidates(self, space):
+    def candidates(self, space: CandidateSpace) -> list[ParameterSharding]:
         return [ParameterSharding(self.sharding_type)]
 
-    def label(self, ps):
+    def label(self, ps: ParameterSharding) -> str:
         return "data_parallel (every rank)"
 
 
@@ -354,13 +356,15 @@ class TableWise(ShardingKind):
     sharding_type = ShardingType.TABLE_WISE
     fields = ("ranks",)
 
-    def _tile(self, table, ps, group_size, local_size):
+    def _tile(
+        self, table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int, local_size: int
+    ) -> Tiling | None:
         if not ps.ranks or len(ps.ranks) != 1:
             raise ValueError(f"table {table.name!r}: table_wise needs exactly one rank, e.g. table_wise(rank=0)")
         _check_rank(table.name, ps.ranks[0], group_size, "rank")
         return Tiling.grid([table.num_embeddings], [table.embedding_dim], [ps.ranks])
 
-    def candidates(self, space):
+    def candidates(self, space: CandidateSpace) -> list[ParameterSharding]:
         probe = ParameterSharding(self.sharding_type, ranks=[0])
         return [ParameterSharding(self.sharding_type, ranks=space.best_ranks(1, probe))]
 
@@ -371,9 +375,11 @@ class RowWise(ShardingKind):
     sharding_type = ShardingType.ROW_WISE
     fields = ("row_sizes",)
 
-    def _tile(self, table, ps, group_size, local_size):
+    def _tile(
+        self, table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int, local_size: int
+    ) -> Tiling | None:
         rows = table.num_embeddings
-        sizes = ps.row_sizes
+        sizes: Sequence[int] | np.ndarray | None = ps.row_sizes
         if sizes is None and ps.num_buckets is not None:
             sizes = _bucket_rows(table, ps.num_buckets, group_size)
         elif sizes is None:
@@ -385,10 +391,10 @@ class RowWise(ShardingKind):
             )
         return Tiling.grid(sizes, [table.embedding_dim], np.arange(group_size))
 
-    def candidates(self, space):
+    def candidates(self, space: CandidateSpace) -> list[ParameterSharding]:
         return [ParameterSharding(self.sharding_type)]
 
-    def label(self, ps):
+    def label(self, ps: ParameterSharding) -> str:
         return "row_wise (all ranks)"
 
 
@@ -399,7 +405,9 @@ class ColumnWise(ShardingKind):
     fields = ("ranks", "col_sizes")
     needs_hosts = True  # not for its tiling: resolution has always checked hosts for every type but row_wise
 
-    def _tile(self, table, ps, group_size, local_size):
+    def _tile(
+        self, table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int, local_size: int
+    ) -> Tiling | None:
         ranks = ps.ranks or []
         for r in ranks:
             _check_rank(table.name, r, group_size, "column shard rank")
@@ -410,7 +418,7 @@ class ColumnWise(ShardingKind):
         cols = _col_sizes(table, ps, len(ranks))
         return Tiling.grid([table.num_embeddings], cols, ranks)
 
-    def candidates(self, space):
+    def candidates(self, space: CandidateSpace) -> list[ParameterSharding]:
         out = []
         for k in (k for k in space.column_shards if k <= space.group_size):
             probe = ParameterSharding(self.sharding_type, ranks=list(range(k)))
@@ -423,7 +431,9 @@ class TableColumnWise(ColumnWise):
 
     sharding_type = ShardingType.TABLE_COLUMN_WISE
 
-    def _tile(self, table, ps, group_size, local_size):
+    def _tile(
+        self, table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int, local_size: int
+    ) -> Tiling | None:
         tiling = super()._tile(table, ps, group_size, local_size)
         hosts = sorted({r // local_size for r in ps.ranks or []})
         if len(hosts) > 1:
@@ -433,7 +443,7 @@ class TableColumnWise(ColumnWise):
             )
         return tiling
 
-    def candidates(self, space):
+    def candidates(self, space: CandidateSpace) -> list[ParameterSharding]:
         return []  # the same placements as column_wise candidates on one host
 
 
@@ -444,7 +454,9 @@ class TableRowWise(ShardingKind):
     fields = ("host_indexes",)
     needs_hosts = True
 
-    def _tile(self, table, ps, group_size, local_size):
+    def _tile(
+        self, table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int, local_size: int
+    ) -> Tiling | None:
         if not ps.host_indexes or len(ps.host_indexes) != 1:
             raise ValueError(
                 f"table {table.name!r}: table_row_wise needs one host index, e.g. table_row_wise(host_index=0)"
@@ -457,13 +469,13 @@ class TableRowWise(ShardingKind):
             host * local_size + np.arange(local_size),
         )
 
-    def candidates(self, space):
+    def candidates(self, space: CandidateSpace) -> list[ParameterSharding]:
         if space.local_size == 1 or space.num_hosts == 1:  # the same as table_wise / row_wise then
             return []
         probe = ParameterSharding(self.sharding_type, host_indexes=[0])
         return [ParameterSharding(self.sharding_type, host_indexes=space.best_hosts(1, probe))]
 
-    def label(self, ps):
+    def label(self, ps: ParameterSharding) -> str:
         return f"{self.sharding_type.value} hosts {ps.host_indexes}"
 
 
@@ -474,7 +486,9 @@ class GridShard(ShardingKind):
     fields = ("host_indexes", "col_sizes")
     needs_hosts = True
 
-    def _tile(self, table, ps, group_size, local_size):
+    def _tile(
+        self, table: BaseEmbeddingConfig, ps: ParameterSharding, group_size: int, local_size: int
+    ) -> Tiling | None:
         hosts = ps.host_indexes or []
         for h in hosts:
             _check_host(table.name, h, group_size, local_size)
@@ -487,7 +501,7 @@ class GridShard(ShardingKind):
         rows = even_blocks(table.num_embeddings, local_size)
         return Tiling.grid(rows, cols, np.asarray(hosts)[:, None] * local_size + np.arange(local_size))
 
-    def candidates(self, space):
+    def candidates(self, space: CandidateSpace) -> list[ParameterSharding]:
         if space.local_size == 1 or space.num_hosts == 1:  # the same as column_wise then
             return []
         out = []
@@ -496,7 +510,7 @@ class GridShard(ShardingKind):
             out.append(ParameterSharding(self.sharding_type, host_indexes=space.best_hosts(k, probe)))
         return out
 
-    def label(self, ps):
+    def label(self, ps: ParameterSharding) -> str:
         return f"{self.sharding_type.value} hosts {ps.host_indexes}"
 
 

@@ -68,7 +68,9 @@ class Tiling:
 
     @staticmethod
     def grid(
-        row_sizes: Sequence[int] | np.ndarray, col_sizes: Sequence[int], owners: Sequence[Sequence[int]] | np.ndarray
+        row_sizes: Sequence[int] | np.ndarray,
+        col_sizes: Sequence[int],
+        owners: Sequence[int] | Sequence[Sequence[int]] | np.ndarray,
     ) -> Tiling:
         return Tiling(
             np.asarray(row_sizes, dtype=np.int64),

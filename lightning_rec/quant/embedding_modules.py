@@ -45,8 +45,15 @@ class QuantTable(nn.Module):
         self.register_buffer("weight", weight)
 
     def _load_from_state_dict(  # type: ignore[override]
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ):
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
         given = state_dict.get(prefix + "weight")
         if isinstance(given, torch.Tensor) and given.dtype != torch.uint8:
             # copy_ would cast float weights into bytes without a word

@@ -59,7 +59,7 @@ def all_to_all_single(
     in_splits: list[int],
     group: dist.ProcessGroup | None,
     async_op: bool = False,
-):
+) -> dist.Work | None:
     """``dist.all_to_all_single`` (splits in rows of dim 0); through shared memory where the group allows."""
     if x.device.type == "cpu" and out.device.type == "cpu":
         shared = shared_group(group)
@@ -71,7 +71,9 @@ def all_to_all_single(
 class PendingPieces(Generic[T]):
     """The result of :func:`all_to_all_pieces`: :meth:`wait` returns what ``consume`` made (computed once)."""
 
-    def __init__(self, done: tuple[T] | None, work=None, finish: Callable[[], T] | None = None) -> None:
+    def __init__(
+        self, done: tuple[T] | None, work: dist.Work | None = None, finish: Callable[[], T] | None = None
+    ) -> None:
         self._done, self._work, self._finish = done, work, finish
 
     def wait(self) -> T:

@@ -90,7 +90,7 @@ class Space:
         )
 
 
-def _per_host(x: np.ndarray, hosts: int, local: int, op) -> np.ndarray:
+def _per_host(x: np.ndarray, hosts: int, local: int, op: np.ufunc) -> np.ndarray:
     """``x.reshape(hosts, local).max(1)`` (``op=np.maximum``; min likewise), a host's ranks folded column by column:
     the same numbers at a fraction of the cost of numpy's reduction over short rows."""
     cols = x.reshape(hosts, local)

@@ -264,7 +264,17 @@ class CostModel:
         m[3] = local_ids * 16
         return load
 
-    def of_placement(self, s: TableStats, ps: ParameterSharding, offload: bool = False, both: bool = False):
+    @overload
+    def of_placement(
+        self, s: TableStats, ps: ParameterSharding, offload: bool = ..., both: Literal[False] = ...
+    ) -> Load: ...
+    @overload
+    def of_placement(
+        self, s: TableStats, ps: ParameterSharding, offload: bool = ..., *, both: Literal[True]
+    ) -> tuple[Load, Load]: ...
+    def of_placement(
+        self, s: TableStats, ps: ParameterSharding, offload: bool = False, both: bool = False
+    ) -> Load | tuple[Load, Load]:
         """The load of a valid placement (``both``: the pair in device memory, in host memory)."""
         tiling = KINDS[ps.sharding_type].layout(s.config, ps, self.M, self.local)  # type: ignore[index]
         if tiling is None:

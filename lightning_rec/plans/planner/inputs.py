@@ -35,8 +35,9 @@ def _collections(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(p, m) for p, m in model.named_modules() if type(m) in (EmbeddingBagCollection, EmbeddingCollection)]
 
 
-def _configs_of(m) -> list:
-    return m.embedding_bag_configs() if hasattr(m, "embedding_bag_configs") else m.embedding_configs()
+def _configs_of(m: EmbeddingBagCollection | EmbeddingCollection) -> list:
+    # the bag collection has embedding_bag_configs, the other embedding_configs
+    return m.embedding_bag_configs() if hasattr(m, "embedding_bag_configs") else m.embedding_configs()  # type: ignore[operator]
 
 
 def plan_entries(

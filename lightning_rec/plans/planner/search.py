@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
+from torch import nn
 
 from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
-from lightning_rec.fused_kinds import as_spec
+from lightning_rec.fused_kinds import FusedOptimizerSpec, as_spec
 from lightning_rec.kernels import fused_width_problem
 from lightning_rec.plans.kinds import KINDS, ParameterSharding, placement_of
 from lightning_rec.plans.plan import ShardingPlan, data_parallel, resolve_table, table_wise
@@ -88,7 +89,9 @@ class Planner:
         self._scratch: Load | None = None
 
     # -- inputs --------------------------------------------------------------------------------------------
-    def _entries(self, model_or_tables) -> list[tuple[str, BaseEmbeddingConfig, str, list[ShardMeta] | None]]:
+    def _entries(
+        self, model_or_tables: nn.Module | Sequence[BaseEmbeddingConfig]
+    ) -> list[tuple[str, BaseEmbeddingConfig, str, list[ShardMeta] | None]]:
         return plan_entries(model_or_tables, self.gradients)
 
     def _stats(self, path: str, t: BaseEmbeddingConfig, grads: str) -> TableStats:
@@ -117,7 +120,7 @@ class Planner:
             "min_column_width": self.min_column_width,
         }
 
-    def _report(self, stats, choices, load, notes) -> PlanReport:
+    def _report(self, stats: list[TableStats], choices: list[TableChoice], load: Load, notes: list[str]) -> PlanReport:
         plan: dict[str, dict[str, ParameterSharding]] = {}
         for s, c in zip(stats, choices):
             plan.setdefault(s.path, {})[s.config.name] = c.sharding
@@ -130,7 +133,9 @@ class Planner:
         )
 
     # -- public ----------------------------------------------------------------------------------------------
-    def estimate(self, model_or_tables, plan: ShardingPlan | None = None) -> PlanReport:
+    def estimate(
+        self, model_or_tables: nn.Module | Sequence[BaseEmbeddingConfig], plan: ShardingPlan | None = None
+    ) -> PlanReport:
         """The cost model's report for ``plan`` (default: the placement of ``model``'s sharded collections)."""
         M, L = self.topology.model_parallel_size, self.topology.local_size
         assert M is not None and L is not None  # resolved by Topology.__post_init__
@@ -155,10 +160,10 @@ class Planner:
         return self._report(stats, choices, total, [])
 
     @staticmethod
-    def _is_sharded(model, path: str) -> bool:
+    def _is_sharded(model: nn.Module | Sequence[BaseEmbeddingConfig], path: str) -> bool:
         return hasattr(model, "get_submodule") and isinstance(model.get_submodule(path), PlacedCollection)
 
-    def plan(self, model_or_tables) -> ShardingPlan:
+    def plan(self, model_or_tables: nn.Module | Sequence[BaseEmbeddingConfig]) -> ShardingPlan:
         """A plan for every unsharded collection of ``model`` (or for a list of table configs, module ``""``)."""
         entries = [e for e in self._entries(model_or_tables) if e[3] is None]
         self._last = self._plan([self._stats(p, t, g) for p, t, g, _ in entries])
@@ -235,7 +240,7 @@ class Planner:
             )
         return allowed
 
-    def _unit_load(self, stats, unit, ps: ParameterSharding, offload: bool) -> Load:
+    def _unit_load(self, stats: list[TableStats], unit: list[int], ps: ParameterSharding, offload: bool) -> Load:
         if len(unit) == 1:
             return self._model.of_placement(stats[unit[0]], ps, offload)
         total = self._model.empty()
@@ -243,7 +248,7 @@ class Planner:
             total += self._model.of_placement(stats[i], ps, offload)
         return total
 
-    def _unit_loads(self, stats, unit, ps: ParameterSharding) -> tuple[Load, Load]:
+    def _unit_loads(self, stats: list[TableStats], unit: list[int], ps: ParameterSharding) -> tuple[Load, Load]:
         """The unit's load with its tables in device memory and in host memory, computed together."""
         if len(unit) == 1:
             return self._model.of_placement(stats[unit[0]], ps, both=True)
@@ -254,7 +259,7 @@ class Planner:
             host += h
         return device, host
 
-    def _base_size(self, stats, unit) -> tuple[float, float]:
+    def _base_size(self, stats: list[TableStats], unit: list[int]) -> tuple[float, float]:
         """The memory and work summed over every rank and part of the unit's table-wise load (data-parallel where
         that is all it may be): its size for ordering."""
         key = tuple(unit)
@@ -268,7 +273,7 @@ class Planner:
             self._base[key] = (load.mem.sum(), load.time.sum())
         return self._base[key]
 
-    def _widths(self, stats, unit) -> list[int]:
+    def _widths(self, stats: list[TableStats], unit: list[int]) -> list[int]:
         """Numbers of column shards the unit's widths allow."""
         if OPTIMIZER_STATE[self.optimizer][1]:
             return []  # per-row optimizer state over a column shard is not the full row's: never split columns
@@ -308,7 +313,7 @@ class Planner:
                 "placement that keeps whole rows, or use an element-wise optimizer (sgd, adagrad)"
             )
 
-    def _prepare(self, stats, units) -> None:
+    def _prepare(self, stats: list[TableStats], units: list[list[int]]) -> None:
         """The per-shard values of every single table's placements (its candidates' shapes, on probe ranks and
         hosts, and its table-wise base), computed together for all tables."""
         topo = self.topology
@@ -322,7 +327,9 @@ class Planner:
                 items.append((s, table_wise(0)))
         prepare(self._model, items)
 
-    def _candidates(self, stats, unit, allowed, tot, used) -> list[tuple[Candidate, Candidate | None]]:
+    def _candidates(
+        self, stats: list[TableStats], unit: list[int], allowed: list[ShardingType], tot: np.ndarray, used: np.ndarray
+    ) -> list[tuple[Candidate, Candidate | None]]:
         """The unit's placements in device memory, each with its twin in host memory (None: not allowed); the
         terms of a single table's twins are left for :meth:`_twins` to compute where they can matter."""
         topo = self.topology
@@ -348,7 +355,9 @@ class Planner:
             out.append((c, host))
         return out
 
-    def _twins(self, stats, unit, pairs, mode: str) -> list[tuple[int, Candidate]]:
+    def _twins(
+        self, stats: list[TableStats], unit: list[int], pairs: list[tuple[Candidate, Candidate | None]], mode: str
+    ) -> list[tuple[int, Candidate]]:
         """The host-memory twins that can be chosen or be the runner-up, with their index among all candidates.
 
         Looking up in host memory is never faster (``host_lookup_bandwidth <= lookup_bandwidth``): a twin's
@@ -429,11 +438,12 @@ class Planner:
             if failure is None:
                 if mode == "memory":
                     notes.append("placed by memory balance: placing by time first left a table without room")
-                return self._report(stats, trial_choices, trial, notes)
+                # _greedy set every entry
+                return self._report(stats, cast(list[TableChoice], trial_choices), trial, notes)
             failures.append(failure)
         raise PlannerError(failures[0])
 
-    def _order(self, stats, units) -> tuple[list[list[int]], list[float]]:
+    def _order(self, stats: list[TableStats], units: list[list[int]]) -> tuple[list[list[int]], list[float]]:
         """Units largest first (memory and work shares), and each one's least total work (its table-wise cost)."""
         mem, work = [], []
         for unit in units:
@@ -445,7 +455,9 @@ class Planner:
         order = np.lexsort((np.arange(len(units)), -size))
         return [units[i] for i in order], [float(work_a[i]) for i in order]
 
-    def _greedy(self, stats, units, total: Load, choices: list, mode: str) -> str | None:
+    def _greedy(
+        self, stats: list[TableStats], units: list[list[int]], total: Load, choices: list, mode: str
+    ) -> str | None:
         ordered, work = self._order(stats, units)
         remaining = float(sum(work))
         for unit, own_work in zip(ordered, work):
@@ -482,7 +494,7 @@ class Planner:
                 choices[i] = ch
         return None
 
-    def _check_total(self, stats, units, fixed: Load) -> None:
+    def _check_total(self, stats: list[TableStats], units: list[list[int]], fixed: Load) -> None:
         topo = self.topology
         if topo.device_memory is None:
             return
@@ -508,7 +520,7 @@ class Planner:
                 "fused/sparse gradients"
             )
 
-    def _no_candidate(self, stats, unit, allowed: list[ShardingType]) -> str:
+    def _no_candidate(self, stats: list[TableStats], unit: list[int], allowed: list[ShardingType]) -> str:
         topo = self.topology
         names = [stats[i].label for i in unit]
         why = []
@@ -529,11 +541,14 @@ class Planner:
             f"{[a.value for a in allowed]} exists here: " + "; ".join(why) + ". Allow another sharding type for it"
         )
 
-    def _no_fit(self, stats, unit, cands, total: Load, placed: int) -> str:
+    def _no_fit(
+        self, stats: list[TableStats], unit: list[int], cands: list[Candidate], total: Load, placed: int
+    ) -> str:
         used, M = total.mem.sum(0), self.topology.model_parallel_size
-        best = min(cands, key=lambda c: (c.terms.mem_on(M) + used).max())
+        # scored candidates carry terms; M is resolved by Topology.__post_init__
+        best = min(cands, key=lambda c: (c.terms.mem_on(M) + used).max())  # type: ignore[union-attr, arg-type]
         names = [stats[i].label for i in unit]
-        need = (best.terms.mem_on(M) + used).max()
+        need = (best.terms.mem_on(M) + used).max()  # type: ignore[union-attr, arg-type]
         missing = need - self.topology.device_memory  # type: ignore[operator]
         return (
             f"no placement of table{'s' if len(unit) > 1 else ''} {names} fits in device memory after {placed} other "
@@ -544,12 +559,12 @@ class Planner:
 
 
 def automatic_plan(
-    model,
+    model: nn.Module | Sequence[BaseEmbeddingConfig],
     group_size: int,
     local_size: int | None = None,
     world_size: int | None = None,
-    embedding_optimizer=None,
-    **planner_kwargs,
+    embedding_optimizer: FusedOptimizerSpec | Mapping[str, Any] | None = None,
+    **planner_kwargs: Any,
 ) -> Planner:
     """The planner ``shard_modules`` and the strategy use when no plan is given; call ``.plan(model)`` on it.
 

@@ -86,7 +86,11 @@ class _Shape:
     mem: tuple[np.ndarray, np.ndarray]  # summed memory on the device: tables in device memory, in host memory
     kept: np.ndarray  # weights, state and gradients, summed: what host memory holds when offloaded
 
-    def full(self, x):
+    @overload
+    def full(self, x: np.ndarray) -> np.ndarray: ...
+    @overload
+    def full(self, x: float) -> float: ...
+    def full(self, x: np.ndarray | float) -> np.ndarray | float:
         return x if self.runs is None or isinstance(x, float) else x.repeat(self.runs)
 
 
@@ -128,7 +132,7 @@ def _distinct(rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray | None, np
     return np.diff(np.append(first, len(rows))), rows[first], cols[first]
 
 
-def _values(model: CostModel, s, rows: np.ndarray, cols: np.ndarray) -> tuple:
+def _values(model: CostModel, s: TableStats | _Fields, rows: np.ndarray, cols: np.ndarray) -> tuple:
     """Per-shard values; ``s`` is one table's stats, or :class:`_Fields` of many (the same expressions, operand for
     operand, as the reference: CostModel.sharded, _a2a and shard_memory)."""
     hw, M, B, R = model.hw, model.M, model.B, model.R
@@ -152,7 +156,7 @@ def _values(model: CostModel, s, rows: np.ndarray, cols: np.ndarray) -> tuple:
     t0 = [
         ids * (cols * s.elem + hw.lookup_overhead_bytes) / bw for bw in (hw.lookup_bandwidth, hw.host_lookup_bandwidth)
     ]
-    w, st, g, buf = model.shard_memory(s, rows, cols)
+    w, st, g, buf = model.shard_memory(s, rows, cols)  # type: ignore[arg-type]  # _Fields has what it reads
     return (
         a,
         o,
@@ -176,7 +180,7 @@ def _values(model: CostModel, s, rows: np.ndarray, cols: np.ndarray) -> tuple:
     )
 
 
-def _make(model: CostModel, s: TableStats, tiling: Tiling, runs, v: tuple) -> _Shape:
+def _make(model: CostModel, s: TableStats, tiling: Tiling, runs: np.ndarray | None, v: tuple) -> _Shape:
     """A :class:`_Shape` from the values of :func:`_values` for one table's runs."""
     a, o = (v[0], v[1]) if runs is None else (v[0].repeat(runs), v[1].repeat(runs))
     live = int(np.count_nonzero(tiling.row_sizes > 0)) * tiling.col_blocks

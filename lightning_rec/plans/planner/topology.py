@@ -7,6 +7,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from lightning_rec.configs import ShardingType
 from lightning_rec.plans.kinds import ParameterSharding
@@ -152,7 +153,7 @@ class Topology:
         return self.model_parallel_size // self.local_size  # type: ignore[operator]
 
     @staticmethod
-    def from_mesh(mesh: MeshInfo, **kwargs) -> Topology:
+    def from_mesh(mesh: MeshInfo, **kwargs: Any) -> Topology:
         """The topology of a built mesh (world, model-parallel group, ranks per host); ``kwargs`` set the
         other fields (``device_memory``, ``host_memory``, ``device``, ``backend``, ``hardware``)."""
         return Topology(mesh.world_size, mesh.model_parallel_size, mesh.local_size, **kwargs)
