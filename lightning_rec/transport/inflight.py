@@ -46,10 +46,6 @@ class Tracked:
     def __init__(self, work: Any, tensors: tuple[torch.Tensor | list[torch.Tensor], ...]) -> None:
         self._work, self._tensors = work, tensors
 
-    @property
-    def done(self) -> bool:
-        return id(self) not in _outstanding
-
     def wait(self, timeout: timedelta | None = None) -> None:
         """Wait for the work (once; later calls return at once). Raises what the work raised."""
         if id(self) not in _outstanding:
