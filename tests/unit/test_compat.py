@@ -10,6 +10,7 @@ import torch
 
 from lightning_rec import _compat
 from lightning_rec._compat import check_versions
+from tests.fbgemm_marks import needs_fbgemm
 
 
 @pytest.mark.parametrize(
@@ -65,6 +66,7 @@ def test_unsupported_fbgemm_release() -> None:
     assert "1.8.x" in str(err.value)
 
 
+@needs_fbgemm
 def test_installed_environment_passes() -> None:
     dist = _compat.fbgemm_distribution()
     assert dist is not None and dist[0].startswith("fbgemm-gpu")

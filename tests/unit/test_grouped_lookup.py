@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from lightning_rec import kernels
 from lightning_rec.kernels import GroupedPooledLookup
+from tests.fbgemm_marks import needs_fbgemm
 
 
 def _reference(tables, feature_table, values, offsets, b, psw):
@@ -79,6 +80,10 @@ def test_unknown_kernel_and_table_refusals() -> None:
     with pytest.raises(ValueError, match=r"table 'seq'.*sequence"):
         kernels.resolve_table_kernel("fbgemm", "seq", torch.float32, torch.device("cpu"), False, pooled=False)
     assert kernels.resolve_table_kernel("auto", "t", torch.float32, torch.device("cpu"), False) == "torch"
+
+
+@needs_fbgemm
+def test_fbgemm_serves_fp16_tables_on_cpu() -> None:
     assert kernels.resolve_table_kernel("fbgemm", "t", torch.float16, torch.device("cpu"), False) == "fbgemm"
 
 

@@ -18,6 +18,7 @@ import torch
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, _compat, kernels
 from lightning_rec.fused_kinds import CPU_KINDS, FUSED_KINDS, KINDS, PER_ROW, FusedOptimizerSpec
 from lightning_rec.kernels import _capability
+from tests.fbgemm_marks import needs_fbgemm
 
 CPU_BUILD = (_compat.fbgemm_distribution() or ("", ""))[0].endswith("-cpu")
 HINT = _compat.fbgemm_install_hint(torch.__version__, "cuda")
@@ -88,6 +89,7 @@ def test_optim_reexports_the_low_layer_names():
 # -- the real dispatcher query ------------------------------------------------------------------------------
 
 
+@needs_fbgemm
 def test_probe_answers_from_the_dispatcher_and_caches():
     assert kernels.has_fbgemm_op(kernels.DENSE_LOOKUP_OP, "cpu")
     assert not kernels.has_fbgemm_op("fbgemm::no_such_op", "cpu")
