@@ -14,8 +14,6 @@ import copy
 import io
 import warnings
 
-# imported before the checks run: fbgemm warns about optional CUDA kernels on its first import
-import fbgemm_gpu.split_table_batched_embeddings_ops_training  # noqa: F401
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -37,6 +35,10 @@ from lightning_rec.sharding import (
     table_wise,
 )
 from lightning_rec.testing import run_distributed
+from tests.fbgemm_marks import FBGEMM
+
+if FBGEMM:  # imported before the checks run: fbgemm warns about optional CUDA kernels on its first import
+    import fbgemm_gpu.split_table_batched_embeddings_ops_training  # noqa: F401
 
 DIMS = {
     "rw": (10, 4),
