@@ -36,6 +36,7 @@ from lightning_rec.sharding import (
     table_wise,
 )
 from lightning_rec.testing import run_distributed
+from tests.fbgemm_marks import needs_fbgemm
 
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 WS = 2
@@ -260,6 +261,7 @@ def _mixed_job(rank: int, ws: int) -> dict:
     return dict(forward=forward, tables=diffs)
 
 
+@needs_fbgemm
 def test_mixed_kernels_on_one_rank_match_reference() -> None:
     for res in run_distributed(_mixed_job, WS):
         assert res["forward"] <= 5e-3  # table "d" is fp16: its pooled rows carry fp16 rounding
@@ -338,6 +340,7 @@ def _convert_job(rank: int, ws: int) -> str:
     return msg
 
 
+@needs_fbgemm
 def test_conversion_fbgemm_cannot_serve_raises_and_keeps_the_module() -> None:
     for msg in run_distributed(_convert_job, WS):
         assert "'sum.t'" in msg and "bfloat16" in msg
@@ -389,6 +392,7 @@ def _two_d_job(rank: int, ws: int, embedding_grad: str) -> float:
     return max(forward, *diffs.values())
 
 
+@needs_fbgemm
 def test_fbgemm_kernel_under_2d_replicas_matches_reference() -> None:
     # "mean": the replica reduction and the 1 / data-parallel-ranks scale both act on fbgemm-looked-up shards
     for worst in run_distributed(_two_d_job, 4, "mean"):
