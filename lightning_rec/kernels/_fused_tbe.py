@@ -9,6 +9,7 @@ parameter) stays out of ``parameters()`` and ``state_dict()``. What the kinds ke
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
@@ -345,10 +346,11 @@ class FusedPooledKernel(torch.nn.Module):
         return out
 
     def _check_inputs(self, values: torch.Tensor, offsets: torch.Tensor, batch: int) -> None:
-        check_offsets(values, offsets, batch)
+        bounds = check_offsets(values, offsets, batch)
         if batch and values.numel():
             names = [self.table_names[t] for t in self.feature_table]
-            check_ids(values, offsets[::batch].diff(), self._rows_per_feature, range(len(names)), names)
+            lengths = [hi - lo for lo, hi in itertools.pairwise(bounds)]
+            check_ids(values, lengths, self._rows_per_feature, range(len(names)), names)
 
     def drop_kept_rows(self, table: str, rows: torch.Tensor) -> None:
         """Forget the kept gradient of ``rows`` of ``table``: managed collision gave them to new ids since."""
