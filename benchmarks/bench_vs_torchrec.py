@@ -113,6 +113,8 @@ LIBS = ("torchrec", "lightning_rec")
 PLANS = ("table_wise", "row_wise", "column_wise", "data_parallel", "table_row_wise", "grid_shard")
 LOCAL_SIZE = 2  # ranks per "host" for table_row_wise and grid_shard
 VARIANTS = ("fused", "dense")
+# per-table fused optimizers: even tables SGD, odd tables row-wise Adagrad (two kernels per rank); opt-in
+EXTRA_VARIANTS = ("mixed",)
 # Criteo-like spread of table sizes (26 sparse features), capped so that a full run fits in memory.
 DLRM_ROWS = [
     200_000, 40_000, 200_000, 200_000, 300, 24, 12_000, 630, 3, 90_000, 5_700, 200_000, 3_200, 27, 15_000,
@@ -235,10 +237,17 @@ def build_torchrec(tables, plan: str, variant: str, world: int, lr: float):
         EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[f"f{n[1:]}"]) for n, r, d in tables
     ]
     ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
-    fused = variant == "fused"
+    fused = variant in ("fused", "mixed")
     sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": lr} if fused else None
+        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": lr} if variant == "fused" else None
     )
+    if variant == "mixed":  # TorchRec users' way: in-backward optimizers on subsets of the tables
+        from torchrec.optim import RowWiseAdagrad
+        from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+        weights = [ebc.embedding_bags[n].weight for n, _, _ in tables]
+        apply_optimizer_in_backward(torch.optim.SGD, weights[0::2], {"lr": lr})
+        apply_optimizer_in_backward(RowWiseAdagrad, weights[1::2], {"lr": lr, "eps": 1e-8})
     kernel = "fused" if fused else "dense"
     per_table = {}
     for i, (name, _, _) in enumerate(tables):
@@ -309,8 +318,14 @@ def build_lightning_rec(tables, plan: str, variant: str, world: int, lr: float):
     configs = [
         EmbeddingBagConfig(num_embeddings=r, embedding_dim=d, name=n, feature_names=[f"f{n[1:]}"]) for n, r, d in tables
     ]
-    fused = variant == "fused"
+    fused = variant in ("fused", "mixed")
     ebc = EmbeddingBagCollection(configs, device="meta", sparse_grad=False)
+    option: object = {"kind": "sgd", "lr": lr} if fused else None
+    if variant == "mixed":
+        from lightning_rec.fused_tables import PerTableOptimizers
+
+        adagrad = {"kind": "rowwise_adagrad", "lr": lr, "eps": 1e-8}
+        option = PerTableOptimizers(default=option, tables={n: adagrad for n, _, _ in tables[1::2]})
     per_table = {}
     for i, (name, _, _) in enumerate(tables):
         per_table[name] = {
@@ -325,7 +340,7 @@ def build_lightning_rec(tables, plan: str, variant: str, world: int, lr: float):
         Model(ebc),
         ShardingPlan({"ebc": per_table}),
         local_size=LOCAL_SIZE if plan in ("table_row_wise", "grid_shard") else None,
-        embedding_optimizer={"kind": "sgd", "lr": lr} if fused else None,
+        embedding_optimizer=option,
     )
     if fused:
         opt = fused_optimizer(model)
@@ -1212,7 +1227,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--plans", nargs="+", default=list(PLANS), choices=PLANS)
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + EXTRA_VARIANTS)
     ap.add_argument("--big-tables", type=int, default=8)
     ap.add_argument("--rows", type=int, default=100_000)
     ap.add_argument("--dlrm-scale", type=float, default=1.0, help="multiplies the dlrm job's table sizes")

@@ -35,6 +35,7 @@ from lightning_rec.distributed import (  # noqa: E402
 )
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection  # noqa: E402
 from lightning_rec.fabric import RecShardedFabricStrategy  # noqa: E402
+from lightning_rec.fused_tables import PerTableOptimizers  # noqa: E402
 from lightning_rec.mc import (  # noqa: E402
     LFU_EvictionPolicy,
     LRU_EvictionPolicy,
@@ -109,6 +110,7 @@ __all__ = [
     "ManagedCollisionEmbeddingBagCollection",
     "ManagedCollisionEmbeddingCollection",
     "ParameterSharding",
+    "PerTableOptimizers",
     "Planner",
     "PlannerError",
     "PoolingType",

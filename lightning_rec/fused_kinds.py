@@ -1,7 +1,8 @@
 """The fused-optimizer kinds: one table of what each kind keeps, where it runs, and its fbgemm name.
 
 A fused optimizer updates the embedding tables inside the lookup kernel's backward (fbgemm's split
-table-batched embedding). Everything the rest of the library needs to know about a kind is in
+table-batched embedding; on CPU, for the kinds fbgemm's CPU build has no kernel for, the same update written in
+torch: ``kernels/_torch_adam.py``). Everything the rest of the library needs to know about a kind is in
 :data:`FUSED_KINDS`: the kernels (state names and shapes), the optimizer (betas, step counter, weight
 decay), the planner (state bytes per row) and the callbacks. :class:`FusedOptimizerSpec` says which kind
 and hyper-parameters a kernel applies.
@@ -26,22 +27,26 @@ PER_ROW = "row"
 
 @dataclass(frozen=True)
 class FusedKind:
-    """What one fused-optimizer kind keeps and where fbgemm has a kernel for it.
+    """What one fused-optimizer kind keeps, where it runs, and who computes its update there.
 
     Attributes:
         name: the kind's name in :class:`FusedOptimizerSpec` (``"rowwise_adagrad"``).
         optim_type: the name of fbgemm's ``OptimType`` member (``"EXACT_ROWWISE_ADAGRAD"``).
         states: ``(state name, PER_VALUE or PER_ROW)`` in the order fbgemm's ``split_optimizer_states()``
             returns them.
-        devices: device types fbgemm has a kernel for (its CPU kernels cover only SGD and the Adagrads).
+        devices: device types the kind runs on.
+        cpu_kernel: who applies the update on CPU: ``"fbgemm"`` (its CPU kernel: SGD and the Adagrads) or
+            ``"torch"`` (fbgemm's CPU build has none: the rule of its CUDA kernel, written in torch).
         adam_family: uses ``betas`` and a global step counter (bias correction).
-        weight_decay: fbgemm's kernel applies ``weight_decay`` (on CUDA; the CPU kernels ignore it).
+        weight_decay: the kind applies ``weight_decay`` (on CUDA; on CPU only where ``cpu_kernel`` is
+            ``"torch"``: fbgemm's CPU kernels silently ignore it).
     """
 
     name: str
     optim_type: str
     states: tuple[tuple[str, str], ...]
     devices: tuple[str, ...]
+    cpu_kernel: str = "fbgemm"
     adam_family: bool = False
     weight_decay: bool = False
 
@@ -66,26 +71,36 @@ class FusedKind:
 
 _ADAM = (("exp_avg", PER_VALUE), ("exp_avg_sq", PER_VALUE))
 _PARTIAL = (("exp_avg", PER_VALUE), ("exp_avg_sq", PER_ROW))
-_CUDA = ("cuda",)
+_BOTH = ("cpu", "cuda")
+
+
+def _adam_family(name: str, optim_type: str, states: tuple[tuple[str, str], ...]) -> FusedKind:
+    return FusedKind(name, optim_type, states, _BOTH, cpu_kernel="torch", adam_family=True, weight_decay=True)
+
 
 FUSED_KINDS: dict[str, FusedKind] = {
     k.name: k
     for k in (
-        FusedKind("sgd", "EXACT_SGD", (), ("cpu", "cuda")),
-        FusedKind("adagrad", "EXACT_ADAGRAD", (("sum", PER_VALUE),), ("cpu", "cuda")),
-        FusedKind("rowwise_adagrad", "EXACT_ROWWISE_ADAGRAD", (("sum", PER_ROW),), ("cpu", "cuda"), weight_decay=True),
-        FusedKind("adam", "ADAM", _ADAM, _CUDA, adam_family=True, weight_decay=True),
-        FusedKind("partial_rowwise_adam", "PARTIAL_ROWWISE_ADAM", _PARTIAL, _CUDA, adam_family=True, weight_decay=True),
-        FusedKind("lamb", "LAMB", _ADAM, _CUDA, adam_family=True, weight_decay=True),
-        FusedKind("partial_rowwise_lamb", "PARTIAL_ROWWISE_LAMB", _PARTIAL, _CUDA, adam_family=True, weight_decay=True),
+        FusedKind("sgd", "EXACT_SGD", (), _BOTH),
+        FusedKind("adagrad", "EXACT_ADAGRAD", (("sum", PER_VALUE),), _BOTH),
+        FusedKind("rowwise_adagrad", "EXACT_ROWWISE_ADAGRAD", (("sum", PER_ROW),), _BOTH, weight_decay=True),
+        # fbgemm 1.9 has no CPU kernel for these (F1), and no OptimType for a (full) row-wise Adam
+        _adam_family("adam", "ADAM", _ADAM),
+        _adam_family("partial_rowwise_adam", "PARTIAL_ROWWISE_ADAM", _PARTIAL),
+        _adam_family("lamb", "LAMB", _ADAM),
+        _adam_family("partial_rowwise_lamb", "PARTIAL_ROWWISE_LAMB", _PARTIAL),
     )
 }
 KINDS = tuple(FUSED_KINDS)
-#: kinds with an fbgemm CPU kernel; the rest need CUDA.
+#: kinds that run on CPU (every kind)
 CPU_KINDS = tuple(k for k, v in FUSED_KINDS.items() if "cpu" in v.devices)
+#: kinds whose CPU update is fbgemm's CPU kernel
+FBGEMM_CPU_KINDS = tuple(k for k in CPU_KINDS if FUSED_KINDS[k].cpu_kernel == "fbgemm")
+#: kinds whose CPU update is fbgemm's CUDA rule written in torch (``kernels/_torch_adam.py``): no fbgemm needed
+TORCH_CPU_KINDS = tuple(k for k in CPU_KINDS if FUSED_KINDS[k].cpu_kernel == "torch")
 #: kinds that use ``betas`` (and a global step counter for bias correction)
 ADAM_FAMILY = tuple(k for k, v in FUSED_KINDS.items() if v.adam_family)
-#: kinds whose fbgemm kernel applies ``weight_decay`` (on CUDA only; CPU ignores it)
+#: kinds that apply ``weight_decay`` (on CUDA; on CPU those of :data:`TORCH_CPU_KINDS`)
 WEIGHT_DECAY_KINDS = tuple(k for k, v in FUSED_KINDS.items() if v.weight_decay)
 
 
@@ -98,18 +113,19 @@ class FusedOptimizerSpec:
     """Which fused optimizer a :class:`~lightning_rec.kernels.FusedPooledKernel` applies in its backward.
 
     Args:
-        kind: ``"sgd"``, ``"adagrad"`` or ``"rowwise_adagrad"`` (CPU and CUDA); ``"adam"``,
-            ``"partial_rowwise_adam"``, ``"lamb"`` or ``"partial_rowwise_lamb"`` (CUDA only).
+        kind: ``"sgd"``, ``"adagrad"``, ``"rowwise_adagrad"`` (fbgemm's kernels on CPU and CUDA); ``"adam"``,
+            ``"partial_rowwise_adam"``, ``"lamb"`` or ``"partial_rowwise_lamb"`` (fbgemm's kernel on CUDA; on CPU
+            its rule in torch, touched rows only, same state: ``kernels/_torch_adam.py``).
             ``"adagrad"`` equals ``torch.optim.Adagrad(lr, eps=eps, initial_accumulator_value=0)``;
             ``"rowwise_adagrad"`` keeps one accumulator per row: ``m[r] += mean_d(g[r]**2)``,
             ``w[r] -= lr * g[r] / (sqrt(m[r]) + eps)``.
         lr: initial learning rate (a :class:`FusedOptimizer`'s ``param_groups`` then own it).
         eps: fbgemm's default ``1e-8`` (``torch.optim.Adagrad`` defaults to ``1e-10``).
         betas: Adam-family only.
-        weight_decay: CUDA only. ``rowwise_adagrad`` applies it as L2 (added to the gradient, like
-            ``torch.optim.Adagrad``); ``adam`` decouples it (``w -= lr * (update + wd * w)``, AdamW-style);
-            ``lamb`` adds it to the trust-ratio update. fbgemm silently ignores weight decay on CPU, so
-            it is refused there.
+        weight_decay: ``rowwise_adagrad`` applies it as L2 (added to the gradient, like
+            ``torch.optim.Adagrad``), on CUDA only (fbgemm's CPU kernel silently ignores it, so it is refused
+            there); the Adam family on CPU and CUDA: ``adam`` decouples it (``w -= lr * (update + wd * w)``,
+            AdamW-style); ``lamb`` adds it to the update the trust ratio scales.
         stochastic_rounding: fp16 tables only: round updates stochastically (fbgemm's and TorchRec's
             default) instead of to nearest.
     """
@@ -147,7 +163,7 @@ class FusedOptimizerSpec:
         if self.weight_decay and self.kind not in WEIGHT_DECAY_KINDS:
             raise ValueError(
                 f"fused optimizer {self.kind!r} does not support weight_decay (fbgemm's {self.kind} kernel has none; "
-                f"kinds with weight decay, on CUDA: {list(WEIGHT_DECAY_KINDS)}); got weight_decay={self.weight_decay}"
+                f"kinds with weight decay: {list(WEIGHT_DECAY_KINDS)}); got weight_decay={self.weight_decay}"
             )
 
     @property
@@ -158,22 +174,16 @@ class FusedOptimizerSpec:
     def check_device(self, device: torch.device | str | None) -> torch.device:
         """Raise a ValueError naming the kind, the device and what that device supports; return the device."""
         dev = torch.device("cpu" if device is None else device)
-        if dev.type == "cpu":
-            if self.kind not in CPU_KINDS:
-                raise ValueError(
-                    f"fused optimizer kind {self.kind!r} is not available on device {dev}: fbgemm's CPU kernels "
-                    f"support only {list(CPU_KINDS)} (Adam-family and LAMB kinds need a CUDA device)"
-                )
-            if self.weight_decay:
-                raise ValueError(
-                    f"fused optimizer {self.kind!r}: weight_decay={self.weight_decay} is not supported on device "
-                    f"{dev}: fbgemm's CPU kernels silently ignore weight decay. Use weight_decay=0 on CPU "
-                    f"(supported kinds on CPU: {list(CPU_KINDS)}, all without weight decay)"
-                )
-        elif dev.type not in self.info.devices:
+        if dev.type not in self.info.devices:
             raise ValueError(
-                f"fused optimizer {self.kind!r} cannot run on device {dev}: fbgemm's fused kernels exist for cpu "
+                f"fused optimizer {self.kind!r} cannot run on device {dev}: fused kernels exist for cpu "
                 f"({list(CPU_KINDS)}) and cuda ({list(KINDS)})"
+            )
+        if dev.type == "cpu" and self.weight_decay and self.kind in FBGEMM_CPU_KINDS:
+            raise ValueError(
+                f"fused optimizer {self.kind!r}: weight_decay={self.weight_decay} is not supported on device "
+                f"{dev}: fbgemm's CPU kernels silently ignore weight decay. Use weight_decay=0 with {self.kind!r} "
+                f"on CPU, or a kind whose CPU update applies it: {list(TORCH_CPU_KINDS)}"
             )
         return dev
 

@@ -22,8 +22,9 @@ schedules and checkpoints:
   ``accumulate_grad_batches > 1``.
 
 What a fused update cannot do, it refuses loudly: outside accumulation mode, a second backward before the
-step raises in backward (the kernel has already applied the first update), Adam-family kinds and
-weight decay raise on CPU (fbgemm has no CPU kernel for them, or silently ignores them), a kind whose kernel
+step raises in backward (the kernel has already applied the first update), weight decay raises on CPU for
+the kinds fbgemm's CPU kernels serve (they silently ignore it; the Adam family on CPU runs fbgemm's CUDA rule in
+torch and applies it), a kind whose kernel
 the installed fbgemm build lacks for the device raises at construction naming the package to install, and a
 checkpoint whose tables or shapes differ raises naming the table.
 """

@@ -14,14 +14,14 @@ from torch import nn
 
 from lightning_rec import _compat, child_exits
 from lightning_rec import checkpoint as ckpt
-from lightning_rec.fused_kinds import FusedOptimizerSpec, as_spec
+from lightning_rec.fused_tables import EmbeddingOptimizer, as_table_optimizers, planner_spec, summary
 from lightning_rec.pipeline.collectives import grad_scale
 from lightning_rec.pipeline.qcomm import QCommsConfig, get_qcomm_codecs_registry
-from lightning_rec.pipeline.shard_modules import ddp_ignored_names, fused_optimizer, materialize_dense, shard_modules
+from lightning_rec.pipeline.shard_modules import ddp_ignored_names, materialize_dense, shard_modules
 from lightning_rec.plans.mesh import MeshInfo, check_layout, init_2d_mesh
 from lightning_rec.plans.plan import ShardingPlan
 from lightning_rec.plans.planner import Planner, automatic_plan
-from lightning_rec.table_optimizers import marked_embedding_optimizer
+from lightning_rec.table_optimizers import mark_fused_tables, resolve_table_optimizers
 from lightning_rec.transport import inflight
 
 
@@ -82,7 +82,7 @@ class ShardSetup:
         self.model_parallel_size = model_parallel_size
         self.data_parallel_size = data_parallel_size
         self.embedding_grad = embedding_grad
-        self.given_embedding_optimizer = as_spec(embedding_optimizer)
+        self.given_embedding_optimizer = as_table_optimizers(embedding_optimizer)
         self.trusted_checkpoints = trusted_checkpoints
 
     def init_mesh(self, world_size: int, num_processes: int, num_nodes: int, device: torch.device) -> MeshInfo:
@@ -97,17 +97,18 @@ class ShardSetup:
 
     def shard(
         self, module: nn.Module, mesh: MeshInfo, device: torch.device, world_size: int, batch_size: int | None = None
-    ) -> tuple[FusedOptimizerSpec | None, Planner | None]:
+    ) -> tuple[EmbeddingOptimizer | None, Planner | None]:
         """Shard every collection of ``module`` in place; collective.
 
         The plan is the one given, else ``module.configure_sharding()``, else the planner's (whose planner is
         returned, to be explained once the optimizers exist). TorchRec's ``apply_optimizer_in_backward`` marks
-        choose the fused optimizer, as under DMP; returns it with the planner.
+        choose the tables' fused optimizers, as under DMP (``table_optimizers.resolve_table_optimizers``); returns
+        what the tables train with (``fused_tables.summary``) and the planner.
         """
         plan = self.plan
         if plan is None and hasattr(module, "configure_sharding"):
             plan = cast(_ChoosesPlan, module).configure_sharding()
-        spec = marked_embedding_optimizer(module, self.given_embedding_optimizer)
+        specs = resolve_table_optimizers(module, self.given_embedding_optimizer)
         planner = None
         if plan is None:
             kw: dict[str, Any] = {"device": "cuda" if device.type == "cuda" else "cpu"}
@@ -115,6 +116,7 @@ class ShardSetup:
                 kw["batch_size"] = batch_size
             if device.type == "cuda":
                 kw["device_memory"] = torch.cuda.get_device_properties(device).total_memory
+            spec = planner_spec(specs)
             planner = automatic_plan(module, mesh.model_parallel_size, mesh.local_size, world_size, spec, **kw)
             plan = planner.plan(module)
             planner = planner if plan.plan else None
@@ -126,16 +128,14 @@ class ShardSetup:
             device=device,
             embedding_grad=self.embedding_grad,
             local_size=mesh.local_size,
-            embedding_optimizer=spec,
+            table_optimizers=specs,
             qcomm_codecs_registry=get_qcomm_codecs_registry(self.qcomms_config),
         )
         # a dense part built on the meta device (configure_model under torch.device("meta"), as for
         # ModelParallelStrategy) gets storage and its modules' own initialisation, as DMP gives it
         materialize_dense(module, device, "rec_sharded")
-        fused = fused_optimizer(module)
-        for p in [] if fused is None else [p for g in fused.param_groups for p in g["params"]]:
-            p._in_backward_optimizers = [fused]  # as DMP: in_backward_optimizer_filter leaves fused tables out
-        return spec, planner
+        mark_fused_tables(module)
+        return summary(specs), planner
 
     @staticmethod
     def sharding_record(module: nn.Module, mesh: MeshInfo, world_size: int) -> dict[str, Any]:

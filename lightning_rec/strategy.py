@@ -63,7 +63,10 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
             optimizer spec such as ``{"kind": "rowwise_adagrad", "lr": 0.05}``: sharded tables then update
             inside backward (fbgemm). Its optimizer joins the module's: combine ``self.fused_optimizer()``
             into ``configure_optimizers`` (``CombinedOptimizer``) so LR schedulers drive it, or the strategy
-            adds it (stepped every step, at its spec's learning rate).
+            adds it (stepped every step, at its spec's learning rate). Per table:
+            ``PerTableOptimizers(default=..., tables={"big_ids": {...}})`` (YAML: ``{default: ..., tables:
+            {...}}``); tables sharing a spec share a kernel (and a param group of the fused optimizer). TorchRec's
+            ``apply_optimizer_in_backward`` marks on the tables choose their specs too, as under DMP.
         process_group_backend: default nccl on CUDA, gloo on CPU.
         timeout: collective timeout.
         trusted_checkpoints: load checkpoints with full unpickling, which runs any code the files name. Only

@@ -1,67 +1,117 @@
-"""Which optimizer updates each embedding table under the strategy: in-backward marks, and tables none updates.
+"""Which optimizer updates each embedding table: in-backward marks, a sharder's or strategy's fused spec (per
+table), and the tables none updates.
 
 TorchRec users mark tables with ``apply_optimizer_in_backward(RowWiseAdagrad, model.ebc.parameters(), {...})``
-(ours or torch's): ``DistributedModelParallel`` turns that mark into the fused kernel's optimizer, and so must
-the Lightning strategy, or the tables silently never change.
+(ours or torch's), often twice (row-wise Adagrad on the big tables, SGD on the rest): the strategies and
+``DistributedModelParallel`` all turn those marks into fused kernels with :func:`resolve_table_optimizers`,
+or the tables would silently never change.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_rec.distributed.optimizers import in_backward_spec
+from lightning_rec.distributed.optimizers import in_backward_specs
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.fused_kinds import FusedOptimizerSpec
-from lightning_rec.pipeline.shard_modules import sharded_collections
+from lightning_rec.fused_tables import (
+    EmbeddingOptimizer,
+    PerTableOptimizers,
+    TableSpecs,
+    as_table_optimizers,
+    named_tables,
+    spec_of,
+)
+from lightning_rec.optim import FusedOptimizer
+from lightning_rec.pipeline.shard_modules import fused_optimizer, sharded_collections
 from lightning_rec.plans.planner import Planner, PlanReport
 
 
-def marked_embedding_optimizer(module: nn.Module, given: FusedOptimizerSpec | None) -> FusedOptimizerSpec | None:
-    """The fused spec the collections of ``module`` train with: ``given``, or the one their in-backward marks name.
+def _collections(module: nn.Module) -> list[tuple[str, nn.Module, list[str]]]:
+    """``(path, collection, table names)`` of every unsharded collection of ``module``."""
+    found: list[tuple[str, nn.Module, list[str]]] = []
+    for path, m in module.named_modules():
+        # exact types, as shard_modules picks the collections it shards
+        if type(m) is EmbeddingBagCollection:
+            found.append((path, m, [t.name for t in m.embedding_bag_configs()]))
+        elif type(m) is EmbeddingCollection:
+            found.append((path, m, [t.name for t in m.embedding_configs()]))
+    return found
 
-    Raises naming the collections when marks disagree with each other or with ``given``, or when some
-    collections are marked and others not (one fused optimizer serves every collection, or none).
+
+def resolve_table_optimizers(
+    module: nn.Module,
+    given: EmbeddingOptimizer | None,
+    by_type: Mapping[type, FusedOptimizerSpec | None] | None = None,
+    given_name: str = "embedding_optimizer",
+) -> dict[str, TableSpecs]:
+    """``{collection path: {table: fused spec or None}}``: what every table of ``module`` trains with.
+
+    One rule for the strategies and ``DistributedModelParallel``: a table's in-backward mark
+    (``apply_optimizer_in_backward``) wins; otherwise the sharder's ``fused_params`` for its module type
+    (``by_type``), otherwise ``given`` (one spec, or :class:`PerTableOptimizers`). A mark that disagrees
+    with the other source raises, naming the table (a ``PerTableOptimizers`` default only fills in).
+    Tables sharing a spec share a kernel, so any mix of kinds and hyper-parameters works; but within one
+    collection every table is fused or none is (raises naming the others), and sequence collections
+    (``EmbeddingCollection``) are not fused.
     """
-    found = {
-        path or "<root>": in_backward_spec(m)
-        for path, m in module.named_modules()
-        if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))
-    }
-    marked = {p: s for p, s in found.items() if s is not None}
-    if not marked:
-        return given
-    if len(set(marked.values())) > 1:
+    given = as_table_optimizers(given)
+    found = _collections(module)
+    known = {name for _, _, names in found for name in names}
+    unknown = sorted(n for n in named_tables(given) if n not in known)
+    if unknown:
         raise ValueError(
-            f"rec_sharded: the collections' in-backward optimizers differ ({marked}); one fused "
-            "optimizer serves every collection: mark them all alike"
+            f"{given_name} names tables {unknown} that no embedding collection of the model has; "
+            f"its tables: {sorted(known)}"
         )
-    sequence = sorted(p or "<root>" for p, m in module.named_modules() if isinstance(m, EmbeddingCollection))
-    if sequence:
-        raise ValueError(
-            f"rec_sharded: collections {sorted(marked)} carry an in-backward optimizer "
-            f"(apply_optimizer_in_backward), which becomes a fused kernel for every collection, but "
-            f"the fused kernels pool and cannot serve the EmbeddingCollections {sequence}; train the "
-            "tables with torch optimizers instead (remove the marks)"
-        )
-    unmarked = sorted(p for p, s in found.items() if s is None)
-    if unmarked:
-        raise ValueError(
-            f"rec_sharded: collections {sorted(marked)} carry an in-backward optimizer "
-            f"(apply_optimizer_in_backward) but {unmarked} do not; one fused optimizer serves every "
-            "collection: mark them all, or none and give RecShardedStrategy(embedding_optimizer=...)"
-        )
-    spec = next(iter(marked.values()))
-    if given is not None and given != spec:
-        raise ValueError(
-            f"rec_sharded: embedding_optimizer={given} differs from the tables' in-backward optimizer "
-            f"{spec} (apply_optimizer_in_backward); give one of them"
-        )
-    return spec
+    out: dict[str, TableSpecs] = {}
+    for path, m, names in found:
+        where = path or "<root>"
+        marks = in_backward_specs(m)
+        other = (by_type or {}).get(type(m)) if by_type is not None else None
+        specs: TableSpecs = {}
+        for name in names:
+            fallback = other if by_type is not None else spec_of(given, name)
+            # a PerTableOptimizers default only fills in: a mark may differ from it
+            explicit = not (isinstance(given, PerTableOptimizers) and name not in given.tables)
+            mark = marks[name]
+            if mark is not None and fallback is not None and mark != fallback and explicit:
+                source = "the sharder's fused_params" if by_type is not None else given_name
+                raise ValueError(
+                    f"collection {where!r}, table {name!r}: its in-backward optimizer {mark} "
+                    f"(apply_optimizer_in_backward) differs from {source} {fallback}; give one of them"
+                )
+            specs[name] = mark if mark is not None else fallback
+        fused = sorted(n for n, s in specs.items() if s is not None)
+        if fused and isinstance(m, EmbeddingCollection):
+            raise ValueError(
+                f"collection {where!r} is an EmbeddingCollection, whose tables cannot train with a fused "
+                f"optimizer yet (the fused kernels pool), but tables {fused} were given one; train them with "
+                "torch optimizers (no in-backward mark), or name only pooled tables (PerTableOptimizers)"
+            )
+        plain = sorted(n for n, s in specs.items() if s is None)
+        if fused and plain:
+            raise ValueError(
+                f"collection {where!r}: tables {fused} have a fused optimizer but {plain} do not; a collection's "
+                "tables are all fused or none: mark the others too (apply_optimizer_in_backward, any optimizer), "
+                f"give them one in {given_name}, or put them in a collection of their own"
+            )
+        out[path] = specs
+    return out
+
+
+def mark_fused_tables(module: nn.Module) -> FusedOptimizer | None:
+    """The fused optimizer of ``module``'s sharded tables, set as their in-backward optimizer (as DMP does), so
+    that ``in_backward_optimizer_filter`` leaves them out of the optimizers a user builds afterwards."""
+    fused = fused_optimizer(module)
+    for p in [] if fused is None else [p for g in fused.param_groups for p in g["params"]]:
+        p._in_backward_optimizers = [fused]  # type: ignore[attr-defined]  # TorchRec's attribute name
+    return fused
 
 
 def warn_unoptimized_tables(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> list[str]:

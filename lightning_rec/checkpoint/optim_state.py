@@ -58,10 +58,15 @@ def _leaf_state(leaf: torch.optim.Optimizer) -> list[tuple[torch.Tensor, dict[st
 
 def _leaf_groups(leaf: torch.optim.Optimizer, names: Mapping[int, str]) -> list[dict[str, Any]]:
     if isinstance(leaf, FusedOptimizer):
-        # one group per kernel, and ranks hold different kernels: keep one set of hyper-parameters (a spec's)
-        first = leaf.state_dict()["param_groups"][0]
-        hp = {k: v for k, v in first.items() if k != "tables"}
-        return [{"hparams": hp, "params": [names[id(p)] for g in leaf.param_groups for p in g["params"]]}]
+        # one group per kernel (a spec), each with its kind and lr; ranks hold different kernels, so the merge
+        # over ranks joins the groups of equal hyper-parameters
+        return [
+            {
+                "hparams": {k: v for k, v in saved.items() if k != "tables"},
+                "params": [names[id(p)] for p in g["params"]],
+            }
+            for saved, g in zip(leaf.state_dict()["param_groups"], leaf.param_groups)
+        ]
     return [
         {"hparams": {k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
         for g in leaf.param_groups
@@ -154,6 +159,9 @@ def _merge_over_ranks(leaves: dict[str, dict[str, Any]], error: Exception | None
     out: dict[str, dict[str, Any]] = {}
     for j in sorted({k for x in gathered for k in x}):
         per_rank = [x[j] for x in gathered if j in x]
+        if j == "fused":
+            out[j] = _merge_fused(per_rank)
+            continue
         kinds = {x["kind"] for x in per_rank}
         if len(kinds) != 1:
             raise ValueError(f"ranks disagree on optimizer {j}: {sorted(kinds)}")
@@ -171,6 +179,29 @@ def _merge_over_ranks(leaves: dict[str, dict[str, Any]], error: Exception | None
                 state.setdefault(name, {}).update(entries)
         out[j] = {"kind": per_rank[0]["kind"], "groups": groups, "state": state}
     return out
+
+
+def _fused_kinds(kind: str) -> set[str]:
+    """The fused kinds a leaf kind names (``"fused:rowwise_adagrad,sgd"``)."""
+    return set(kind.partition(":")[2].split(","))
+
+
+def _merge_fused(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fused leaf over ranks: every kind any rank runs, and one group per set of hyper-parameters."""
+    kinds = set().union(*(_fused_kinds(x["kind"]) for x in per_rank))
+    groups: dict[str, dict[str, Any]] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for x in per_rank:
+        for g in x["groups"]:
+            merged = groups.setdefault(repr(sorted(g["hparams"].items())), {"hparams": g["hparams"], "params": {}})
+            merged["params"].update(dict.fromkeys(g["params"]))
+        for name, entries in x["state"].items():
+            state.setdefault(name, {}).update(entries)
+    return {
+        "kind": "fused:" + ",".join(sorted(kinds)),
+        "groups": [{"hparams": g["hparams"], "params": list(g["params"])} for g in groups.values()],
+        "state": state,
+    }
 
 
 def optimizer_targets(
@@ -205,7 +236,14 @@ def optimizer_targets(
                 f"optimizer {index}: this run has a {_leaf_kind(leaf)} optimizer but the checkpoint holds no state for "
                 "it (was it saved without embedding_optimizer?)"
             )
-        if _leaf_kind(leaf) != saved[j]["kind"]:
+        if j == "fused":
+            extra = _fused_kinds(_leaf_kind(leaf)) - _fused_kinds(saved[j]["kind"])
+            if extra:
+                raise ValueError(
+                    f"optimizer {index}: this run's fused optimizer runs {sorted(extra)}, which the checkpoint's "
+                    f"({saved[j]['kind']}) does not"
+                )
+        elif _leaf_kind(leaf) != saved[j]["kind"]:
             raise ValueError(
                 f"optimizer {index}: the checkpoint's optimizer is {saved[j]['kind']}, this run's is {_leaf_kind(leaf)}"
             )
@@ -338,11 +376,14 @@ def _load_torch(
 def _load_fused(
     leaf: FusedOptimizer, names: dict[int, str], loaded: dict[str, dict[str, Any]], saved: dict[str, Any]
 ) -> None:
-    hp = saved["groups"][0]["hparams"]
+    group_of = {name: g["hparams"] for g in saved["groups"] for name in g["params"]}
     tables: dict[str, dict[str, torch.Tensor]] = {}
     groups = []
     for i, k in enumerate(leaf.kernels):
         for p, table in zip(k.tables(), leaf.table_names(i)):
             tables[table] = dict(loaded.get(names[id(p)], {}))
-        groups.append({**hp, "tables": leaf.table_names(i)})
+        first = names[id(k.tables()[0])]
+        if first not in group_of:
+            raise ValueError(f"the checkpoint's fused optimizer has no param group holding {first!r}")
+        groups.append({**group_of[first], "tables": leaf.table_names(i)})
     leaf.load_state_dict({"param_groups": groups, "tables": tables})

@@ -19,9 +19,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_rec import _compat
 from lightning_rec.distributed.data_parallel import DefaultDataParallelWrapper
-from lightning_rec.distributed.optimizers import in_backward_spec, spec_from_fused_params
+from lightning_rec.distributed.optimizers import spec_from_fused_params
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.fused_kinds import FusedOptimizerSpec
+from lightning_rec.fused_tables import TableSpecs
 from lightning_rec.optim import FusedOptimizer
 from lightning_rec.pipeline.qcomm import CommOp, pooled_codecs, sequence_codecs
 from lightning_rec.pipeline.shard_modules import (
@@ -33,7 +34,8 @@ from lightning_rec.pipeline.shard_modules import (
 from lightning_rec.plans.kinds import placement_of
 from lightning_rec.plans.mesh import default_local_size
 from lightning_rec.plans.plan import with_resolved_ranks
-from lightning_rec.sharding import ParameterSharding, ShardingPlan, fused_optimizer, shard_modules
+from lightning_rec.sharding import ParameterSharding, ShardingPlan, shard_modules
+from lightning_rec.table_optimizers import mark_fused_tables, resolve_table_optimizers
 
 
 @dataclass
@@ -116,30 +118,16 @@ def get_module_to_default_sharders() -> dict[type[nn.Module], ModuleSharder]:
     return {s.module_type: s for s in get_default_sharders()}
 
 
-def _embedding_optimizer(module: nn.Module, sharders: list[ModuleSharder]) -> FusedOptimizerSpec | None:
-    """The one fused spec for the model's collections, from the sharders' fused_params or in-backward optimizers."""
+def _table_optimizers(module: nn.Module, sharders: list[ModuleSharder]) -> dict[str, TableSpecs]:
+    """Every table's fused spec, from its in-backward mark or its sharder's fused_params (the strategies' rule)."""
     by_type = {s.module_type: s for s in sharders}
-    found: dict[str, FusedOptimizerSpec | None] = {}
     for path, m in module.named_modules():
-        if type(m) not in (EmbeddingBagCollection, EmbeddingCollection):
-            continue
-        sharder = by_type.get(type(m))
-        if sharder is None:
+        if type(m) in (EmbeddingBagCollection, EmbeddingCollection) and type(m) not in by_type:
             raise ValueError(
                 f"no sharder for {type(m).__name__} at {path or '<root>'!r}; sharders given: "
                 f"{[type(s).__name__ for s in sharders]}"
             )
-        from_params, from_sharder = in_backward_spec(m), sharder.embedding_optimizer
-        if from_params is not None and from_sharder is not None and from_params != from_sharder:
-            raise ValueError(
-                f"{path or '<root>'!r}: the sharder's fused_params optimizer {from_sharder} differs "
-                f"from the tables' in-backward optimizer {from_params}; give one"
-            )
-        found[path] = from_params or from_sharder
-    specs = set(found.values())
-    if len(specs) > 1:
-        raise ValueError(f"collections need one fused optimizer (or none) for all; got {found}")
-    return specs.pop() if specs else None
+    return resolve_table_optimizers(module, None, {t: s.embedding_optimizer for t, s in by_type.items()})
 
 
 def _move_dense(model: nn.Module, skip: set[str], device: torch.device) -> None:
@@ -217,7 +205,7 @@ class DistributedModelParallel(nn.Module):
         self.sharders = get_default_sharders() if sharders is None else list(sharders)
         if plan is not None and not isinstance(plan, ShardingPlan):
             plan = ShardingPlan({k: dict(v) for k, v in plan.items()})
-        spec = _embedding_optimizer(module, self.sharders)
+        specs = _table_optimizers(module, self.sharders)
         # as TorchRec's sharders: pooled codecs from the EmbeddingBagCollection's, sequence ones from the
         # EmbeddingCollection's (refused: pooled only)
         by_type = {s.module_type: s.qcomm_codecs_registry for s in self.sharders}
@@ -237,16 +225,12 @@ class DistributedModelParallel(nn.Module):
             process_group=env.process_group,
             device=self.device,
             embedding_grad=embedding_grad,
-            embedding_optimizer=spec,
+            table_optimizers=specs,
             qcomm_codecs_registry=pooled_registry or None,
         )
         self._plan = self._resolved_plan(sharded, plan)
         self._dmp_wrapped_module: nn.Module = sharded
-        self._fused = fused_optimizer(sharded)
-        if self._fused is not None:
-            for group in self._fused.param_groups:  # in_backward_optimizer_filter leaves fused tables out
-                for p in group["params"]:
-                    p._in_backward_optimizers = [self._fused]  # type: ignore[attr-defined]
+        self._fused = mark_fused_tables(sharded)
         self._ddp_wrapped = False
         if init_parameters:
             self._init_parameters(sharded)

@@ -174,7 +174,7 @@ def spec_from_optimizer(optimizer_class: type, optimizer_kwargs: Mapping[str, An
     if kind is None:
         raise ValueError(
             f"in-backward optimizer {name} has no fused embedding kernel; use torch.optim.SGD, "
-            "torch.optim.Adagrad, RowWiseAdagrad (CPU and CUDA) or torch.optim.Adam (CUDA)"
+            "torch.optim.Adagrad, RowWiseAdagrad or torch.optim.Adam"
         )
     opts = {**_defaults(optimizer_class), **dict(optimizer_kwargs)}
     for key, neutral in _NEUTRAL[kind].items():
@@ -255,20 +255,34 @@ def spec_from_fused_params(fused_params: Mapping[str, Any]) -> FusedOptimizerSpe
     return as_spec({"kind": kind, "lr": spec.pop("lr", 0.01), **spec})
 
 
-def in_backward_spec(module: nn.Module) -> FusedOptimizerSpec | None:
-    """The fused spec of the in-backward optimizer on ``module``'s parameters (None when they have none).
+def in_backward_specs(module: nn.Module) -> dict[str, FusedOptimizerSpec | None]:
+    """``{table name: fused spec of its in-backward optimizer, or None}`` for an embedding collection's tables.
 
-    Every parameter must carry the same single optimizer (one fused kernel per collection).
+    A table (its weight) carries at most one in-backward optimizer; tables may carry different ones.
     """
+    bags = hasattr(module, "embedding_bag_configs")
+    configs = module.embedding_bag_configs() if bags else module.embedding_configs()  # type: ignore[operator]
+    tables: Any = module.embedding_bags if bags else module.embeddings  # a TableContainer, indexed by name
     found: dict[str, FusedOptimizerSpec | None] = {}
-    for name, p in module.named_parameters():
+    for name in [c.name for c in configs]:
+        p = tables[name].weight
         classes = getattr(p, "_optimizer_classes", None)
         if classes is None:
             found[name] = None
             continue
         if len(classes) != 1:
-            raise ValueError(f"parameter {name!r} has {len(classes)} in-backward optimizers; a fused table takes one")
-        found[name] = spec_from_optimizer(classes[0], p._optimizer_kwargs[0])  # type: ignore[attr-defined]
+            raise ValueError(f"table {name!r} has {len(classes)} in-backward optimizers; a fused table takes one")
+        try:
+            found[name] = spec_from_optimizer(classes[0], p._optimizer_kwargs[0])
+        except ValueError as e:
+            raise ValueError(f"table {name!r}: {e}") from None
+    return found
+
+
+def in_backward_spec(module: nn.Module) -> FusedOptimizerSpec | None:
+    """The one fused spec of the in-backward optimizers on ``module``'s tables (None when they have none);
+    raises when the tables carry different ones."""
+    found = in_backward_specs(module)
     specs = set(found.values())
     if len(specs) > 1:
         raise ValueError(f"the tables of one collection need the same in-backward optimizer; got {found}")

@@ -10,6 +10,8 @@ Every kernel here pools with SUM. MEAN is applied by the caller, once, on the sa
 - :mod:`._grouped`: one pooled lookup over tables served by different kernels (a sharded rank's shards)
 - :mod:`._fused`, :mod:`._guards`: fbgemm's split table-batched lookup with the optimizer in backward
 - :mod:`._accumulate`: its accumulation mode (backward keeps the gradients; the step applies one update)
+- :mod:`._split_tbe`, :mod:`._torch_adam`: the module behind it: fbgemm's, or on CPU for the Adam family (no fbgemm
+  CPU kernel) a torch stand-in applying fbgemm's CUDA update
 - the process memory policy under the kernels: :mod:`lightning_rec.memory`
 - :mod:`._tables`: containers registering tables under their own names
 - :mod:`._ids`: id and offset checks shared by all paths
@@ -33,6 +35,7 @@ from lightning_rec.kernels._grouped import LOOKUP_KERNELS, GroupedPooledLookup
 from lightning_rec.kernels._ids import check_ids, check_offsets, validate_ids
 from lightning_rec.kernels._tables import FusedTables, TableContainer
 from lightning_rec.kernels._torch import mean_divisor, promoted_dtype, torch_pooled, torch_sequence
+from lightning_rec.kernels._torch_adam import TorchAdamTBE
 from lightning_rec.memory.malloc import keep_freed_memory
 
 __all__ = [
@@ -45,6 +48,7 @@ __all__ = [
     "FusedTables",
     "GroupedPooledLookup",
     "TableContainer",
+    "TorchAdamTBE",
     "check_fused_available",
     "check_ids",
     "check_offsets",

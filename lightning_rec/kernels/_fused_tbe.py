@@ -20,9 +20,9 @@ import torch
 from lightning_rec import _compat
 from lightning_rec.fused_kinds import FusedOptimizerSpec, as_spec
 from lightning_rec.kernels._accumulate import MicroBatch, deferred_lookup, drop_kept_rows, union_of
-from lightning_rec.kernels._capability import check_fused_available, fbgemm_training
 from lightning_rec.kernels._guards import _FusedBackwardGuard, _FusedStepCounter, _ScaleGrad, check_feature_table
 from lightning_rec.kernels._ids import check_ids, check_offsets
+from lightning_rec.kernels._split_tbe import build_split_tbe, check_split_tbe
 from lightning_rec.kernels._tables import FusedTable, unexpected_table_keys
 from lightning_rec.memory.huge_pages import zero_into_huge_pages
 from lightning_rec.memory.malloc import keep_freed_memory
@@ -40,12 +40,15 @@ class FusedPooledKernel(torch.nn.Module):
     """SUM-pooled lookup over several tables whose optimizer runs inside backward (fbgemm split TBE).
 
     One ``SplitTableBatchedEmbeddingBagsCodegen`` (CPU: ``ComputeDevice.CPU`` + ``EmbeddingLocation.HOST``;
-    CUDA: ``EmbeddingLocation.DEVICE``) holds every table. Backward through :meth:`forward`'s output applies
-    the optimizer update to the tables directly; nothing gets a ``.grad``. MEAN pooling is the caller's job.
+    CUDA: ``EmbeddingLocation.DEVICE``) holds every table; on CPU, the Adam family (no fbgemm CPU kernel) runs
+    its torch stand-in with fbgemm's CUDA update and state (``kernels/_torch_adam.py``). Backward through
+    :meth:`forward`'s output applies the optimizer update to the tables directly; nothing gets a ``.grad``.
+    MEAN pooling is the caller's job.
 
     Args:
         tables: ``(name, rows, dim, dtype)`` per table. ``dim`` must be a multiple of 4, ``dtype`` float32 or
-            float16 (one dtype for all tables), ``rows >= 1``. Names must be unique.
+            float16 (one dtype for all tables; float32 for the Adam family on CPU), ``rows >= 1``. Names must be
+            unique.
         feature_table: the table of each feature, in input order. Must be non-decreasing (fbgemm's Adagrad
             kernels are wrong or crash otherwise: docs/ARCHITECTURE.md F2), and every table needs a feature.
         optimizer: a :class:`~lightning_rec.optim.FusedOptimizerSpec` (or a dict of its fields).
@@ -69,7 +72,7 @@ class FusedPooledKernel(torch.nn.Module):
     applies one update from their sum (gradient accumulation, several losses per step).
     """
 
-    _tbe: Any  # fbgemm's split TBE, set past nn.Module's registry (its tables are this module's parameters)
+    _tbe: Any  # fbgemm's split TBE (or TorchAdamTBE), set past nn.Module's registry (its tables are our parameters)
 
     def __init__(
         self,
@@ -84,46 +87,15 @@ class FusedPooledKernel(torch.nn.Module):
         if spec is None:
             raise ValueError("FusedPooledKernel needs a fused optimizer spec, got None")
         dev = torch.device("cpu" if device is None else device)
-        optim_type = spec.validate(dev)
-        # once, here, before touching the device: a CPU-only fbgemm build next to a CUDA torch must give one
-        # sentence naming the package to install, not a NotImplementedError from deep inside forward
-        check_fused_available(spec, dev)
+        optim_type = check_split_tbe(spec, dev)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         names, rows, dims, dtype = self._check_tables(tables)
         feature_table = check_feature_table(feature_table, names)
-
-        tbe_ops = fbgemm_training()
         on_cpu = dev.type == "cpu"
         if on_cpu:
             keep_freed_memory()  # memory/malloc.py: the step's large tensors reuse memory, not fresh pages
-        location = tbe_ops.EmbeddingLocation.HOST if on_cpu else tbe_ops.EmbeddingLocation.DEVICE
-        compute = tbe_ops.ComputeDevice.CPU if on_cpu else tbe_ops.ComputeDevice.CUDA
-        precision = tbe_ops.SparseType.FP32 if dtype == torch.float32 else tbe_ops.SparseType.FP16
-        extra: dict = {}
-        if spec.betas is not None:
-            extra.update(beta1=spec.betas[0], beta2=spec.betas[1])
-        if spec.weight_decay:  # CUDA only: validate() refuses it on CPU
-            extra["weight_decay"] = spec.weight_decay
-            if spec.kind == "rowwise_adagrad":
-                extra["weight_decay_mode"] = tbe_ops.WeightDecayMode.L2
-        tbe = tbe_ops.SplitTableBatchedEmbeddingBagsCodegen(
-            embedding_specs=[(r, d, location, compute) for r, d in zip(rows, dims)],
-            feature_table_map=list(feature_table),
-            optimizer=optim_type,
-            learning_rate=spec.lr,
-            eps=spec.eps,
-            stochastic_rounding=spec.stochastic_rounding,
-            pooling_mode=tbe_ops.PoolingMode.SUM,
-            weights_precision=precision,
-            output_dtype=precision,
-            device=dev,
-            # every id is checked once before the kernel (ours refuses -1 too, fbgemm's does not: F14), by
-            # forward or by a caller that says so; a second pass inside fbgemm would only cost time
-            bounds_check_mode=tbe_ops.BoundsCheckMode.NONE,
-            table_names=list(names),
-            **extra,
-        )
+        tbe = build_split_tbe(spec, optim_type, names, rows, dims, dtype, feature_table, dev)
         # Not a registered submodule: its parameters and buffers stay out of parameters() and state_dict().
         object.__setattr__(self, "_tbe", tbe)
         self.spec = spec

@@ -4,15 +4,15 @@ the union-batch rule")."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
 
 from lightning_rec import kernels
 from lightning_rec.configs import BaseEmbeddingConfig
-from lightning_rec.fused_kinds import FusedOptimizerSpec
+from lightning_rec.fused_kinds import FusedOptimizerSpec, as_spec
 from lightning_rec.pipeline import collectives as comm
 from lightning_rec.pipeline.input_dist import as_int64, from_int64, regroup
 from lightning_rec.pipeline.routing import RoutingTable
@@ -20,14 +20,39 @@ from lightning_rec.plans.shard_geometry import ShardMeta
 from lightning_rec.sparse import offsets_from_lengths, segment_gather_index
 
 
+def table_specs(option: object, tables: list[BaseEmbeddingConfig]) -> list[FusedOptimizerSpec | None]:
+    """Each table's fused spec from a collection's ``embedding_optimizer``: one spec (or a dict of its fields) for
+    all, or ``{table name: spec or None}``; raises unless every table or none is fused."""
+    if isinstance(option, Mapping) and not isinstance(option.get("kind"), str):
+        unknown = sorted(str(n) for n in option if n not in {t.name for t in tables})
+        if unknown:
+            raise ValueError(f"embedding_optimizer names tables {unknown} this collection does not have")
+        specs = [as_spec(option.get(t.name)) for t in tables]
+    else:
+        specs = [as_spec(cast(Any, option))] * len(tables)
+    fused = [t.name for t, s in zip(tables, specs) if s is not None]
+    if fused and len(fused) < len(tables):
+        plain = [t.name for t, s in zip(tables, specs) if s is None]
+        raise ValueError(
+            f"tables {fused} have a fused optimizer but {plain} of the same collection do not: a collection's "
+            "tables are all fused or none"
+        )
+    return specs
+
+
 def check_fused(
-    attr: str, tables: list[BaseEmbeddingConfig], shards: dict[str, list[ShardMeta] | None], spec: FusedOptimizerSpec
+    attr: str,
+    tables: list[BaseEmbeddingConfig],
+    shards: dict[str, list[ShardMeta] | None],
+    specs: Sequence[FusedOptimizerSpec | None],
 ) -> None:
     """Refuse what fbgemm's fused kernel cannot hold, on every rank alike, before anything is allocated."""
     if attr != "embedding_bags":
         raise ValueError("embedding_optimizer (fused) supports pooled EmbeddingBagCollections only")
-    kernel_dtypes: dict[int | str, dict[str, torch.dtype]] = {}  # kernel (a shard rank, or "dp") -> its tables
-    for t in tables:
+    # kernel (a shard rank or "dp", and a spec) -> its tables' dtypes
+    kernel_dtypes: dict[tuple[int | str, FusedOptimizerSpec], dict[str, torch.dtype]] = {}
+    for t, spec in zip(tables, specs):
+        assert spec is not None  # table_specs: every table of a fused collection has one
         if t.dtype not in (torch.float32, torch.float16):
             raise ValueError(
                 f"table {t.name!r}: embedding_optimizer (fused) needs float32 or float16 tables, got {t.dtype} "
@@ -46,51 +71,102 @@ def check_fused(
         problem = kernels.fused_width_problem(t.name, t.embedding_dim, widths)
         if problem:
             raise ValueError(problem)
-        for owner in ["dp"] if pieces is None else sorted({s.rank for s in pieces if s.rows > 0}):
-            kernel_dtypes.setdefault(owner, {})[t.name] = t.dtype
-    for owner, dtypes in kernel_dtypes.items():
+        owners: list[int | str] = ["dp"] if pieces is None else sorted({s.rank for s in pieces if s.rows > 0})
+        for owner in owners:
+            kernel_dtypes.setdefault((owner, spec), {})[t.name] = t.dtype
+    for (owner, spec), dtypes in kernel_dtypes.items():
         if len(set(dtypes.values())) > 1:
             where = "the data-parallel tables" if owner == "dp" else f"the shards held by shard rank {owner}"
+            where += f" with the fused optimizer {spec}"
             detail = ", ".join(f"{n!r}: {d}" for n, d in dtypes.items())
             raise ValueError(
                 f"embedding_optimizer (fused): {where} share one kernel, which needs one dtype; got {detail}"
             )
 
 
+class FusedGroup(NamedTuple):
+    """One fused kernel and the inputs it looks up: positions among the lookup's features (or routes)."""
+
+    kernel: kernels.FusedPooledKernel
+    inputs: list[int]
+
+
 def build_kernels(
     sources: dict[str, tuple[tuple[int, int], torch.dtype, torch.Tensor | Callable[[torch.Tensor], object]]],
-    spec: FusedOptimizerSpec,
+    specs: Sequence[FusedOptimizerSpec | None],
     table_names: list[str],
     feature_table: Sequence[int],
     routing: RoutingTable,
     local_tables: list[int],
     device: torch.device,
-) -> tuple[kernels.FusedPooledKernel | None, kernels.FusedPooledKernel | None]:
-    """One fused kernel for this rank's shards and one for the data-parallel tables (None where there is none).
+) -> tuple[list[FusedGroup], list[FusedGroup]]:
+    """The fused kernels of this rank's shards and of the data-parallel tables: one per spec, in order of each
+    spec's first table (the same on every rank).
 
     ``sources``: each table's local piece (or replica) by name, as ``(shape, dtype, initial weights)``; the
     initial weights (a tensor, possibly a view of the full table, or a function filling a tensor in place)
     go straight into the kernel's storage, so building a kernel adds no second copy of the piece.
     """
 
-    def build(names: list[str], ft: list[int]) -> kernels.FusedPooledKernel:
-        entries = [sources[n] for n in names]
-        return kernels.FusedPooledKernel(
-            [(n, shape[0], shape[1], dtype) for n, (shape, dtype, _) in zip(names, entries)],
-            ft,
-            spec,
-            device=device,
-            weights=[w for _, _, w in entries],
-        )
+    def build(tables: list[int], input_table: Sequence[int]) -> list[FusedGroup]:
+        groups = []
+        for spec in dict.fromkeys(specs[ti] for ti in tables):  # specs in order of first use
+            mine = [ti for ti in tables if specs[ti] == spec]
+            pos = {ti: k for k, ti in enumerate(mine)}
+            inputs = [i for i, ti in enumerate(input_table) if ti in pos]
+            entries = [sources[table_names[ti]] for ti in mine]
+            kernel = kernels.FusedPooledKernel(
+                [(table_names[ti], e[0][0], e[0][1], e[1]) for ti, e in zip(mine, entries)],
+                [pos[input_table[i]] for i in inputs],
+                cast(FusedOptimizerSpec, spec),
+                device=device,
+                weights=[e[2] for e in entries],
+            )
+            groups.append(FusedGroup(kernel, inputs))
+        return groups
 
-    shard_kernel = dp_kernel = None
-    if local_tables:
-        shard_kernel = build([table_names[ti] for ti in local_tables], list(routing.my_route_table))
-    if routing.dp_tables:
-        pos = {ti: k for k, ti in enumerate(routing.dp_tables)}
-        ft = [pos[feature_table[f]] for f in routing.dp_features]
-        dp_kernel = build([table_names[ti] for ti in routing.dp_tables], ft)
-    return shard_kernel, dp_kernel
+    shard = build(local_tables, [local_tables[k] for k in routing.my_route_table]) if local_tables else []
+    dp = build(list(routing.dp_tables), [feature_table[f] for f in routing.dp_features]) if routing.dp_tables else []
+    return shard, dp
+
+
+def grouped_lookup(
+    groups: list[FusedGroup],
+    widths: list[int],
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    ids_per_input: list[int],
+    batch: int,
+    group: dist.ProcessGroup | None,
+    scale: float,
+    device: torch.device,
+    ids_checked: bool = False,
+) -> torch.Tensor:
+    """SUM-pooled ``[batch, sum of widths]`` (inputs in order) through one or more fused kernels: each kernel
+    looks up its inputs (:func:`union_lookup`) and its columns go back to their inputs' places."""
+    args = (batch, group, scale, device, ids_checked)
+    if len(groups) == 1 and groups[0].inputs == list(range(len(widths))):
+        return union_lookup(groups[0].kernel, lengths, values, weights, ids_per_input, *args)
+    per_lengths = lengths.view(len(widths), batch) if batch else lengths.new_zeros(len(widths), 0)
+    id_pieces = torch.split(values, ids_per_input)
+    w_pieces = torch.split(weights, ids_per_input) if weights is not None else None
+    columns: list[torch.Tensor | None] = [None] * len(widths)
+    for kernel, inputs in groups:
+        out = union_lookup(
+            kernel,
+            per_lengths[inputs].reshape(-1),
+            torch.cat([id_pieces[i] for i in inputs]),
+            None if w_pieces is None else torch.cat([w_pieces[i] for i in inputs]),
+            [ids_per_input[i] for i in inputs],
+            *args,
+        )
+        for i, col in zip(inputs, torch.split(out, [widths[i] for i in inputs], dim=1)):
+            columns[i] = col
+    missing = [i for i, c in enumerate(columns) if c is None]
+    if missing:
+        raise RuntimeError(f"fused lookup: inputs {missing} belong to no kernel")
+    return torch.cat(cast(list[torch.Tensor], columns), dim=1)
 
 
 def union_lookup(

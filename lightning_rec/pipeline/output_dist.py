@@ -21,7 +21,7 @@ from lightning_rec import transport
 from lightning_rec.pipeline import collectives as comm
 from lightning_rec.pipeline.input_dist import Received, regroup
 from lightning_rec.pipeline.qcomm import QuantizedCommCodecs
-from lightning_rec.pipeline.routing import ColumnGroup, RoutingTable
+from lightning_rec.pipeline.routing import ColumnGroup, ColumnMap, RoutingTable
 from lightning_rec.plans.shard_geometry import offsets_of
 
 
@@ -107,7 +107,7 @@ class _PooledOutputDist(torch.autograd.Function):
         *dp: torch.Tensor,
     ) -> torch.Tensor:
         runs, adds, cols_from = routing.colmap_runs, routing.colmap_add, routing.cols_from
-        zero = routing.colmap_kind == "sum"
+        zero = routing.colmap_kind is ColumnMap.SUM
         out = (torch.zeros if zero else torch.empty)(b, routing.feat_off[-1], dtype=pooled.dtype, device=pooled.device)
         mine = pooled.shape[1]
         fwd = None if codecs is None or codecs.forward.is_identity else codecs.forward

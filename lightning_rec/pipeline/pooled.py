@@ -25,24 +25,27 @@ some rank touched are summed across ranks (only those rows move) and scaled the 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from lightning_rec.configs import EmbeddingBagConfig
+from lightning_rec import kernels
+from lightning_rec.configs import BaseEmbeddingConfig, EmbeddingBagConfig
 from lightning_rec.embedding_modules import EmbeddingBagCollection
 from lightning_rec.pipeline import collectives as comm
 from lightning_rec.pipeline.input_dist import Received
 from lightning_rec.pipeline.output_dist import pooled_output_dist
 from lightning_rec.pipeline.qcomm import QuantizedCommCodecs
-from lightning_rec.pipeline.sharded_collection import LookupContext, ShardedCollection
+from lightning_rec.pipeline.sharded_collection import ShardedCollection
+from lightning_rec.pipeline.stages import LookupContext, PooledLookups
 from lightning_rec.plans.shard_geometry import ShardMeta
 from lightning_rec.sparse import KeyedJaggedTensor, KeyedTensor, offsets_from_lengths
 from lightning_rec.sparse._utils import cumsum_list, from_checked
 
 
-class ShardedEmbeddingBagCollection(ShardedCollection):
+class ShardedEmbeddingBagCollection(ShardedCollection[PooledLookups, KeyedTensor]):
     """An ``EmbeddingBagCollection`` whose tables are spread over a process group by a plan.
 
     Same input (each rank its own local KJT; batch sizes may differ) and same output (a local KeyedTensor
@@ -50,6 +53,11 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
     """
 
     _attr = "embedding_bags"
+    _pooled = True
+
+    @staticmethod
+    def _configs_of(module: nn.Module) -> list[BaseEmbeddingConfig]:
+        return list(cast(EmbeddingBagCollection, module).embedding_bag_configs())
 
     def __init__(
         self,
@@ -82,36 +90,50 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         if self._is_weighted and kjt.weights_or_none() is None:
             raise ValueError("this EmbeddingBagCollection is weighted (is_weighted=True) but the input has no weights")
 
-    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        ctx = self.input_dist(features)
-        ctx = self.compute(ctx)
-        return self.output_dist(ctx)
+    def _build_lookups(self) -> None:
+        """The pooled lookups of this rank's shards and of the data-parallel tables, grouped by kernel (none:
+        fused kernels look up instead)."""
+        self._shard_lookup: kernels.GroupedPooledLookup | None = None
+        self._dp_table_lookup: kernels.GroupedPooledLookup | None = None
+        if self._fused_spec is not None:
+            return
+        routing, kinds, dtypes = self._routing, self._table_kernels, self._table_dtypes
+        local = [ti for ti, _ in self._local_shards]
+        self._shard_lookup = kernels.GroupedPooledLookup(
+            [kinds[ti] for ti in local],
+            [dtypes[ti] for ti in local],
+            routing.my_route_table,
+            [r.shard.cols for r in routing.my_routes],
+        )
+        dp = routing.dp_tables
+        self._dp_table_lookup = kernels.GroupedPooledLookup(
+            [kinds[ti] for ti in dp],
+            [dtypes[ti] for ti in dp],
+            self._dp_feature_tables(),
+            [self._layout.dims[f] for f in routing.dp_features],
+        )
 
-    def compute(self, ctx: LookupContext) -> LookupContext:
-        """Stage 2: the data-parallel tables pool this rank's samples (``dp_out``, ``[b, their columns]``) while
-        the ids travel; then this rank's shards SUM-pool every bag it received (``shard_out``,
-        ``[sum of the shard ranks' batches, route columns]``)."""
-        if self._routing.dp_tables:
-            ctx.dp_out = self._dp_lookup(ctx.kjt)
+    def compute(self, ctx: LookupContext) -> PooledLookups:
+        """Stage 2: the data-parallel tables pool this rank's samples while the ids travel; then this rank's
+        shards SUM-pool every bag it received."""
+        dp = self._dp_lookup(ctx.kjt) if self._routing.dp_tables else None
         recv = ctx.wait()
-        if recv is not None:
-            ctx.shard_out = self._lookup_shards(recv, sum(recv.batches))
-        return ctx
+        return PooledLookups(dp, None if recv is None else self._lookup_shards(recv, sum(recv.batches)))
 
-    def output_dist(self, ctx: LookupContext) -> KeyedTensor:
+    def output_dist(self, ctx: LookupContext, lookups: PooledLookups) -> KeyedTensor:
         """Stage 3: every rank's pooled rows for this rank's samples into their columns of the ``[b, sum of
         dims]`` output, beside the data-parallel columns; then MEAN (C1) and the output dtype."""
         layout, routing, kjt, recv = self._layout, self._routing, ctx.kjt, ctx.received
         b = kjt.stride()
         if recv is None:  # every table data-parallel: their columns are the output, in config order
             out = (
-                ctx.dp_out
-                if ctx.dp_out is not None
+                lookups.dp
+                if lookups.dp is not None
                 else torch.zeros(b, 0, dtype=self._out_dtype(), device=self._device)
             )
         else:
             out = pooled_output_dist(
-                ctx.shard_out, ctx.dp_out, routing, list(recv.batches), b, self._group, self._qcomm
+                lookups.shards, lookups.dp, routing, list(recv.batches), b, self._group, self._qcomm
             )
             if not routing.my_routes and recv.weights is not None and recv.weights.requires_grad:
                 # weights received for no shard still came by a differentiable all-to-all that every rank must
@@ -129,10 +151,11 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         # every feature data-parallel (the usual data_parallel plan): the input is already the sub-batch
         sub = kjt if dp_features == list(range(len(kjt.keys()))) else _permuted(kjt, dp_features)
         psw = self._wire_weights(sub.weights_or_none()) if self._is_weighted else None
-        if self._dp_fused is not None:
+        if self._dp_fused:
             group = self._dp_group if dist.get_world_size(self._dp_group) > 1 else None
+            widths = [self._layout.dims[f] for f in dp_features]
             return self._fused_lookup(
-                self._dp_fused, sub.lengths(), sub.values(), psw, sub.length_per_key(), b, group
+                self._dp_fused, widths, sub.lengths(), sub.values(), psw, sub.length_per_key(), b, group
             ).to(dtype)
         assert self._dp_table_lookup is not None
         return self._dp_table_lookup(
@@ -155,9 +178,10 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
     def _lookup_shards(self, recv: Received, b_global: int) -> torch.Tensor:
         """SUM-pool every received bag over this rank's shards: ``[b_global, route columns]``."""
         dtype, routing = self._out_dtype(), self._routing
-        if self._fused is not None:
+        if self._fused:
             return self._fused_lookup(
                 self._fused,
+                [r.shard.cols for r in routing.my_routes],
                 recv.lengths,
                 recv.values,
                 recv.weights,

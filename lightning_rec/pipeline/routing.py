@@ -8,6 +8,7 @@ processes, so it is unit-tested on one process (``tests/unit/test_routing.py``).
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -25,6 +26,19 @@ _NO_END = (1 << 63) - 1  # the block end of a feature no route reads: every id l
 
 def _empty_long() -> torch.Tensor:
     return torch.zeros(0, dtype=torch.long)
+
+
+class ColumnMap(str, enum.Enum):
+    """How the output dist's blocks cover the output's columns (a member compares equal to its string)."""
+
+    #: the blocks side by side are the output, column for column
+    IDENTITY = "identity"
+    #: every output column is written by exactly one block column, in another order
+    PERMUTATION = "permutation"
+    #: row blocks without a zero fill: one group writes each column first, the groups in ``colmap_add`` add
+    OVERLAY = "overlay"
+    #: every group adds onto a zero-filled output
+    SUM = "sum"
 
 
 class ColumnGroup(NamedTuple):
@@ -69,9 +83,7 @@ class RoutingTable:
     # static maps of the hot path, computed here once rather than per step:
     route_features: tuple[int, ...] = ()  # the feature of every route of ``all_routes``, in that order
     single_block: bool = False  # every routed table is one row block from row 0: ids need no bucketing
-    # "identity" (output = the block), "permutation" (each column once), "overlay" (every column written by
-    # one group first, the groups marked in ``colmap_add`` then add onto it) or "sum" (added onto zeros)
-    colmap_kind: str = "sum"
+    colmap_kind: ColumnMap = ColumnMap.SUM
     # where each block's columns land in the output (data-parallel block, then each rank's), as column groups
     # (tables interleaved over ranks make one group of many runs: one strided copy)
     colmap_runs: tuple[tuple[ColumnGroup, ...], ...] = ()
@@ -175,18 +187,18 @@ def build_routing(
     flat_cols = [c for block in cols for c in block]
     width = feat_off[-1]
     if flat_cols == list(range(width)):
-        colmap_kind = "identity"
+        colmap_kind = ColumnMap.IDENTITY
     elif sorted(flat_cols) == list(range(width)):
-        colmap_kind = "permutation"
+        colmap_kind = ColumnMap.PERMUTATION
     else:
-        colmap_kind = "sum"  # row blocks of one table add up
+        colmap_kind = ColumnMap.SUM  # row blocks of one table add up
     part_widths = [feat_off[f + 1] - feat_off[f] for f in dp_features]
     sizes = [sum(part_widths)] + [sum(r.shard.cols for r in lst) for lst in routes_to]
     colmap_runs = tuple(_runs(flat_cols[a : a + n]) for a, n in zip(offsets_of(sizes), sizes))
     colmap_add, clean, covered = _adds(colmap_runs)
-    if colmap_kind == "sum" and clean and covered == width:
-        colmap_kind = "overlay"  # row blocks: the first block's groups are copied, no zero fill, one add fewer
-    elif colmap_kind == "sum":
+    if colmap_kind is ColumnMap.SUM and clean and covered == width:
+        colmap_kind = ColumnMap.OVERLAY  # row blocks: the first block's groups are copied, no zero fill, one add fewer
+    elif colmap_kind is ColumnMap.SUM:
         colmap_add = tuple((True,) * len(groups) for groups in colmap_runs)  # all add onto zeros
     cols_from = tuple(sum(r.shard.cols for r in lst) for lst in routes_to)
     routed_tables = {r.table for lst in routes_to for r in lst}

@@ -7,34 +7,38 @@ id's columns of its shard, and the output dist sends them back to the id's rank,
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
+from torch import nn
 
 from lightning_rec import kernels
-from lightning_rec.configs import EmbeddingConfig
+from lightning_rec.configs import BaseEmbeddingConfig, EmbeddingConfig
+from lightning_rec.embedding_modules import EmbeddingCollection
 from lightning_rec.pipeline.output_dist import sequence_output_dist
-from lightning_rec.pipeline.sharded_collection import LookupContext, ShardedCollection
-from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor
+from lightning_rec.pipeline.sharded_collection import ShardedCollection
+from lightning_rec.pipeline.stages import LookupContext, SequenceLookups
+from lightning_rec.sparse import JaggedTensor
 from lightning_rec.sparse.jagged_tensor import jagged_from_checked
 
 
-class ShardedEmbeddingCollection(ShardedCollection):
+class ShardedEmbeddingCollection(ShardedCollection[SequenceLookups, dict[str, JaggedTensor]]):
     """An ``EmbeddingCollection`` spread over a process group; returns ``{feature: JaggedTensor}`` per rank."""
 
     _attr = "embeddings"
 
+    @staticmethod
+    def _configs_of(module: nn.Module) -> list[BaseEmbeddingConfig]:
+        return list(cast(EmbeddingCollection, module).embedding_configs())
+
     def embedding_configs(self) -> list[EmbeddingConfig]:
         return list(self._layout.tables)  # type: ignore[arg-type]
 
-    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        ctx = self.input_dist(features)
-        ctx = self.compute(ctx)
-        return self.output_dist(ctx)
-
-    def compute(self, ctx: LookupContext) -> LookupContext:
-        """Stage 2: the data-parallel tables' rows of this rank's ids (``dp_out``: ``{feature: [ids, dim]}``),
-        then the rows of every id this rank received, per route (``shard_out``, source-major within a route)."""
+    def compute(self, ctx: LookupContext) -> SequenceLookups:
+        """Stage 2: the data-parallel tables' rows of this rank's ids (``{feature: [ids, dim]}``), then the rows
+        of every id this rank received, per route (source-major within a route)."""
         routing = self._routing
-        ctx.dp_out = {}
+        dp: dict[int, torch.Tensor] = {}
         if routing.dp_tables:
             sub = ctx.kjt.permute(list(routing.dp_features))
             embs = kernels.torch_sequence(
@@ -44,19 +48,22 @@ class ShardedEmbeddingCollection(ShardedCollection):
                 sub.length_per_key(),
                 self._dp_sparse_grad,
             )
-            ctx.dp_out = dict(zip(routing.dp_features, embs))
+            dp = dict(zip(routing.dp_features, embs))
         recv = ctx.wait()
-        if recv is not None:
-            ctx.shard_out = kernels.torch_sequence(
+        if recv is None:
+            return SequenceLookups(dp, None)
+        return SequenceLookups(
+            dp,
+            kernels.torch_sequence(
                 self._shard_weights(recv),
                 list(routing.my_route_table),
                 recv.values,
                 recv.ids_per_route(),
                 self.sparse_grad,
-            )
-        return ctx
+            ),
+        )
 
-    def output_dist(self, ctx: LookupContext) -> dict[str, JaggedTensor]:
+    def output_dist(self, ctx: LookupContext, lookups: SequenceLookups) -> dict[str, JaggedTensor]:
         """Stage 3: every id's embedding columns back to the id's rank, summed into each feature's output."""
         layout, kjt, recv = self._layout, ctx.kjt, ctx.received
         b = kjt.stride()
@@ -65,12 +72,12 @@ class ShardedEmbeddingCollection(ShardedCollection):
         pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in layout.feature_names]
         if recv is not None:
             pieces = sequence_output_dist(
-                ctx.shard_out, recv, self._routing, layout.dims, self._out_dtype(), self._group, self._device
+                lookups.shards, recv, self._routing, layout.dims, self._out_dtype(), self._group, self._device
             )
         out = {}
         for f, name in enumerate(layout.feature_names):
-            if f in ctx.dp_out:
-                emb = ctx.dp_out[f]
+            if f in lookups.dp:
+                emb = lookups.dp[f]
             else:
                 d, n = layout.dims[f], lpk[f]
                 idx = (

@@ -18,7 +18,8 @@ from torch import nn
 
 from lightning_rec import _compat
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-from lightning_rec.fused_kinds import FusedOptimizerSpec, as_spec
+from lightning_rec.fused_kinds import FusedOptimizerSpec
+from lightning_rec.fused_tables import PerTableOptimizers, TableSpecs, as_table_optimizers, planner_spec, spec_of
 from lightning_rec.optim import FusedOptimizer
 from lightning_rec.pipeline import collectives as comm
 from lightning_rec.pipeline.agreement import check_agreement, describe_table
@@ -127,8 +128,9 @@ def shard_modules(
     device: torch.device | str | None = None,
     embedding_grad: str = "sum",
     local_size: int | None = None,
-    embedding_optimizer: FusedOptimizerSpec | Mapping[str, Any] | None = None,
+    embedding_optimizer: FusedOptimizerSpec | PerTableOptimizers | Mapping[str, Any] | None = None,
     qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
+    table_optimizers: Mapping[str, TableSpecs] | None = None,
 ) -> nn.Module:
     """Replace every EmbeddingBagCollection / EmbeddingCollection in ``model`` by its sharded counterpart.
 
@@ -151,7 +153,11 @@ def shard_modules(
 
     ``embedding_optimizer`` (a ``FusedOptimizerSpec`` or a dict such as ``{"kind": "rowwise_adagrad",
     "lr": 0.05}``) makes every sharded table update inside backward with fbgemm's kernel; step it with
-    ``fused_optimizer(model)``. Without it, tables are ordinary parameters for any torch optimizer.
+    ``fused_optimizer(model)``. Without it, tables are ordinary parameters for any torch optimizer. A
+    :class:`~lightning_rec.fused_tables.PerTableOptimizers` gives tables different specs (tables sharing a spec
+    share a kernel); ``table_optimizers`` (``{collection path: {table: spec or None}}``, what
+    ``table_optimizers.resolve_table_optimizers`` makes of in-backward marks) overrides it for the collections
+    it names.
 
     ``qcomm_codecs_registry`` (TorchRec's, from ``get_qcomm_codecs_registry(QCommsConfig(...))``) makes the
     pooled collections' output dist send fp16 or bf16 rows and gradients (bounds: ``pipeline/qcomm.py``).
@@ -176,6 +182,7 @@ def shard_modules(
     local = local_size if local_size is not None else default_local_size(gsize)
     targets = [(p, m) for p, m in model.named_modules() if type(m) in _SHARDED]
     resolved: list[tuple] = []
+    specs_of: dict[str, TableSpecs] = {}
     error: Exception | None = None
     kernels_of: dict[str, dict[str, str | None]] = {}
     codecs: QuantizedCommCodecs | None = None
@@ -187,7 +194,15 @@ def shard_modules(
                 f"quantized comms apply to pooled embeddings only; the EmbeddingCollections {sequence} would get "
                 f"{CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.value} codecs: leave that collective out of the registry"
             )
-        resolved = _resolve(model, plan, targets, gsize, local, gsize * replicas, embedding_optimizer, kernels_of)
+        option = as_table_optimizers(embedding_optimizer)
+        specs_of = {
+            p: dict(table_optimizers[p])
+            if table_optimizers is not None and p in table_optimizers
+            else {t.name: spec_of(option, t.name) for t in _configs(m)}
+            for p, m in targets
+        }
+        summary = planner_spec(specs_of)
+        resolved = _resolve(model, plan, targets, gsize, local, gsize * replicas, summary, kernels_of)
     except (ValueError, TypeError, KeyError) as e:
         error = e
     described = {
@@ -196,7 +211,7 @@ def shard_modules(
         for t in _configs(m)
     }
     options = (
-        f"embedding_grad={embedding_grad} embedding_optimizer={as_spec(embedding_optimizer)!r} "
+        f"embedding_grad={embedding_grad} embedding_optimizers={sorted(_fused_groups(specs_of).items())} "
         f"shard_group_size={gsize} replicas={replicas} collections={[p for p, _ in targets]} "
         f"qcomm=({codecs or 'none'})"
     )
@@ -212,7 +227,7 @@ def shard_modules(
             embedding_grad=embedding_grad,
             device=device,
             replica_group=replica_group,
-            embedding_optimizer=embedding_optimizer,
+            embedding_optimizer=specs_of[path],
             peer_devices=peers,
             compute_kernels=kernels_of[path],
             **({"qcomm_codecs": codecs} if type(m) is EmbeddingBagCollection else {}),
@@ -222,6 +237,11 @@ def shard_modules(
         parent_path, _, name = path.rpartition(".")
         _compat.child_modules(model.get_submodule(parent_path))[name] = sharded
     return model
+
+
+def _fused_groups(specs_of: Mapping[str, TableSpecs]) -> dict[str, str]:
+    """``{collection.table: spec}`` of the fused tables, as text every rank must agree on."""
+    return {f"{p}.{t}": repr(s) for p, specs in specs_of.items() for t, s in specs.items() if s is not None}
 
 
 def _resolve(

@@ -1,16 +1,16 @@
 """The shared machinery of sharded collections: local shards, devices, routing, input checks, stage 1.
 
-A :class:`ShardedCollection` holds this rank's pieces of its tables (and full replicas of data-parallel
-tables), the frozen routing table, and the process groups; its forward is three stage methods,
-``input_dist`` (here) -> ``compute`` -> ``output_dist`` (``pooled.py``, ``sequence.py``), which pass one
-:class:`LookupContext` along.
+A :class:`ShardedCollection` holds this rank's pieces of its tables (placed by ``local_tables.py``; full
+replicas of data-parallel tables), the frozen routing table, the input dist built once from it, and the
+process groups. Its forward is the typed stage contract of ``stages.py``: ``input_dist`` (here) returns a
+:class:`~lightning_rec.pipeline.stages.LookupContext`, ``compute`` the lookups and ``output_dist`` the result
+(``pooled.py``, ``sequence.py``).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -19,71 +19,35 @@ from torch import nn
 
 from lightning_rec import _compat, kernels
 from lightning_rec.configs import BaseEmbeddingConfig
-from lightning_rec.embedding_modules import FeatureLayout, Table
-from lightning_rec.fused_kinds import FusedOptimizerSpec, as_spec
+from lightning_rec.embedding_modules import FeatureLayout
+from lightning_rec.fused_kinds import FusedOptimizerSpec
 from lightning_rec.pipeline import collectives as comm
 from lightning_rec.pipeline.dp_sparse_grad import DataParallelGradMode
-from lightning_rec.pipeline.fused_lookup import build_kernels, check_fused, union_lookup
-from lightning_rec.pipeline.input_dist import InputRejected, PendingInputDist, Received, RowKey, start_input_dist
-from lightning_rec.pipeline.materialize import (
-    broadcast_from_first,
-    filler,
-    materialize,
-    requested_kernel,
-    target_device,
-    warn_large_tables,
-)
+from lightning_rec.pipeline.fused_lookup import FusedGroup, build_kernels, check_fused, grouped_lookup, table_specs
+from lightning_rec.pipeline.input_dist import InputDist, InputRejected, Received, RowKey
+from lightning_rec.pipeline.local_tables import place_tables
+from lightning_rec.pipeline.materialize import broadcast_from_first, requested_kernel, target_device, warn_large_tables
+from lightning_rec.pipeline.prefetch import PrefetchQueue
 from lightning_rec.pipeline.routing import RoutingTable, build_routing
+from lightning_rec.pipeline.stages import LookupContext, Lookups, Out, Stages
 from lightning_rec.pipeline.state_dict import load_hook, sharded_state_dict_hook
 from lightning_rec.plans.shard_geometry import ShardMeta
 from lightning_rec.sparse import KeyedJaggedTensor, checks_enabled
 
-_MAX_PREFETCHED = 4  # batches whose input dist may wait for their forward (a pipeline keeps one or two)
 _MAX_ID = (1 << 63) - 1  # raw ids are only checked to be non-negative
 
 
-@dataclass
-class LookupContext:
-    """One forward's state as it passes through the three stages (``input_dist -> compute -> output_dist``).
-
-    ``input_dist`` makes it: this rank's checked input and its input dist in flight. ``compute`` waits for
-    the ids (``received``) and fills in the lookups; ``output_dist`` turns them into the forward's result.
-    """
-
-    kjt: KeyedJaggedTensor  # this rank's input, checked, in config order
-    pending: PendingInputDist | None = None  # the input dist in flight; None: no model-parallel table
-    on_received: Callable[[Received], Received] | None = None  # managed collision: remap on the owner
-    received: Received | None = None  # what the input dist delivered to this rank (set by ``compute``)
-    dp_out: Any = None  # the data-parallel tables' lookup of this rank's samples (set by ``compute``)
-    shard_out: Any = None  # this rank's shards' lookup of every rank's samples (set by ``compute``)
-
-    def wait(self) -> Received | None:
-        """The input dist's delivery (waiting for it once); None without model-parallel tables."""
-        if self.received is None and self.pending is not None:
-            recv = self.pending.wait()
-            self.received = recv if self.on_received is None else self.on_received(recv)
-            self.pending = None
-        return self.received
-
-
-def _versions(kjt: KeyedJaggedTensor) -> tuple[int, ...]:
-    """In-place modification counters of the KJT's tensors: a prefetched input dist is valid while they hold."""
-    return tuple(
-        _compat.tensor_version(t) for t in (kjt.values(), kjt.lengths(), kjt.weights_or_none()) if t is not None
-    )
-
-
-class ShardedCollection(DataParallelGradMode, nn.Module):
+class ShardedCollection(DataParallelGradMode, Stages[Lookups, Out], nn.Module):
     """Shared machinery of the sharded pooled and sequence collections.
 
-    ``forward`` is three stages, :meth:`input_dist` -> ``compute`` -> ``output_dist``, driven by a frozen
-    :class:`~lightning_rec.pipeline.routing.RoutingTable` and passing one :class:`LookupContext` along;
-    data-parallel tables skip the two dists. Other
+    ``forward`` is three stages, :meth:`input_dist` -> ``compute`` -> ``output_dist`` (``stages.Stages``), driven
+    by a frozen :class:`~lightning_rec.pipeline.routing.RoutingTable`; data-parallel tables skip the two dists. Other
     modules read a sharded collection only through the read-only accessors below and
     ``sharded_collections(model)``; everything underscored is this module's own.
     """
 
-    _attr = ""
+    _attr = ""  # the attribute holding the tables, as in state_dict keys
+    _pooled = False  # bags pooled into one row each (EmbeddingBagCollection), or a row per id
     per_rank_state = True  # DDP must neither broadcast nor reduce it (sharded.ddp_ignored_names)
 
     def __init__(
@@ -101,13 +65,13 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         compute_kernels: Mapping[str, str | None] | None = None,
     ) -> None:
         super().__init__()
-        fused = as_spec(embedding_optimizer)
         if replica_group is not None and dist.get_world_size(replica_group) == 1:
             replica_group = None
-        unsharded: Any = module  # an EmbeddingBagCollection or EmbeddingCollection (the subclass's _attr says which)
-        tables: list[BaseEmbeddingConfig] = list(
-            unsharded.embedding_bag_configs() if self._attr == "embedding_bags" else unsharded.embedding_configs()
-        )
+        unsharded: Any = module  # an EmbeddingBagCollection or EmbeddingCollection (the subclass says which)
+        tables = self._configs_of(module)
+        # one spec for every table, or one per table (tables sharing a spec share a kernel)
+        specs = table_specs(embedding_optimizer, tables)
+        fused = next((s for s in specs if s is not None), None)  # any fused table: the collection is fused
         # keys no table reads are ignored unless the unsharded module was strict: sharding keeps its behaviour
         self._layout = FeatureLayout(tables, strict=getattr(getattr(module, "_layout", None), "strict", False))
         self._shards = shards
@@ -129,7 +93,7 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         self._table_dtypes = [cast(torch.dtype, t.dtype) for t in tables]  # set by the config's __post_init__
         self._keep_table_dtypes = False
         self._output_dtype: torch.dtype | None = None
-        self._prefetched: list[tuple[KeyedJaggedTensor, tuple[int, ...], LookupContext]] = []  # prefetch_input_dist
+        self._prefetched = PrefetchQueue()  # input dists a train pipeline started ahead (prefetch_input_dist)
         dev = self._device = target_device(module, device)
         if dev.type == "cpu":
             kernels.keep_freed_memory()  # memory/malloc.py
@@ -146,44 +110,15 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         ]
         self._fused_spec = fused
         self._table_kernels = self._resolve_kernels([source[t.name].weight.dtype for t in tables], dev)
-        container = kernels.TableContainer()
         if fused is not None:  # before any shard is allocated
-            check_fused(self._attr, tables, shards, fused)
-        warn_large_tables(tables, [source[t.name].weight for t in tables], shards, me)
-        self._local_shards: list[tuple[int, ShardMeta]] = []  # (table index, shard) held here, table order
-        # fused: what each kernel table starts from (copied straight into the kernel's storage), and the
-        # replicas to make equal once it exists; no shard-sized copy is made on the way
-        sources: dict[str, tuple[tuple[int, int], torch.dtype, torch.Tensor | Callable[[torch.Tensor], object]]] = {}
-        pending: list[tuple[str, dist.ProcessGroup]] = []
-        for i, t in enumerate(tables):
-            full = source[t.name].weight.detach()
-            table_shards = shards[t.name]
-            s: ShardMeta | None
-            if table_shards is None:
-                s, group = None, self._dp_group  # replicas must start equal, as DDP makes dense replicas equal
-            else:
-                mine = [s for s in table_shards if s.rank == me]
-                if not mine:
-                    continue
-                (s,) = mine
-                group = replica_group
-            if fused is not None:
-                if s is not None and s.rows == 0:
-                    continue  # a zero-row shard receives no ids; the fused kernel holds only shards with rows
-                shape = tuple(full.shape) if s is None else (s.rows, s.cols)
-                sources[t.name] = (shape, full.dtype, filler(t, full, s))
-                if group is not None:
-                    pending.append((t.name, group))
-            else:
-                w = materialize(t, full, s, dev)
-                if group is not None:
-                    broadcast_from_first(w, group)
-                container.add(t.name, Table(w))
-            if s is not None:
-                self._local_shards.append((i, s))
-        self._fused: kernels.FusedPooledKernel | None = None  # this rank's shards
-        self._dp_fused: kernels.FusedPooledKernel | None = None  # the data-parallel tables
-        setattr(self, self._attr, container)
+            check_fused(self._attr, tables, shards, specs)
+        weights = [source[t.name].weight for t in tables]
+        warn_large_tables(tables, weights, shards, me)
+        placed = place_tables(tables, weights, shards, me, fused is not None, self._dp_group, replica_group, dev)
+        self._local_shards = placed.shards
+        self._fused: list[FusedGroup] = []  # this rank's shards, a kernel per spec
+        self._dp_fused: list[FusedGroup] = []  # the data-parallel tables, a kernel per spec
+        setattr(self, self._attr, placed.container)
 
         self._routing: RoutingTable = build_routing(
             self._layout.feature_table,
@@ -195,21 +130,21 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
             dev,
         )
         if fused is not None:
-            shard_kernel, dp_kernel = build_kernels(
-                sources,
-                fused,
+            shard_kernels, dp_kernels = build_kernels(
+                placed.sources,
+                specs,
                 [t.name for t in tables],
                 self._layout.feature_table,
                 self._routing,
                 [ti for ti, _ in self._local_shards],
                 dev,
             )
-            object.__setattr__(self, "_fused", shard_kernel)
-            object.__setattr__(self, "_dp_fused", dp_kernel)
+            object.__setattr__(self, "_fused", shard_kernels)
+            object.__setattr__(self, "_dp_fused", dp_kernels)
             # registered once, under the same keys as plain tables: <attr>.<table>.weight
             held = kernels.FusedTables(self.fused_kernels(), [t.name for t in tables])
             setattr(self, self._attr, held)
-            for name, group in pending:  # in table order on every rank, as the plain path broadcasts
+            for name, group in placed.replicas:  # in table order on every rank, as the plain path broadcasts
                 broadcast_from_first(cast(torch.Tensor, held[name].weight), group)
         self._build_lookups()
         _compat.register_state_dict_hook(self, sharded_state_dict_hook)
@@ -218,6 +153,10 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         self._row_keys: dict[int, RowKey] | None = None
         self._on_received: Callable[[Received], Received] | None = None
         self._raw_id_layout: FeatureLayout | None = None
+        # the input dist, built once per layout (and per device: _apply)
+        self._kjt_dist = InputDist(
+            self._routing, shard_group, dev, with_positions=not self._pooled, ranks=self._global_ranks
+        )
 
     # -- read-only accessors for the rest of the library --------------------------------------------
     @property
@@ -285,36 +224,16 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
     def _resolve_kernels(self, dtypes: list[torch.dtype], device: torch.device) -> list[str]:
         if self._fused_spec is not None:  # fused optimizers keep their fused kernel whatever the plan says
             return ["fused"] * len(dtypes)
-        pooled = self._attr == "embedding_bags"
         dp = {ti for ti, t in enumerate(self._layout.tables) if self._shards[t.name] is None}
         return [
             kernels.resolve_table_kernel(
-                req, t.name, d, device, self._dp_sparse_grad if ti in dp else self.sparse_grad, pooled
+                req, t.name, d, device, self._dp_sparse_grad if ti in dp else self.sparse_grad, self._pooled
             )
             for ti, (t, req, d) in enumerate(zip(self._layout.tables, self._requested_kernels, dtypes))
         ]
 
     def _build_lookups(self) -> None:
-        """The pooled lookups of this rank's shards and of the data-parallel tables, grouped by kernel."""
-        self._shard_lookup: kernels.GroupedPooledLookup | None = None
-        self._dp_table_lookup: kernels.GroupedPooledLookup | None = None
-        if self._attr != "embedding_bags" or self._fused_spec is not None:
-            return
-        routing, kinds, dtypes = self._routing, self._table_kernels, self._table_dtypes
-        local = [ti for ti, _ in self._local_shards]
-        self._shard_lookup = kernels.GroupedPooledLookup(
-            [kinds[ti] for ti in local],
-            [dtypes[ti] for ti in local],
-            routing.my_route_table,
-            [r.shard.cols for r in routing.my_routes],
-        )
-        dp = routing.dp_tables
-        self._dp_table_lookup = kernels.GroupedPooledLookup(
-            [kinds[ti] for ti in dp],
-            [dtypes[ti] for ti in dp],
-            self._dp_feature_tables(),
-            [self._layout.dims[f] for f in routing.dp_features],
-        )
+        """The lookups of this rank's tables, built again whenever their device or dtype changes (``_apply``)."""
 
     def _load_hook(
         self,
@@ -344,6 +263,7 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         self._table_dtypes = [fn(torch.empty(0, dtype=d, device=self._device)).dtype for d in self._table_dtypes]
         self._device = _compat.indexed_device(fn(torch.empty(0, device=self._device)).device)
         self._routing = self._routing.to(self._device)
+        self._kjt_dist = self._kjt_dist.to(self._routing, self._device)
         self._build_lookups()
         return out
 
@@ -410,16 +330,11 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
                 return LookupContext(kjt)
         weights = self._wire_weights(kjt.weights_or_none()) if kjt is not None and self._uses_weights() else None
         try:
-            pending = start_input_dist(
+            pending = self._kjt_dist.start_input_dist(
                 kjt,
                 weights,
-                self._routing,
-                self._group,
-                self._device,
                 rejected=err is not None,
-                with_positions=self._attr == "embeddings",
                 async_op=async_op,
-                ranks=self._global_ranks,
                 row_keys=self._row_keys,
                 ids_checked=checks_enabled(),
             )
@@ -436,16 +351,9 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         """Stage 1: check ``features`` and send every route's ids to the shard's owner (every shard rank's
         batch size travels with them); returns the forward's context with the exchange in flight. Takes over
         the input dist a train pipeline started for this very KJT (:meth:`prefetch_input_dist`)."""
-        for i, (prefetched, versions, ctx) in enumerate(self._prefetched):
-            if prefetched is features:
-                del self._prefetched[i]
-                if _versions(features) != versions:
-                    raise ValueError(
-                        "a KeyedJaggedTensor was modified in place after the train pipeline had started its input "
-                        "dist (ids, lengths or weights changed): build a new KeyedJaggedTensor instead, or train "
-                        "without input pipelining"
-                    )
-                return ctx
+        ctx = self._prefetched.take(features)
+        if ctx is not None:
+            return cast(LookupContext, ctx)
         return self._start(features, async_op=False)
 
     def prefetch_input_dist(self, features: KeyedJaggedTensor) -> object:
@@ -458,28 +366,21 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         :meth:`discard_prefetched`.
         """
         ctx = self._start(features, async_op=True)
-        self._prefetched.append((features, _versions(features), ctx))
-        if len(self._prefetched) > _MAX_PREFETCHED:
-            self._prefetched.pop(0)[2].wait()
+        self._prefetched.add(features, ctx)
         return ctx
 
     def discard_prefetched(self, token: object) -> bool:
         """Drop the prefetched input dist ``token`` (from :meth:`prefetch_input_dist`) if no forward took it;
         returns whether it was still there."""
-        for i, (_, _, ctx) in enumerate(self._prefetched):
-            if ctx is token:
-                del self._prefetched[i]
-                ctx.wait()
-                return True
-        return False
+        return self._prefetched.discard(token)
 
     def clear_prefetched(self) -> int:
         """Drop every prefetched input dist (waiting for its transfers); returns how many there were."""
-        n = len(self._prefetched)
-        for _, _, ctx in self._prefetched:
-            ctx.wait()
-        self._prefetched.clear()
-        return n
+        return self._prefetched.clear()
+
+    @staticmethod
+    def _configs_of(module: nn.Module) -> list[BaseEmbeddingConfig]:
+        raise NotImplementedError
 
     def _check_weights(self, kjt: KeyedJaggedTensor) -> None:
         pass
@@ -489,7 +390,7 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
 
     def shard_weights(self) -> list[torch.Tensor]:
         """This rank's pieces of the model-parallel tables (plain parameters; none when fused)."""
-        return [] if self._fused is not None else self._shard_params()
+        return [] if self._fused_spec is not None else self._shard_params()
 
     def _shard_params(self) -> list[torch.Tensor]:
         return [self._table_param(ti) for ti, _ in self._local_shards]
@@ -501,12 +402,14 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
         return _compat.child_modules(getattr(self, self._attr))[self._layout.tables[ti].name].weight
 
     def fused_kernels(self) -> list[kernels.FusedPooledKernel]:
-        """The fused kernels of this rank (shards first, then data-parallel tables); empty without a fused optimizer."""
-        return [k for k in (self._fused, self._dp_fused) if k is not None]
+        """The fused kernels of this rank (shards first, then data-parallel tables; one per spec in each); empty
+        without a fused optimizer."""
+        return [g.kernel for g in (*self._fused, *self._dp_fused)]
 
     def _fused_lookup(
         self,
-        kernel: kernels.FusedPooledKernel,
+        groups: list[FusedGroup],
+        widths: list[int],
         lengths: torch.Tensor,
         values: torch.Tensor,
         weights: torch.Tensor | None,
@@ -516,8 +419,9 @@ class ShardedCollection(DataParallelGradMode, nn.Module):
     ) -> torch.Tensor:
         # select() checked every id of this step against its table (and each rank its own), unless checks
         # are off (compiling): then the kernel checks them itself
-        return union_lookup(
-            kernel,
+        return grouped_lookup(
+            groups,
+            widths,
             lengths,
             values,
             weights,

@@ -38,6 +38,15 @@ def keyed_jagged(
     return "KeyedJaggedTensor({\n" + ",\n".join(parts) + "\n})\n"
 
 
+def keyed_jagged_repr(
+    keys: list[str], spk: list[int], lengths: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None
+) -> str:
+    w = "" if weights is None else f", weights={weights.tolist()}"
+    return (
+        f"KeyedJaggedTensor(keys={keys}, stride_per_key={spk}, lengths={lengths.tolist()}, values={values.tolist()}{w})"
+    )
+
+
 def keyed(blocks: dict[str, torch.Tensor]) -> str:
     if not blocks:
         return "KeyedTensor()\n"

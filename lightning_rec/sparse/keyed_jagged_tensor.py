@@ -7,31 +7,22 @@ object is built eagerly; methods after that trust the invariants.
 """
 
 # no ``from __future__ import annotations``: TorchScript cannot parse some string annotations (torch.device)
-import itertools
 from collections.abc import Callable
-from typing import cast
 
 import torch
 
 from lightning_rec.sparse import _format
+from lightning_rec.sparse._kjt_layout import eager_fields, ids_per_key, permutation
 from lightning_rec.sparse._utils import (
-    SparseInputError,
     SparseMeta,
     check_no_trailing,
     checks_enabled,
     cumsum_list,
-    eager_strides,
-    lengths_and_offsets,
     offsets_from_lengths,
     script_lengths_and_offsets,
     script_strides,
-    segment_gather_index,
 )
 from lightning_rec.sparse.jagged_tensor import JaggedTensor
-
-
-def _as_int(x: object) -> int | torch.SymInt:
-    return x if isinstance(x, torch.SymInt) else int(x)  # type: ignore[call-overload]
 
 
 class KeyedJaggedTensor(metaclass=SparseMeta):
@@ -82,60 +73,23 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
             # TorchScript compiles this branch only (the eager one below is Python it cannot compile)
             lengths, offsets = script_lengths_and_offsets(lengths, offsets)
             stride, spkpr, spk = script_strides(keys, lengths.numel(), stride, stride_per_key_per_rank)
-            self._keys = keys
-            self._values = values
-            self._weights = weights
-            self._lengths: torch.Tensor = lengths
-            self._offsets: torch.Tensor = offsets
-            self._stride: int = stride
-            self._stride_per_key: list[int] = spk
-            self._stride_per_key_per_rank: list[list[int]] = spkpr
-            self._variable_stride: bool = stride_per_key_per_rank is not None
-            self._lengths_offset_per_key: list[int] = cumsum_list(spk)
-            self._length_per_key: list[int] | None = length_per_key
-            self._inverse_indices = inverse_indices
         else:
-            keys = list(keys)
-            check = checks_enabled()
-            if check:
-                for k in keys:
-                    if not isinstance(k, str):
-                        raise TypeError(f"KeyedJaggedTensor keys must be strings, got {repr(k)}")  # noqa: RUF010
-                if not isinstance(values, torch.Tensor) or values.dim() < 1:
-                    raise ValueError("KeyedJaggedTensor `values` must be a tensor with at least one dimension")
-            lengths, offsets, covered = lengths_and_offsets(values, lengths, offsets, "KeyedJaggedTensor", weights)
-            self._variable_stride = stride_per_key_per_rank is not None
-            stride, self._stride_per_key_per_rank, spk = eager_strides(
-                keys, lengths.numel(), stride, stride_per_key_per_rank, check
+            keys, lengths, offsets, stride, spkpr, spk, length_per_key = eager_fields(
+                keys, values, weights, lengths, offsets, stride, stride_per_key_per_rank, length_per_key, offset_per_key
             )
-            self._keys = keys
-            self._values = values
-            self._weights = weights
-            self._lengths = lengths
-            self._offsets = offsets
-            self._stride = stride
-            self._stride_per_key = spk
-            self._lengths_offset_per_key = cumsum_list(spk)
-            # TorchScript reads the attribute's type from this annotation too
-            self._length_per_key: list[int] | None = None  # type: ignore[no-redef]
-            # symbolic sizes (torch.export, torch.compile) stay symbols: int() would guard on a data-dependent value
-            if length_per_key is not None:
-                # a SymInt stands in for an int while tracing
-                self._length_per_key = cast("list[int]", [_as_int(x) for x in length_per_key])
-            elif offset_per_key is not None:
-                self._length_per_key = cast(
-                    "list[int]", [_as_int(b - a) for a, b in itertools.pairwise(offset_per_key)]
-                )
-            if (
-                check
-                and self._length_per_key is not None
-                and (len(self._length_per_key) != len(keys) or (covered >= 0 and sum(self._length_per_key) != covered))
-            ):
-                raise SparseInputError(
-                    f"KeyedJaggedTensor: length_per_key {self._length_per_key} does not split the {covered} "
-                    f"values the lengths cover over keys {keys}"
-                )
-            self._inverse_indices = inverse_indices
+        # TorchScript reads the attributes' types from these annotations
+        self._keys = keys
+        self._values = values
+        self._weights = weights
+        self._lengths: torch.Tensor = lengths
+        self._offsets: torch.Tensor = offsets
+        self._stride: int = stride
+        self._stride_per_key: list[int] = spk
+        self._stride_per_key_per_rank: list[list[int]] = spkpr
+        self._variable_stride: bool = stride_per_key_per_rank is not None
+        self._lengths_offset_per_key: list[int] = cumsum_list(spk)
+        self._length_per_key: list[int] | None = length_per_key
+        self._inverse_indices = inverse_indices
 
     # -- constructors (TorchRec names) --------------------------------------------------------------
     @staticmethod
@@ -340,18 +294,15 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
         """Number of ids of each key (one device sync, cached)."""
         lpk = self._length_per_key
         if lpk is None:
-            if len(self._keys) == 0:
-                lpk = []
-            elif self._values.is_meta:
-                # shapes only, no lengths to read: TorchRec's placeholder split of the values over the keys
-                n = len(self._keys)
-                lpk = [self._values.size(0) // n] * n
-                lpk[0] += self._values.size(0) % n
-            elif not self._variable_stride:
-                lpk = torch.jit.annotate(list[int], self._lengths.view(len(self._keys), self._stride).sum(1).tolist())
-            else:
-                bounds = self._offsets[self._lengths_offset_per_key]
-                lpk = torch.jit.annotate(list[int], (bounds[1:] - bounds[:-1]).tolist())
+            lpk = ids_per_key(
+                len(self._keys),
+                self._values,
+                self._lengths,
+                self._offsets,
+                self._stride,
+                self._variable_stride,
+                self._lengths_offset_per_key,
+            )
             self._length_per_key = lpk
         return lpk
 
@@ -429,31 +380,17 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
 
     def permute(self, indices: list[int], indices_tensor: torch.Tensor | None = None) -> "KeyedJaggedTensor":
         """Reorder (or repeat) keys: the result has keys ``[keys[i] for i in indices]``."""
-        n = len(self._keys)
         indices = list(indices)
-        for i in indices:
-            if i < 0 or i >= n:
-                raise ValueError("permute index out of range for " + str(n) + " keys")
-        opk, lopk, lpk = self.offset_per_key(), self._lengths_offset_per_key, self.length_per_key()
-        dev = self._values.device
-        new_lpk = [lpk[i] for i in indices]
-        gather = segment_gather_index(
-            torch.tensor([opk[i] for i in indices], dtype=torch.long, device=dev),
-            torch.tensor(new_lpk, dtype=torch.long, device=dev),
-            total=sum(new_lpk),
+        gather, new_lpk, lengths = permutation(
+            indices,
+            self.offset_per_key(),
+            self.length_per_key(),
+            self._lengths,
+            self._stride,
+            self._stride_per_key,
+            self._lengths_offset_per_key,
+            self._variable_stride,
         )
-        if self._variable_stride:
-            bag_gather = segment_gather_index(
-                torch.tensor([lopk[i] for i in indices], dtype=torch.long, device=dev),
-                torch.tensor([self._stride_per_key[i] for i in indices], dtype=torch.long, device=dev),
-                total=sum(self._stride_per_key[i] for i in indices),
-            )
-            lengths = self._lengths[bag_gather]
-        elif n:
-            idx = torch.tensor(indices, dtype=torch.long, device=dev)
-            lengths = self._lengths.view(n, self._stride)[idx].reshape(-1)
-        else:
-            lengths = self._lengths
         w = self._weights
         spkpr = [self._stride_per_key_per_rank[i] for i in indices] if self._variable_stride else None
         return KeyedJaggedTensor(
@@ -546,11 +483,7 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
 
     @torch.jit.unused
     def __repr__(self) -> str:
-        w = "" if self._weights is None else f", weights={self._weights.tolist()}"
-        return (
-            f"KeyedJaggedTensor(keys={self._keys}, stride_per_key={self._stride_per_key}, "
-            f"lengths={self._lengths.tolist()}, values={self._values.tolist()}{w})"
-        )
+        return _format.keyed_jagged_repr(self._keys, self._stride_per_key, self._lengths, self._values, self._weights)
 
 
 # fx.wrap: under torch.fx tracing these are single graph nodes (their arguments are Proxies to iterate over)

@@ -208,22 +208,32 @@ def test_tables_no_optimizer_updates_are_named_once() -> None:
         assert table in msgs[0][0]
 
 
-def test_mixed_marks_are_refused_naming_the_collections() -> None:
+def test_marks_resolve_per_table_and_collections_mix() -> None:
     from lightning_rec.fused_kinds import as_spec
-    from lightning_rec.table_optimizers import marked_embedding_optimizer
+    from lightning_rec.table_optimizers import resolve_table_optimizers
 
     model = PartialReader()
-    apply_optimizer_in_backward(RowWiseAdagrad, model.ebc.parameters(), {"lr": 0.1})
-    with pytest.raises(ValueError, match=r"\['ebc'\].*cannot serve the EmbeddingCollections \['ec'\]"):
-        marked_embedding_optimizer(model, None)
-    model.ec = None
-    with pytest.raises(ValueError, match=r"\['ebc'\].*but \['mc._embedding_module'\] do not"):
-        marked_embedding_optimizer(model, None)
-    apply_optimizer_in_backward(RowWiseAdagrad, model.mc.parameters(), {"lr": 0.1})
-    spec = marked_embedding_optimizer(model, None)
-    assert (spec.kind, spec.lr, spec.eps) == ("rowwise_adagrad", 0.1, 1e-10)  # RowWiseAdagrad's own default eps
-    with pytest.raises(ValueError, match="differs from the tables' in-backward optimizer"):
-        marked_embedding_optimizer(model, as_spec({"kind": "sgd", "lr": 0.1}))
+    apply_optimizer_in_backward(RowWiseAdagrad, [model.ebc.embedding_bags["user"].weight], {"lr": 0.1})
+    # a collection's tables are all fused or none: the unmarked one is named
+    with pytest.raises(ValueError, match=r"'ebc': tables \['user'\] have a fused optimizer but \['item'\] do not"):
+        resolve_table_optimizers(model, None)
+    apply_optimizer_in_backward(torch.optim.SGD, [model.ebc.embedding_bags["item"].weight], {"lr": 0.5})
+    specs = resolve_table_optimizers(model, None)
+    # marked pooled tables fuse, each with its own spec; the unmarked sequence and managed-collision collections
+    # stay ordinary parameters beside them
+    assert specs["ebc"]["user"] == as_spec({"kind": "rowwise_adagrad", "lr": 0.1, "eps": 1e-10})
+    assert specs["ebc"]["item"] == as_spec({"kind": "sgd", "lr": 0.5})
+    assert specs["ec"] == {"hist": None} and set(specs["mc._embedding_module"].values()) == {None}
+    # a default for the rest: the marks win where they are, the default fills the others
+    default = {"default": {"kind": "sgd", "lr": 0.5}, "tables": {"hist": None}}
+    specs = resolve_table_optimizers(model, default)
+    assert set(specs["mc._embedding_module"].values()) == {as_spec({"kind": "sgd", "lr": 0.5})}
+    with pytest.raises(ValueError, match=r"'ebc', table 'user'.*differs from embedding_optimizer"):
+        resolve_table_optimizers(model, as_spec({"kind": "sgd", "lr": 0.5}))
+    with pytest.raises(ValueError, match=r"EmbeddingCollection.*tables \['hist'\]"):
+        resolve_table_optimizers(model, {"default": None, "tables": {"hist": {"kind": "sgd", "lr": 0.1}}})
+    with pytest.raises(ValueError, match=r"names tables \['nope'\]"):
+        resolve_table_optimizers(model, {"tables": {"nope": {"kind": "sgd", "lr": 0.1}}})
 
 
 # -- evaluation with unequal batch counts --------------------------------------------------------------------

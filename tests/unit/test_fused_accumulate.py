@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lightning_rec.fused_kinds import FBGEMM_CPU_KINDS
 from lightning_rec.kernels import FusedPooledKernel
-from lightning_rec.optim import CPU_KINDS, FusedOptimizer
+from lightning_rec.optim import FusedOptimizer
 
 TABLES = [("a", 10, 4, torch.float32), ("b", 6, 8, torch.float32)]
 FEATURE_TABLE = [0, 0, 1]
@@ -83,7 +84,7 @@ def _close(kernel: FusedPooledKernel, ref: _Reference) -> None:
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
-@pytest.mark.parametrize("kind", CPU_KINDS)
+@pytest.mark.parametrize("kind", FBGEMM_CPU_KINDS)  # Adam family: test_fused_adam_cpu.py
 def test_k_backward_passes_then_one_step_equal_the_summed_gradient(kind: str, weighted: bool) -> None:
     kernel, opt = _fused(kind)
     ref = _Reference(kind)
@@ -134,7 +135,7 @@ def test_per_sample_weight_gradients_match_the_fused_backward() -> None:
     torch.testing.assert_close(got.grad, want.grad, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("kind", CPU_KINDS)
+@pytest.mark.parametrize("kind", FBGEMM_CPU_KINDS)  # Adam family: test_fused_adam_cpu.py
 def test_several_losses_one_step(kind: str) -> None:
     # two losses through one lookup (retain_graph) and a second lookup, three backward calls, one step
     kernel, opt = _fused(kind)

@@ -3,7 +3,6 @@ bags, on one process: no process group is needed to build what a rank sends."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -11,6 +10,8 @@ import torch
 
 from lightning_rec import KeyedJaggedTensor
 from lightning_rec.pipeline import input_dist as dists
+from lightning_rec.pipeline import input_payload as payloads
+from lightning_rec.pipeline.input_payload import PayloadKind, payload_kind
 from lightning_rec.pipeline.routing import build_routing
 from lightning_rec.plans.shard_geometry import ShardMeta
 
@@ -78,20 +79,22 @@ def test_payload_matches_a_loop_over_routes_and_bags(seed: int) -> None:
     kjt, weights, routing = _case(seed)
     want = _expected(kjt, weights, routing)
     if routing.single_block:
-        outs = [dists._route_payload(kjt, weights, routing)]
-    else:  # torch's one-sort path, its general one and fbgemm's bucketize must all agree
+        kind = payload_kind(routing, True, False, "cpu")
+        assert kind is (PayloadKind.KJT if routing.routes_in_order else PayloadKind.FEATURE_SLICES)
         outs = [
-            dists._bucketed_payload(kjt, weights, routing, with_positions=True),
-            dists._fbgemm_payload(kjt, weights, routing, with_positions=True),
+            payloads.build_payload(kind, kjt, weights, routing, True, {}),
+            payloads.route_payload(kjt, weights, routing),
         ]
-        if routing.bucket_route_rel is not None:
-            outs.append(
-                dists._bucketed_payload(
-                    kjt, weights, dataclasses.replace(routing, bucket_route_rel=None), with_positions=True
-                )
-            )
+    else:  # torch's one-sort path, its general one and fbgemm's bucketize must all agree
+        torch_kind = payload_kind(routing, False, False, "cpu")
+        assert torch_kind is (PayloadKind.BUCKET_SORT if routing.bucket_route_rel is None else PayloadKind.ROUTE_SORT)
+        outs = [
+            payloads.build_payload(torch_kind, kjt, weights, routing, True, {}),
+            payloads.bucketed_payload(kjt, weights, routing, with_positions=True),
+            payloads.fbgemm_payload(kjt, weights, routing, with_positions=True),
+        ]
         # unweighted and without positions, fbgemm's kernel skips the order: the same ids and lengths
-        bare = dists._fbgemm_payload(kjt, None, routing, with_positions=False)
+        bare = payloads.fbgemm_payload(kjt, None, routing, with_positions=False)
         assert [x.tolist() for x in bare.per_route(kjt.stride())[1]] == [w[1] for w in want]
         assert [x.tolist() for x in bare.per_route(kjt.stride())[0]] == [w[0] for w in want]
     for out in outs:
@@ -113,7 +116,7 @@ def test_fbgemm_bucketize_keeps_the_weights_gradient() -> None:
     routing = build_routing([0], [4], shards, [0], 0, 2)
     kjt = KeyedJaggedTensor(["a"], torch.tensor([5, 1, 6, 2]), lengths=torch.tensor([3, 1]))
     w = torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
-    out = dists._fbgemm_payload(kjt, w, routing, with_positions=False)
+    out = payloads.fbgemm_payload(kjt, w, routing, with_positions=False)
     assert [x.tolist() for x in out.pieces[2]] == [[2.0, 4.0], [1.0, 3.0]]
     assert [x.tolist() for x in out.pieces[1]] == [[1, 2], [2, 3]]
     sum(p.sum() * (k + 1) for k, p in enumerate(out.pieces[2])).backward()
@@ -130,7 +133,8 @@ def test_weights_travel_as_their_bits_exactly() -> None:
 def test_one_rank_group_returns_its_own_payload_with_its_batch_size() -> None:
     routing = build_routing([0], [4], [[ShardMeta(0, 5, 0, 4, 0)]], [0], 0, 1)
     kjt = KeyedJaggedTensor(["a"], torch.tensor([1, 4, 0]), lengths=torch.tensor([2, 1]))
-    got = dists.start_input_dist(kjt, None, routing, None, torch.device("cpu")).wait()
+    input_dist = dists.InputDist(routing, None, torch.device("cpu"))
+    got = input_dist.start_input_dist(kjt, None).wait()
     assert got.batches == (2,) and got.values.tolist() == [1, 4, 0] and got.lengths.tolist() == [2, 1]
     with pytest.raises(dists.InputRejected):
-        dists.start_input_dist(kjt, None, routing, None, torch.device("cpu"), rejected=True)
+        input_dist.start_input_dist(kjt, None, rejected=True)

@@ -2,7 +2,8 @@
 
 ``topology`` (the cluster, its speeds, per-table constraints), ``cost`` (time and memory of a placement),
 ``terms`` (the same numbers per shard and per host, as the search compares them), ``candidates`` (the places
-the sharding kinds may use, scored), ``search`` (the :class:`Planner`), ``report`` (:class:`PlanReport`).
+the sharding kinds may use, scored), ``search`` (the :class:`Planner`), ``checks`` (what it refuses, and the
+messages saying why), ``report`` (:class:`PlanReport`).
 """
 
 from lightning_rec.plans.planner.cost import GRADIENTS, MEMORY_PARTS, OPTIMIZER_STATE, TIME_PARTS, CostModel

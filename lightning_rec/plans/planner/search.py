@@ -17,15 +17,15 @@ from torch import nn
 
 from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
 from lightning_rec.fused_kinds import FusedOptimizerSpec, as_spec
-from lightning_rec.kernels import fused_width_problem
 from lightning_rec.plans.kinds import KINDS, ParameterSharding, placement_of
 from lightning_rec.plans.plan import ShardingPlan, data_parallel, resolve_table, table_wise
 from lightning_rec.plans.planner.candidates import Candidate, Probes, Space, divisors, in_host_memory, score, why
+from lightning_rec.plans.planner.checks import check_fixed, check_fused, check_names, check_total, no_candidate, no_fit
 from lightning_rec.plans.planner.cost import GRADIENTS, OPTIMIZER_STATE, CostModel, Load, TableStats
 from lightning_rec.plans.planner.inputs import PlacedCollection, plan_entries, table_stats
 from lightning_rec.plans.planner.report import PlanReport, TableChoice, placement_label
 from lightning_rec.plans.planner.terms import load_of, placement_terms, prepare, whole
-from lightning_rec.plans.planner.topology import PlannerError, TableConstraint, Topology, human_bytes
+from lightning_rec.plans.planner.topology import PlannerError, TableConstraint, Topology
 from lightning_rec.plans.shard_geometry import ShardMeta
 
 
@@ -98,18 +98,6 @@ class Planner:
         return table_stats(
             path, t, grads, self.topology, self.optimizer, self.pooling_factors, self.default_pooling_factor
         )
-
-    def _check_names(self, stats: list[TableStats]) -> None:
-        features = {f for s in stats for f in s.config.feature_names}
-        unknown = sorted(f for f in self.pooling_factors if f not in features)
-        if unknown:
-            raise ValueError(f"pooling_factors name features {unknown} that no table has; features: {sorted(features)}")
-        names = {s.config.name for s in stats}
-        together = [n for g in self.together for n in g]
-        for what, keys in (("constraints", list(self.constraints)), ("together", together)):
-            bad = sorted({k for k in keys if k not in names})
-            if bad:
-                raise ValueError(f"{what} name tables {bad} that are not in the model; tables: {sorted(names)}")
 
     def _settings(self) -> dict:
         return {
@@ -286,33 +274,6 @@ class Planner:
             if k > 1 and min(dims) // k >= self.min_column_width and not (fused and any(d // k % 4 for d in dims))
         ]
 
-    def _check_fused(self, stats: list[TableStats]) -> None:
-        """Refuse, as sharding would, fused tables that no placement can hold, before searching for one."""
-        for s in stats:
-            if s.grads == "fused":
-                problem = fused_width_problem(s.config.name, s.dim, [s.dim])
-                if problem:
-                    raise PlannerError(f"{problem}. No sharding plan can hold it with a fused optimizer")
-
-    def _check_fixed(self, s: TableStats, ps: ParameterSharding) -> None:
-        """A fixed placement of a fused table that sharding would refuse is an error here already."""
-        topo = self.topology
-        assert topo.model_parallel_size is not None and topo.local_size is not None  # resolved by Topology
-        shards = resolve_table(s.config, ps, topo.model_parallel_size, topo.local_size)
-        if s.grads != "fused" or shards is None:
-            return
-        widths = [m.cols for m in shards if m.rows > 0]
-        where = f"the constraint's placement {placement_label(ps)}: "
-        problem = fused_width_problem(s.config.name, s.dim, widths)
-        if problem:
-            raise PlannerError(where + problem)
-        if OPTIMIZER_STATE[self.optimizer][1] and any(w != s.dim for w in widths):
-            raise PlannerError(
-                f"{where}table {s.config.name!r}: the fused {self.optimizer!r} optimizer keeps one "
-                "statistic per row, which a column split would compute per column shard; give it a "
-                "placement that keeps whole rows, or use an element-wise optimizer (sgd, adagrad)"
-            )
-
     def _prepare(self, stats: list[TableStats], units: list[list[int]]) -> None:
         """The per-shard values of every single table's placements (its candidates' shapes, on probe ranks and
         hosts, and its table-wise base), computed together for all tables."""
@@ -396,8 +357,8 @@ class Planner:
         score(cands, self.topology, tot, used, host_used, remaining, mode)
 
     def _plan(self, stats: list[TableStats]) -> PlanReport:
-        self._check_names(stats)
-        self._check_fused(stats)
+        check_names(stats, self.pooling_factors, self.constraints, self.together)
+        check_fused(stats)
         self._base = {}
         self._kinds = {}  # the sharding types each unit may use
         self._scratch = self._model.empty()  # per-part arrays filled and read within one step, not kept
@@ -416,14 +377,14 @@ class Planner:
                             f"table {stats[i].config.name!r} is kept together with tables that have a "
                             "fixed placement: give it the same placement"
                         )
-                    self._check_fixed(stats[i], c.placement)
+                    check_fixed(self.topology, self.optimizer, stats[i], c.placement)
                     load = model.of_placement(stats[i], c.placement)
                     total += load
                     choices[i] = self._choice(stats[i], c.placement, load, False, fixed=True)
             elif unit:
                 units.append(unit)
         self._prepare(stats, units)
-        self._check_total(stats, units, total)
+        check_total(self.topology, stats, [(float(self._base_size(stats, u)[0]), u) for u in units], total)
         if topo.replicas > 1 and any(s.grads == "fused" for s in stats):
             notes.append(
                 "fused tables under replica groups look up the union of the replicas' batches; the "
@@ -470,10 +431,10 @@ class Planner:
             self._score(twins, tot, used, total.host, remaining, mode)
             cands = [c for c, _ in pairs] + [h for _, h in twins]
             if not cands:
-                raise PlannerError(self._no_candidate(stats, unit, allowed))
+                raise PlannerError(no_candidate(self.topology, self.min_column_width, stats, unit, allowed))
             fitting = sorted((c for c in cands if c.fits), key=lambda c: c.key)
             if not fitting:
-                return self._no_fit(stats, unit, cands, total, sum(x is not None for x in choices))
+                return no_fit(self.topology, stats, unit, cands, total, sum(x is not None for x in choices))
             best = fitting[0]
             if best.load is None:  # the candidates of one table carry only sums over the parts
                 assert best.terms is not None
@@ -493,69 +454,6 @@ class Planner:
                     ch.rejected_because = "the only allowed placement"
                 choices[i] = ch
         return None
-
-    def _check_total(self, stats: list[TableStats], units: list[list[int]], fixed: Load) -> None:
-        topo = self.topology
-        if topo.device_memory is None:
-            return
-        M = topo.model_parallel_size
-        assert M is not None  # resolved by Topology.__post_init__, which also parses sizes given as strings
-        capacity = M * cast(int, topo.device_memory) + (
-            0 if topo.host_memory is None else topo.num_hosts * cast(int, topo.host_memory)
-        )
-        needs = []
-        for unit in units:
-            needs.append((float(self._base_size(stats, unit)[0]), unit))
-        need = sum(n for n, _ in needs) + float(fixed.mem.sum())
-        if need > capacity:
-            big = sorted(needs, key=lambda x: -x[0])[:5]
-            names = ", ".join(f"{stats[u[0]].label!r}{'+' if len(u) > 1 else ''} {human_bytes(n)}" for n, u in big)
-            raise PlannerError(
-                f"the tables need at least {human_bytes(need)} "
-                "(weights, optimizer state, gradients and lookup buffers) "
-                f"but the {M} model-parallel ranks have {human_bytes(capacity)}: {human_bytes(need - capacity)} "
-                "missing. "
-                f"Largest: {names}. "
-                "Add ranks or memory, lower the batch size, use a smaller optimizer state (rowwise_adagrad) or "
-                "fused/sparse gradients"
-            )
-
-    def _no_candidate(self, stats: list[TableStats], unit: list[int], allowed: list[ShardingType]) -> str:
-        topo = self.topology
-        names = [stats[i].label for i in unit]
-        why = []
-        if {ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD} & set(allowed):
-            why.append(
-                f"table_row_wise and grid_shard split rows over the ranks of one host and need several hosts "
-                f"of several ranks (this layout: {topo.num_hosts} host(s) x {topo.local_size} rank(s); set "
-                "local_size)"
-            )
-        if {ShardingType.COLUMN_WISE, ShardingType.GRID_SHARD} & set(allowed):
-            dims = sorted({stats[i].dim for i in unit})
-            why.append(
-                f"column_wise and grid_shard need embedding_dim {dims} split into at least 2 shards of "
-                f">= min_column_width={self.min_column_width} columns"
-            )
-        return (
-            f"table{'s' if len(unit) > 1 else ''} {names}: no placement of the allowed sharding types "
-            f"{[a.value for a in allowed]} exists here: " + "; ".join(why) + ". Allow another sharding type for it"
-        )
-
-    def _no_fit(
-        self, stats: list[TableStats], unit: list[int], cands: list[Candidate], total: Load, placed: int
-    ) -> str:
-        used, M = total.mem.sum(0), self.topology.model_parallel_size
-        # scored candidates carry terms; M is resolved by Topology.__post_init__
-        best = min(cands, key=lambda c: (c.terms.mem_on(M) + used).max())  # type: ignore[union-attr, arg-type]
-        names = [stats[i].label for i in unit]
-        need = (best.terms.mem_on(M) + used).max()  # type: ignore[union-attr, arg-type]
-        missing = need - self.topology.device_memory  # type: ignore[operator]
-        return (
-            f"no placement of table{'s' if len(unit) > 1 else ''} {names} fits in device memory after {placed} other "
-            f"tables were placed: its least demanding placement, {placement_label(best.sharding)}, {best.short}; "
-            f"about {human_bytes(max(missing, 0))} missing on the fullest rank. Add ranks or memory, allow more "
-            "sharding types for it, or lower the batch size"
-        )
 
 
 def automatic_plan(

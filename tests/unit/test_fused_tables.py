@@ -1,0 +1,60 @@
+"""Specs per table: the strategy option's forms, what each table gets, and the errors that name the table."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_rec import EmbeddingBagConfig, PerTableOptimizers
+from lightning_rec.fused_kinds import as_spec
+from lightning_rec.fused_tables import as_table_optimizers, planner_spec, spec_of, summary
+from lightning_rec.pipeline.fused_lookup import table_specs
+
+SGD = {"kind": "sgd", "lr": 0.1}
+ROWWISE = {"kind": "rowwise_adagrad", "lr": 0.05}
+
+
+def test_option_forms() -> None:
+    assert as_table_optimizers(None) is None
+    assert as_table_optimizers(SGD) == as_spec(SGD)
+    per = as_table_optimizers({"default": SGD, "tables": {"big ids": ROWWISE, "x.y": None}})
+    assert isinstance(per, PerTableOptimizers)
+    # any string names a table; a table named in `tables` with None is an ordinary parameter
+    assert spec_of(per, "big ids") == as_spec(ROWWISE)
+    assert spec_of(per, "x.y") is None
+    assert spec_of(per, "other") == as_spec(SGD)
+    assert spec_of(as_spec(SGD), "anything") == as_spec(SGD)
+    assert as_table_optimizers({"tables": {"t": ROWWISE}}).default is None  # type: ignore[union-attr]
+    assert hash(per) == hash(as_table_optimizers({"default": SGD, "tables": {"x.y": None, "big ids": ROWWISE}}))
+
+
+def test_option_errors_name_the_table() -> None:
+    with pytest.raises(ValueError, match="unknown keys"):
+        as_table_optimizers({"tables": {}, "defualt": SGD})
+    with pytest.raises(ValueError, match=r"table 'big': unknown fused optimizer kind 'adamw'"):
+        PerTableOptimizers(tables={"big": {"kind": "adamw", "lr": 0.1}})
+    with pytest.raises(TypeError, match="table names are strings"):
+        PerTableOptimizers(tables={3: SGD})  # type: ignore[dict-item]
+
+
+def test_summary_and_planner_spec() -> None:
+    one = {"a": {"t": as_spec(SGD), "u": as_spec(SGD)}, "b": {"v": None}}
+    assert summary(one) == as_spec(SGD) and planner_spec(one) == as_spec(SGD)
+    two = {"a": {"t": as_spec(SGD), "u": as_spec(ROWWISE)}}
+    assert summary(two) == PerTableOptimizers(tables={"t": SGD, "u": ROWWISE})
+    assert planner_spec(two) == as_spec(ROWWISE)  # a per-row statistic: no plan may split those by columns
+    adam = {"kind": "adam", "lr": 0.1}
+    assert planner_spec({"a": {"t": as_spec(adam), "u": as_spec(SGD)}}) == as_spec(adam)  # most state
+    assert summary({"a": {"t": None}}) is None and planner_spec({}) is None
+
+
+def test_collection_specs_all_or_none() -> None:
+    tables = [
+        EmbeddingBagConfig(name=n, num_embeddings=4, embedding_dim=4, feature_names=[f"f{n}"]) for n in ("a", "b")
+    ]
+    assert table_specs(SGD, tables) == [as_spec(SGD)] * 2
+    assert table_specs({"a": SGD, "b": ROWWISE}, tables) == [as_spec(SGD), as_spec(ROWWISE)]
+    assert table_specs(None, tables) == [None, None]
+    with pytest.raises(ValueError, match=r"tables \['a'\] have a fused optimizer but \['b'\]"):
+        table_specs({"a": SGD, "b": None}, tables)
+    with pytest.raises(ValueError, match=r"names tables \['c'\]"):
+        table_specs({"c": SGD}, tables)
