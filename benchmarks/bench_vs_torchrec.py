@@ -158,6 +158,8 @@ def job_tables(job: str, cfg: dict) -> list[tuple[str, int, int]]:
         return [(f"t{i}", cfg["rows"], cfg["dim"]) for i in range(cfg["big_tables"])]
     if job == "dlrm":
         return [(f"t{i}", max(4, int(r * cfg["dlrm_scale"])), cfg["dim"]) for i, r in enumerate(DLRM_ROWS)]
+    if job == "seq":  # an EmbeddingCollection (sequence features, a row per id) of the big tables
+        return [(f"t{i}", cfg["rows"], cfg["dim"]) for i in range(cfg["big_tables"])]
     raise ValueError(job)
 
 
@@ -208,7 +210,7 @@ def busy_seconds() -> float | None:
 
 
 # -- the two libraries ----------------------------------------------------------------------------------------
-def build_torchrec(tables, plan: str, variant: str, world: int, lr: float):
+def build_torchrec(tables, plan: str, variant: str, world: int, lr: float, sequence: bool = False):
     """TorchRec's DMP over the collection with an explicit plan; returns (model, kjt_factory, optimizer)."""
     # optional dependency: only the side environment has TorchRec
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -233,14 +235,25 @@ def build_torchrec(tables, plan: str, variant: str, world: int, lr: float):
             f"{2 * MIN_CW_DIM}"
         )
 
-    configs = [
-        EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[f"f{n[1:]}"]) for n, r, d in tables
-    ]
-    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
     fused = variant in ("fused", "mixed")
-    sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": lr} if variant == "fused" else None
-    )
+    fused_params = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": lr} if variant == "fused" else None
+    if sequence:
+        from torchrec import EmbeddingCollection, EmbeddingConfig
+        from torchrec.distributed.embedding import EmbeddingCollectionSharder
+
+        configs = [
+            EmbeddingConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[f"f{n[1:]}"])
+            for n, r, d in tables
+        ]
+        ebc = EmbeddingCollection(tables=configs, device=torch.device("meta"))
+        sharder = EmbeddingCollectionSharder(fused_params=fused_params)
+    else:
+        configs = [
+            EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[f"f{n[1:]}"])
+            for n, r, d in tables
+        ]
+        ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+        sharder = EmbeddingBagCollectionSharder(fused_params=fused_params)
     if variant == "mixed":  # TorchRec users' way: in-backward optimizers on subsets of the tables
         from torchrec.optim import RowWiseAdagrad
         from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -297,7 +310,7 @@ def build_torchrec(tables, plan: str, variant: str, world: int, lr: float):
     return model, kjt, opt
 
 
-def build_lightning_rec(tables, plan: str, variant: str, world: int, lr: float):
+def build_lightning_rec(tables, plan: str, variant: str, world: int, lr: float, sequence: bool = False):
     """lightning_rec's shard_modules over the same collection and plan; returns (model, kjt_factory, optimizer)."""
     # imported here: this file also runs in the side environment, which has no lightning_rec
     from lightning_rec import (
@@ -315,11 +328,21 @@ def build_lightning_rec(tables, plan: str, variant: str, world: int, lr: float):
         table_wise,
     )
 
-    configs = [
-        EmbeddingBagConfig(num_embeddings=r, embedding_dim=d, name=n, feature_names=[f"f{n[1:]}"]) for n, r, d in tables
-    ]
     fused = variant in ("fused", "mixed")
-    ebc = EmbeddingBagCollection(configs, device="meta", sparse_grad=False)
+    if sequence:
+        from lightning_rec import EmbeddingCollection, EmbeddingConfig
+
+        seq = [
+            EmbeddingConfig(num_embeddings=r, embedding_dim=d, name=n, feature_names=[f"f{n[1:]}"])
+            for n, r, d in tables
+        ]
+        ebc = EmbeddingCollection(seq, device="meta", sparse_grad=False)
+    else:
+        configs = [
+            EmbeddingBagConfig(num_embeddings=r, embedding_dim=d, name=n, feature_names=[f"f{n[1:]}"])
+            for n, r, d in tables
+        ]
+        ebc = EmbeddingBagCollection(configs, device="meta", sparse_grad=False)
     option: object = {"kind": "sgd", "lr": lr} if fused else None
     if variant == "mixed":
         from lightning_rec.fused_tables import PerTableOptimizers
@@ -539,15 +562,20 @@ def run_config(lib: str, rank: int, world: int, cmd: dict) -> dict:
     dist.barrier()
     t0 = time.perf_counter()
     build = build_torchrec if lib == "torchrec" else build_lightning_rec
-    model, make_kjt, opt = build(tables, plan, variant, world, cfg["lr"])
+    sequence = job == "seq"
+    model, make_kjt, opt = build(tables, plan, variant, world, cfg["lr"], sequence)
     setup_s = time.perf_counter() - t0
     kjts = [(make_kjt(lg, v), y) for lg, v, y in batches]
 
     def step(batch) -> torch.Tensor:
         kjt, labels = batch
-        out = model(kjt).values()
-        # a click model's loss on the mean of the pooled vectors: bounded gradients, so no divergence at any lr
-        loss = F.binary_cross_entropy_with_logits(out.mean(1), labels)
+        if sequence:  # every id's row: a bounded loss on their means (the same on both libraries)
+            rows = torch.cat([jt.values() for jt in model(kjt).values()])
+            loss = F.binary_cross_entropy_with_logits(rows.mean(1), torch.ones(rows.shape[0]) * 0.5)
+        else:
+            out = model(kjt).values()
+            # a click model's loss on the mean of the pooled vectors: bounded gradients, so no divergence at any lr
+            loss = F.binary_cross_entropy_with_logits(out.mean(1), labels)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -1018,7 +1046,10 @@ def write_report(
         "Cells: global samples/s over the timed steps (med = from the median step of the slowest rank); "
         "others = cores other processes used on average meanwhile (0.00 = quiet; machine total busy from "
         "/proc/stat minus our workers' CPU time). ratio = lightning_rec / TorchRec samples/s. fused = "
-        "update inside backward (fbgemm EXACT_SGD); dense = dense table gradients + torch.optim.SGD. "
+        "update inside backward (fbgemm EXACT_SGD); dense = dense table gradients + torch.optim.SGD; mixed = "
+        "fused per table, even tables SGD and odd tables row-wise Adagrad (eps 1e-8), as TorchRec users mark "
+        "them with two apply_optimizer_in_backward calls (a kernel per optimizer on each rank); seq = an "
+        "EmbeddingCollection of the big tables (a row per id, no pooling). "
         "`table_wise` at world 1 is the single-process row. first = which library ran first for that row "
         f"(in its first round; {args.rounds} round(s) per library and row, the order alternating between "
         "rounds; each cell is that library's median round, its samples/s in every round after 'rounds'). "
@@ -1222,7 +1253,7 @@ def main(argv: list[str] | None = None) -> int:
         "--jobs",
         nargs="+",
         default=["big", "dlrm"],
-        choices=["big", "dlrm", "golden"],
+        choices=["big", "dlrm", "golden", "seq"],
         help="golden: TorchRec's golden training example end to end (26 tables of --rows x --dim, --batch per rank)",
     )
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])

@@ -56,6 +56,8 @@ class MCHManagedCollisionModule(nn.Module):
     Args:
         zch_size: rows of the table (its ``num_embeddings``).
         eviction_policy: ``LRU_EvictionPolicy()`` (default) or ``LFU_EvictionPolicy()``.
+        eviction_interval: TorchRec's argument (in its position); 1, the only value: admission and eviction
+            run at every step.
         num_buckets: bucket count; must divide ``zch_size``.
         name: table name, for error messages.
     """
@@ -75,10 +77,19 @@ class MCHManagedCollisionModule(nn.Module):
         zch_size: int,
         device: torch.device | str | None = None,
         eviction_policy: LRU_EvictionPolicy | LFU_EvictionPolicy | None = None,
+        eviction_interval: int = 1,
+        *,
         num_buckets: int = DEFAULT_NUM_BUCKETS,
         name: str | None = None,
     ) -> None:
         super().__init__()
+        if eviction_interval != 1:
+            # TorchRec's argument, in its position: every step here admits and evicts (its interval 1); buffering
+            # new ids for several steps would change which ids get rows, so another interval is refused
+            raise ValueError(
+                f"managed collision {name!r}: eviction_interval={eviction_interval!r} is not supported; ids are "
+                "admitted and evicted at every step (eviction_interval=1)"
+            )
         if device is not None and torch.device(device).type not in ("cpu", "meta"):
             raise ValueError(f"managed collision {name!r}: remapping runs on CPU, got device {device}")
         self._name = name

@@ -23,6 +23,11 @@ makes that collective run through torch.distributed on every rank.
 collective completes before the call returns (the returned work is already done): the group's next collectives
 reuse its two buffers, so a collective left open while the step runs others on the same group would have its
 bytes overwritten. Prefetching an input dist therefore overlaps with gloo only.
+
+Accounting (:mod:`lightning_rec.transport.accounting`): with ``LIGHTNING_REC_BYTE_COUNT=1``, or inside
+``counting()``, every collective here adds the bytes this rank sends each peer to a table by (source host,
+destination host, stage); ``byte_counts()`` reads it, ``reset_byte_counts()`` clears it, ``stage(label)`` names
+the stage of the collectives run inside. Off, it costs one attribute read per collective.
 """
 
 from __future__ import annotations
@@ -33,8 +38,11 @@ from typing import Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-from lightning_rec.transport import bytecopy
-from lightning_rec.transport.shm import close_all, pieces_dtype, shared_group
+from lightning_rec.transport import accounting, bytecopy
+from lightning_rec.transport.accounting import byte_counts, counting, stage
+from lightning_rec.transport.accounting import reset as reset_byte_counts
+from lightning_rec.transport.shm import close_all, shared_group
+from lightning_rec.transport.signatures import pieces_dtype
 
 __all__ = [
     "PendingPieces",
@@ -43,8 +51,12 @@ __all__ = [
     "all_to_all_pieces",
     "all_to_all_single",
     "all_to_all_views",
+    "byte_counts",
     "close_all",
+    "counting",
+    "reset_byte_counts",
     "shared_group",
+    "stage",
 ]
 
 T = TypeVar("T")
@@ -61,6 +73,9 @@ def all_to_all_single(
     async_op: bool = False,
 ) -> dist.Work | None:
     """``dist.all_to_all_single`` (splits in rows of dim 0); through shared memory where the group allows."""
+    if accounting.ON:
+        n, row = dist.get_world_size(group), bytecopy.row_bytes(x)
+        accounting.record(group, [s * row for s in in_splits] if in_splits else [x.shape[0] // n * row] * n)
     if x.device.type == "cpu" and out.device.type == "cpu":
         shared = shared_group(group)
         if shared is not None and shared.all_to_all(out, x, out_splits, in_splits):
@@ -101,6 +116,8 @@ def all_to_all_pieces(
     """
     if dist.get_world_size(group) == 1:  # a group of one: this rank's pieces are what it receives
         return PendingPieces((consume([list(sends[0])]),))
+    if accounting.ON:
+        accounting.record(group, accounting.nbytes_of(sends))
     if device.type == "cpu":
         shared = shared_group(group)
         if shared is not None:
@@ -143,6 +160,8 @@ def all_to_all_views(
     if dist.get_world_size(group) == 1:
         bytecopy.copy_own(list(sends[0]), list(recvs[0]), 0)
         return
+    if accounting.ON:
+        accounting.record(group, accounting.nbytes_of(sends))
     if all(t.device.type == "cpu" for t in tensors):
         shared = shared_group(group)
         if shared is not None and shared.exchange(sends, recvs):
@@ -167,7 +186,11 @@ def all_gather_single(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGro
     if x.device.type == "cpu" and out.device.type == "cpu":
         shared = shared_group(group)
         if shared is not None and shared.all_gather(out, x):
+            if accounting.ON:
+                accounting.record_everyone(group, bytecopy.nbytes(x), ring=False, reduce=False)
             return
+    if accounting.ON:
+        accounting.record_everyone(group, bytecopy.nbytes(x), ring=True, reduce=False)
     _dist_all_gather_single(out, x, group=group)
 
 
@@ -176,5 +199,9 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     if x.device.type == "cpu":
         shared = shared_group(group)
         if shared is not None and shared.all_reduce_sum(x):
+            if accounting.ON:
+                accounting.record_everyone(group, bytecopy.nbytes(x), ring=False, reduce=True)
             return
+    if accounting.ON:
+        accounting.record_everyone(group, bytecopy.nbytes(x), ring=True, reduce=True)
     dist.all_reduce(x, group=group)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from lightning_rec import _compat
 from lightning_rec.transport import bytecopy
+from lightning_rec.transport.signatures import describe, pieces_dtype, signature
 
 T = TypeVar("T")
 _ENV = "LIGHTNING_REC_SHM"
@@ -52,38 +53,6 @@ _OK, _FALLBACK, _FAILED = 0, 1, 2
 _MIN_CAPACITY = 1 << 20
 _SPIN = 2000  # busy polls before yielding the core
 _LIVENESS_S = 0.5  # how often a waiting rank checks that the ranks it waits for are alive
-# a collective's identity, one word: operation, dtype, and the bytes every rank must give (all-gather and
-# all-reduce; 0 for all-to-alls, whose sizes differ by rank and are checked by the receivers). Pieces carry
-# no dtype: a rank sending nothing has none to give
-_OPS = ("all_to_all", "all_to_all_views", "all_to_all_pieces", "all_gather", "all_reduce_sum")
-_DTYPES = (
-    None,
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-)
-
-
-def signature(op: str, dtype: torch.dtype | None, nbytes: int = 0) -> int:
-    code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
-    return (_OPS.index(op) << 56) | (code << 48) | nbytes
-
-
-def describe(sig: int) -> str:
-    """What :func:`signature` encoded, in words."""
-    op, code, nbytes = sig >> 56, (sig >> 48) & 0xFF, sig & ((1 << 48) - 1)
-    name = _OPS[op] if op < len(_OPS) else f"operation {op}"
-    dtype = "" if code == 0 else f" of {_DTYPES[code]}" if code < len(_DTYPES) else " of another dtype"
-    return name + dtype + (f", {nbytes} bytes" if nbytes else "")
 
 
 def _identity() -> tuple[str, str, int]:
@@ -495,8 +464,3 @@ def _setup(group: dist.ProcessGroup | None) -> _SharedGroup | None:
             shared.close()
         return None
     return shared
-
-
-def pieces_dtype(sends: list[list[torch.Tensor]]) -> torch.dtype:
-    """The dtype of an all-to-all of pieces (int64 when this rank sends nothing)."""
-    return next((t.dtype for lst in sends for t in lst), torch.int64)

@@ -9,7 +9,11 @@
   4-rank world, trained a few SGD steps, equal to one process on the global batch;
 - ``replicas_2d``: 2 replicas (one per host) x 2-way model parallel (shard group within a host), equal to one
   process on the global batch;
-- ``kill:R``: 2D training where rank R SIGKILLs itself after a forward; the others record what they raised.
+- ``kill:R``: 2D training where rank R SIGKILLs itself after a forward; the others record what they raised;
+- ``all_types``: each sharding type in turn (every table of a case one type; rows and grids over one host's
+  ranks) on the 4-rank world, pooled and sequence, equal to one process on the global batch;
+- ``wire`` (hosts on their own network only): what the transport's accounting says each host sent the other,
+  per collective, against what left through the host's link (its ``eth0`` counter).
 
 The rank writes ``OUT_DIR/rank<R>.json`` after each phase: ``{phase: {"ok", "error", "data"}}``. A phase that
 raises ends the process (its peers then raise too, and the phases after it do not run).
@@ -40,8 +44,10 @@ from lightning_rec.sharding import (
     shard_modules,
     table_wise,
 )
+from lightning_rec.transport import accounting
 from lightning_rec.transport import shm as _shm
 from tests.distributed.cases import ALL_TYPES, random_case, random_placement
+from tests.distributed.hosts_net import interface_bytes
 from tests.distributed.test_sharded_equivalence import _check_case
 
 WORLD_TIMEOUT_S = 60  # what every group waits; nothing in these phases may wait it out
@@ -155,6 +161,56 @@ def phase_replicas_2d(rank: int, ws: int, per_host: int) -> dict:
     }
 
 
+ALL_TYPES_SEED = 3300
+WIRE_ELEMENTS = 1 << 20  # 4 MiB of float32 per collective: large beside the barriers' and ACKs' bytes
+
+
+def phase_all_types(rank: int, ws: int, per_host: int) -> dict:
+    out = []
+    for i, kind in enumerate(ALL_TYPES):
+        for sequence in (False, True):
+            seed = ALL_TYPES_SEED + 10 * i + sequence
+            case = random_case(seed, ws, sequence=sequence, types=(kind,), world=ws)
+            rng = random.Random(seed + 1)
+            case["local_size"] = per_host
+            for t in case["tables"]:
+                case["plan"][t.name] = random_placement(rng, kind, t.num_embeddings, t.embedding_dim, ws, per_host)
+            got = _check_case(rank, ws, case, sequence)
+            out.append({"kind": kind, "sequence": sequence, "plan": _describe_plan(case), "worst": got["worst"]})
+    return {"cases": out}
+
+
+def phase_wire(rank: int, ws: int, per_host: int) -> dict:
+    """Per collective over the world (gloo: it spans both hosts), the cross-host bytes counted against the bytes
+    the host's link carried. Rank 0 of each host reads the counter (both ranks share the link) between
+    barriers, so the window holds that collective and one barrier."""
+    x = torch.ones(WIRE_ELEMENTS)
+    quarter = WIRE_ELEMENTS // ws
+    collectives = {
+        "all_to_all": lambda: transport.all_to_all_single(torch.empty_like(x), x, [quarter] * ws, [quarter] * ws, None),
+        "all_gather": lambda: transport.all_gather_single(torch.empty(ws * WIRE_ELEMENTS), x, None),
+        "all_reduce": lambda: transport.all_reduce_sum(x.clone(), None),
+    }
+    out = {}
+    for name, run in collectives.items():
+        accounting.reset()
+        dist.barrier()
+        before = interface_bytes()["tx_bytes"]
+        dist.barrier()
+        with accounting.counting(), transport.stage(name):
+            run()
+        dist.barrier()
+        sent = interface_bytes()["tx_bytes"] - before
+        counted = accounting.gather_byte_counts()
+        host = rank // per_host
+        out[name] = {
+            "link_tx": sent if rank % per_host == 0 else None,
+            "counted": sum(n for (s, d, _), n in counted.items() if s == host and d != host),
+        }
+        dist.barrier()
+    return out
+
+
 def phase_kill(rank: int, ws: int, per_host: int, victim: int, out_dir: Path) -> dict:
     """Train a 2D model; ``victim`` SIGKILLs itself after its forward at step KILL_AT_STEP (its peers are then
     inside that step's exchanges, within its host over shared memory and across hosts over gloo)."""
@@ -220,9 +276,13 @@ def main(out_dir: Path, phases: list[str]) -> None:
             if name == "kill":
                 data = phase_kill(rank, ws, per_host, int(arg), out_dir)
             else:
-                data = {"transport": phase_transport, "row_groups": phase_row_groups, "replicas_2d": phase_replicas_2d}[
-                    name
-                ](rank, ws, per_host)
+                data = {
+                    "transport": phase_transport,
+                    "row_groups": phase_row_groups,
+                    "replicas_2d": phase_replicas_2d,
+                    "all_types": phase_all_types,
+                    "wire": phase_wire,
+                }[name](rank, ws, per_host)
             results[phase] = {"ok": True, "error": "", "data": data, "seconds": time.monotonic() - t0}
         except BaseException as e:
             results[phase] = {

@@ -1,4 +1,5 @@
-"""Simulated hosts on one Linux machine: each a set of UTS + pid + mount namespaces, all on the loopback network.
+"""Simulated hosts on one Linux machine: each a set of UTS + pid + mount namespaces, on the loopback network or
+(``own_network=True``) each in its own network namespace, joined by rate-limited links (``hosts_net.py``).
 
 A "host" is one ``unshare --uts --pid --mount --fork --mount-proc`` whose first process (pid 1 there) sets
 its own hostname, mounts a private tmpfs on ``/dev/shm`` and starts that host's ranks, with the environment
@@ -7,6 +8,11 @@ GROUP_RANK, MASTER_ADDR/PORT). The network namespace stays shared, so gloo and t
 127.0.0.1 as they would between machines. Ranks of one host share its pid space (they see each other's
 pids, and the numbers repeat from host to host: both hosts' ranks are pids 3 and 4); ranks of different
 hosts see none of each other's processes. The boot id is the one machine's (it cannot be namespaced).
+
+With ``own_network=True`` each host also gets ``unshare --net``: its ranks see only ``lo`` and ``eth0``
+(``10.77.0.<h+1>``), the store and gloo use those addresses (``MASTER_ADDR`` is host 0's, ``GLOO_SOCKET_IFNAME``
+``eth0``), and every byte between hosts crosses host ``h``'s link, whose counters the host reports. A host's
+pid 1 starts its ranks only once :func:`run_hosts` has plugged every host in.
 
 The test calls :func:`run_hosts`; this file is also the host's program (``python -m tests.distributed.hosts
 host ...``, inside the namespaces). Every process is accounted for: a host's pid 1 reaps its ranks (and any
@@ -27,6 +33,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tests.distributed import hosts_net
 
 ROOT = Path(__file__).resolve().parents[2]
 _UNSHARE = ["--uts", "--pid", "--mount", "--fork", "--mount-proc", "--kill-child"]
@@ -117,6 +125,9 @@ def run_hosts(
     per_host: int = 2,
     deadline_s: float = 150.0,
     grace_s: float = 60.0,
+    own_network: bool = False,
+    link_rate: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict:
     """Run ``python -m module OUT_DIR *args`` as ``per_host`` ranks on each of ``n_hosts`` simulated hosts.
 
@@ -125,8 +136,12 @@ def run_hosts(
     rank's ``rank<R>.json`` (None if it wrote none), each rank's output, and any process of this run still
     alive once every host has ended. A rank still running after ``deadline_s`` is killed by its host; a host
     still running ``grace_s`` later is killed from here, with everything in it.
+
+    ``own_network``: each host in its own network namespace, its link limited to ``link_rate`` (``"1gbit"``;
+    None: unshaped) in each direction; each host's report then has its ``eth0`` byte counters before its ranks
+    started and after they ended (``"net"``). ``env``: more variables for every rank.
     """
-    why = namespaces_unavailable()
+    why = namespaces_unavailable() or (hosts_net.network_unavailable() if own_network else None)
     if why is not None:
         raise RuntimeError(why)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -134,10 +149,17 @@ def run_hosts(
     port = _free_port()
     procs = []
     timed_out = False
+    switch = None
+    prefix = list(_PREFIX or [])
+    if own_network:
+        prefix.insert(1, "--net")
+    ready = out_dir / "network_ready"
     try:
+        if own_network:
+            switch = hosts_net.Switch(token)
         for h in range(n_hosts):
             cmd = [
-                *_PREFIX,
+                *prefix,
                 sys.executable,
                 "-m",
                 "tests.distributed.hosts",
@@ -147,14 +169,32 @@ def run_hosts(
                 str(per_host),
                 str(port),
                 str(deadline_s),
+                hosts_net.IFNAME if own_network else "lo",
+                json.dumps(env or {}),
                 module,
                 token,
                 *args,
             ]
             log = open(out_dir / f"host{h}.log", "w")  # noqa: SIM115 - closed below, after the host ends
             procs.append(
-                (subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log)
+                (
+                    subprocess.Popen(
+                        cmd,
+                        cwd=ROOT,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        # a run killed outright takes its hosts along (unshare --kill-child then ends pid 1)
+                        preexec_fn=hosts_net.die_with_parent(),
+                    ),
+                    log,
+                )
             )
+        if switch is not None:
+            for h, (p, _) in enumerate(procs):
+                _wait_for_own_network(p.pid)
+                switch.attach(h, p.pid, link_rate)
+            ready.write_text("")
         end = time.monotonic() + deadline_s + grace_s  # the hosts' own deadline first, then this one
         for p, _ in procs:
             try:
@@ -170,6 +210,8 @@ def run_hosts(
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
             log.close()
+        if switch is not None:
+            switch.close()
     # a namespace's processes are gone once its init is reaped; allow the kernel a moment all the same
     leftover = processes_carrying(token)
     for _ in range(50):
@@ -193,19 +235,53 @@ def run_hosts(
         + [(out_dir / f"host{h}.log").read_text(errors="replace") for h in range(n_hosts)],
         "leftover": leftover,
         "timed_out": timed_out,
+        # the switch's namespace, and with it every link, is gone once its holder is
+        "switch_left": switch is not None and os.path.exists(switch.namespace),
     }
 
 
+def _wait_for_own_network(pid: int) -> None:
+    """Until unshare (``pid``) is in a network namespace of its own."""
+    mine = os.stat("/proc/self/ns/net").st_ino
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if os.stat(f"/proc/{pid}/ns/net").st_ino != mine:
+                return
+        except OSError:
+            raise RuntimeError(f"host process {pid} ended before it had its network namespace") from None
+        time.sleep(0.01)
+    raise RuntimeError(f"host process {pid} made no network namespace within 10 s")
+
+
 def _host(
-    index: int, n_hosts: int, per_host: int, port: int, deadline_s: float, module: str, out_dir: str, args: list[str]
+    index: int,
+    n_hosts: int,
+    per_host: int,
+    port: int,
+    deadline_s: float,
+    ifname: str,
+    extra_env: dict[str, str],
+    module: str,
+    out_dir: str,
+    args: list[str],
 ) -> None:
     """pid 1 of one simulated host: name it, give it its own /dev/shm, run its ranks, reap, report."""
     hostname = f"lr-host{index}"
     socket.sethostname(hostname)
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={_SHM_SIZE}", "lr-shm", "/dev/shm"], check=True)
+    own_network = ifname != "lo"
+    if own_network:
+        ready = Path(out_dir) / "network_ready"
+        give_up = time.monotonic() + 60
+        while not ready.exists():
+            if time.monotonic() > give_up:
+                raise SystemExit(f"host {index}: no network after 60 s")
+            time.sleep(0.01)
+    net_before = hosts_net.interface_bytes() if own_network else None
     base = {k: v for k, v in os.environ.items() if k != "LIGHTNING_REC_SHM"}  # the transport's default: on
     base.update(
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR=hosts_net.address(0) if own_network else "127.0.0.1",
         MASTER_PORT=str(port),
         WORLD_SIZE=str(n_hosts * per_host),
         LOCAL_WORLD_SIZE=str(per_host),
@@ -214,9 +290,10 @@ def _host(
         GROUP_WORLD_SIZE=str(n_hosts),
         ROLE_NAME="default",
         ROLE_WORLD_SIZE=str(n_hosts * per_host),
-        # the hostname resolves nowhere: bind gloo to loopback, as the shared network namespace is
-        GLOO_SOCKET_IFNAME="lo",
+        # the hostname resolves nowhere: bind gloo to the host's interface (loopback, where the network is shared)
+        GLOO_SOCKET_IFNAME=ifname,
         OMP_NUM_THREADS="1",
+        **extra_env,
     )
     ranks: dict[int, int] = {}  # pid -> global rank
     for local in range(per_host):
@@ -255,14 +332,26 @@ def _host(
         "ended_at": {str(r): t for r, t in sorted(ended_at.items())},  # CLOCK_MONOTONIC: one clock for all hosts
         "killed_at_deadline": killed_at_deadline,
         "dev_shm_left": sorted(os.listdir("/dev/shm")),
+        "net": {"before": net_before, "after": hosts_net.interface_bytes()} if own_network else None,
+        "interfaces": _interfaces(),
     }
     path = Path(out_dir) / f"host{index}.json"
     path.with_suffix(".tmp").write_text(json.dumps(report))
     path.with_suffix(".tmp").rename(path)
 
 
+def _interfaces() -> list[str]:
+    """The network interfaces this host sees (its own namespace's, or the machine's where it shares that)."""
+    with open("/proc/net/dev") as f:
+        return sorted(line.partition(":")[0].strip() for line in f if ":" in line)
+
+
 if __name__ == "__main__":
     if sys.argv[1] != "host":
-        raise SystemExit(f"usage: {sys.argv[0]} host INDEX N_HOSTS PER_HOST PORT DEADLINE_S MODULE OUT_DIR ARGS...")
-    i, n, per, port_, deadline_, module_, out_ = sys.argv[2:9]
-    _host(int(i), int(n), int(per), int(port_), float(deadline_), module_, out_, sys.argv[9:])
+        raise SystemExit(
+            f"usage: {sys.argv[0]} host INDEX N_HOSTS PER_HOST PORT DEADLINE_S IFNAME ENV_JSON MODULE OUT_DIR ARGS..."
+        )
+    i, n, per, port_, deadline_, ifname_, env_, module_, out_ = sys.argv[2:11]
+    _host(
+        int(i), int(n), int(per), int(port_), float(deadline_), ifname_, json.loads(env_), module_, out_, sys.argv[11:]
+    )
