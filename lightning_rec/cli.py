@@ -237,7 +237,13 @@ def _export_parser(sub: argparse._SubParsersAction) -> None:
         "--table-dtype", action="append", default=[], metavar="TABLE=TYPE", help="one table's type (repeatable)"
     )
     p.add_argument("--output-dtype", choices=sorted(_OUTPUT), default="fp32", help="the collections' outputs")
-    p.add_argument("--row-alignment", type=int, default=16, help="pad stored rows to this many bytes (1: packed)")
+    p.add_argument(
+        "--row-alignment",
+        type=int,
+        default=None,
+        help="pad stored rows to this many bytes (16: fbgemm's and TorchRec's rows); default: compact rows that the "
+        "fast CPU lookup reads in place",
+    )
     p.add_argument("--trust-checkpoint", action="store_true", help="unpickle the checkpoint fully (runs its code)")
 
 

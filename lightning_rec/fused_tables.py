@@ -94,16 +94,6 @@ def named_tables(option: EmbeddingOptimizer | None) -> list[str]:
     return list(option.tables) if isinstance(option, PerTableOptimizers) else []
 
 
-def planner_spec(specs: Mapping[str, TableSpecs]) -> FusedOptimizerSpec | None:
-    """One spec standing for every fused table in the planner's memory model: the kind with the most state, one
-    with a per-row statistic where any table has one (so that no plan splits those tables by columns)."""
-    fused = [s for t in specs.values() for s in t.values() if s is not None]
-    if not fused:
-        return None
-    rowwise = [s for s in fused if s.info.state_per_row] or fused
-    return max(rowwise, key=lambda s: (s.info.state_per_value, s.info.state_per_row))
-
-
 def summary(specs: Mapping[str, TableSpecs]) -> EmbeddingOptimizer | None:
     """What the model's tables train with, said once: None (nothing fused), the one spec of every fused table, or a
     :class:`PerTableOptimizers` naming each fused table's."""

@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_rec import _compat, child_exits
 from lightning_rec import checkpoint as ckpt
-from lightning_rec.fused_tables import EmbeddingOptimizer, as_table_optimizers, planner_spec, summary
+from lightning_rec.fused_tables import EmbeddingOptimizer, as_table_optimizers, summary
 from lightning_rec.pipeline.collectives import grad_scale
 from lightning_rec.pipeline.qcomm import QCommsConfig, get_qcomm_codecs_registry
 from lightning_rec.pipeline.shard_modules import ddp_ignored_names, materialize_dense, shard_modules
@@ -116,8 +116,9 @@ class ShardSetup:
                 kw["batch_size"] = batch_size
             if device.type == "cuda":
                 kw["device_memory"] = torch.cuda.get_device_properties(device).total_memory
-            spec = planner_spec(specs)
-            planner = automatic_plan(module, mesh.model_parallel_size, mesh.local_size, world_size, spec, **kw)
+            planner = automatic_plan(
+                module, mesh.model_parallel_size, mesh.local_size, world_size, table_optimizers=specs, **kw
+            )
             plan = planner.plan(module)
             planner = planner if plan.plan else None
         shard_modules(

@@ -56,9 +56,8 @@ def resolve_table_optimizers(
     (``apply_optimizer_in_backward``) wins; otherwise the sharder's ``fused_params`` for its module type
     (``by_type``), otherwise ``given`` (one spec, or :class:`PerTableOptimizers`). A mark that disagrees
     with the other source raises, naming the table (a ``PerTableOptimizers`` default only fills in).
-    Tables sharing a spec share a kernel, so any mix of kinds and hyper-parameters works; but within one
-    collection every table is fused or none is (raises naming the others), and sequence collections
-    (``EmbeddingCollection``) are not fused.
+    Tables sharing a spec share a kernel, so any mix of kinds and hyper-parameters works, pooled and sequence
+    collections alike; within one collection every table is fused or none is (raises naming the others).
     """
     given = as_table_optimizers(given)
     found = _collections(module)
@@ -88,12 +87,6 @@ def resolve_table_optimizers(
                 )
             specs[name] = mark if mark is not None else fallback
         fused = sorted(n for n, s in specs.items() if s is not None)
-        if fused and isinstance(m, EmbeddingCollection):
-            raise ValueError(
-                f"collection {where!r} is an EmbeddingCollection, whose tables cannot train with a fused "
-                f"optimizer yet (the fused kernels pool), but tables {fused} were given one; train them with "
-                "torch optimizers (no in-backward mark), or name only pooled tables (PerTableOptimizers)"
-            )
         plain = sorted(n for n, s in specs.items() if s is None)
         if fused and plain:
             raise ValueError(
@@ -198,7 +191,7 @@ def automatic_plan_report(
     """
     chosen = planner.explain()
     kind = tables_optimizer_kind(module, optimizers)
-    if kind is None or kind == planner.optimizer:
+    if kind is None or kind == planner.optimizer or planner.table_optimizers:  # per-table kinds: already known
         return chosen
     planned, planner.optimizer = planner.optimizer, kind
     report = planner.estimate(module)

@@ -1,14 +1,16 @@
 """Lookup kernels: fbgemm's table-batched calls, or plain torch ``F.embedding_bag`` / ``F.embedding``.
 
-Every kernel here pools with SUM. MEAN is applied by the caller, once, on the sample's own rank
-(docs/ARCHITECTURE.md C1); that also keeps us clear of fbgemm's wrong MEAN + per-sample-weight backward.
+Every pooled kernel here pools with SUM (the fused one can also return one row per id, for sequence lookups).
+MEAN is applied by the caller, once, on the sample's own rank (docs/ARCHITECTURE.md C1); that also keeps us clear
+of fbgemm's wrong MEAN + per-sample-weight backward.
 
 - :mod:`._capability`: which kernel runs (``compute_kernel`` ``"auto"`` / ``"fbgemm"`` / ``"torch"``), and
   whether the installed fbgemm build has the ops for the device (asked once; torch fallback or one error)
 - :mod:`._torch`: the torch path (the reference)
 - :mod:`._dense_tbe`: fbgemm's dense table-batched lookup over plain parameters
 - :mod:`._grouped`: one pooled lookup over tables served by different kernels (a sharded rank's shards)
-- :mod:`._fused`, :mod:`._guards`: fbgemm's split table-batched lookup with the optimizer in backward
+- :mod:`._fused_tbe`, :mod:`._guards`: fbgemm's split table-batched lookup with the optimizer in backward;
+  :mod:`._fused_sequence`: the same without pooling (one row per id)
 - :mod:`._accumulate`: its accumulation mode (backward keeps the gradients; the step applies one update)
 - :mod:`._split_tbe`, :mod:`._torch_adam`: the module behind it: fbgemm's, or on CPU for the Adam family (no fbgemm
   CPU kernel) a torch stand-in applying fbgemm's CUDA update
@@ -30,6 +32,7 @@ from lightning_rec.kernels._capability import (
     validate_kernel,
 )
 from lightning_rec.kernels._dense_tbe import FbgemmPooledKernel
+from lightning_rec.kernels._fused_sequence import FusedSequenceKernel
 from lightning_rec.kernels._fused_tbe import FusedPooledKernel
 from lightning_rec.kernels._grouped import LOOKUP_KERNELS, GroupedPooledLookup
 from lightning_rec.kernels._ids import check_ids, check_offsets, validate_ids
@@ -45,6 +48,7 @@ __all__ = [
     "LOOKUP_KERNELS",
     "FbgemmPooledKernel",
     "FusedPooledKernel",
+    "FusedSequenceKernel",
     "FusedTables",
     "GroupedPooledLookup",
     "TableContainer",

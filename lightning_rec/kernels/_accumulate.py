@@ -3,15 +3,17 @@
 A fused kernel applies its optimizer inside backward, so k backward passes would make k updates. In
 accumulation mode (``FusedPooledKernel.accumulate = True``) the lookup runs without fbgemm's autograd and
 its backward only keeps what the update needs: each micro-batch's ids, offsets, per-sample weights and the
-(scaled) gradient of its pooled output. ``finish_step`` (``FusedOptimizer.step``) then runs fbgemm's
-forward and fused backward once over the union of the kept micro-batches. fbgemm's exact optimizers sum
-every occurrence of a row before updating it once, so the union gives the update of the summed gradient:
-the tables do not move between micro-batches, and the step is one update, as a torch optimizer's step on
-accumulated ``.grad`` (docs/ARCHITECTURE.md, "Fused optimizers and the union-batch rule").
+(scaled) gradient of its output (pooled: ``[batch, width]``; without pooling: ``[ids, dim]``, a row per id).
+``finish_step`` (``FusedOptimizer.step``) then runs fbgemm's forward and fused backward once over the union of
+the kept micro-batches. fbgemm's exact optimizers sum every occurrence of a row before updating it once (pooled
+or not: measured for the no-bag mode too, docs/ARCHITECTURE.md F18), so the union gives the update of the summed
+gradient: the tables do not move between micro-batches, and the step is one update, as a torch optimizer's step
+on accumulated ``.grad`` (docs/ARCHITECTURE.md, "Fused optimizers and the union-batch rule").
 
 Cost per kept micro-batch (bytes): ``8 * ids + 8 * (features * batch + 1)`` (+ ``4 * ids`` weighted)
-``+ itemsize * batch * width`` (the pooled gradient); under the union-batch rule these are the union's
-(copies x the local batch). The step concatenates them once more, and re-runs the forward over the union.
+``+ itemsize * batch * width`` (the pooled gradient; without pooling ``itemsize * ids * dim``); under the
+union-batch rule these are the union's (copies x the local batch). The step concatenates them once more, and
+re-runs the forward over the union.
 """
 
 from __future__ import annotations
@@ -24,16 +26,28 @@ import torch
 class MicroBatch:
     """One lookup's inputs, kept until the step, and the gradient its backward passes brought (summed)."""
 
-    __slots__ = ("batch", "grad", "offsets", "values", "weights")
+    __slots__ = ("batch", "grad", "keep", "offsets", "per_id", "values", "weights")
 
-    def __init__(self, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, batch: int) -> None:
+    def __init__(
+        self,
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        batch: int,
+        per_id: bool = False,
+    ) -> None:
         self.values, self.offsets, self.weights, self.batch = values, offsets, weights, batch
+        #: the gradient has a row per id (no pooling), not per sample
+        self.per_id = per_id
         self.grad: torch.Tensor | None = None
+        #: per-id gradients: which of the lookup's ids are still kept after drop_rows (None: all)
+        self.keep: torch.Tensor | None = None
 
     def drop_rows(self, features: list[int], rows: torch.Tensor) -> None:
         """Forget every occurrence of ``rows`` in the bags of ``features``: those rows were given to other ids
         since (managed collision), so this micro-batch's gradient no longer belongs to them. The pooled gradient
-        of each bag stays: the bag's other rows get what they got."""
+        of each bag stays: the bag's other rows get what they got. Without pooling each dropped id's gradient row
+        goes with it."""
         lengths = self.offsets.diff()
         bagged = int(self.offsets[-1])  # ids past the last bag belong to no bag: dropped too
         bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths, output_size=bagged)
@@ -48,11 +62,17 @@ class MicroBatch:
         kept = torch.bincount(bag[keep], minlength=lengths.numel()).to(self.offsets.dtype)
         self.values = ids[keep]
         self.weights = None if self.weights is None else self.weights[:bagged][keep]
+        if self.per_id:
+            # a later backward through this lookup (another loss) brings a row per original id: keep its map
+            at = torch.nonzero(keep).squeeze(1)
+            self.keep = at if self.keep is None else self.keep.index_select(0, at)
+            if self.grad is not None:
+                self.grad = self.grad[:bagged][keep]
         self.offsets = torch.cat([self.offsets.new_zeros(1), torch.cumsum(kept, 0)])
 
     def nbytes(self) -> int:
         """Bytes this micro-batch keeps until the step (its inputs and its gradient)."""
-        kept = [self.values, self.offsets, self.weights, self.grad]
+        kept = [self.values, self.offsets, self.weights, self.grad, self.keep]
         return sum(t.numel() * t.element_size() for t in kept if t is not None)
 
 
@@ -78,6 +98,9 @@ class DeferringKernel(Protocol):
     def feature_dims(self) -> list[int]: ...
 
     @property
+    def pooling(self) -> str: ...
+
+    @property
     def _pending(self) -> list[MicroBatch]: ...
 
     @property
@@ -95,7 +118,7 @@ def drop_kept_rows(kernel: DeferringKernel, table: int, rows: torch.Tensor) -> N
 
 
 class _DeferredLookup(torch.autograd.Function):
-    """The kernel's pooled output; backward keeps the gradient for the step instead of updating."""
+    """The kernel's output; backward keeps the gradient for the step instead of updating."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -121,6 +144,8 @@ class _DeferredLookup(torch.autograd.Function):
         kernel, mb = ctx.kernel, ctx.mb
         w_grad = weights_grad(kernel, mb, grad) if ctx.needs_input_grad[1] else None
         scaled = grad * ctx.grad_scale if ctx.grad_scale != 1.0 else grad.contiguous()
+        if mb.keep is not None:
+            scaled = scaled.index_select(0, mb.keep)
         if mb.grad is None:  # first backward through this lookup since the last step
             mb.grad = scaled
             kernel._pending.append(mb)
@@ -137,9 +162,9 @@ def deferred_lookup(
     batch: int,
     grad_scale: float,
 ) -> torch.Tensor:
-    """The pooled output of ``kernel`` whose backward defers the update to ``kernel.finish_step()``."""
+    """The output of ``kernel`` whose backward defers the update to ``kernel.finish_step()``."""
     kept = None if weights is None else weights.detach()
-    mb = MicroBatch(values, offsets, kept, batch)
+    mb = MicroBatch(values, offsets, kept, batch, per_id=kernel.pooling == "none")
     return _DeferredLookup.apply(kernel._anchor, weights, kernel, mb, grad_scale)
 
 
@@ -173,7 +198,8 @@ def union_of(
     when none has a sample).
 
     Feature ``f``'s bags are micro-batch 0's, then 1's, ...; the gradient's rows follow (micro-batch 0's
-    samples first), so the union's bag ``(f, j)`` meets the gradient of the sample it came from."""
+    samples first), so the union's bag ``(f, j)`` meets the gradient of the sample it came from. Gradients with
+    a row per id (no pooling) are regrouped as the ids are, so every id meets its own row."""
     batches = [mb for mb in batches if mb.batch]
     if not batches:
         return None
@@ -182,13 +208,17 @@ def union_of(
         assert mb.grad is not None
         return mb.values, mb.offsets, mb.weights, mb.grad
     weighted = any(mb.weights is not None for mb in batches)
-    lengths, values, weights = [], [], []
+    per_id = batches[0].per_id
+    lengths, values, weights, id_grads = [], [], [], []
     for mb in batches:
         mb_lengths = mb.offsets.diff()
         bounds = mb.offsets[:: mb.batch].tolist()
         for f in range(n_features):
             lengths.append((f, mb_lengths[f * mb.batch : (f + 1) * mb.batch]))
             values.append((f, mb.values[bounds[f] : bounds[f + 1]]))
+            if per_id:
+                assert mb.grad is not None
+                id_grads.append((f, mb.grad[bounds[f] : bounds[f + 1]]))
             if weighted:
                 w = mb.weights if mb.weights is not None else torch.ones_like(mb.values, dtype=torch.float32)
                 weights.append((f, w[bounds[f] : bounds[f + 1]]))
@@ -199,6 +229,10 @@ def union_of(
     union_lengths = feature_major(lengths)
     offsets = torch.zeros(union_lengths.numel() + 1, dtype=torch.long, device=union_lengths.device)
     torch.cumsum(union_lengths, 0, out=offsets[1:])
-    grads = [mb.grad for mb in batches]
-    assert all(g is not None for g in grads)
-    return (feature_major(values), offsets, feature_major(weights) if weighted else None, torch.cat(grads, 0))  # type: ignore[arg-type]
+    if per_id:
+        grad = feature_major(id_grads)
+    else:
+        grads = [mb.grad for mb in batches]
+        assert all(g is not None for g in grads)
+        grad = torch.cat(grads, 0)  # type: ignore[arg-type]
+    return feature_major(values), offsets, feature_major(weights) if weighted else None, grad

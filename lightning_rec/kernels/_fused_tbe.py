@@ -1,4 +1,5 @@
-"""The fused kernel: fbgemm's split table-batched lookup whose optimizer runs inside backward.
+"""The fused kernel: fbgemm's split table-batched lookup whose optimizer runs inside backward, pooled (one row
+per bag) or not (one row per id: sequence lookups).
 
 The tables are views of fbgemm's own storage, registered as ``<table>.weight`` so the state_dict matches an
 unsharded collection's; fbgemm's module itself (its weights, and momentum, which it registers as a
@@ -11,7 +12,6 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -20,7 +20,14 @@ import torch
 from lightning_rec import _compat
 from lightning_rec.fused_kinds import FusedOptimizerSpec, as_spec
 from lightning_rec.kernels._accumulate import MicroBatch, deferred_lookup, drop_kept_rows, union_of
-from lightning_rec.kernels._guards import _FusedBackwardGuard, _FusedStepCounter, _ScaleGrad, check_feature_table
+from lightning_rec.kernels._guards import (
+    _FusedBackwardGuard,
+    _FusedStepCounter,
+    _ScaleGrad,
+    check_feature_table,
+    check_pooling,
+    check_tables,
+)
 from lightning_rec.kernels._ids import check_ids, check_offsets
 from lightning_rec.kernels._split_tbe import build_split_tbe, check_split_tbe
 from lightning_rec.kernels._tables import FusedTable, unexpected_table_keys
@@ -28,16 +35,8 @@ from lightning_rec.memory.huge_pages import zero_into_huge_pages
 from lightning_rec.memory.malloc import keep_freed_memory
 
 
-def _as_int(x: Any) -> Any:
-    """``x`` as a Python int when it is an integer of any kind (numpy, 0-d tensor), else unchanged."""
-    try:
-        return operator.index(x)
-    except TypeError:
-        return x
-
-
 class FusedPooledKernel(torch.nn.Module):
-    """SUM-pooled lookup over several tables whose optimizer runs inside backward (fbgemm split TBE).
+    """SUM-pooled (or unpooled) lookup over several tables whose optimizer runs inside backward (fbgemm split TBE).
 
     One ``SplitTableBatchedEmbeddingBagsCodegen`` (CPU: ``ComputeDevice.CPU`` + ``EmbeddingLocation.HOST``;
     CUDA: ``EmbeddingLocation.DEVICE``) holds every table; on CPU, the Adam family (no fbgemm CPU kernel) runs
@@ -57,6 +56,10 @@ class FusedPooledKernel(torch.nn.Module):
             kernel's ``[rows, dim]`` storage in place (e.g. a table's init, on a model built on the meta
             device). Default: uniform in
             ``+-sqrt(1 / rows)``, TorchRec's default (fbgemm itself starts at zero).
+        pooling: ``"sum"`` (default): :meth:`forward` returns one pooled row per bag. ``"none"``: one row per
+            id, for sequence lookups (fbgemm's ``PoolingMode.NONE``; the Adam family's torch stand-in on CPU):
+            every table must have the same dim (fbgemm's no-bag mode has one width), and lookups take no
+            per-sample weights. :class:`FusedSequenceKernel` is this kernel with ``pooling="none"``.
 
     Tables: :meth:`tables` returns one leaf ``nn.Parameter`` per table, a view of the kernel's storage
     (``requires_grad=False``, so no torch optimizer or DDP touches them). They are registered as
@@ -81,6 +84,7 @@ class FusedPooledKernel(torch.nn.Module):
         optimizer: FusedOptimizerSpec | Mapping[str, Any],
         device: torch.device | str | None = None,
         weights: Sequence[torch.Tensor | Callable[[torch.Tensor], object]] | None = None,
+        pooling: str = "sum",
     ) -> None:
         super().__init__()
         spec = as_spec(optimizer)
@@ -90,12 +94,13 @@ class FusedPooledKernel(torch.nn.Module):
         optim_type = check_split_tbe(spec, dev)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
-        names, rows, dims, dtype = self._check_tables(tables)
-        feature_table = check_feature_table(feature_table, names)
+        names, rows, dims, dtype = check_tables(tables)
+        pooling = check_pooling(pooling, names, dims)
+        feature_table = check_feature_table(feature_table, names, pooled=pooling == "sum")
         on_cpu = dev.type == "cpu"
         if on_cpu:
             keep_freed_memory()  # memory/malloc.py: the step's large tensors reuse memory, not fresh pages
-        tbe = build_split_tbe(spec, optim_type, names, rows, dims, dtype, feature_table, dev)
+        tbe = build_split_tbe(spec, optim_type, names, rows, dims, dtype, feature_table, dev, pooling)
         # Not a registered submodule: its parameters and buffers stay out of parameters() and state_dict().
         object.__setattr__(self, "_tbe", tbe)
         self.spec = spec
@@ -105,9 +110,11 @@ class FusedPooledKernel(torch.nn.Module):
         self.dims: list[int] = dims
         self.dtype = dtype
         self.device = dev
+        self.pooling = pooling
         self.feature_table: list[int] = feature_table
         self.feature_dims: list[int] = [dims[t] for t in feature_table]
-        self.total_dim = sum(self.feature_dims)
+        # the width of forward's output
+        self.total_dim = sum(self.feature_dims) if pooling == "sum" else dims[0]
         self._rows_per_feature = torch.tensor([rows[t] for t in feature_table], dtype=torch.long, device=dev)
         self._counter = _FusedStepCounter()
         self._lr = float(spec.lr)  # the value last pushed into fbgemm (fbgemm keeps it as float32)
@@ -142,51 +149,6 @@ class FusedPooledKernel(torch.nn.Module):
         for name, v in zip(names, views):
             _compat.child_modules(self)[name] = FusedTable(torch.nn.Parameter(v, requires_grad=False))
         self._ptrs = [v.data_ptr() for v in views]
-
-    # -- construction checks ------------------------------------------------------------------------------
-
-    @staticmethod
-    def _check_tables(
-        tables: Sequence[tuple[str, int, int, torch.dtype]],
-    ) -> tuple[list[str], list[int], list[int], torch.dtype]:
-        tables = list(tables)
-        if not tables:
-            raise ValueError("FusedPooledKernel needs at least one table")
-        names, rows, dims, dtypes = [], [], [], []
-        for entry in tables:
-            if len(entry) != 4:
-                raise ValueError(f"a table must be (name, rows, dim, dtype), got {entry!r}")
-            name, r, d, dtype = entry
-            r, d = _as_int(r), _as_int(d)
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"table names must be non-empty strings, got {name!r}")
-            if name in names:
-                raise ValueError(f"table name {name!r} is used twice; table names must be unique")
-            if not isinstance(r, int) or r < 1:
-                raise ValueError(
-                    f"table {name!r}: the fused kernel needs at least one row, got rows={r!r} "
-                    "(a table with no rows on this rank must not be given to the kernel)"
-                )
-            if not isinstance(d, int) or d < 1 or d % 4:
-                raise ValueError(
-                    f"table {name!r}: embedding dim {d!r} is not supported by the fused fbgemm kernel, which needs "
-                    "a positive multiple of 4 (use plain parameters with a torch optimizer for other dims)"
-                )
-            if dtype == torch.bfloat16:
-                raise ValueError(
-                    f"table {name!r}: bfloat16 tables are not supported by the fused kernel (fbgemm has no "
-                    "bfloat16 CPU kernel for it); use torch.float32 or torch.float16"
-                )
-            if dtype not in (torch.float32, torch.float16):
-                raise ValueError(f"table {name!r}: dtype {dtype} is not supported; use torch.float32 or torch.float16")
-            names.append(name)
-            rows.append(r)
-            dims.append(d)
-            dtypes.append(dtype)
-        if len(set(dtypes)) > 1:
-            detail = ", ".join(f"{n!r}: {d}" for n, d in zip(names, dtypes))
-            raise ValueError(f"one fused kernel needs one dtype for all its tables, got {detail}")
-        return names, rows, dims, dtypes[0]
 
     # -- tables -------------------------------------------------------------------------------------------
 
@@ -263,9 +225,12 @@ class FusedPooledKernel(torch.nn.Module):
         grad_scale: float = 1.0,
         ids_checked: bool = False,
     ) -> torch.Tensor:
-        """SUM-pooled ``[B, sum of feature dims]`` (columns in feature order) from feature-major inputs.
+        """SUM-pooled ``[B, sum of feature dims]`` (columns in feature order) from feature-major inputs; without
+        pooling, ``[len(values), dim]``: each id's row, ids in input order.
 
-        ``offsets`` has ``len(feature_table) * B + 1`` entries (bags of feature 0, then feature 1, ...).
+        ``offsets`` has ``len(feature_table) * B + 1`` entries (bags of feature 0, then feature 1, ...); without
+        pooling they say which feature (so which table) each id reads. Without pooling there are no
+        ``per_sample_weights``.
         ``grad_scale`` multiplies the gradient that reaches the tables' update (e.g. ``1 / world_size``);
         the gradient of ``per_sample_weights`` is not scaled. ``ids_checked=True``: the caller built
         ``offsets`` itself and already checked every id against its table's rows (the sharded collections
@@ -290,6 +255,11 @@ class FusedPooledKernel(torch.nn.Module):
         if not ids_checked:
             self._check_inputs(values, offsets, batch)
         psw = per_sample_weights
+        if psw is not None and self.pooling == "none":
+            raise ValueError(
+                "a fused kernel without pooling (one row per id) takes no per_sample_weights: there is no bag to "
+                "weigh the ids in (and fbgemm's no-bag mode drops them silently: F3)"
+            )
         if psw is not None:
             if psw.dim() != 1 or psw.numel() != values.numel():
                 raise ValueError(

@@ -1,9 +1,11 @@
-"""Guards of the fused kernel: its feature -> table map, checked at construction (fbgemm's Adagrad kernels are
-silently wrong on others); and in autograd, since a fused optimizer updates inside backward, what it cannot
-honour (a repeated backward, gradient accumulation) is refused there, and the gradient is scaled on its way in."""
+"""Guards of the fused kernel: its tables, pooling and feature -> table map, checked at construction (fbgemm's
+kernels are silently wrong or crash on others); and in autograd, since a fused optimizer updates inside backward,
+what it cannot honour (a repeated backward, gradient accumulation) is refused there, and the gradient is scaled on
+its way in."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,7 +75,77 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def check_feature_table(feature_table: Sequence[int], names: list[str]) -> list[int]:
+def _as_int(x: Any) -> Any:
+    """``x`` as a Python int when it is an integer of any kind (numpy, 0-d tensor), else unchanged."""
+    try:
+        return operator.index(x)
+    except TypeError:
+        return x
+
+
+#: ``"sum"``: one pooled row per bag; ``"none"``: one row per id (sequence lookups)
+POOLINGS = ("sum", "none")
+
+
+def check_tables(
+    tables: Sequence[tuple[str, int, int, torch.dtype]],
+) -> tuple[list[str], list[int], list[int], torch.dtype]:
+    """The fused kernel's ``(name, rows, dim, dtype)`` tables, checked: ``(names, rows, dims, dtype)``."""
+    tables = list(tables)
+    if not tables:
+        raise ValueError("FusedPooledKernel needs at least one table")
+    names, rows, dims, dtypes = [], [], [], []
+    for entry in tables:
+        if len(entry) != 4:
+            raise ValueError(f"a table must be (name, rows, dim, dtype), got {entry!r}")
+        name, r, d, dtype = entry
+        r, d = _as_int(r), _as_int(d)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"table names must be non-empty strings, got {name!r}")
+        if name in names:
+            raise ValueError(f"table name {name!r} is used twice; table names must be unique")
+        if not isinstance(r, int) or r < 1:
+            raise ValueError(
+                f"table {name!r}: the fused kernel needs at least one row, got rows={r!r} "
+                "(a table with no rows on this rank must not be given to the kernel)"
+            )
+        if not isinstance(d, int) or d < 1 or d % 4:
+            raise ValueError(
+                f"table {name!r}: embedding dim {d!r} is not supported by the fused fbgemm kernel, which needs "
+                "a positive multiple of 4 (use plain parameters with a torch optimizer for other dims)"
+            )
+        if dtype == torch.bfloat16:
+            raise ValueError(
+                f"table {name!r}: bfloat16 tables are not supported by the fused kernel (fbgemm has no "
+                "bfloat16 CPU kernel for it); use torch.float32 or torch.float16"
+            )
+        if dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"table {name!r}: dtype {dtype} is not supported; use torch.float32 or torch.float16")
+        names.append(name)
+        rows.append(r)
+        dims.append(d)
+        dtypes.append(dtype)
+    if len(set(dtypes)) > 1:
+        detail = ", ".join(f"{n!r}: {d}" for n, d in zip(names, dtypes))
+        raise ValueError(f"one fused kernel needs one dtype for all its tables, got {detail}")
+    return names, rows, dims, dtypes[0]
+
+
+def check_pooling(pooling: str, names: list[str], dims: list[int]) -> str:
+    """``pooling`` checked against the tables: without pooling (one row per id) every table has one width,
+    which fbgemm's no-bag mode needs (it asserts ``Mixed dimension tables only supported for pooling tables``)."""
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {list(POOLINGS)}, got {pooling!r}")
+    if pooling == "none" and len(set(dims)) > 1:
+        detail = ", ".join(f"{n!r}: {d}" for n, d in zip(names, dims))
+        raise ValueError(
+            f"a fused kernel without pooling (one row per id) needs one embedding dim for all its tables, got "
+            f"{detail}; build one kernel per dim"
+        )
+    return pooling
+
+
+def check_feature_table(feature_table: Sequence[int], names: list[str], pooled: bool = True) -> list[int]:
     """The fused kernel's feature -> table map, checked: every table read, features grouped by table (F2)."""
     ft = [int(t) for t in feature_table]
     if not ft:
@@ -86,8 +158,8 @@ def check_feature_table(feature_table: Sequence[int], names: list[str]) -> list[
             raise ValueError(
                 f"feature_table must be non-decreasing (features grouped by table, in table order), got {ft}: "
                 f"feature {f} (table {names[ft[f]]!r}) comes after feature {f - 1} (table {names[ft[f - 1]]!r}). "
-                "fbgemm's Adagrad kernels are silently wrong or crash otherwise; sort the features by table "
-                "and permute the output columns afterwards"
+                "fbgemm's kernels are silently wrong or crash otherwise (F2); sort the features by table "
+                f"and permute the output {'columns' if pooled else 'rows'} afterwards"
             )
     unused = [names[t] for t in range(len(names)) if t not in set(ft)]
     if unused:

@@ -44,15 +44,17 @@ def build_split_tbe(
     dtype: torch.dtype,
     feature_table: Sequence[int],
     device: torch.device,
+    pooling: str = "sum",
 ) -> Any:
-    """The module holding the tables (SUM pooling) and updating them in backward, for a checked ``spec``."""
+    """The module holding the tables and updating them in backward, for a checked ``spec``: SUM-pooled, or
+    (``pooling="none"``, one dim for all tables) one row per id."""
     if runs_in_torch(spec, device):
         if dtype != torch.float32:
             raise ValueError(
                 f"fused optimizer {spec.kind!r} on CPU supports float32 tables only, got {dtype} (fbgemm has no "
                 f"CPU kernel for {spec.kind!r}; its torch update keeps fp32 tables): use torch.float32"
             )
-        return TorchAdamTBE(rows, dims, feature_table, spec)
+        return TorchAdamTBE(rows, dims, feature_table, spec, pooling=pooling)
     tbe_ops = fbgemm_training()
     on_cpu = device.type == "cpu"
     location = tbe_ops.EmbeddingLocation.HOST if on_cpu else tbe_ops.EmbeddingLocation.DEVICE
@@ -72,7 +74,7 @@ def build_split_tbe(
         learning_rate=spec.lr,
         eps=spec.eps,
         stochastic_rounding=spec.stochastic_rounding,
-        pooling_mode=tbe_ops.PoolingMode.SUM,
+        pooling_mode=tbe_ops.PoolingMode.SUM if pooling == "sum" else tbe_ops.PoolingMode.NONE,
         weights_precision=precision,
         output_dtype=precision,
         device=device,

@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from lightning_rec.fused_kinds import FUSED_KINDS, PER_ROW, TORCH_CPU_KINDS, FusedOptimizerSpec
+from lightning_rec.kernels._guards import POOLINGS
 
 _TRUST_RATIO = ("lamb", "partial_rowwise_lamb")
-POOLINGS = ("sum", "none")
 
 
 def _f32(x: float) -> float:

@@ -41,14 +41,11 @@ def table_specs(option: object, tables: list[BaseEmbeddingConfig]) -> list[Fused
 
 
 def check_fused(
-    attr: str,
     tables: list[BaseEmbeddingConfig],
     shards: dict[str, list[ShardMeta] | None],
     specs: Sequence[FusedOptimizerSpec | None],
 ) -> None:
     """Refuse what fbgemm's fused kernel cannot hold, on every rank alike, before anything is allocated."""
-    if attr != "embedding_bags":
-        raise ValueError("embedding_optimizer (fused) supports pooled EmbeddingBagCollections only")
     # kernel (a shard rank or "dp", and a spec) -> its tables' dtypes
     kernel_dtypes: dict[tuple[int | str, FusedOptimizerSpec], dict[str, torch.dtype]] = {}
     for t, spec in zip(tables, specs):
@@ -89,6 +86,8 @@ class FusedGroup(NamedTuple):
 
     kernel: kernels.FusedPooledKernel
     inputs: list[int]
+    #: sequence kernels: each input's table in the kernel (the kernel has one feature per table)
+    input_tables: tuple[int, ...] = ()
 
 
 def build_kernels(
@@ -99,9 +98,12 @@ def build_kernels(
     routing: RoutingTable,
     local_tables: list[int],
     device: torch.device,
+    pooled: bool = True,
 ) -> tuple[list[FusedGroup], list[FusedGroup]]:
     """The fused kernels of this rank's shards and of the data-parallel tables: one per spec, in order of each
-    spec's first table (the same on every rank).
+    one's first table. Sequence lookups (``pooled=False``) get SUM kernels with one feature per table, which
+    ``fused_rows`` feeds one id per bag (fbgemm's no-bag CPU mode is several times slower: F18), one per spec and
+    width (their rows are one ``[ids, width]`` tensor).
 
     ``sources``: each table's local piece (or replica) by name, as ``(shape, dtype, initial weights)``; the
     initial weights (a tensor, possibly a view of the full table, or a function filling a tensor in place)
@@ -110,19 +112,25 @@ def build_kernels(
 
     def build(tables: list[int], input_table: Sequence[int]) -> list[FusedGroup]:
         groups = []
-        for spec in dict.fromkeys(specs[ti] for ti in tables):  # specs in order of first use
-            mine = [ti for ti in tables if specs[ti] == spec]
+
+        def key(ti: int) -> tuple[FusedOptimizerSpec | None, int]:
+            return specs[ti], 0 if pooled else sources[table_names[ti]][0][1]
+
+        for k in dict.fromkeys(key(ti) for ti in tables):  # in order of first use
+            spec = k[0]
+            mine = [ti for ti in tables if key(ti) == k]
             pos = {ti: k for k, ti in enumerate(mine)}
             inputs = [i for i, ti in enumerate(input_table) if ti in pos]
             entries = [sources[table_names[ti]] for ti in mine]
+            of_inputs = [pos[input_table[i]] for i in inputs]
             kernel = kernels.FusedPooledKernel(
                 [(table_names[ti], e[0][0], e[0][1], e[1]) for ti, e in zip(mine, entries)],
-                [pos[input_table[i]] for i in inputs],
+                of_inputs if pooled else list(range(len(mine))),
                 cast(FusedOptimizerSpec, spec),
                 device=device,
                 weights=[e[2] for e in entries],
             )
-            groups.append(FusedGroup(kernel, inputs))
+            groups.append(FusedGroup(kernel, inputs, () if pooled else tuple(of_inputs)))
         return groups
 
     shard = build(local_tables, [local_tables[k] for k in routing.my_route_table]) if local_tables else []
@@ -152,7 +160,7 @@ def grouped_lookup(
     id_pieces = torch.split(values, ids_per_input)
     w_pieces = torch.split(weights, ids_per_input) if weights is not None else None
     columns: list[torch.Tensor | None] = [None] * len(widths)
-    for kernel, inputs in groups:
+    for kernel, inputs, _ in groups:
         out = union_lookup(
             kernel,
             per_lengths[inputs].reshape(-1),

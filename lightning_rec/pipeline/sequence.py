@@ -10,15 +10,17 @@ from __future__ import annotations
 from typing import cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_rec import kernels
 from lightning_rec.configs import BaseEmbeddingConfig, EmbeddingConfig
 from lightning_rec.embedding_modules import EmbeddingCollection
+from lightning_rec.pipeline.fused_rows import grouped_rows
 from lightning_rec.pipeline.output_dist import sequence_output_dist
 from lightning_rec.pipeline.sharded_collection import ShardedCollection
 from lightning_rec.pipeline.stages import LookupContext, SequenceLookups
-from lightning_rec.sparse import JaggedTensor
+from lightning_rec.sparse import JaggedTensor, checks_enabled
 from lightning_rec.sparse.jagged_tensor import jagged_from_checked
 
 
@@ -38,6 +40,8 @@ class ShardedEmbeddingCollection(ShardedCollection[SequenceLookups, dict[str, Ja
         """Stage 2: the data-parallel tables' rows of this rank's ids (``{feature: [ids, dim]}``), then the rows
         of every id this rank received, per route (source-major within a route)."""
         routing = self._routing
+        if self._fused_spec is not None:
+            return self._fused_compute(ctx)
         dp: dict[int, torch.Tensor] = {}
         if routing.dp_tables:
             sub = ctx.kjt.permute(list(routing.dp_features))
@@ -62,6 +66,22 @@ class ShardedEmbeddingCollection(ShardedCollection[SequenceLookups, dict[str, Ja
                 self.sparse_grad,
             ),
         )
+
+    def _fused_compute(self, ctx: LookupContext) -> SequenceLookups:
+        """Stage 2 through fused kernels: each id's row, the tables updated in backward (copies by the union rule)."""
+        routing, dev, checked = self._routing, self._device, checks_enabled()
+        dp: dict[int, torch.Tensor] = {}
+        if self._dp_fused:
+            sub = ctx.kjt.permute(list(routing.dp_features))
+            values = list(torch.split(sub.values(), sub.length_per_key()))
+            group = self._dp_group if dist.get_world_size(self._dp_group) > 1 else None
+            rows = grouped_rows(self._dp_fused, values, group, self._scale, dev, checked)
+            dp = dict(zip(routing.dp_features, rows))
+        recv = ctx.wait()
+        if recv is None:
+            return SequenceLookups(dp, None)
+        values = list(torch.split(recv.values, recv.ids_per_route()))
+        return SequenceLookups(dp, grouped_rows(self._fused, values, self._replica_group, self._scale, dev, checked))
 
     def output_dist(self, ctx: LookupContext, lookups: SequenceLookups) -> dict[str, JaggedTensor]:
         """Stage 3: every id's embedding columns back to the id's rank, summed into each feature's output."""

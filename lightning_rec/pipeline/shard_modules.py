@@ -19,7 +19,7 @@ from torch import nn
 from lightning_rec import _compat
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.fused_kinds import FusedOptimizerSpec
-from lightning_rec.fused_tables import PerTableOptimizers, TableSpecs, as_table_optimizers, planner_spec, spec_of
+from lightning_rec.fused_tables import PerTableOptimizers, TableSpecs, as_table_optimizers, spec_of
 from lightning_rec.optim import FusedOptimizer
 from lightning_rec.pipeline import collectives as comm
 from lightning_rec.pipeline.agreement import check_agreement, describe_table
@@ -201,8 +201,7 @@ def shard_modules(
             else {t.name: spec_of(option, t.name) for t in _configs(m)}
             for p, m in targets
         }
-        summary = planner_spec(specs_of)
-        resolved = _resolve(model, plan, targets, gsize, local, gsize * replicas, summary, kernels_of)
+        resolved = _resolve(model, plan, targets, gsize, local, gsize * replicas, specs_of, kernels_of)
     except (ValueError, TypeError, KeyError) as e:
         error = e
     described = {
@@ -251,7 +250,7 @@ def _resolve(
     gsize: int,
     local: int,
     world: int,
-    embedding_optimizer: FusedOptimizerSpec | Mapping[str, Any] | None,
+    table_optimizers: Mapping[str, TableSpecs],
     kernels_of: dict[str, dict[str, str | None]],
 ) -> list[tuple]:
     """``(path, module, {table: shards or None})`` for every collection to shard; raises on a bad plan.
@@ -272,7 +271,7 @@ def _resolve(
         module_plan = plan.get_plan_for_module(path) if plan is not None else None
         if module_plan is None:  # one plan for all unplanned collections: they share every rank's memory and time
             if auto is None:
-                auto = automatic_plan(model, gsize, local, world, embedding_optimizer).plan(model)
+                auto = automatic_plan(model, gsize, local, world, table_optimizers=table_optimizers).plan(model)
             module_plan = auto.get_plan_for_module(path)
         assert module_plan is not None  # the automatic plan covers every collection
         resolved.append((path, m, resolve_module_plan(tables, module_plan, gsize, local, path)))

@@ -111,7 +111,7 @@ class ShardedCollection(DataParallelGradMode, Stages[Lookups, Out], nn.Module):
         self._fused_spec = fused
         self._table_kernels = self._resolve_kernels([source[t.name].weight.dtype for t in tables], dev)
         if fused is not None:  # before any shard is allocated
-            check_fused(self._attr, tables, shards, specs)
+            check_fused(tables, shards, specs)
         weights = [source[t.name].weight for t in tables]
         warn_large_tables(tables, weights, shards, me)
         placed = place_tables(tables, weights, shards, me, fused is not None, self._dp_group, replica_group, dev)
@@ -138,6 +138,7 @@ class ShardedCollection(DataParallelGradMode, Stages[Lookups, Out], nn.Module):
                 self._routing,
                 [ti for ti, _ in self._local_shards],
                 dev,
+                pooled=self._pooled,
             )
             object.__setattr__(self, "_fused", shard_kernels)
             object.__setattr__(self, "_dp_fused", dp_kernels)

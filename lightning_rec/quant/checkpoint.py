@@ -77,7 +77,7 @@ def load_quantized(
     *,
     per_table_weight_dtype: Mapping[str, Any] | None = None,
     output_dtype: torch.dtype = torch.float32,
-    row_alignment: int = DEFAULT_ROW_ALIGNMENT,
+    row_alignment: int | None = DEFAULT_ROW_ALIGNMENT,
     kernel: str = "auto",
     trusted: bool = False,
     strict: bool = True,

@@ -25,10 +25,11 @@ from lightning_rec.quant.lookup import QuantLookup, TableSpec
 from lightning_rec.quant.rows import (
     BITS,
     DEFAULT_ROW_ALIGNMENT,
+    check_alignment,
     check_storable,
     output_type,
     quantize_rows,
-    row_bytes,
+    relayout,
     table_types,
 )
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
@@ -40,9 +41,10 @@ STATE_FORMAT = "lightning_rec.quant/1"
 class QuantTable(nn.Module):
     """Holds one table's stored rows, the uint8 ``weight`` buffer ``[rows, row_bytes]``."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, spec: TableSpec | None = None) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
+        self._spec = spec
 
     def _load_from_state_dict(  # type: ignore[override]
         self,
@@ -62,6 +64,25 @@ class QuantTable(nn.Module):
                 f"{list(given.shape)}; load float weights into the float model, then quantize it"
             )
             return
+        own = self.weight
+        if (
+            self._spec is not None
+            and isinstance(given, torch.Tensor)
+            and isinstance(own, torch.Tensor)
+            and given.dim() == 2
+            and given.shape[0] == own.shape[0]
+            and given.shape != own.shape
+        ):
+            # rows written in another layout (e.g. the previous default, 16-byte rows): the bytes the kernels read
+            # are the same in every layout, so they convert; the collection's extra state matched type and shape
+            s = self._spec
+            conv = torch.empty(own.shape, dtype=torch.uint8, device=given.device if own.is_meta else own.device)
+            try:
+                relayout(given, conv, s.dim, s.data_type, s.name)
+            except ValueError as e:
+                error_msgs.append(f"{prefix}weight: {e}")
+                return
+            state_dict = {**state_dict, prefix + "weight": conv}
         # unexpected keys are checked by the container (a key of table "a.b" starts with "a.")
         n = len(unexpected_keys)
         super()._load_from_state_dict(
@@ -95,9 +116,11 @@ def quantized_configs(
     return out
 
 
-def _from_float_options(
+def from_float_options(
     module: nn.Module, dtype: Any, output_dtype: Any, per_table: Mapping[str, Any] | None
 ) -> tuple[Any, torch.dtype, Mapping[str, Any] | None]:
+    """``(storage dtype, output dtype, per-table dtypes)`` of ``from_float``: the arguments given, else the
+    module's ``qconfig`` (TorchRec's way)."""
     qconfig = getattr(module, "qconfig", None)
     if dtype is None:
         if qconfig is None:
@@ -124,13 +147,12 @@ class _QuantCollection(nn.Module):
         pooled: bool,
         device: torch.device | str | None,
         output_dtype: torch.dtype,
-        row_alignment: int,
+        row_alignment: int | None,
         kernel: str,
         strict_features: bool,
     ) -> None:
         check_tables(tables, EmbeddingBagConfig if pooled else EmbeddingConfig, allow_shared=True)
-        if not isinstance(row_alignment, int) or row_alignment < 1:
-            raise ValueError(f"row_alignment must be a positive int, got {row_alignment!r}")
+        check_alignment(row_alignment)
         self._layout = FeatureLayout(tables, strict=strict_features, allow_shared=True)
         self._output_dtype = output_type(output_dtype)
         self.row_alignment = row_alignment
@@ -140,7 +162,7 @@ class _QuantCollection(nn.Module):
         self._lookup = QuantLookup(self._specs, self._layout.feature_table, pooled, pooled_dtype, row_alignment, kernel)
         container = kernels.TableContainer()
         for s, w in zip(self._specs, self._lookup.allocate(device)):
-            container.add(s.name, QuantTable(w))
+            container.add(s.name, QuantTable(w, s))
         setattr(self, self._attr, container)
 
     def _weights(self) -> list[torch.Tensor]:
@@ -164,6 +186,17 @@ class _QuantCollection(nn.Module):
         for s in self._specs:
             tables[s.name].weight = cast(torch.Tensor, tables[s.name].weight).clone()
         self._lookup.use_torch()
+
+    def copy_rows_from(self, other: _QuantCollection) -> None:
+        """Take ``other``'s stored rows: a collection of the same tables, storage types and row alignment."""
+        if other.get_extra_state() != self.get_extra_state():
+            raise ValueError(
+                f"cannot copy stored rows between collections of different tables or storage: "
+                f"{other.get_extra_state()} vs {self.get_extra_state()}"
+            )
+        with torch.no_grad():
+            for s, dst, src in zip(self._specs, self._weights(), other._weights()):
+                relayout(src, dst, s.dim, s.data_type, s.name)
 
     def quantize_from(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Store float ``weights`` (``{table: [rows, dim]}``, every table) in this collection's formats."""
@@ -191,7 +224,8 @@ class _QuantCollection(nn.Module):
 
     def storage_bytes(self) -> int:
         """Bytes of every stored row (padding included)."""
-        return sum(s.rows * row_bytes(s.dim, s.data_type, self.row_alignment) for s in self._specs)
+        tables = cast(kernels.TableContainer, getattr(self, self._attr))
+        return sum(cast(torch.Tensor, tables[s.name].weight).numel() for s in self._specs)
 
     def get_extra_state(self) -> dict[str, Any]:
         # a state_dict records each table's storage, so rows of another type or width never load as these
@@ -214,8 +248,7 @@ class _QuantCollection(nn.Module):
             for n in ours
             if n in theirs and list(theirs[n]) != ours[n]
         ]
-        if state.get("row_alignment") != self.row_alignment:
-            problems.append(f"rows are aligned to {state.get('row_alignment')} bytes, here {self.row_alignment}")
+        # another row_alignment is no problem: each table's rows are converted as they load (QuantTable)
         if problems:
             raise ValueError("quantized state_dict does not match the collection: " + "; ".join(problems))
 
@@ -238,7 +271,10 @@ class EmbeddingBagCollection(_QuantCollection):
         is_weighted: use the KJT's per-id weights.
         device: where the rows live (fbgemm's kernel serves CPU, and CUDA with a CUDA build).
         output_dtype: of the pooled output: float32, float16 or bfloat16.
-        row_alignment: rows are padded to a multiple of this many bytes (TorchRec's default, 16; 1 packs them).
+        row_alignment: ``None`` (default): the compact layout, each row what fbgemm's format needs plus the serving
+            trailer the CPU row-wise kernels read, padded to 4 bytes (on CUDA, where fbgemm's kernel needs it, 16);
+            an int: fbgemm's rows padded to a multiple of it (TorchRec's 16; 1 packs them). A state_dict of another
+            alignment loads, its rows converted.
         kernel: ``"auto"`` (fbgemm where the installed build has the kernel for the device, else torch with one
             warning), ``"fbgemm"`` or ``"torch"`` (dequantize the looked-up rows, pool with ``F.embedding_bag``).
         strict_features: raise when the input has keys no table reads.
@@ -253,7 +289,7 @@ class EmbeddingBagCollection(_QuantCollection):
         device: torch.device | str | None = None,
         output_dtype: torch.dtype = torch.float32,
         *,
-        row_alignment: int = DEFAULT_ROW_ALIGNMENT,
+        row_alignment: int | None = DEFAULT_ROW_ALIGNMENT,
         kernel: str = "auto",
         strict_features: bool = False,
     ) -> None:
@@ -270,7 +306,7 @@ class EmbeddingBagCollection(_QuantCollection):
         dtype: Any = None,
         output_dtype: torch.dtype | None = None,
         per_table_weight_dtype: Mapping[str, Any] | None = None,
-        row_alignment: int = DEFAULT_ROW_ALIGNMENT,
+        row_alignment: int | None = DEFAULT_ROW_ALIGNMENT,
         kernel: str = "auto",
     ) -> EmbeddingBagCollection:
         """The quantized copy of a float (unsharded) ``EmbeddingBagCollection``. The storage type is ``dtype``,
@@ -280,7 +316,7 @@ class EmbeddingBagCollection(_QuantCollection):
             raise TypeError(
                 f"from_float expects an unsharded lightning_rec EmbeddingBagCollection, got {type(module).__name__}"
             )
-        dtype, out, per_table = _from_float_options(module, dtype, output_dtype, per_table_weight_dtype)
+        dtype, out, per_table = from_float_options(module, dtype, output_dtype, per_table_weight_dtype)
         configs = quantized_configs(module.embedding_bag_configs(), dtype, per_table)
         q = cls(
             configs,
@@ -333,7 +369,7 @@ class EmbeddingCollection(_QuantCollection):
         need_indices: bool = False,
         output_dtype: torch.dtype = torch.float32,
         *,
-        row_alignment: int = DEFAULT_ROW_ALIGNMENT,
+        row_alignment: int | None = DEFAULT_ROW_ALIGNMENT,
         kernel: str = "auto",
         strict_features: bool = False,
     ) -> None:
@@ -350,7 +386,7 @@ class EmbeddingCollection(_QuantCollection):
         dtype: Any = None,
         output_dtype: torch.dtype | None = None,
         per_table_weight_dtype: Mapping[str, Any] | None = None,
-        row_alignment: int = DEFAULT_ROW_ALIGNMENT,
+        row_alignment: int | None = DEFAULT_ROW_ALIGNMENT,
         kernel: str = "auto",
     ) -> EmbeddingCollection:
         """The quantized copy of a float (unsharded) ``EmbeddingCollection``; options as the pooled one's."""
@@ -358,7 +394,7 @@ class EmbeddingCollection(_QuantCollection):
             raise TypeError(
                 f"from_float expects an unsharded lightning_rec EmbeddingCollection, got {type(module).__name__}"
             )
-        dtype, out, per_table = _from_float_options(module, dtype, output_dtype, per_table_weight_dtype)
+        dtype, out, per_table = from_float_options(module, dtype, output_dtype, per_table_weight_dtype)
         configs = quantized_configs(module.embedding_configs(), dtype, per_table)
         q = cls(
             configs,

@@ -13,6 +13,7 @@ from torch import nn
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.mc import ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection
 from lightning_rec.quant import embedding_modules as quant
+from lightning_rec.quant import mc as qmc
 from lightning_rec.quant.rows import DEFAULT_ROW_ALIGNMENT, QuantConfig, output_type, storage_type
 from lightning_rec.sharding import sharded_collections
 
@@ -39,7 +40,7 @@ def check_quantizable(
 ) -> None:
     """Raise what :func:`quantize_embeddings` would refuse, without changing anything: an unknown type, a width
     the storage type cannot pack (naming the table), a ``per_table_weight_dtype`` entry no collection holds,
-    sharded or managed-collision collections."""
+    sharded collections, managed-collision tables with a bucket resize pending."""
     storage_type(dtype)
     output_type(output_dtype)
     sharded = [p or "<model>" for p, _ in sharded_collections(module)]
@@ -49,13 +50,15 @@ def check_quantizable(
             "(lightning_rec.export.inference_model(model), collective) or a checkpoint directory "
             "(lightning_rec.quant.load_quantized)"
         )
-    mc = [
-        p or "<model>"
-        for p, m in module.named_modules()
-        if isinstance(m, (ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection))
-    ]
-    if mc:
-        raise NotImplementedError(f"quantizing managed-collision collections ({mc}) is not supported yet")
+    for p, m in module.named_modules():
+        if isinstance(m, (ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection)):
+            for t, mch in m._managed_collision_collection.modules_by_table().items():
+                if mch.pending_resize():
+                    raise ValueError(
+                        f"managed-collision collection {p or '<model>'!r}, table {t!r}: its state was written with "
+                        f"{int(mch._mch_num_buckets)} buckets but the module is set to {mch.num_buckets}; run a "
+                        "forward (or resize()) of the float model first, so the rows move with their ids"
+                    )
     per_table = dict(per_table_weight_dtype or {})
     found = _collections(module)
     names = [c.name for configs in found for c in configs]
@@ -77,11 +80,14 @@ def quantize_embeddings(
     output_dtype: torch.dtype = torch.float32,
     per_table_weight_dtype: Mapping[str, Any] | None = None,
     *,
-    row_alignment: int = DEFAULT_ROW_ALIGNMENT,
+    row_alignment: int | None = DEFAULT_ROW_ALIGNMENT,
     kernel: str = "auto",
 ) -> nn.Module:
     """Replace every (unsharded) ``EmbeddingBagCollection`` / ``EmbeddingCollection`` of ``module`` by its quantized
-    copy (:mod:`lightning_rec.quant.embedding_modules`) and return the model.
+    copy (:mod:`lightning_rec.quant.embedding_modules`) and return the model. A managed-collision collection
+    (``ManagedCollisionEmbeddingBagCollection`` / ``ManagedCollisionEmbeddingCollection``) becomes a
+    ``QuantManagedCollisionEmbeddingBagCollection`` / ``QuantManagedCollisionEmbeddingCollection``
+    (:mod:`lightning_rec.quant.mc`): its id -> row maps as they are now, read only, and its quantized table.
 
     Args:
         module: the model (or a collection itself, whose quantized copy is returned).
@@ -93,12 +99,14 @@ def quantize_embeddings(
             replace; their ``from_float(m)`` reads ``m.qconfig`` (a :class:`QuantConfig`).
         output_dtype: of the collections' outputs (float32, float16 or bfloat16).
         per_table_weight_dtype: ``{table name: dtype}`` for tables stored otherwise than ``dtype``.
-        row_alignment: stored rows are padded to a multiple of this many bytes (16, TorchRec's; 1 packs them).
+        row_alignment: ``None`` (default): compact rows, fbgemm's row plus the serving trailer padded to 4 bytes;
+            an int: fbgemm's rows padded to a multiple of it (16, TorchRec's; 1 packs them).
         kernel: ``"auto"``, ``"fbgemm"`` or ``"torch"`` (see the quantized ``EmbeddingBagCollection``).
 
     A width the storage type cannot pack (int4 needs an even ``embedding_dim``, int2 a multiple of 4), a value
-    fp16 cannot hold, a table name in ``per_table_weight_dtype`` that no collection has, sharded or
-    managed-collision collections raise (naming the table or the collection) and leave the model unchanged.
+    fp16 cannot hold, a table name in ``per_table_weight_dtype`` that no collection has, sharded collections, a
+    managed table whose bucket resize is pending raise (naming the table or the collection) and leave the model
+    unchanged.
     """
     check_quantizable(module, dtype, output_dtype, per_table_weight_dtype)
     per_table = dict(per_table_weight_dtype or {})
@@ -115,6 +123,22 @@ def quantize_embeddings(
             m.qconfig = qconfig  # type: ignore[assignment]  # TorchRec's protocol: their from_float reads it
 
     def quantized(m: nn.Module) -> nn.Module | None:
+        if isinstance(m, (ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection)):
+            # the wrapper is replaced whole: its maps move into the quantized collection with the table
+            pooled = isinstance(m, ManagedCollisionEmbeddingBagCollection)
+            mc_target = (
+                qmc.QuantManagedCollisionEmbeddingBagCollection
+                if pooled
+                else qmc.QuantManagedCollisionEmbeddingCollection
+            )
+            return mc_target.from_float(
+                m,  # type: ignore[arg-type]
+                dtype=dtype,
+                output_dtype=output_dtype,
+                per_table_weight_dtype=_own(per_table, _configs(m.embedding_module)),  # type: ignore[arg-type]
+                row_alignment=row_alignment,
+                kernel=kernel,
+            )
         if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection)):
             target = (
                 quant.EmbeddingBagCollection if isinstance(m, EmbeddingBagCollection) else quant.EmbeddingCollection

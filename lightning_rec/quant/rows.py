@@ -8,6 +8,18 @@ One row of a table stored as ``INT8`` / ``INT4`` / ``INT2`` (fbgemm's ``IntNBitT
 
 and a value reads back as ``q * scale + bias``. ``FP16`` / ``FP32`` rows are the values themselves, then the
 padding. TorchRec's quantized collections store the same rows (row alignment 16 by default).
+
+Every reader takes the row's first :func:`used_bytes` and ignores the rest, so rows of one table in two layouts
+differ only in padding and convert by copying that prefix (:func:`relayout`). The layout is ``row_alignment``:
+an int is fbgemm's (the row padded to a multiple of it; TorchRec's 16, which fbgemm's CUDA kernel needs: it reads
+rows as 16-byte vectors); ``None`` (the default) is the compact serving layout, the row plus its serving trailer
+padded to 4 bytes (int8 at dim 64: 76 bytes, 0.297x fp32; int4 40, 0.156x). fbgemm's CPU kernel reads rows of any
+stride, so its own buffers (``kernel="fbgemm"``) take alignment 4 on CPU and 16 on CUDA (:func:`kernel_alignment`).
+
+The serving trailer: where a quantized row's padding has room, its last bytes repeat the scale and bias in the
+layout of the row-wise CPU kernels (:mod:`lightning_rec.quant.rowwise`), which read them at the end of a row: INT8
+rows end in ``[scale: fp32][bias: fp32]`` (8 bytes), INT4 / INT2 rows in ``[scale: fp16][bias: fp16]`` (4 bytes).
+fbgemm never reads the padding, so the rows stay fbgemm's; the kernels then read the stored rows in place.
 """
 
 from __future__ import annotations
@@ -23,8 +35,14 @@ from lightning_rec.configs import DataType
 BITS = {DataType.INT2: 2, DataType.INT4: 4, DataType.INT8: 8, DataType.FP16: 16, DataType.FP32: 32}
 #: bytes of a quantized row's scale and bias (two fp16 values)
 SCALE_BIAS_BYTES = 4
-#: TorchRec's default row alignment: rows padded to a multiple of 16 bytes
-DEFAULT_ROW_ALIGNMENT = 16
+#: bytes of the serving trailer at the end of a quantized row (INT8: fp32 scale and bias; INT4 / INT2: fp16)
+TRAILER_BYTES = {DataType.INT8: 8, DataType.INT4: 4, DataType.INT2: 4}
+#: TorchRec's default row alignment, which fbgemm's CUDA kernel needs (16-byte vector loads of a row)
+TORCHREC_ROW_ALIGNMENT = 16
+#: the default ``row_alignment``: None, the compact serving layout (the row, its serving trailer, 4-byte padding)
+DEFAULT_ROW_ALIGNMENT: int | None = None
+#: padding of the compact layout: keeps the fp16 scale / bias and the fp32 trailer on their natural alignment
+COMPACT_ALIGNMENT = 4
 _FP16_MAX = 65504.0
 # rows quantized at once: bounds the float temporaries of a large table to about 16 MiB
 _CHUNK_VALUES = 1 << 22
@@ -86,10 +104,50 @@ def data_bytes(dim: int, data_type: DataType) -> int:
     return dim * BITS[data_type] // 8
 
 
-def row_bytes(dim: int, data_type: DataType, row_alignment: int = DEFAULT_ROW_ALIGNMENT) -> int:
-    """Bytes of one stored row: scale and bias (integer types), the values, padding to ``row_alignment``."""
-    n = data_bytes(dim, data_type) + (SCALE_BIAS_BYTES if is_quantized(data_type) else 0)
+def used_bytes(dim: int, data_type: DataType) -> int:
+    """Bytes of a row that fbgemm's kernels read: scale and bias (integer types), then the values."""
+    return data_bytes(dim, data_type) + (SCALE_BIAS_BYTES if is_quantized(data_type) else 0)
+
+
+def row_bytes(dim: int, data_type: DataType, row_alignment: int | None = DEFAULT_ROW_ALIGNMENT) -> int:
+    """Bytes of one stored row: fbgemm's row padded to a multiple of ``row_alignment``, or with ``None`` the
+    compact serving layout (the row, the serving trailer of integer types, padded to 4 bytes)."""
+    n = used_bytes(dim, data_type)
+    if row_alignment is None:
+        n, row_alignment = n + TRAILER_BYTES.get(data_type, 0), COMPACT_ALIGNMENT
     return -(-n // row_alignment) * row_alignment
+
+
+def kernel_alignment(row_alignment: int | None, device: torch.device) -> int:
+    """The row alignment fbgemm's inference kernel is built with for a layout: the int itself, else (``None``)
+    4 on CPU (its CPU kernel reads any stride) and 16 elsewhere (its CUDA kernel needs 16)."""
+    if row_alignment is not None:
+        return row_alignment
+    return COMPACT_ALIGNMENT if device.type == "cpu" else TORCHREC_ROW_ALIGNMENT
+
+
+def check_alignment(row_alignment: Any) -> int | None:
+    """``row_alignment`` itself if it is None or a positive int."""
+    if row_alignment is not None and (type(row_alignment) is not int or row_alignment < 1):
+        raise ValueError(f"row_alignment must be None (the compact layout) or a positive int, got {row_alignment!r}")
+    return row_alignment  # type: ignore[no-any-return]
+
+
+def relayout(src: torch.Tensor, dst: torch.Tensor, dim: int, data_type: DataType, table: str) -> None:
+    """Copy the stored rows ``src`` into ``dst``, rows of another padding (the bytes every kernel reads are the
+    same in any layout); ``dst``'s padding is zeroed, then given the serving trailer where it has room. Raises,
+    naming the table, when the rows cannot hold the table's rows."""
+    n = used_bytes(dim, data_type)
+    if src.dim() != 2 or dst.dim() != 2 or src.size(0) != dst.size(0) or min(src.size(1), dst.size(1)) < n:
+        raise ValueError(
+            f"table {table!r}: cannot convert stored rows of shape {list(src.shape)} to {list(dst.shape)}: "
+            f"each {data_type.name} row of width {dim} needs {n} bytes"
+        )
+    with torch.no_grad():
+        dst[:, n:] = 0
+        dst[:, :n] = src[:, :n].to(dst.device)
+        if trailer_fits(dim, data_type, dst.size(1)):
+            write_trailer(dst, data_type)
 
 
 def check_storable(table: str, dim: int, data_type: DataType) -> None:
@@ -169,6 +227,8 @@ def quantize_rows(weight: torch.Tensor, data_type: DataType, out: torch.Tensor, 
                 dst[:, :n] = w.to(torch.float16).view(torch.uint8)
             else:
                 _quantize_chunk(w, data_type, dst)
+                if trailer_fits(dim, data_type, dst.size(1)):
+                    write_trailer(dst, data_type)
 
 
 def dequantize_rows(rows: torch.Tensor, data_type: DataType, dim: int) -> torch.Tensor:
@@ -185,3 +245,35 @@ def dequantize_rows(rows: torch.Tensor, data_type: DataType, dim: int) -> torch.
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=rows.device)
         q = ((q.unsqueeze(2) >> shifts) & ((1 << bits) - 1)).reshape(rows.size(0), dim)
     return q.float() * scale_bias[:, 0:1] + scale_bias[:, 1:2]
+
+
+def trailer_fits(dim: int, data_type: DataType, row_bytes: int) -> bool:
+    """Whether rows of ``row_bytes`` bytes have padding enough for the serving trailer (quantized types only)."""
+    extra = TRAILER_BYTES.get(data_type)
+    return extra is not None and row_bytes - SCALE_BIAS_BYTES - data_bytes(dim, data_type) >= extra
+
+
+def _trailer_of(rows: torch.Tensor, data_type: DataType) -> torch.Tensor:
+    """The trailer bytes ``rows`` (``[n, row_bytes]`` uint8) should end in, from their fp16 scale and bias."""
+    if data_type == DataType.INT8:
+        return rows[:, :SCALE_BIAS_BYTES].contiguous().view(torch.float16).float().view(torch.uint8)
+    return rows[:, :SCALE_BIAS_BYTES]
+
+
+def write_trailer(rows: torch.Tensor, data_type: DataType) -> None:
+    """Write the serving trailer of ``rows`` in place (their padding must have room: :func:`trailer_fits`)."""
+    extra = TRAILER_BYTES[data_type]
+    with torch.no_grad():
+        for start in range(0, rows.size(0), _CHUNK_VALUES // 8):
+            part = rows[start : start + _CHUNK_VALUES // 8]
+            part[:, part.size(1) - extra :] = _trailer_of(part, data_type)
+
+
+def trailer_ok(rows: torch.Tensor, data_type: DataType) -> bool:
+    """Whether every row of ``rows`` ends in its serving trailer (rows quantized elsewhere have zero padding)."""
+    extra = TRAILER_BYTES[data_type]
+    for start in range(0, rows.size(0), _CHUNK_VALUES // 8):
+        part = rows[start : start + _CHUNK_VALUES // 8]
+        if not torch.equal(part[:, part.size(1) - extra :], _trailer_of(part, data_type)):
+            return False
+    return True

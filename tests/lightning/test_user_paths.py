@@ -73,13 +73,8 @@ class PartialReader(RecModule):
                 ),
             ]
         )
-        # fused kernels (what in-backward marks become) pool: no sequence collection beside marked ones
-        self.ec = (
-            None
-            if mark
-            else EmbeddingCollection(
-                [EmbeddingConfig(name="hist", num_embeddings=13, embedding_dim=4, feature_names=["history"])]
-            )
+        self.ec: EmbeddingCollection | None = EmbeddingCollection(
+            [EmbeddingConfig(name="hist", num_embeddings=13, embedding_dim=4, feature_names=["history"])]
         )
         geo = [EmbeddingBagConfig(name="geo", num_embeddings=16, embedding_dim=4, feature_names=["geo"])]
         self.mc = ManagedCollisionEmbeddingBagCollection(
@@ -89,8 +84,8 @@ class PartialReader(RecModule):
             ),
         )
         self.head = torch.nn.Linear(20, 1)
-        if mark:  # what TorchRec's examples write
-            for m in (self.ebc, self.mc):
+        if mark:  # what TorchRec's examples write; the sequence collection's tables fuse too (no-bag kernels)
+            for m in (self.ebc, self.ec, self.mc):
                 apply_optimizer_in_backward(RowWiseAdagrad, m.parameters(), {"lr": 0.1})
 
     def configure_sharding(self):
@@ -186,6 +181,7 @@ def test_apply_optimizer_in_backward_marks_train_the_tables_fused() -> None:
     for k in want:
         torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
     assert not torch.equal(got["ebc.embedding_bags.user.weight"], before["ebc.embedding_bags.user.weight"])
+    assert not torch.equal(got["ec.embeddings.hist.weight"], before["ec.embeddings.hist.weight"])
 
 
 def _unoptimized_job(rank: int, ws: int) -> list[str]:
@@ -219,8 +215,8 @@ def test_marks_resolve_per_table_and_collections_mix() -> None:
         resolve_table_optimizers(model, None)
     apply_optimizer_in_backward(torch.optim.SGD, [model.ebc.embedding_bags["item"].weight], {"lr": 0.5})
     specs = resolve_table_optimizers(model, None)
-    # marked pooled tables fuse, each with its own spec; the unmarked sequence and managed-collision collections
-    # stay ordinary parameters beside them
+    # marked tables fuse, each with its own spec; the unmarked sequence and managed-collision collections stay
+    # ordinary parameters beside them
     assert specs["ebc"]["user"] == as_spec({"kind": "rowwise_adagrad", "lr": 0.1, "eps": 1e-10})
     assert specs["ebc"]["item"] == as_spec({"kind": "sgd", "lr": 0.5})
     assert specs["ec"] == {"hist": None} and set(specs["mc._embedding_module"].values()) == {None}
@@ -230,8 +226,9 @@ def test_marks_resolve_per_table_and_collections_mix() -> None:
     assert set(specs["mc._embedding_module"].values()) == {as_spec({"kind": "sgd", "lr": 0.5})}
     with pytest.raises(ValueError, match=r"'ebc', table 'user'.*differs from embedding_optimizer"):
         resolve_table_optimizers(model, as_spec({"kind": "sgd", "lr": 0.5}))
-    with pytest.raises(ValueError, match=r"EmbeddingCollection.*tables \['hist'\]"):
-        resolve_table_optimizers(model, {"default": None, "tables": {"hist": {"kind": "sgd", "lr": 0.1}}})
+    # a sequence collection's tables fuse too (no-bag kernels)
+    specs = resolve_table_optimizers(model, {"default": None, "tables": {"hist": {"kind": "sgd", "lr": 0.1}}})
+    assert specs["ec"] == {"hist": as_spec({"kind": "sgd", "lr": 0.1})}
     with pytest.raises(ValueError, match=r"names tables \['nope'\]"):
         resolve_table_optimizers(model, {"tables": {"nope": {"kind": "sgd", "lr": 0.1}}})
 

@@ -6,7 +6,7 @@ import pytest
 
 from lightning_rec import EmbeddingBagConfig, PerTableOptimizers
 from lightning_rec.fused_kinds import as_spec
-from lightning_rec.fused_tables import as_table_optimizers, planner_spec, spec_of, summary
+from lightning_rec.fused_tables import as_table_optimizers, spec_of, summary
 from lightning_rec.pipeline.fused_lookup import table_specs
 
 SGD = {"kind": "sgd", "lr": 0.1}
@@ -36,15 +36,12 @@ def test_option_errors_name_the_table() -> None:
         PerTableOptimizers(tables={3: SGD})  # type: ignore[dict-item]
 
 
-def test_summary_and_planner_spec() -> None:
+def test_summary() -> None:
     one = {"a": {"t": as_spec(SGD), "u": as_spec(SGD)}, "b": {"v": None}}
-    assert summary(one) == as_spec(SGD) and planner_spec(one) == as_spec(SGD)
+    assert summary(one) == as_spec(SGD)
     two = {"a": {"t": as_spec(SGD), "u": as_spec(ROWWISE)}}
     assert summary(two) == PerTableOptimizers(tables={"t": SGD, "u": ROWWISE})
-    assert planner_spec(two) == as_spec(ROWWISE)  # a per-row statistic: no plan may split those by columns
-    adam = {"kind": "adam", "lr": 0.1}
-    assert planner_spec({"a": {"t": as_spec(adam), "u": as_spec(SGD)}}) == as_spec(adam)  # most state
-    assert summary({"a": {"t": None}}) is None and planner_spec({}) is None
+    assert summary({"a": {"t": None}}) is None and summary({}) is None
 
 
 def test_collection_specs_all_or_none() -> None:

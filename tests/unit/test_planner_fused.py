@@ -22,7 +22,7 @@ def _tables(dim: int, n: int = 3) -> list[EmbeddingBagConfig]:
 def _sharding_accepts(tables, plan: ShardingPlan, group: int, local: int, spec) -> None:
     # what a sharded collection checks at construction, before it allocates (pipeline/sharded_collection.py)
     shards = {t.name: resolve_table(t, plan.plan[""][t.name], group, local) for t in tables}
-    check_fused("embedding_bags", tables, shards, [as_spec(spec)] * len(tables))
+    check_fused(tables, shards, [as_spec(spec)] * len(tables))
 
 
 @pytest.mark.parametrize("dim", [6, 10, 12, 24, 36])
@@ -73,16 +73,16 @@ def test_sharding_names_the_cause_and_the_fix() -> None:
     # a table-wise table is not column-split: its own width is the cause, not a column shard
     shards = {"t0": resolve_table(six[0], table_wise(1), 2, 2)}
     with pytest.raises(ValueError) as err:
-        check_fused("embedding_bags", six, shards, [spec] * len(six))
+        check_fused(six, shards, [spec] * len(six))
     message = str(err.value)
     assert message.startswith("table 't0': embedding_dim=6 is not a multiple of 4"), message
     assert "e.g. 4 or 8" in message and "embedding_optimizer=None" in message and "column" not in message, message
     with pytest.raises(ValueError, match="embedding_dim=6 is not a multiple of 4, which"):
-        check_fused("embedding_bags", six, {"t0": None}, [spec] * len(six))  # data-parallel: the same
+        check_fused(six, {"t0": None}, [spec] * len(six))  # data-parallel: the same
     # column-split and the table itself too narrow a multiple: both causes, both fixes
     shards = {"t0": resolve_table(six[0], column_wise([0, 1]), 2, 2)}
     with pytest.raises(ValueError) as err:
-        check_fused("embedding_bags", six, shards, [spec] * len(six))
+        check_fused(six, shards, [spec] * len(six))
     message = str(err.value)
     assert "embedding_dim=6 is not a multiple of 4 and its column shards are [3, 3] wide" in message, message
     assert "width that is a multiple of 4" in message and "column shards that are multiples of 4" in message
@@ -90,7 +90,7 @@ def test_sharding_names_the_cause_and_the_fix() -> None:
     wide = _tables(24, 1)
     shards = {"t0": resolve_table(wide[0], column_wise([0, 1, 2, 3]), 4, 4)}
     with pytest.raises(ValueError) as err:
-        check_fused("embedding_bags", wide, shards, [spec] * len(wide))
+        check_fused(wide, shards, [spec] * len(wide))
     message = str(err.value)
     assert "a column shard of it is 6 wide (column shards [6, 6, 6, 6] of embedding_dim=24)" in message, message
     assert "choose column shards" in message and "embedding_optimizer=None" in message, message

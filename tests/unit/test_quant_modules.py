@@ -170,11 +170,13 @@ def test_fp16_storage_is_the_rounded_weights() -> None:
 
 def test_bytes_per_row() -> None:
     kinds = [DataType[k] for k in ("INT8", "INT4", "INT2", "FP16", "FP32")]
-    assert [Q.row_bytes(64, k, 16) for k in kinds] == [80, 48, 32, 128, 256]  # the README's table
+    # the default: fbgemm's row plus the serving trailer (int8: 8 bytes, int4 / int2: 4), padded to 4 (the README's)
+    assert [Q.row_bytes(64, k) for k in kinds] == [76, 40, 24, 128, 256]
+    assert [Q.row_bytes(64, k, 16) for k in kinds] == [80, 48, 32, 128, 256]  # the previous default, TorchRec's
     assert [Q.row_bytes(64, k, 1) for k in kinds] == [68, 36, 20, 128, 256]
     q = quantize_embeddings(EmbeddingBagCollection(POOLED), torch.qint8, inplace=False)
-    assert q.state_dict()["embedding_bags.item list.weight"].shape == (31, 32)  # 16 + 4 bytes, padded to 32
-    assert q.storage_bytes() == 23 * 16 + 31 * 32 + 9 * 16
+    assert q.state_dict()["embedding_bags.item list.weight"].shape == (31, 28)  # 4 + 16 + 8 bytes
+    assert q.storage_bytes() == 23 * 20 + 31 * 28 + 9 * 16
 
 
 def test_from_float_with_torchrec_qconfig_and_quantize_in_a_model() -> None:

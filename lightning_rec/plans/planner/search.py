@@ -36,10 +36,11 @@ class Planner:
         topology: the cluster (:class:`Topology`); default one CPU rank.
         batch_size: samples per rank per step.
         pooling_factors: ``{feature name: mean ids per sample}``; others use ``default_pooling_factor``.
-        optimizer: kind of the embedding optimizer, which fixes its state size (see ``OPTIMIZER_STATE``).
+        optimizer: kind of the embedding optimizer, which fixes its state size (see ``OPTIMIZER_STATE``); or
+            ``{table name: kind}`` for tables with their own optimizers (the others: ``"sgd"``).
         gradients: ``"dense"``, ``"sparse"`` or ``"fused"`` (updated inside backward; data_parallel is
-            then only used where a constraint allows it); default: each collection's ``sparse_grad``, dense
-            for bare table lists.
+            then only used where a constraint allows it); or ``{table name: one of those}`` for some tables;
+            default: each collection's ``sparse_grad``, dense for bare table lists.
         constraints: ``{table name: TableConstraint}`` (allowed types, a fixed placement).
         together: groups of table names that get one placement together (same type and ranks).
         min_column_width: narrowest column shard considered for column_wise / grid_shard.
@@ -55,8 +56,8 @@ class Planner:
         batch_size: int = 512,
         pooling_factors: Mapping[str, float] | None = None,
         default_pooling_factor: float = 1.0,
-        optimizer: str = "sgd",
-        gradients: str | None = None,
+        optimizer: str | Mapping[str, str] = "sgd",
+        gradients: str | Mapping[str, str] | None = None,
         constraints: Mapping[str, TableConstraint] | None = None,
         together: Sequence[Sequence[str]] = (),
         min_column_width: int = 32,
@@ -64,16 +65,22 @@ class Planner:
         self.topology = topology if topology is not None else Topology()
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int (samples per rank per step), got {batch_size!r}")
-        if optimizer not in OPTIMIZER_STATE:
-            raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {list(OPTIMIZER_STATE)}")
-        if gradients is not None and gradients not in GRADIENTS:
-            raise ValueError(f"gradients must be one of {GRADIENTS} or None, got {gradients!r}")
+        per_table = dict(optimizer) if isinstance(optimizer, Mapping) else {}
+        for name, kind in [("<default>", "sgd" if per_table else optimizer), *per_table.items()]:
+            if kind not in OPTIMIZER_STATE:
+                raise ValueError(f"table {name}: unknown optimizer {kind!r}; expected one of {list(OPTIMIZER_STATE)}")
+        table_grads = dict(gradients) if isinstance(gradients, Mapping) else {}
+        for name, g in [("<default>", None if table_grads else gradients), *table_grads.items()]:
+            if g is not None and g not in GRADIENTS:
+                raise ValueError(f"table {name}: gradients must be one of {GRADIENTS} or None, got {g!r}")
         self.pooling_factors = dict(pooling_factors or {})
         for f, v in [("<default>", default_pooling_factor), *self.pooling_factors.items()]:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"pooling factor of feature {f!r} must be a number >= 0 (ids per sample), got {v!r}")
         self.batch_size, self.default_pooling_factor = batch_size, float(default_pooling_factor)
-        self.optimizer, self.gradients = optimizer, gradients
+        self.optimizer = "sgd" if per_table else cast(str, optimizer)
+        self.gradients = None if table_grads else cast("str | None", gradients)
+        self.table_optimizers, self.table_gradients = per_table, table_grads
         self.constraints = dict(constraints or {})
         for name, c in self.constraints.items():
             if not isinstance(c, TableConstraint):
@@ -92,19 +99,24 @@ class Planner:
     def _entries(
         self, model_or_tables: nn.Module | Sequence[BaseEmbeddingConfig]
     ) -> list[tuple[str, BaseEmbeddingConfig, str, list[ShardMeta] | None]]:
-        return plan_entries(model_or_tables, self.gradients)
+        entries = plan_entries(model_or_tables, self.gradients)
+        return [(p, t, self.table_gradients.get(t.name, g), s) for p, t, g, s in entries]
+
+    def _optimizer_of(self, table: str) -> str:
+        return self.table_optimizers.get(table, self.optimizer)
 
     def _stats(self, path: str, t: BaseEmbeddingConfig, grads: str) -> TableStats:
-        return table_stats(
-            path, t, grads, self.topology, self.optimizer, self.pooling_factors, self.default_pooling_factor
-        )
+        kind = self._optimizer_of(t.name)
+        return table_stats(path, t, grads, self.topology, kind, self.pooling_factors, self.default_pooling_factor)
 
     def _settings(self) -> dict:
         return {
             "batch_size": self.batch_size,
             "default_pooling_factor": self.default_pooling_factor,
-            "optimizer": self.optimizer,
-            "gradients": self.gradients or "per collection",
+            "optimizer": self.optimizer if not self.table_optimizers else f"per table {self.table_optimizers}",
+            "gradients": self.gradients
+            or (f"per table {self.table_gradients}" if self.table_gradients else None)
+            or "per collection",
             "min_column_width": self.min_column_width,
         }
 
@@ -263,7 +275,7 @@ class Planner:
 
     def _widths(self, stats: list[TableStats], unit: list[int]) -> list[int]:
         """Numbers of column shards the unit's widths allow."""
-        if OPTIMIZER_STATE[self.optimizer][1]:
+        if any(stats[i].state[1] for i in unit):
             return []  # per-row optimizer state over a column shard is not the full row's: never split columns
         dims = [stats[i].dim for i in unit]
         # fbgemm's fused kernel takes only pieces a multiple of 4 wide (F6): other splits would be refused
@@ -377,7 +389,7 @@ class Planner:
                             f"table {stats[i].config.name!r} is kept together with tables that have a "
                             "fixed placement: give it the same placement"
                         )
-                    check_fixed(self.topology, self.optimizer, stats[i], c.placement)
+                    check_fixed(self.topology, self._optimizer_of(stats[i].config.name), stats[i], c.placement)
                     load = model.of_placement(stats[i], c.placement)
                     total += load
                     choices[i] = self._choice(stats[i], c.placement, load, False, fixed=True)
@@ -462,11 +474,13 @@ def automatic_plan(
     local_size: int | None = None,
     world_size: int | None = None,
     embedding_optimizer: FusedOptimizerSpec | Mapping[str, Any] | None = None,
+    table_optimizers: Mapping[str, Mapping[str, FusedOptimizerSpec | None]] | None = None,
     **planner_kwargs: Any,
 ) -> Planner:
     """The planner ``shard_modules`` and the strategy use when no plan is given; call ``.plan(model)`` on it.
 
     ``embedding_optimizer`` (a fused spec or dict) sets the optimizer state size and fused gradients;
+    ``table_optimizers`` (``{collection path: {table: spec or None}}``) sets them per fused table instead;
     other keywords go to :class:`Planner` (``topology`` fields are built from the sizes here).
     """
     topo_kw = {
@@ -475,8 +489,12 @@ def automatic_plan(
         if k in planner_kwargs
     }
     topo = Topology(world_size or group_size, group_size, local_size, **topo_kw)
+    fused = {t: s for per in (table_optimizers or {}).values() for t, s in per.items() if s is not None}
+    if fused:
+        planner_kwargs.setdefault("optimizer", {t: s.kind for t, s in fused.items()})
+        planner_kwargs.setdefault("gradients", dict.fromkeys(fused, "fused"))
     spec = as_spec(embedding_optimizer)
-    if spec is not None:
+    if spec is not None and not fused:
         planner_kwargs.setdefault("optimizer", spec.kind)
         planner_kwargs.setdefault("gradients", "fused")
     return Planner(topo, **planner_kwargs)
