@@ -54,3 +54,86 @@ def test_fused_sequence_training_equals_single_process(ws: int, kinds: tuple[str
 def test_fused_sequence_2d_replicas_equal_single_process() -> None:
     runs = [(2500 + i, kind) for i, kind in enumerate(["sgd", "rowwise_adagrad", "adagrad"])]
     _assert_copies_identical(run_distributed(_job, 4, runs, 2, timeout_s=300), 2)
+
+
+SEQ_SPECS = {"s0": ("sgd", 0.3), "s1": ("rowwise_adagrad", 0.5), "s2": ("adagrad", 0.2), "s3": ("rowwise_adagrad", 0.5)}
+
+
+def _mixed_job(rank: int, ws: int, parts: int) -> None:
+    import copy
+
+    from lightning_rec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor, PerTableOptimizers
+    from lightning_rec.sharding import (
+        ShardingPlan,
+        column_wise,
+        full_state_dict,
+        fused_optimizer,
+        row_wise,
+        shard_modules,
+        table_wise,
+    )
+    from tests.distributed.test_sharded_equivalence import _RowwiseAdagrad
+
+    rows = {"s0": 9, "s1": 11, "s2": 7, "s3": 6}
+    dims = {"s0": 8, "s1": 8, "s2": 4, "s3": 8}
+    torch.manual_seed(0)
+    model = EmbeddingCollection(
+        [EmbeddingConfig(name=n, num_embeddings=rows[n], embedding_dim=dims[n], feature_names=[f"f{n}"]) for n in rows]
+    )
+    ref = copy.deepcopy(model)
+    plan = ShardingPlan({"": {"s0": column_wise([1, 0]), "s1": row_wise(), "s2": data_parallel(), "s3": table_wise(1)}})
+    specs = {n: {"kind": k, "lr": lr, "eps": 1e-8} for n, (k, lr) in SEQ_SPECS.items()}
+    sharded = shard_modules(model, plan, embedding_optimizer=PerTableOptimizers(tables=specs))
+    opt = fused_optimizer(sharded)
+    assert opt is not None
+    opt.accumulate = parts > 1
+    ref_opts = {}
+    for n, (kind, lr) in SEQ_SPECS.items():
+        p = [ref.embeddings[n].weight]
+        ref_opts[n] = (
+            torch.optim.SGD(p, lr=lr)
+            if kind == "sgd"
+            else _RowwiseAdagrad(p, lr=lr, eps=1e-8)
+            if kind == "rowwise_adagrad"
+            else torch.optim.Adagrad(p, lr=lr, eps=1e-8, initial_accumulator_value=0.0)
+        )
+
+    def batch(r: int, step: int, part: int) -> KeyedJaggedTensor:
+        g = torch.Generator().manual_seed(100 * step + 10 * part + r)
+        b = 2 + r
+        lengths = torch.randint(0, 4, (len(rows) * b,), generator=g)
+        values = torch.cat(
+            [
+                torch.randint(0, rows[n], (int(lengths[i * b : (i + 1) * b].sum()),), generator=g)
+                for i, n in enumerate(rows)
+            ]
+        )
+        return KeyedJaggedTensor([f"f{n}" for n in rows], values, lengths=lengths)
+
+    def loss(m: torch.nn.Module, r: int, step: int, part: int) -> torch.Tensor:
+        out = m(batch(r, step, part))
+        total = torch.zeros(())
+        for i, name in enumerate(sorted(out)):
+            v = out[name].values()
+            total = total + (v * torch.randn(v.shape, generator=torch.Generator().manual_seed(7 + i + r))).sum()
+        return total
+
+    for step in range(3):
+        for part in range(parts):
+            loss(sharded, rank, step, part).backward()
+        opt.step()
+        for o in ref_opts.values():
+            o.zero_grad()
+        for r in range(ws):
+            for part in range(parts):
+                loss(ref, r, step, part).backward()
+        for o in ref_opts.values():
+            o.step()
+    got, want = full_state_dict(sharded), ref.state_dict()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("parts", [1, 4])
+def test_sequence_tables_each_with_their_own_fused_optimizer(parts: int) -> None:
+    run_distributed(_mixed_job, 2, parts, timeout_s=300)

@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from lightning_rec.fused_tables import PerTableOptimizers
+from lightning_rec.plans.mesh import init_2d_mesh
 from lightning_rec.sharding import (
     ShardingPlan,
     column_wise,
@@ -114,7 +115,9 @@ def _reference(ref: Two) -> dict[str, torch.optim.Optimizer]:
     return opts
 
 
-def _job(rank: int, ws: int, layout: str, parts: int) -> list[int]:
+def _job(rank: int, ws: int, layout: str, parts: int, mp: int | None) -> list[int]:
+    mesh = init_2d_mesh(mp) if mp else None
+    groups = {} if mesh is None else {"process_group": mesh.shard_group, "replica_group": mesh.replica_group}
     torch.manual_seed(0)
     model = Two()
     ref = copy.deepcopy(model)
@@ -124,7 +127,7 @@ def _job(rank: int, ws: int, layout: str, parts: int) -> list[int]:
         tables={n: {"kind": k, "lr": lr, "eps": EPS} for n, (k, lr) in SPECS.items() if n != "s0"},
     )
     plan = ShardingPlan({"a": {t.name: plan_of[t.name] for t in A_TABLES}, "b": {"s0": plan_of["s0"]}})
-    sharded = shard_modules(model, plan, local_size=local, embedding_optimizer=option)
+    sharded = shard_modules(model, plan, local_size=local, embedding_optimizer=option, **groups)
     opt = fused_optimizer(sharded)
     assert opt is not None
     opt.accumulate = parts > 1
@@ -152,11 +155,12 @@ def _job(rank: int, ws: int, layout: str, parts: int) -> list[int]:
     return [len(opt.param_groups)]
 
 
-@pytest.mark.parametrize("ws", [2, 4])
+@pytest.mark.parametrize("ws, mp", [(2, None), (4, None), (4, 2)], ids=["2", "4", "2x2"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("parts", [1, 2])
-def test_each_table_trains_with_its_own_fused_optimizer(ws: int, layout: str, parts: int) -> None:
-    results = run_distributed(_job, ws, layout, parts, timeout_s=300)
+@pytest.mark.parametrize("parts", [1, 4])
+def test_each_table_trains_with_its_own_fused_optimizer(ws: int, mp: int | None, layout: str, parts: int) -> None:
+    # 2x2: 2 replicas of a 2-way model-parallel group; each copy of a table keeps to the union rule per kernel
+    results = run_distributed(_job, ws, layout, parts, mp, timeout_s=300)
     assert len(results) == ws
 
 

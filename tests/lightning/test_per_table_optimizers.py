@@ -1,7 +1,7 @@
-"""TorchRec's way of choosing embedding optimizers per table, under the Trainer strategy (issue 44 item 1).
+"""TorchRec's way of choosing embedding optimizers per table, under the Trainer strategy (issue 44 items 1 and 2).
 
-Two ``apply_optimizer_in_backward`` calls (row-wise Adagrad on the big tables, SGD on the small one) and an unfused
-collection beside them that ``configure_optimizers`` trains: sharded on 2 processes this equals one plain process
+Two ``apply_optimizer_in_backward`` calls (row-wise Adagrad on the big tables, SGD on the small one), a fused
+sequence collection (Adagrad) and an unfused collection beside them that ``configure_optimizers`` trains: sharded on 2 processes this equals one plain process
 where the marks step the tables inside backward; saved at 2 processes, it resumes at 1 and at 4 processes and ends
 where a straight run ends.
 """
@@ -12,7 +12,14 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, RecShardedStrategy, full_state_dict
+from lightning_rec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    RecShardedStrategy,
+    full_state_dict,
+)
 from lightning_rec.distributed import RowWiseAdagrad, apply_optimizer_in_backward, in_backward_optimizer_filter
 from lightning_rec.testing import run_distributed
 from tests.lightning.models import KEYS, QUIET_TRAINER, ClickModule
@@ -27,13 +34,23 @@ class Marked(ClickModule):
         self.side = EmbeddingBagCollection(
             [EmbeddingBagConfig(name="side", num_embeddings=13, embedding_dim=4, feature_names=["history"])]
         )
-        self.head = torch.nn.Linear(4 * len(KEYS) + 4, 1)
+        # a sequence collection trained fused too (its rows summed per sample below)
+        self.seq = EmbeddingCollection(
+            [EmbeddingConfig(name="hist", num_embeddings=13, embedding_dim=4, feature_names=["history"])]
+        )
+        self.head = torch.nn.Linear(4 * len(KEYS) + 8, 1)
         big = [self.ebc.embedding_bags["user"].weight, self.ebc.embedding_bags["item"].weight]
         apply_optimizer_in_backward(RowWiseAdagrad, big, {"lr": 0.1})
         apply_optimizer_in_backward(torch.optim.SGD, [self.ebc.embedding_bags["geo"].weight], {"lr": 0.3})
+        apply_optimizer_in_backward(torch.optim.Adagrad, self.seq.parameters(), {"lr": 0.2})
 
     def forward(self, kjt):
-        return self.head(torch.cat([self.ebc(kjt).values(), self.side(kjt).values()], dim=1)).squeeze(1)
+        hist = self.seq(kjt)["history"]
+        b = hist.lengths().numel()
+        sample = torch.repeat_interleave(torch.arange(b), hist.lengths())
+        per_sample = torch.zeros(b, 4).index_add(0, sample, hist.values())
+        dense = [self.ebc(kjt).values(), self.side(kjt).values(), per_sample]
+        return self.head(torch.cat(dense, dim=1)).squeeze(1)
 
     def configure_optimizers(self):
         # TorchRec's idiom: the dense part and unmarked tables, not the marked ones
@@ -62,7 +79,12 @@ def _fit_job(rank: int, ws: int, epochs: int, resume: str | None, save: str | No
         trainer.save_checkpoint(save)
     fused = model.fused_optimizer()
     kinds = sorted(g["kind"] for g in fused.param_groups) if fused is not None else []
-    return {"state": full_state_dict(model), "kinds": kinds, "fused": model.ebc.is_fused, "side": model.side.is_fused}
+    return {
+        "state": full_state_dict(model),
+        "kinds": kinds,
+        "fused": [model.ebc.is_fused, model.seq.is_fused],  # per rank: a rank may hold none of a collection
+        "side": model.side.is_fused,
+    }
 
 
 def _reference(epochs: int) -> dict[str, torch.Tensor]:
@@ -77,9 +99,10 @@ def test_two_in_backward_marks_and_an_unfused_collection_match_one_process() -> 
     want = _reference(2)
     for k in want:
         torch.testing.assert_close(results[0]["state"][k], want[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+    assert all(any(r["fused"][i] for r in results) for i in range(2)), [r["fused"] for r in results]
     for r in results:
-        assert r["fused"] and not r["side"]
-        assert set(r["kinds"]) <= {"rowwise_adagrad", "sgd"} and r["kinds"]
+        assert not r["side"]
+        assert set(r["kinds"]) <= {"rowwise_adagrad", "sgd", "adagrad"} and r["kinds"]
 
 
 @pytest.mark.slow
