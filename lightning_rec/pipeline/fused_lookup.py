@@ -44,6 +44,7 @@ def check_fused(
     tables: list[BaseEmbeddingConfig],
     shards: dict[str, list[ShardMeta] | None],
     specs: Sequence[FusedOptimizerSpec | None],
+    device: torch.device | None = None,
 ) -> None:
     """Refuse what fbgemm's fused kernel cannot hold, on every rank alike, before anything is allocated."""
     # kernel (a shard rank or "dp", and a spec) -> its tables' dtypes
@@ -54,6 +55,11 @@ def check_fused(
             raise ValueError(
                 f"table {t.name!r}: embedding_optimizer (fused) needs float32 or float16 tables, got {t.dtype} "
                 "(fbgemm has no fused CPU kernel for it); use embedding_optimizer=None for this collection"
+            )
+        if t.dtype == torch.float16 and spec.info.cpu_kernel == "torch" and device is not None and device.type == "cpu":
+            raise ValueError(
+                f"table {t.name!r}: the fused {spec.kind!r} optimizer runs on CPU as a torch update, which keeps "
+                "float32 tables only; make the table float32 or train it on CUDA (fbgemm's kernel takes float16)"
             )
         pieces = shards[t.name]
         widths = [t.embedding_dim] if pieces is None else [s.cols for s in pieces if s.rows > 0]

@@ -111,7 +111,7 @@ class ShardedCollection(DataParallelGradMode, Stages[Lookups, Out], nn.Module):
         self._fused_spec = fused
         self._table_kernels = self._resolve_kernels([source[t.name].weight.dtype for t in tables], dev)
         if fused is not None:  # before any shard is allocated
-            check_fused(tables, shards, specs)
+            check_fused(tables, shards, specs, dev)
         weights = [source[t.name].weight for t in tables]
         warn_large_tables(tables, weights, shards, me)
         placed = place_tables(tables, weights, shards, me, fused is not None, self._dp_group, replica_group, dev)

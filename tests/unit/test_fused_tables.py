@@ -7,7 +7,7 @@ import pytest
 from lightning_rec import EmbeddingBagConfig, PerTableOptimizers
 from lightning_rec.fused_kinds import as_spec
 from lightning_rec.fused_tables import as_table_optimizers, spec_of, summary
-from lightning_rec.pipeline.fused_lookup import table_specs
+from lightning_rec.pipeline.fused_lookup import check_fused, table_specs
 
 SGD = {"kind": "sgd", "lr": 0.1}
 ROWWISE = {"kind": "rowwise_adagrad", "lr": 0.05}
@@ -55,3 +55,12 @@ def test_collection_specs_all_or_none() -> None:
         table_specs({"a": SGD, "b": None}, tables)
     with pytest.raises(ValueError, match=r"names tables \['c'\]"):
         table_specs({"c": SGD}, tables)
+
+
+def test_half_tables_with_a_torch_cpu_kind_are_refused_before_allocation() -> None:
+    import torch
+
+    t = EmbeddingBagConfig(name="big", num_embeddings=4, embedding_dim=8, feature_names=["f"], dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"table 'big': the fused 'adam' optimizer runs on CPU as a torch update"):
+        check_fused([t], {"big": None}, [as_spec({"kind": "adam", "lr": 0.1})], torch.device("cpu"))
+    check_fused([t], {"big": None}, [as_spec(SGD)], torch.device("cpu"))  # fbgemm's CPU kernel takes float16
