@@ -82,7 +82,7 @@ def test_torchrec_serving_snippet_runs_through_the_aliases(torchrec_names) -> No
     seq_tables = [EmbeddingConfig(name="tok", num_embeddings=32, embedding_dim=8, feature_names=["a"])]
     model = torch.nn.Module()
     model.ec = EmbeddingCollection(seq_tables)
-    # (lightning_rec's MCH module takes no eviction_interval: the float model is built outside the snippet)
+    # the float model is built and trained outside the snippet: the snippet is TorchRec's serving side
     mcc = ManagedCollisionCollection({"tok": MCHManagedCollisionModule(32, num_buckets=2)}, seq_tables)
     model.mc_ec = ManagedCollisionEmbeddingCollection(
         EmbeddingCollection(seq_tables), mcc, return_remapped_features=True
