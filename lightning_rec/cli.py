@@ -1,4 +1,5 @@
-"""The ``lightning-rec`` command. ``lightning-rec plan tables.yaml --world-size 512 ...`` plans a cluster.
+"""The ``lightning-rec`` command. ``lightning-rec plan tables.yaml --world-size 512 ...`` plans a cluster
+(``--speeds speeds.json``: with speeds measured by ``lightning-rec profile``, on the job's own data).
 ``lightning-rec export CKPT_DIR --quantize int8 -o model.pt`` writes a checkpoint's model, tables quantized
 (``--program -o model.pt2``: a ``torch.export`` program that serves with torch alone).
 
@@ -38,10 +39,13 @@ from lightning_rec.data import convert
 from lightning_rec.export import export_program
 from lightning_rec.plans.kinds import ParameterSharding, kind_of
 from lightning_rec.plans.planner import OPTIMIZER_STATE, Planner, PlannerError, TableConstraint, Topology
+from lightning_rec.plans.planner.profile_cmd import add_parser as add_profile_parser
+from lightning_rec.plans.planner.profile_cmd import command as profile_command
 from lightning_rec.quant import EmbeddingBagCollection as QuantEmbeddingBagCollection
 from lightning_rec.quant import EmbeddingCollection as QuantEmbeddingCollection
 from lightning_rec.quant import load_quantized
 from lightning_rec.rec_module import RecModule
+from lightning_rec.testing import run_distributed
 
 _TABLE_KEYS = {
     "name",
@@ -197,6 +201,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gradients", choices=("dense", "sparse", "fused"), default="sparse")
     p.add_argument("--min-column-width", type=int, default=32)
     p.add_argument("--json", metavar="FILE", help="also write the plan and estimates as JSON ('-' for stdout only)")
+    p.add_argument(
+        "--speeds",
+        metavar="FILE",
+        help="speeds measured on the job's own data (lightning-rec profile); default: the device's default speeds",
+    )
+    add_profile_parser(sub)
     convert.add_parser(sub)
     _export_parser(sub)
     return ap
@@ -326,9 +336,13 @@ def plan_command(args: argparse.Namespace) -> int:
         constraints=constraints,
         together=together,
         min_column_width=args.min_column_width,
+        speeds=args.speeds,
     )
     planner.plan(configs)
     report = planner.explain()
+    if planner.speeds is None:  # a profile names itself in the report's settings
+        backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+        report.settings["speeds"] = f"defaults ({args.device}/{backend})"
     if args.json == "-":
         json.dump(report.as_dict(), sys.stdout, indent=1)
         print()
@@ -348,6 +362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "export":
             return export_command(args)
+        if args.command == "profile":
+            return profile_command(args, load_tables, run_distributed)
         return convert.command(args) if args.command == "convert" else plan_command(args)
     except (PlannerError, ValueError, TypeError, OSError, CliError) as e:
         print(f"lightning-rec {args.command}: error: {e}", file=sys.stderr)

@@ -60,7 +60,11 @@ class ShardSetup:
 
     Args: as :class:`~lightning_rec.strategy.RecShardedStrategy`'s ``plan``, ``model_parallel_size``,
     ``data_parallel_size``, ``embedding_grad``, ``embedding_optimizer`` and ``trusted_checkpoints``.
+    ``planner_speeds`` (set after construction): the automatic plan's measured speeds, a ``ProfiledSpeeds`` or
+    the path of its file (``lightning-rec profile``); None: the default speeds.
     """
+
+    planner_speeds: Any = None
 
     def __init__(
         self,
@@ -116,6 +120,8 @@ class ShardSetup:
                 kw["batch_size"] = batch_size
             if device.type == "cuda":
                 kw["device_memory"] = torch.cuda.get_device_properties(device).total_memory
+            if self.planner_speeds is not None:
+                kw["speeds"] = self.planner_speeds
             planner = automatic_plan(
                 module, mesh.model_parallel_size, mesh.local_size, world_size, table_optimizers=specs, **kw
             )

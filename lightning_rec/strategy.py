@@ -76,13 +76,17 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
             (ids to the shard owners) started while the previous batch trains; the weights are bitwise those
             without. The batch's KeyedJaggedTensor must reach the sharded collection as the loader produced it
             (a new or modified one is looked up unpipelined, with a warning). Batches reach the device before
-            ``on_before_batch_transfer`` runs. Not with managed-collision modules (refused). Off by default:
+            ``on_before_batch_transfer`` runs. Managed-collision collections pipeline where they remap on the
+            owners (``return_remapped_features=False``); remapping before the input dist is refused. Off by default:
             no speed-up could be shown on the shared 2-core CPU machine (``benchmarks/results/pipeline.md``).
         compile: ``torch.compile`` the LightningModule's forward after sharding (in place, as
             ``nn.Module.compile``; state_dict keys unchanged): True, or a dict of ``torch.compile`` options
             (default ``{"dynamic": True}``: batch sizes and bag lengths change every step). The dense part and
             the local lookups compile; each sharded collection's collectives run eagerly, one graph break each
             (docs/ARCHITECTURE.md, "torch.compile"). ``Trainer.fit(torch.compile(model))`` works too.
+        planner_speeds: speeds measured on the job's own data for the automatic plan: the path of a file that
+            ``lightning-rec profile`` (or ``ProfiledSpeeds.save``) wrote, or a ``ProfiledSpeeds``; a file from
+            another device type is refused. None: the planner's default speeds.
     """
 
     strategy_name = "rec_sharded"
@@ -100,6 +104,7 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         qcomms_config: QCommsConfig | None = None,
         pipeline: bool = False,
         compile: bool | dict[str, Any] = False,
+        planner_speeds: Any = None,
         **kwargs: Any,
     ) -> None:
         require_popen(kwargs, "RecShardedStrategy")
@@ -114,6 +119,7 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
             trusted_checkpoints,
             qcomms_config,
         )
+        self.core.planner_speeds = planner_speeds
         self._plan = plan
         # the planner of an automatic plan (when none was given), its report
         self.planner: Planner | None = None

@@ -7,8 +7,12 @@ input dist (``ShardedCollection.prefetch_input_dist``); the collection's forward
 waits for it instead of starting its own. Used by :class:`TrainPipelineSparseDist` (loops without Lightning)
 and by ``RecShardedStrategy(pipeline=True)``. Results are bitwise those of the unpipelined loop.
 
-Managed-collision modules remap ids with state that every step changes (admissions, evictions), so the
-remap of batch i+1 cannot run before batch i: pipelining refuses models that hold them.
+Managed collision remaps ids with state every step changes (admissions, evictions), so batch i+1's remap must
+follow batch i's step. A sharded ``ManagedCollisionEmbedding(Bag)Collection`` remaps on the owners, in its
+collection's stage hook, when the forward takes the input dist's delivery: its input dist may start early and
+the remap still runs in order. Remapping before the input dist (``return_remapped_features=True``, or a
+``ManagedCollisionCollection`` / ``MCHManagedCollisionModule`` called in the model's own forward) cannot run a
+batch early: pipelining refuses those.
 """
 
 from __future__ import annotations
@@ -23,21 +27,34 @@ from torch import nn
 
 from lightning_rec.distributed.model_parallel import DistributedModelParallel
 from lightning_rec.mc.embedding import ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection
-from lightning_rec.mc.modules import MCHManagedCollisionModule
+from lightning_rec.mc.modules import ManagedCollisionCollection, MCHManagedCollisionModule
 from lightning_rec.pipeline.shard_modules import ShardedCollection, sharded_collections
 from lightning_rec.sparse import KeyedJaggedTensor
 
-_MC_TYPES = (MCHManagedCollisionModule, ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection)
+_MC_WRAPPERS = (ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection)
+_MC_TYPES = (MCHManagedCollisionModule, ManagedCollisionCollection, *_MC_WRAPPERS)
+
+
+def _inside(path: str, parent: str) -> bool:
+    return parent == "" or path == parent or path.startswith(parent + ".")
 
 
 def refuse_managed_collision(model: nn.Module, what: str) -> None:
-    """Raise if ``model`` holds managed-collision modules, whose remapping cannot run a batch ahead."""
-    found = [path or "<root>" for path, m in model.named_modules() if isinstance(m, _MC_TYPES)]
+    """Raise if ``model`` holds managed-collision modules that remap before a sharded collection's input dist
+    (which therefore cannot start a batch early); wrappers remapping on the owners at delivery are fine."""
+    named = list(model.named_modules())
+    fine = [p for p, m in named if isinstance(m, _MC_WRAPPERS) and m.supports_input_pipelining]
+    found = [p for p, m in named if isinstance(m, _MC_TYPES) and not any(_inside(p, f) for f in fine)]
+    # a refused wrapper's own managed-collision modules need not be named again
+    found = [p or "<root>" for p in found if not any(q != p and _inside(p, q) for q in found)]
     if found:
         raise ValueError(
-            f"{what}: the model holds managed-collision modules ({', '.join(found[:3])}), which remap each batch's "
-            "ids with state the previous batch changes (admissions, evictions); their input dist cannot start a "
-            "batch early. Train without input pipelining (RecShardedStrategy(pipeline=False), or "
+            f"{what}: the managed-collision modules {found[:3]} remap ids before the sharded collection's input "
+            "dist (return_remapped_features=True, or called in the model's own forward), with state the previous "
+            "batch changes (admissions, evictions), so that input dist cannot start a batch early. Use "
+            "ManagedCollisionEmbeddingBagCollection / ManagedCollisionEmbeddingCollection with "
+            "return_remapped_features=False (they remap on the owners when the ids arrive, and pipeline), or train "
+            "without input pipelining (RecShardedStrategy(pipeline=False), or "
             "TrainPipelineSparseDist(..., pipelined=False))"
         )
 
@@ -123,7 +140,7 @@ class TrainPipelineSparseDist:
     Args (TorchRec's order): ``model``, ``optimizer`` (the dense / non-fused one), ``device``. The fused
     optimizer of a :class:`DistributedModelParallel` is stepped too. ``execute_all_batches`` is accepted;
     ``apply_jit=True`` (TorchScript) is not supported. ``pipelined=False`` runs one batch after the other
-    (models with managed-collision modules need it).
+    (models that remap managed-collision ids before a sharded collection need it: ``refuse_managed_collision``).
     """
 
     def __init__(

@@ -1,11 +1,11 @@
 """Sharded remapping: each id is remapped on the rank that owns its bucket's rows.
 
 Two ways. Folded (the default, :func:`remap_received`): the sharded collection's own input dist routes raw
-ids by bucket owner (``row_key``) and the owner remaps them after receiving, before the lookup: no
-communication beyond the lookup's. Separate (:func:`remap_sharded`; when the remapped ids must go back to
-the sender: ``return_remapped_features=True`` or ``remap()``), per step and per rank: bucketize the raw ids,
-all-to-all them to the owners (counts first, then ids), let each owner remap the ids of its buckets (all
-ranks' ids of a bucket together, so its decisions equal one process's), and all-to-all the rows back.
+ids by bucket owner (:func:`bucket_rows`, through the wrapper's stage hook) and the owner remaps them when the
+lookup takes them: no communication beyond the lookup's. Separate (:func:`remap_sharded`; when the remapped ids
+must go back to the sender: ``return_remapped_features=True`` or ``remap()``), per step and per rank: bucketize
+the raw ids, all-to-all them to the owners (counts first, then ids), let each owner remap the ids of its buckets
+(all ranks' ids of a bucket together, so its decisions equal one process's), and all-to-all the rows back.
 
 Example, 2 ranks, a row-wise table of 2 buckets (bucket 0 on rank 0, bucket 1 on rank 1): rank 0 holds ids
 ``[a(b0), c(b1)]``, rank 1 ``[d(b1)]``; rank 1 receives ``[c]`` from rank 0 and ``[d]`` from itself and
@@ -16,7 +16,7 @@ up on rank 1 and returns the pooled row.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +46,8 @@ class Ownership:
     owned_rows: torch.Tensor  # [zch] bool, this rank
 
 
-def _row_shards(coll: ShardedCollection, table: str) -> tuple[BaseEmbeddingConfig, list[ShardMeta]]:
+def row_shards(coll: ShardedCollection, table: str) -> tuple[BaseEmbeddingConfig, list[ShardMeta]]:
+    """``table``'s config and its shards holding rows; raises unless one rank holds each row whole."""
     cfg = next(c for c in coll.tables if c.name == table)
     shards = coll.shards[table]
     if shards is None:
@@ -66,7 +67,7 @@ def _row_shards(coll: ShardedCollection, table: str) -> tuple[BaseEmbeddingConfi
 
 
 def ownership(coll: ShardedCollection, table: str, m: MCHManagedCollisionModule) -> Ownership:
-    cfg, shards = _row_shards(coll, table)
+    cfg, shards = row_shards(coll, table)
     owner = torch.full((cfg.num_embeddings,), -1, dtype=torch.int64)
     for s in shards:
         owner[s.row_offset : s.row_offset + s.rows] = s.rank
@@ -77,7 +78,7 @@ def ownership(coll: ShardedCollection, table: str, m: MCHManagedCollisionModule)
 
 def check_alignment(coll: ShardedCollection, table: str, zch: int, num_buckets: int) -> None:
     """Raise unless every shard of ``table`` holds whole buckets of ``num_buckets``."""
-    _, shards = _row_shards(coll, table)
+    _, shards = row_shards(coll, table)
     bs = zch // num_buckets
     for s in shards:
         if s.row_offset % bs or s.rows % bs:
@@ -179,11 +180,15 @@ def remap_sharded(
 
 
 # -- remapping folded into the sharded collection's input dist -------------------------------------------------
-def row_key(m: MCHManagedCollisionModule) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Raw ids -> the first row of their bucket: the input dist sends each id to the block holding that row."""
+def bucket_rows(m: MCHManagedCollisionModule, ids: torch.Tensor) -> torch.Tensor:
+    """Raw ids -> the first row of their bucket: the input dist sends each id to the block holding that row.
+
+    The bucket count is read now. An input dist routed before a resize is still delivered to the right rank:
+    every valid count keeps whole buckets on one rank and nests in the other (``_remap.bucket_of``), so the rank
+    owning an id's bucket is the same at both.
+    """
     nb = int(m._mch_num_buckets)
-    bs = m.zch_size // nb
-    return lambda ids: _remap.bucket_of(ids, nb) * bs
+    return _remap.bucket_of(ids, nb) * (m.zch_size // nb)
 
 
 def remap_received(
@@ -193,8 +198,11 @@ def remap_received(
 
     ``recv.values`` are route-major (this rank's routes, each holding every source rank's bags); a table's
     routes (one per feature) are remapped together, in one step, as one process remaps the global batch.
-    Every rank remaps every table (an empty one where it holds no rows), so each has stats for the step.
+    Every rank remaps every table (an empty one where it holds no rows), so each has stats for the step, and
+    begins the step first, as one process does before remapping.
     """
+    for m in mods.values():
+        m.begin_step()
     routing = coll.routing
     names = [t.name for t in coll.tables]
     mine = routing.my_routes

@@ -1,10 +1,12 @@
 """Embedding collections behind managed collision: raw ids in, remapped rows looked up (TorchRec's MC-EBC / MC-EC).
 
-The same wrapper runs unsharded and sharded: after ``shard_modules`` has replaced the inner collection by a
-sharded one, the collection's own input dist routes each raw id to the rank owning its bucket's rows, which
-remaps it there before the lookup (``_dist.remap_received``): no exchange beyond the lookup's. Only when the
-remapped ids must come back (``return_remapped_features=True``, ``remap()``) is remapping a separate
-exchange before the lookup (``_dist.remap_sharded``).
+The same wrapper runs unsharded and sharded. Sharded, it remaps on the owners: it installs a permanent stage hook
+on its collection (``pipeline.stages.RawIdHook``, :class:`_RemapOnOwner`, carried over by ``shard_modules``), so
+the collection's own input dist routes each raw id to the rank owning its bucket's rows, and that rank remaps it
+when the forward takes the delivery (``_dist.remap_received``): no exchange beyond the lookup's, and the step's
+remap runs inside the forward of its batch even when a train pipeline started the input dist a batch early.
+Only when the remapped ids must come back (``return_remapped_features=True``, ``remap()``) is remapping a
+separate exchange before the lookup (``_dist.remap_sharded``); that path cannot start its input dist early.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from lightning_rec.mc import _dist, _remap
 from lightning_rec.mc.modules import ManagedCollisionCollection, MCHManagedCollisionModule, remap_local
 from lightning_rec.pipeline.input_dist import Received
 from lightning_rec.pipeline.sharded_collection import ShardedCollection
+from lightning_rec.pipeline.stages import RAW_ID_HOOK_ATTR
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 RowInit = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -62,10 +65,39 @@ class _ManagedCollisionWrapper(nn.Module):
         self._configs = configs
         self._optimizers: list[weakref.ref] = []
         self._owner_cache: dict[tuple, _dist.Ownership] = {}
-        # sharded: remap on the owners inside the collection's input dist (no extra all-to-all); False keeps
-        # the separate remap exchange (benchmarks compare the two)
-        self._fold_remap = True
+        self._hook = _RemapOnOwner(self)
+        self._fold = True
+        self._sync_hook()
         _WRAPPERS.add(self)
+
+    @property
+    def _fold_remap(self) -> bool:
+        """Sharded: remap on the owners at the collection's input dist delivery (no extra all-to-all); False
+        keeps the separate remap exchange (benchmarks compare the two). Changing it installs or removes the hook."""
+        return self._fold
+
+    @_fold_remap.setter
+    def _fold_remap(self, fold: bool) -> None:
+        self._fold = bool(fold)
+        self._sync_hook()
+
+    def _sync_hook(self) -> None:
+        """Install the stage hook on the collection where it remaps on the owners, else remove it. An unsharded
+        collection only carries it (and ignores it) for ``shard_modules`` to hand to its sharded twin."""
+        hook = self._hook if self._fold and not self._return_remapped_features else None
+        coll = self._embedding_module
+        if isinstance(coll, ShardedCollection):
+            coll.set_raw_id_hook(hook)
+        else:
+            setattr(coll, RAW_ID_HOOK_ATTR, hook)
+
+    @property
+    def supports_input_pipelining(self) -> bool:
+        """Whether a train pipeline may start this module's input dist a batch early: yes where the collection is
+        unsharded (it has none) or remaps on the owners at delivery; no where remapping is a separate exchange
+        before the lookup (``return_remapped_features=True``), which reads state the previous batch changes."""
+        coll = self._embedding_module
+        return not isinstance(coll, ShardedCollection) or coll.raw_id_hook is self._hook
 
     @property
     def embedding_module(self) -> nn.Module:
@@ -327,33 +359,54 @@ class _ManagedCollisionWrapper(nn.Module):
     def _lookup(self, features: KeyedJaggedTensor) -> tuple[Any, KeyedJaggedTensor | None]:
         """The embedding module's output for raw ``features``, and the remapped KJT when it is asked for.
 
-        Sharded, without ``return_remapped_features``: the collection's input dist routes the raw ids to
-        the owners of their buckets and the owners remap them there (``_dist.remap_received``), re-initialise
-        the rows new ids took, then look up: the remapped ids never travel back.
+        Sharded, without ``return_remapped_features``: the collection's input dist routes the raw ids to the
+        owners of their buckets, and the stage hook remaps them there when the lookup takes them
+        (:meth:`_remap_received`): the remapped ids never travel back, and nothing here runs before the input
+        dist, which a train pipeline may have started a batch ago.
         """
         coll = self._embedding_module
-        if not (isinstance(coll, ShardedCollection) and self._fold_remap and not self._return_remapped_features):
+        if not (isinstance(coll, ShardedCollection) and self._fold and not self._return_remapped_features):
             kjt = self.remap(features)
             return self._embedding_module(kjt), (kjt if self._return_remapped_features else None)
+        if coll.raw_id_hook is not self._hook:  # a collection that was not sharded from the one we marked
+            coll.set_raw_id_hook(self._hook)
+        return coll(features), None
+
+    def _remap_received(self, recv: Received) -> Received:
+        """The stage hook's remap, on every rank of the shard group when the forward takes its input dist's
+        delivery: the step's bookkeeping first (owners, a migration to a loaded bucket count, the step counter),
+        then the remap of the ids this rank received and the re-initialisation of the rows new ids took. All of it
+        here, at delivery, so it follows the previous batch's remap and optimizer step however early the ids left.
+        """
+        coll = cast(ShardedCollection, self._embedding_module)
         self._prepare()
-        mods = self._managed_collision_collection.modules_by_table()
-        for m in mods.values():
-            m.begin_step()
-
-        def on_received(recv: Received) -> Received:
-            recv, results = _dist.remap_received(coll, mods, recv)
-            self._reinit_all(results)
-            return recv
-
-        coll.route_raw_ids({t: _dist.row_key(m) for t, m in mods.items()}, on_received)
-        try:
-            return coll(features), None
-        finally:
-            coll.route_raw_ids(None, None)
+        recv, results = _dist.remap_received(coll, self._managed_collision_collection.modules_by_table(), recv)
+        self._reinit_all(results)
+        return recv
 
     def mc_stats(self) -> dict[str, dict[str, int]]:
         """Last step's ``{table: {lookups, hits, admitted, evicted, unadmitted}}`` (this rank's buckets)."""
         return {t: dict(m.last_stats) for t, m in self._managed_collision_collection.modules_by_table().items()}
+
+
+class _RemapOnOwner:
+    """A wrapper's stage hook on its sharded collection (``pipeline.stages.RawIdHook``): the managed tables take
+    raw ids, routed to their bucket's owner, and remapped there at delivery (``wrapper._remap_received``)."""
+
+    def __init__(self, wrapper: _ManagedCollisionWrapper) -> None:
+        self._wrapper = wrapper
+        self.tables = frozenset(wrapper._managed_collision_collection.modules_by_table())
+
+    def attach(self, collection: nn.Module) -> None:
+        # at sharding: a layout that cannot give each bucket one owner fails here, not at the first step
+        for t in sorted(self.tables):
+            _dist.row_shards(cast(ShardedCollection, collection), t)
+
+    def row_key(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        return _dist.bucket_rows(self._wrapper._managed_collision_collection.modules_by_table()[table], ids)
+
+    def on_received(self, received: Received) -> Received:
+        return self._wrapper._remap_received(received)
 
 
 def hash_name(name: str) -> int:

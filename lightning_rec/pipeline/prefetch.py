@@ -3,7 +3,8 @@
 A pipeline calls ``prefetch_input_dist(kjt)`` on every sharded collection for batch i+1 while batch i computes;
 the collection's ``input_dist`` then takes over the exchange already in flight for that very KJT object. The
 KJT's in-place version counters are kept with it: a KJT modified after its ids left would silently train on the
-old ids, so taking it over then raises.
+old ids, so taking it over then raises. An input dist no forward takes is dropped (its transfers waited for) without
+delivering it: a stage hook's remap runs only in the forward of the batch it belongs to.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from lightning_rec.sparse import KeyedJaggedTensor
 _MAX_PREFETCHED = 4  # batches whose input dist may wait for their forward (a pipeline keeps one or two)
 
 
-class Waitable(Protocol):
-    def wait(self) -> object: ...
+class Droppable(Protocol):
+    def drop(self) -> None: ...
 
 
 def _versions(kjt: KeyedJaggedTensor) -> tuple[int, ...]:
@@ -32,17 +33,17 @@ class PrefetchQueue:
     dropped, so a batch the pipeline never ran cannot hold buffers forever)."""
 
     def __init__(self) -> None:
-        self._items: list[tuple[KeyedJaggedTensor, tuple[int, ...], Waitable]] = []
+        self._items: list[tuple[KeyedJaggedTensor, tuple[int, ...], Droppable]] = []
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, features: KeyedJaggedTensor, ctx: Waitable) -> None:
+    def add(self, features: KeyedJaggedTensor, ctx: Droppable) -> None:
         self._items.append((features, _versions(features), ctx))
         if len(self._items) > _MAX_PREFETCHED:
-            self._items.pop(0)[2].wait()
+            self._items.pop(0)[2].drop()
 
-    def take(self, features: KeyedJaggedTensor) -> Waitable | None:
+    def take(self, features: KeyedJaggedTensor) -> Droppable | None:
         """The input dist started for this very KJT object (removed from the queue), or None."""
         for i, (prefetched, versions, ctx) in enumerate(self._items):
             if prefetched is features:
@@ -61,7 +62,7 @@ class PrefetchQueue:
         for i, (_, _, ctx) in enumerate(self._items):
             if ctx is token:
                 del self._items[i]
-                ctx.wait()
+                ctx.drop()
                 return True
         return False
 
@@ -69,6 +70,6 @@ class PrefetchQueue:
         """Drop every prefetched input dist (waiting for its transfers); how many there were."""
         n = len(self._items)
         for _, _, ctx in self._items:
-            ctx.wait()
+            ctx.drop()
         self._items.clear()
         return n

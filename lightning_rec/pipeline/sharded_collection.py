@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, cast
 
 import torch
@@ -29,7 +30,7 @@ from lightning_rec.pipeline.local_tables import place_tables
 from lightning_rec.pipeline.materialize import broadcast_from_first, requested_kernel, target_device, warn_large_tables
 from lightning_rec.pipeline.prefetch import PrefetchQueue
 from lightning_rec.pipeline.routing import RoutingTable, build_routing
-from lightning_rec.pipeline.stages import LookupContext, Lookups, Out, Stages
+from lightning_rec.pipeline.stages import RAW_ID_HOOK_ATTR, LookupContext, Lookups, Out, RawIdHook, Stages
 from lightning_rec.pipeline.state_dict import load_hook, sharded_state_dict_hook
 from lightning_rec.plans.shard_geometry import ShardMeta
 from lightning_rec.sparse import KeyedJaggedTensor, checks_enabled
@@ -150,10 +151,11 @@ class ShardedCollection(DataParallelGradMode, Stages[Lookups, Out], nn.Module):
         self._build_lookups()
         _compat.register_state_dict_hook(self, sharded_state_dict_hook)
         _compat.register_load_state_dict_pre_hook(self, self._load_hook)
-        # raw-id tables (managed collision, see route_raw_ids): unset unless a wrapper is driving this forward
+        # raw-id tables (managed collision): a permanent stage hook, carried over from the unsharded module
+        self._raw_id_hook: RawIdHook | None = None
         self._row_keys: dict[int, RowKey] | None = None
-        self._on_received: Callable[[Received], Received] | None = None
         self._raw_id_layout: FeatureLayout | None = None
+        self.set_raw_id_hook(getattr(module, RAW_ID_HOOK_ATTR, None))
         # the input dist, built once per layout (and per device: _apply)
         self._kjt_dist = InputDist(
             self._routing, shard_group, dev, with_positions=not self._pooled, ranks=self._global_ranks
@@ -344,7 +346,8 @@ class ShardedCollection(DataParallelGradMode, Stages[Lookups, Out], nn.Module):
                 raise err from None
             raise
         assert kjt is not None  # a rejected input raised above, on every rank
-        return LookupContext(kjt, pending, self._on_received)
+        hook = self._raw_id_hook  # the ids were routed for this hook: its remap delivers them, whatever comes later
+        return LookupContext(kjt, pending, None if hook is None else hook.on_received)
 
     # -- the three stages: input_dist here, compute and output_dist in the pooled and sequence subclasses ----
     @torch.compiler.disable  # collectives (and host-side bookkeeping): eager, one graph break
@@ -448,24 +451,29 @@ class ShardedCollection(DataParallelGradMode, Stages[Lookups, Out], nn.Module):
         pos = {ti: k for k, ti in enumerate(self._routing.dp_tables)}
         return [pos[self._layout.feature_table[f]] for f in self._routing.dp_features]
 
-    def route_raw_ids(
-        self, row_of: Mapping[str, RowKey] | None, on_received: Callable[[Received], Received] | None
-    ) -> None:
-        """Let tables take raw ids (managed collision) until called again with ``None``.
+    @property
+    def raw_id_hook(self) -> RawIdHook | None:
+        """The stage hook of the tables fed raw ids (managed collision), or None."""
+        return self._raw_id_hook
 
-        ``row_of[table](ids)`` is, for each raw id, a global row of the row block that must receive it (the
-        bucket's rows); the input dist routes raw ids there unchanged, and ``on_received(recv)`` runs on
-        every rank right after it and returns ``recv`` with those ids made rows of the local shard. The ids
-        of these tables are only checked to be non-negative.
+    def set_raw_id_hook(self, hook: RawIdHook | None) -> None:
+        """Install ``hook`` (``stages.RawIdHook``; None removes it): from the next input dist on, the tables it
+        names take raw ids, routed by ``hook.row_key`` and remapped by ``hook.on_received`` at delivery. Input
+        dists already started keep the hook they were routed for. Their ids are only checked to be non-negative.
         """
-        if row_of is None:
-            self._row_keys = self._on_received = self._raw_id_layout = None
+        if hook is None:
+            self._raw_id_hook = self._row_keys = self._raw_id_layout = None
             return
-        self._row_keys = {f: row_of[t] for f, t in enumerate(self._layout.feature_table_names) if t in row_of}
-        self._on_received = on_received
+        names = self._layout.feature_table_names
+        unknown = sorted(hook.tables - set(names))
+        if unknown:
+            raise ValueError(f"raw-id tables {unknown} are not tables of this collection ({sorted(set(names))})")
+        hook.attach(self)
+        self._row_keys = {f: partial(hook.row_key, t) for f, t in enumerate(names) if t in hook.tables}
         layout = copy.copy(self._layout)
-        layout.rows = [_MAX_ID if t in row_of else r for t, r in zip(layout.feature_table_names, layout.rows)]
+        layout.rows = [_MAX_ID if t in hook.tables else r for t, r in zip(names, layout.rows)]
         self._raw_id_layout = layout
+        self._raw_id_hook = hook
 
     def _shard_weights(self, recv: Received) -> list[torch.Tensor]:
         """This rank's shards as the lookup sees them; under 2D replicas their backward sums over the replicas."""

@@ -4,15 +4,20 @@
 (the checked input, the exchange in flight and what it delivered: metadata, no lookups). ``compute`` returns the
 lookups (``Lookups``: :class:`PooledLookups`, :class:`SequenceLookups`); ``output_dist`` takes the context and
 those lookups and returns the forward's result (``Out``). :class:`Stages` writes ``forward`` once for all.
+
+A :class:`RawIdHook` is the one permanent hook on those stages: tables whose ids arrive raw (managed collision),
+routed by the hook's row keys in ``input_dist`` and turned into rows by its ``on_received`` when ``compute``
+takes the delivery.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, NamedTuple, TypeVar
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 import torch
+from torch import nn
 
 from lightning_rec.pipeline.input_dist import PendingInputDist, Received
 from lightning_rec.sparse import KeyedJaggedTensor
@@ -20,26 +25,67 @@ from lightning_rec.sparse import KeyedJaggedTensor
 Lookups = TypeVar("Lookups")
 Out = TypeVar("Out")
 
+RAW_ID_HOOK_ATTR = "raw_id_hook"  # where an unsharded collection carries the hook its sharded twin adopts
+
+
+class RawIdHook(Protocol):
+    """Tables of a sharded collection fed raw ids instead of rows, and what their owner runs on arrival.
+
+    Installed once (``ShardedCollection.set_raw_id_hook``, or at sharding: the sharded collection adopts the
+    hook its unsharded module carries as ``raw_id_hook``), never toggled per forward. Every input dist then
+    sends the raw ids of :attr:`tables` unchanged to the rank holding the global row ``row_key(table, ids)``
+    names (only the owning rank matters), checking them only for being non-negative; :meth:`on_received` runs
+    on every rank of the shard group when the forward takes the delivery (:meth:`LookupContext.wait`) and
+    returns it with those ids made rows of the local shards. It runs there, not when the input dist starts, so
+    an input dist a train pipeline started a batch early is remapped after the previous batch's remap and step.
+    """
+
+    @property
+    def tables(self) -> frozenset[str]:
+        """The raw-id tables (fixed once installed)."""
+        ...
+
+    def attach(self, collection: nn.Module) -> None:
+        """Called when installed on ``collection`` (a ``ShardedCollection``); raise if it cannot serve it."""
+        ...
+
+    def row_key(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """For each raw id of ``table``, a global row on the rank that must receive it."""
+        ...
+
+    def on_received(self, received: Received) -> Received:
+        """``received`` with every raw id made a row of this rank's shard (collective-free, on every rank)."""
+        ...
+
 
 @dataclass
 class LookupContext:
     """One forward's metadata through the stages: this rank's checked input and its input dist.
 
-    ``input_dist`` makes it with the exchange in flight; :meth:`wait` (in ``compute``) takes the delivery once.
+    ``input_dist`` makes it with the exchange in flight; :meth:`wait` (in ``compute``) takes the delivery once;
+    :meth:`drop` forgets an input dist no forward will take.
     """
 
     kjt: KeyedJaggedTensor  # this rank's input, checked, in config order
     pending: PendingInputDist | None = None  # the input dist in flight; None: no model-parallel table
-    on_received: Callable[[Received], Received] | None = None  # managed collision: remap on the owner
+    # the raw-id hook's remap (RawIdHook.on_received) the ids were routed for; runs once, at delivery
+    on_received: Callable[[Received], Received] | None = None
     received: Received | None = None  # what the input dist delivered to this rank (set by ``wait``)
 
     def wait(self) -> Received | None:
-        """The input dist's delivery (waiting for it once); None without model-parallel tables."""
+        """The input dist's delivery (waiting for it once, then running ``on_received`` on it); None without
+        model-parallel tables."""
         if self.received is None and self.pending is not None:
-            recv = self.pending.wait()
+            recv, self.pending = self.pending.wait(), None
             self.received = recv if self.on_received is None else self.on_received(recv)
-            self.pending = None
         return self.received
+
+    def drop(self) -> None:
+        """Wait for the transfers of an input dist no forward will take, without ``on_received``: a batch a
+        pipeline read ahead but never trained must not change a hook's state (managed collision's admissions)."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
 
 
 class PooledLookups(NamedTuple):

@@ -345,9 +345,10 @@ def _errors_job(rank: int, ws: int, return_remapped: bool = True) -> list[str]:
         except ValueError as e:
             msgs.append(str(e))
     good = _kjt(_slice(_global_batch(2), rank, ws))
+    # remapping on the owners refuses the first two at sharding (its stage hook's attach), the third at the step
     for plan in ({"s": column_wise([0, 1])}, {"s": data_parallel()}, {"s": row_wise([14, 18])}):
         try:
-            shard_modules(_ec_model(), ShardingPlan({"_embedding_module": plan}))(good)
+            shard_modules(_ec_model(return_remapped), ShardingPlan({"_embedding_module": plan}))(good)
             msgs.append("ok")
         except ValueError as e:
             msgs.append(str(e))

@@ -61,6 +61,10 @@ class TableStats:
     pooled: bool
     grads: str
     state: tuple[int, int]
+    #: this table's speeds (bytes per second, as :class:`Hardware`'s): the topology's, or a profile's
+    lookup_bw: float
+    host_lookup_bw: float
+    update_bw: float
     #: per-shard values of this table's small tilings, kept by the search (``terms.py``)
     shapes: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -200,9 +204,9 @@ class CostModel:
         t = time
         row_bytes = 2 * cols * s.elem + s.state_bytes(cols)
         if s.grads == "dense":  # the step and zero_grad run over the whole shard
-            t[1] = put(rows * (row_bytes + cols * s.elem) / hw.update_bandwidth)
+            t[1] = put(rows * (row_bytes + cols * s.elem) / s.update_bw)
         else:
-            t[1] = put(ids * row_bytes / hw.update_bandwidth)
+            t[1] = put(ids * row_bytes / s.update_bw)
         a = np.where(live, B * (8 * s.ids * frac + 8 * s.features), 0.0)
         out_per = B * (s.features if s.pooled else s.ids * frac)  # pooled rows, or one row per id
         o = np.where(live, out_per * cols * s.wire, 0.0)
@@ -223,7 +227,7 @@ class CostModel:
             mem[i] = put(per_shard[i])
         loads = []
         for host in (False, True) if both else (offload,):
-            bw = hw.host_lookup_bandwidth if host else hw.lookup_bandwidth
+            bw = s.host_lookup_bw if host else s.lookup_bw
             tt = time.copy() if both else time
             tt[0] = put(ids * (cols * s.elem + hw.lookup_overhead_bytes) / bw)
             if host:  # weights, state and gradients in host memory; lookup buffers stay on the device
@@ -247,15 +251,15 @@ class CostModel:
         # fused: every replica looks up, and updates in backward, the union of every rank's batch: the ids are
         # all-gathered in forward and the pooled gradients in backward (pipeline/fused_lookup.py)
         looked_up = w * local_ids if fused else local_ids
-        t[0] = looked_up * (D * s.elem + hw.lookup_overhead_bytes) / hw.lookup_bandwidth
+        t[0] = looked_up * (D * s.elem + hw.lookup_overhead_bytes) / s.lookup_bw
         if fused:
-            t[1] = looked_up * row_bytes / hw.update_bandwidth
+            t[1] = looked_up * row_bytes / s.update_bw
             if w > 1:
                 rows_out = B * (s.features if s.pooled else s.ids)
                 gathered = B * (8 * s.ids + 8 * s.features) + rows_out * D * s.wire
                 t[5] = (w - 1) * gathered / self.world_bw
         else:
-            t[1] = (N * (row_bytes + D * s.elem) if s.grads == "dense" else union * row_bytes) / hw.update_bandwidth
+            t[1] = (N * (row_bytes + D * s.elem) if s.grads == "dense" else union * row_bytes) / s.update_bw
             if w > 1:
                 t[5] = (w * uniq * 8 + 2 * (w - 1) / w * union * D * s.wire) / self.world_bw
         m[0] = N * D * s.elem

@@ -4,7 +4,7 @@ configs, checked as a collection checks them, and what the cost model needs of e
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 from torch import nn
 
@@ -12,6 +12,9 @@ from lightning_rec.configs import BaseEmbeddingConfig, EmbeddingBagConfig, Embed
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, check_tables
 from lightning_rec.plans.planner.cost import OPTIMIZER_STATE, TableStats
 from lightning_rec.plans.planner.topology import Topology
+
+if TYPE_CHECKING:
+    from lightning_rec.plans.planner.speeds import TableSpeeds
 from lightning_rec.plans.shard_geometry import ShardMeta
 
 
@@ -73,8 +76,10 @@ def table_stats(
     optimizer: str,
     pooling_factors: Mapping[str, float],
     default_pooling_factor: float,
+    speeds: TableSpeeds | None = None,
 ) -> TableStats:
-    """What the cost model needs of table ``t`` (its ids per sample, wire width, optimizer state)."""
+    """What the cost model needs of table ``t`` (its ids per sample, wire width, optimizer state, speeds: the
+    topology's, or those ``speeds`` give the table)."""
     for attr in ("num_embeddings", "embedding_dim"):
         if getattr(t, attr) > _INT64_MAX:  # no tensor can have that many rows or columns
             raise ValueError(
@@ -86,6 +91,16 @@ def table_stats(
     assert t.dtype is not None  # resolved by the config's __post_init__
     wire = 4 if backend == "gloo" and t.dtype.itemsize < 4 else t.dtype.itemsize
     pooling = cast("EmbeddingBagConfig | EmbeddingConfig", t).pooling  # every table is one of the two
+    hw = topology.hardware
+    assert hw is not None  # resolved by Topology.__post_init__
+    lookup, update = hw.lookup_bandwidth, hw.update_bandwidth
+    if speeds is not None:
+        lookup, update = speeds.table_speeds(t, float(ids), grads, hw)
+    # a table in host memory is looked up as much slower than in device memory as the topology says, and never
+    # faster than in device memory where the topology says so (the search relies on it)
+    host = hw.host_lookup_bandwidth * (lookup / hw.lookup_bandwidth)
+    if hw.host_lookup_bandwidth <= hw.lookup_bandwidth:
+        host = min(host, lookup)
     return TableStats(
         path,
         t,
@@ -98,4 +113,7 @@ def table_stats(
         pooling != PoolingType.NONE,
         grads,
         OPTIMIZER_STATE[optimizer],
+        lookup,
+        host,
+        update,
     )

@@ -9,14 +9,15 @@ module scores them with the cost model and keeps the best.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from dataclasses import replace
+from typing import cast
 
 import numpy as np
 from torch import nn
 
 from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
-from lightning_rec.fused_kinds import FusedOptimizerSpec, as_spec
 from lightning_rec.plans.kinds import KINDS, ParameterSharding, placement_of
 from lightning_rec.plans.plan import ShardingPlan, data_parallel, resolve_table, table_wise
 from lightning_rec.plans.planner.candidates import Candidate, Probes, Space, divisors, in_host_memory, score, why
@@ -24,6 +25,7 @@ from lightning_rec.plans.planner.checks import check_fixed, check_fused, check_n
 from lightning_rec.plans.planner.cost import GRADIENTS, OPTIMIZER_STATE, CostModel, Load, TableStats
 from lightning_rec.plans.planner.inputs import PlacedCollection, plan_entries, table_stats
 from lightning_rec.plans.planner.report import PlanReport, TableChoice, placement_label
+from lightning_rec.plans.planner.speeds import ProfiledSpeeds, resolve_speeds, speeds_label
 from lightning_rec.plans.planner.terms import load_of, placement_terms, prepare, whole
 from lightning_rec.plans.planner.topology import PlannerError, TableConstraint, Topology
 from lightning_rec.plans.shard_geometry import ShardMeta
@@ -44,6 +46,8 @@ class Planner:
         constraints: ``{table name: TableConstraint}`` (allowed types, a fixed placement).
         together: groups of table names that get one placement together (same type and ranks).
         min_column_width: narrowest column shard considered for column_wise / grid_shard.
+        speeds: a :class:`ProfiledSpeeds` or the path of its JSON file (``lightning-rec profile``): speeds measured
+            on the job's own data, per table, and of the exchange; default: the topology's :class:`Hardware`.
 
     ``plan(model or tables)`` returns a ``ShardingPlan``; ``explain()`` the last :class:`PlanReport`;
     ``estimate(model or tables, plan)`` the same report for any given plan.
@@ -61,8 +65,13 @@ class Planner:
         constraints: Mapping[str, TableConstraint] | None = None,
         together: Sequence[Sequence[str]] = (),
         min_column_width: int = 32,
+        speeds: ProfiledSpeeds | str | os.PathLike[str] | None = None,
     ) -> None:
-        self.topology = topology if topology is not None else Topology()
+        topology = topology if topology is not None else Topology()
+        self.speeds = resolve_speeds(speeds, topology.device)
+        if self.speeds is not None:
+            topology = replace(topology, hardware=self.speeds.hardware(topology.hardware))  # type: ignore[arg-type]
+        self.topology = topology
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int (samples per rank per step), got {batch_size!r}")
         per_table = dict(optimizer) if isinstance(optimizer, Mapping) else {}
@@ -107,10 +116,11 @@ class Planner:
 
     def _stats(self, path: str, t: BaseEmbeddingConfig, grads: str) -> TableStats:
         kind = self._optimizer_of(t.name)
-        return table_stats(path, t, grads, self.topology, kind, self.pooling_factors, self.default_pooling_factor)
+        pf, default = self.pooling_factors, self.default_pooling_factor
+        return table_stats(path, t, grads, self.topology, kind, pf, default, self.speeds)
 
-    def _settings(self) -> dict:
-        return {
+    def _settings(self, stats: list[TableStats]) -> dict:
+        settings = {
             "batch_size": self.batch_size,
             "default_pooling_factor": self.default_pooling_factor,
             "optimizer": self.optimizer if not self.table_optimizers else f"per table {self.table_optimizers}",
@@ -119,6 +129,11 @@ class Planner:
             or "per collection",
             "min_column_width": self.min_column_width,
         }
+        if self.speeds is not None:  # the defaults go unnamed, as before profiles existed
+            settings["speeds"] = speeds_label(
+                self.speeds, [self.speeds.match(s.config, s.ids, s.grads)[0] for s in stats]
+            )
+        return settings
 
     def _report(self, stats: list[TableStats], choices: list[TableChoice], load: Load, notes: list[str]) -> PlanReport:
         plan: dict[str, dict[str, ParameterSharding]] = {}
@@ -128,8 +143,10 @@ class Planner:
         lat = self.topology.hardware.collective_latency  # type: ignore[union-attr]
         n_coll = (6 if kinds - {ShardingType.DATA_PARALLEL} else 0) + (3 if ShardingType.DATA_PARALLEL in kinds else 0)
         latency = 0.0 if self.topology.world_size == 1 else n_coll * lat * max(1.0, math.log2(self.topology.world_size))
+        latency += self.speeds.step_overhead if self.speeds is not None else 0.0
+        settings = self._settings(stats)
         return PlanReport(
-            ShardingPlan(plan), choices, self.topology, self._settings(), load.time, load.mem, load.host, latency, notes
+            ShardingPlan(plan), choices, self.topology, settings, load.time, load.mem, load.host, latency, notes
         )
 
     # -- public ----------------------------------------------------------------------------------------------
@@ -466,35 +483,3 @@ class Planner:
                     ch.rejected_because = "the only allowed placement"
                 choices[i] = ch
         return None
-
-
-def automatic_plan(
-    model: nn.Module | Sequence[BaseEmbeddingConfig],
-    group_size: int,
-    local_size: int | None = None,
-    world_size: int | None = None,
-    embedding_optimizer: FusedOptimizerSpec | Mapping[str, Any] | None = None,
-    table_optimizers: Mapping[str, Mapping[str, FusedOptimizerSpec | None]] | None = None,
-    **planner_kwargs: Any,
-) -> Planner:
-    """The planner ``shard_modules`` and the strategy use when no plan is given; call ``.plan(model)`` on it.
-
-    ``embedding_optimizer`` (a fused spec or dict) sets the optimizer state size and fused gradients;
-    ``table_optimizers`` (``{collection path: {table: spec or None}}``) sets them per fused table instead;
-    other keywords go to :class:`Planner` (``topology`` fields are built from the sizes here).
-    """
-    topo_kw = {
-        k: planner_kwargs.pop(k)
-        for k in ("device_memory", "host_memory", "device", "backend", "hardware")
-        if k in planner_kwargs
-    }
-    topo = Topology(world_size or group_size, group_size, local_size, **topo_kw)
-    fused = {t: s for per in (table_optimizers or {}).values() for t, s in per.items() if s is not None}
-    if fused:
-        planner_kwargs.setdefault("optimizer", {t: s.kind for t, s in fused.items()})
-        planner_kwargs.setdefault("gradients", dict.fromkeys(fused, "fused"))
-    spec = as_spec(embedding_optimizer)
-    if spec is not None and not fused:
-        planner_kwargs.setdefault("optimizer", spec.kind)
-        planner_kwargs.setdefault("gradients", "fused")
-    return Planner(topo, **planner_kwargs)

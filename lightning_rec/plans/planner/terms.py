@@ -114,6 +114,8 @@ class _Fields:
         self.elem, self.wire = col(lambda s: s.elem, np.int64), col(lambda s: s.wire, np.int64)
         self.features = col(lambda s: s.features, np.int64)
         self.st0, self.st1 = col(lambda s: s.state[0], np.int64), col(lambda s: s.state[1], np.int64)
+        self.lookup_bw, self.update_bw = col(lambda s: s.lookup_bw, np.float64), col(lambda s: s.update_bw, np.float64)
+        self.host_lookup_bw = col(lambda s: s.host_lookup_bw, np.float64)
         self.grads, self.pooled = stats[0].grads, stats[0].pooled
 
     def state_bytes(self, cols: np.ndarray) -> np.ndarray:
@@ -141,9 +143,9 @@ def _values(model: CostModel, s: TableStats | _Fields, rows: np.ndarray, cols: n
     ids = M * B * s.ids * frac
     row_bytes = 2 * cols * s.elem + s.state_bytes(cols)
     if s.grads == "dense":
-        t1 = rows * (row_bytes + cols * s.elem) / hw.update_bandwidth
+        t1 = rows * (row_bytes + cols * s.elem) / s.update_bw
     else:
-        t1 = ids * row_bytes / hw.update_bandwidth
+        t1 = ids * row_bytes / s.update_bw
     a = np.where(live, B * (8 * s.ids * frac + 8 * s.features), 0.0)
     out_per = B * (s.features if s.pooled else s.ids * frac)
     o = np.where(live, out_per * cols * s.wire, 0.0)
@@ -153,9 +155,7 @@ def _values(model: CostModel, s: TableStats | _Fields, rows: np.ndarray, cols: n
         t6 = (R * uniq * 8 + 2 * (R - 1) / R * union * cols * s.wire) / hw.inter_host_bandwidth
     else:
         t6 = np.zeros(len(rows))
-    t0 = [
-        ids * (cols * s.elem + hw.lookup_overhead_bytes) / bw for bw in (hw.lookup_bandwidth, hw.host_lookup_bandwidth)
-    ]
+    t0 = [ids * (cols * s.elem + hw.lookup_overhead_bytes) / bw for bw in (s.lookup_bw, s.host_lookup_bw)]
     w, st, g, buf = model.shard_memory(s, rows, cols)  # type: ignore[arg-type]  # _Fields has what it reads
     return (
         a,

@@ -1,0 +1,145 @@
+"""The fit of the planner's speeds to a profiling run's timings (``profile.py`` measures them): pure functions."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from lightning_rec.configs import BaseEmbeddingConfig
+from lightning_rec.plans.plan import ShardingPlan, table_wise
+from lightning_rec.plans.planner.search import Planner
+from lightning_rec.plans.planner.speeds import ProfiledSpeeds, TableProfile
+from lightning_rec.plans.planner.topology import Hardware, Topology
+
+_FLOOR = 0.1  # the least share of a measured time kept as work when the fixed cost is taken out
+
+
+@dataclass
+class TableTiming:
+    """Seconds per batch of one table (``*_tiny``: on one sample), and what the batches held."""
+
+    name: str
+    rows: int
+    dim: int
+    elem: int
+    features: int
+    ids: float  # ids per sample
+    batch: float  # samples per batch
+    grads: str
+    state: tuple[int, int]
+    lookup_s: float  # forward + backward (fused: with the update)
+    update_s: float  # the optimizer step (fused: 0)
+    lookup_tiny_s: float
+    update_tiny_s: float
+
+
+@dataclass
+class Timings:
+    """What one profiling run measured (seconds), before the fit."""
+
+    tables: list[TableTiming]
+    group_s: float  # all tables together, per batch
+    group_tiny_s: float
+    processes: int = 1
+    a2a_tiny_s: float | None = None
+    a2a_big_s: float | None = None
+    a2a_bytes: float | None = None  # bytes each rank sent the other ranks in the big all-to-all
+    step_s: float | None = None  # a training step of the whole job, table-wise round-robin, the slowest rank
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def fit_speeds(timings: Timings, hw: Hardware, info: Mapping[str, Any]) -> ProfiledSpeeds:
+    """The speeds that make the cost model's times equal the measured ones (see the module docstring).
+
+    A table's work is its time less its one-sample time (at least ``_FLOOR`` of it), scaled by the grouped
+    step's work over the tables' summed work. Lookup speed = the bytes the model counts for the batch's lookups
+    over that work; update likewise; with fused gradients (one time for both) the two keep the ratio of ``hw``'s.
+    """
+    work = []
+    for t in timings.tables:
+        wl = max(t.lookup_s - t.lookup_tiny_s, _FLOOR * t.lookup_s)
+        wu = max(t.update_s - t.update_tiny_s, _FLOOR * t.update_s)
+        work.append((wl, wu))
+    total = sum(wl + wu for wl, wu in work)
+    group_work = max(timings.group_s - timings.group_tiny_s, _FLOOR * timings.group_s)
+    scale = group_work / total if total > 0 and group_work > 0 else 1.0
+    profiles = []
+    for t, (wl, wu) in zip(timings.tables, work):
+        wl, wu = wl * scale, wu * scale
+        ids = t.ids * t.batch
+        if ids <= 0 or wl <= 0:
+            continue  # nothing looked up: no speed to fit
+        lookup_bytes = ids * (t.dim * t.elem + hw.lookup_overhead_bytes)
+        row_bytes = 2 * t.dim * t.elem + 4 * (t.state[0] * t.dim + t.state[1])
+        update_bytes = t.rows * (row_bytes + t.dim * t.elem) if t.grads == "dense" else ids * row_bytes
+        if t.grads == "fused" or wu <= 0:
+            k = (lookup_bytes / hw.lookup_bandwidth + update_bytes / hw.update_bandwidth) / (wl + wu)
+            lookup_bw, update_bw = hw.lookup_bandwidth * k, hw.update_bandwidth * k
+        else:
+            lookup_bw, update_bw = lookup_bytes / wl, update_bytes / wu
+        profiles.append(
+            TableProfile(
+                t.name,
+                t.rows,
+                t.dim,
+                t.elem,
+                t.features,
+                t.ids,
+                t.grads,
+                t.batch,
+                1e3 * t.lookup_s,
+                1e3 * t.update_s,
+                lookup_bw,
+                update_bw,
+            )
+        )
+    intra = latency = None
+    if timings.a2a_tiny_s is not None and timings.a2a_big_s is not None and timings.a2a_bytes:
+        latency = timings.a2a_tiny_s
+        intra = timings.a2a_bytes / max(timings.a2a_big_s - timings.a2a_tiny_s, 1e-9)
+    return ProfiledSpeeds(
+        info["device"],
+        info["device_name"],
+        info["machine"],
+        dict(info["versions"]),
+        info["created"],
+        timings.processes,
+        tuple(profiles),
+        intra,
+        latency,
+        timings.group_s - group_work,
+        scale,
+    )
+
+
+def reference_plan(tables: Sequence[BaseEmbeddingConfig], world: int) -> ShardingPlan:
+    """The plan of the profile's training step: the tables table-wise, round-robin over the ranks."""
+    return ShardingPlan({"": {t.name: table_wise(i % world) for i, t in enumerate(tables)}})
+
+
+def calibrate_step(
+    speeds: ProfiledSpeeds,
+    tables: Sequence[BaseEmbeddingConfig],
+    step_s: float,
+    world: int,
+    batch_size: int,
+    pooling_factors: Mapping[str, float],
+    optimizer: str,
+    gradients: str,
+) -> ProfiledSpeeds:
+    """``speeds`` with the fixed cost per step (``step_overhead``) that makes the model's estimate of
+    :func:`reference_plan` (all ranks on one host) equal its measured step ``step_s``: what the pipeline spends
+    whatever the plan (building and splitting the batch's features, starting and waiting for its exchanges),
+    which the byte counts leave out. Never below the lookups' own fixed cost, measured alone."""
+    zero = replace(speeds, step_overhead=0.0)
+    planner = Planner(
+        Topology(world),
+        batch_size=batch_size,
+        pooling_factors=pooling_factors,
+        optimizer=optimizer,
+        gradients=gradients,
+        speeds=zero,
+    )
+    est = planner.estimate(list(tables), reference_plan(tables, world)).step_time_ms / 1e3
+    return replace(speeds, step_overhead=max(speeds.step_overhead, step_s - est))
