@@ -58,11 +58,11 @@ class RecShardedFabricStrategy(ShardedFrontEnd, DDPStrategy):
 
     Takes the arguments of :class:`~lightning_rec.strategy.RecShardedStrategy` (``plan``, ``model_parallel_size``,
     ``data_parallel_size``, ``embedding_grad``, ``embedding_optimizer``, ``process_group_backend``, ``timeout``,
-    ``trusted_checkpoints``) with the same meaning. Set up the module first (``fabric.setup_module``), then
-    build the optimizers from its parameters; ``fabric.setup(model, optimizer)`` with an optimizer built before
-    sharding is refused, since it holds tables that sharding replaced. With ``embedding_optimizer`` the fused
-    optimizer is stepped with the first optimizer set up (as the Trainer strategy does); accumulating under
-    ``fabric.no_backward_sync`` gives it one update per step from the summed gradient.
+    ``trusted_checkpoints``, ``qcomms_config``, ``planner_speeds``) with the same meaning. Set up the module first
+    (``fabric.setup_module``), then build the optimizers from its parameters; ``fabric.setup(model, optimizer)``
+    with an optimizer built before sharding is refused, since it holds tables that sharding replaced. With
+    ``embedding_optimizer`` the fused optimizer is stepped with the first optimizer set up (as the Trainer strategy
+    does); accumulating under ``fabric.no_backward_sync`` gives it one update per step from the summed gradient.
     """
 
     strategy_name = "rec_sharded"
@@ -78,6 +78,7 @@ class RecShardedFabricStrategy(ShardedFrontEnd, DDPStrategy):
         timeout: timedelta | None = timedelta(seconds=1800),
         trusted_checkpoints: bool = False,
         qcomms_config: QCommsConfig | None = None,
+        planner_speeds: Any = None,
         **kwargs: Any,
     ) -> None:
         require_popen(kwargs, "RecShardedFabricStrategy")
@@ -90,6 +91,7 @@ class RecShardedFabricStrategy(ShardedFrontEnd, DDPStrategy):
             embedding_optimizer,
             trusted_checkpoints,
             qcomms_config,
+            planner_speeds,
         )
         self.embedding_optimizer = self.core.given_embedding_optimizer
         self.mesh_info: MeshInfo | None = None

@@ -59,12 +59,10 @@ class ShardSetup:
     """The sharding settings both strategies take, and what they do with them.
 
     Args: as :class:`~lightning_rec.strategy.RecShardedStrategy`'s ``plan``, ``model_parallel_size``,
-    ``data_parallel_size``, ``embedding_grad``, ``embedding_optimizer`` and ``trusted_checkpoints``.
-    ``planner_speeds`` (set after construction): the automatic plan's measured speeds, a ``ProfiledSpeeds`` or
-    the path of its file (``lightning-rec profile``); None: the default speeds.
+    ``data_parallel_size``, ``embedding_grad``, ``embedding_optimizer``, ``trusted_checkpoints``, ``qcomms_config``
+    and ``planner_speeds`` (the automatic plan's measured speeds, a ``ProfiledSpeeds`` or the path of its file from
+    ``lightning-rec profile``; None: the default speeds).
     """
-
-    planner_speeds: Any = None
 
     def __init__(
         self,
@@ -75,6 +73,7 @@ class ShardSetup:
         embedding_optimizer: Any,
         trusted_checkpoints: bool,
         qcomms_config: QCommsConfig | None = None,
+        planner_speeds: Any = None,
     ) -> None:
         grad_scale(embedding_grad, 1)  # validates the mode now, not at fit time
         if qcomms_config is not None and not isinstance(qcomms_config, QCommsConfig):
@@ -88,6 +87,7 @@ class ShardSetup:
         self.embedding_grad = embedding_grad
         self.given_embedding_optimizer = as_table_optimizers(embedding_optimizer)
         self.trusted_checkpoints = trusted_checkpoints
+        self.planner_speeds = planner_speeds
 
     def init_mesh(self, world_size: int, num_processes: int, num_nodes: int, device: torch.device) -> MeshInfo:
         """The ``replicas x model_parallel_size`` mesh (default: one model-parallel group per node). Collective."""

@@ -118,8 +118,8 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
             embedding_optimizer,
             trusted_checkpoints,
             qcomms_config,
+            planner_speeds,
         )
-        self.core.planner_speeds = planner_speeds
         self._plan = plan
         # the planner of an automatic plan (when none was given), its report
         self.planner: Planner | None = None
