@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_rec.export import export_program
 from lightning_rec.pipeline.shard_modules import ShardedCollection
 from lightning_rec.plans.planner import Planner, PlanReport, Topology
-from lightning_rec.table_optimizers import tables_optimizer_kind
+from lightning_rec.table_optimizers import fused_table_kinds, tables_optimizer_kind
 
 
 class ShardingSummary(L.Callback):
@@ -48,7 +48,9 @@ class ShardingSummary(L.Callback):
         if pooling is None and auto is not None:
             kw["default_pooling_factor"], pooling = auto.default_pooling_factor, auto.pooling_factors
         kind = tables_optimizer_kind(pl_module, trainer.optimizers) or "sgd"
-        planner = Planner(topo, optimizer=kind, pooling_factors=pooling, **kw)
+        fused = fused_table_kinds(pl_module)  # per-table fused optimizers: each table's own state
+        optimizer: str | dict[str, str] = fused if len(set(fused.values())) > 1 else kind
+        planner = Planner(topo, optimizer=optimizer, pooling_factors=pooling, **kw)
         self.last_report = planner.estimate(pl_module)
         rank_zero_info(f"Sharding summary (memory of every rank; times are cost-model estimates):\n{self.last_report}")
 

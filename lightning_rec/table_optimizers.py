@@ -166,6 +166,18 @@ def _local_kind(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) 
     return None
 
 
+def fused_table_kinds(module: nn.Module) -> dict[str, str]:
+    """``{table name: fused kind}`` of every fused table of ``module``'s sharded collections, over all ranks (each
+    holds the kernels of its own pieces): what the planner charges each table's optimizer state with. Collective
+    over the world where a process group exists."""
+    kinds = {n: k.spec.kind for _, c in sharded_collections(module) for k in c.fused_kernels() for n in k.table_names}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[dict[str, str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, kinds)
+        kinds = {n: k for g in gathered for n, k in (g or {}).items()}
+    return kinds
+
+
 def tables_optimizer_kind(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
     """The planner's optimizer kind (``Planner(optimizer=...)``) of the sharded tables of ``module``: the fused
     optimizer's kind, else that of the torch optimizer holding the tables' parameters; None if none is known.
