@@ -19,8 +19,11 @@ it follows from the plan alone (the pooled output dist, both directions: every d
 each of its samples, the columns of every non-empty shard held on another host; DDP's all-reduce: gloo's ring
 crosses between hosts twice, each time with ``2 (n - 1) / n`` of the gradient), and the bytes the links
 carried (both hosts' ``eth0`` transmit counters: payload plus TCP/IP headers plus the window's barriers).
+Each (mode, rate) is a run of its own: ``hierarchical`` is the default output dist (``LIGHTNING_REC_OUTPUT_DIST=auto``:
+host blocks where some host holds a column twice), ``flat`` sets ``LIGHTNING_REC_OUTPUT_DIST=flat``.
 
-    python benchmarks/bench_hosts.py [--rates 1gbit 10gbit] [--types ...] [--steps 24] [--rounds 2] [--batch-size 512] [--dim 16]
+    python benchmarks/bench_hosts.py [--rates 1gbit] [--modes hierarchical flat] [--types ...] [--steps 24] [--rounds 2]
+        [--batch-size 512] [--dim 16]
 
 Needs root, iproute2 and tc. Writes benchmarks/results/hosts.md and hosts.json.
 """
@@ -199,7 +202,7 @@ def rank_main(out_dir: Path, cfg: dict) -> None:
 # -- the report ---------------------------------------------------------------------------------------
 
 
-def _summarize(ranks: list[dict], hosts: list[dict], kind: str) -> dict:
+def _summarize(ranks: list[dict], hosts: list[dict], kind: str, mode: str = "flat") -> dict:
     per = [r[kind] for r in ranks]
     steps = per[0]["timed_steps"]
     stages: dict[str, float] = {}
@@ -210,7 +213,9 @@ def _summarize(ranks: list[dict], hosts: list[dict], kind: str) -> dict:
     dense = per[0]["dense_params"] * 4
     ring = 2 * (WORLD - 1) * dense // WORLD  # what each crossing of gloo's ring carries
     flat, least = per[0]["output_dist_analytic"]
-    analytic = {"output_dist_fwd": flat, "output_dist_bwd": flat, "dense_grad_allreduce": N_HOSTS * ring}
+    # the host blocks send the least where they are chosen (some host holds a column twice), else the flat count
+    out = least if mode == "hierarchical" and least < flat else flat
+    analytic = {"output_dist_fwd": out, "output_dist_bwd": out, "dense_grad_allreduce": N_HOSTS * ring}
     link = sum(per[h * PER_HOST]["tx"] for h in range(N_HOSTS)) / steps
     # the slowest rank's time of each step, then the median step: robust to a neighbour's burst on a shared machine
     slowest = [max(r["step_s"][i] for r in per) for i in range(steps)]
@@ -222,6 +227,7 @@ def _summarize(ranks: list[dict], hosts: list[dict], kind: str) -> dict:
         # the output dist both ways with row blocks added before they cross; the all-reduce as a
         # reduce-scatter within each host, then each host's half crossing once each way
         "least": {"output_dist": 2 * least, "dense_grad_allreduce": 2 * (N_HOSTS - 1) * dense},
+        "flat": {"output_dist": 2 * flat},
         "counted": sum(stages.values()),
         "link": link,
     }
@@ -231,15 +237,22 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.3f}"
 
 
+MODES = {"hierarchical": "auto", "flat": "flat"}  # report label -> LIGHTNING_REC_OUTPUT_DIST
+
+
 def _write(summary: dict, cfg: dict, seconds: float) -> None:
+    """``summary[mode][rate][kind]``: the fastest round's figures."""
     from tests.distributed.hosts_net import rate_bits
 
     load = cfg.setdefault("load", " / ".join(f"{x:.1f}" for x in os.getloadavg()))
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "hosts.json").write_text(json.dumps({"config": cfg, "seconds": seconds, "results": summary}, indent=1))
-    rates = list(summary)
+    modes = list(summary)
+    main_mode = modes[0]
+    rates = list(summary[main_mode])
+    both = "hierarchical" in summary and "flat" in summary
     lines = [
-        "# Cross-host bytes and steps/s: 2 simulated hosts x 2 ranks, flat exchanges",
+        "# Cross-host bytes and steps/s: 2 simulated hosts x 2 ranks, hierarchical and flat output dist",
         "",
         "`python benchmarks/bench_hosts.py "
         + " ".join(
@@ -255,98 +268,126 @@ def _write(summary: dict, cfg: dict, seconds: float) -> None:
         "transport; between hosts gloo over the link. Lightning `Trainer(num_nodes=2, devices=2)` fits of DLRM",
         f"({cfg['batch_size']} samples per rank per step, 26 tables x {cfg['dim']} dims, Criteo sizes x {cfg['size']}),",
         "every table placed with one sharding type. Bytes are per training step, summed over both directions",
-        "(host 0 -> 1 and 1 -> 0), in MB (10^6).",
+        "(host 0 -> 1 and 1 -> 0), in MB (10^6). *hierarchical*: the default (`LIGHTNING_REC_OUTPUT_DIST=auto`: the",
+        "pooled output dist adds a host's row blocks there before they cross, where some host holds a column twice;",
+        "row_wise, table_row_wise and grid_shard here, the other types keep the flat exchange); *flat*:",
+        "`LIGHTNING_REC_OUTPUT_DIST=flat`, every rank's block crosses on its own.",
         "",
         "## Steps/s",
         "",
         "Median step (the slowest rank's time of each timed step, then the median), and in brackets the whole",
-        f"window's mean, of the fastest of {cfg['rounds']} rounds per rate. Load average when the run ended: {load}",
-        "(other jobs shared the 2 cores): differences under about 30% are within what separate runs of this",
-        "benchmark disagree by on such a machine; row_wise's gap, the largest byte count, is the one beyond it.",
+        f"window's mean, of the fastest of {cfg['rounds']} rounds per rate and mode (rounds alternate the modes).",
+        f"Load average when the run ended: {load} (other jobs shared the 2 cores).",
         "",
-        "| sharding | " + " | ".join(f"steps/s at {r}" for r in rates) + " |",
-        "| --- | " + " | ".join("---:" for _ in rates) + " |",
     ]
+    head, rule = ["sharding"], ["---"]
+    for r in rates:
+        for m in modes:
+            head.append(f"{m} at {r}")
+            rule.append("---:")
+        if both:
+            head.append(f"hierarchical / flat at {r}")
+            rule.append("---:")
+    lines += ["| " + " | ".join(head) + " |", "| " + " | ".join(rule) + " |"]
     for kind in TYPES:
-        if kind in summary[rates[0]]:
-            cells = [
-                f"{summary[r][kind]['median_steps_per_s']:.2f} ({summary[r][kind]['steps_per_s']:.2f})" for r in rates
-            ]
-            lines.append(f"| {kind} | " + " | ".join(cells) + " |")
-    rate = rates[0]
-    stages = sorted({s for k in summary[rate].values() for s in k["stages"]})
-    lines += [
-        "",
-        f"## Cross-host MB per step by stage, counted by the transport (at {rate})",
-        "",
-        "Counted = `transport.accounting` (what each rank's collectives sent to ranks of the other host). "
-        "Analytic (flat) in brackets where the plan alone gives it: the pooled output dist and DDP's ring all-reduce. "
-        "Link = both hosts' `eth0` transmit counters over the same window (payload, TCP/IP headers, the window's two barriers).",
-        "",
-        "| sharding | " + " | ".join(stages) + " | counted | link |",
-        "| --- | " + " | ".join("---:" for _ in stages) + " | ---: | ---: |",
-    ]
-    for kind in TYPES:
-        got = summary[rate].get(kind)
-        if got is None:
+        if kind not in summary[main_mode][rates[0]]:
             continue
         cells = []
-        for s in stages:
-            n = got["stages"].get(s, 0.0)
-            want = got["analytic"].get(s)
-            cells.append(_mb(n) + (f" [{_mb(want)}]" if want is not None else ""))
-        lines.append(f"| {kind} | " + " | ".join(cells) + f" | {_mb(got['counted'])} | {_mb(got['link'])} |")
+        for r in rates:
+            for m in modes:
+                got = summary[m][r][kind]
+                cells.append(f"{got['median_steps_per_s']:.2f} ({got['steps_per_s']:.2f})")
+            if both:
+                h, f = summary["hierarchical"][r][kind], summary["flat"][r][kind]
+                cells.append(f"{h['median_steps_per_s'] / f['median_steps_per_s']:.2f}")
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    rate = rates[0]
+    for m in modes:
+        stages = sorted({s for k in summary[m][rate].values() for s in k["stages"]})
+        lines += [
+            "",
+            f"## Cross-host MB per step by stage, {m}, counted by the transport (at {rate})",
+            "",
+            "Counted = `transport.accounting` (what each rank's collectives sent to ranks of the other host). "
+            "Analytic in brackets where the plan alone gives it: the pooled output dist (this mode's) and DDP's ring "
+            "all-reduce. Link = both hosts' `eth0` transmit counters over the same window (payload, TCP/IP headers, "
+            "the window's two barriers).",
+            "",
+            "| sharding | " + " | ".join(stages) + " | counted | link |",
+            "| --- | " + " | ".join("---:" for _ in stages) + " | ---: | ---: |",
+        ]
+        for kind in TYPES:
+            got = summary[m][rate].get(kind)
+            if got is None:
+                continue
+            cells = []
+            for s in stages:
+                n = got["stages"].get(s, 0.0)
+                want = got["analytic"].get(s)
+                cells.append(_mb(n) + (f" [{_mb(want)}]" if want is not None else ""))
+            lines.append(f"| {kind} | " + " | ".join(cells) + f" | {_mb(got['counted'])} | {_mb(got['link'])} |")
     lines += [
         "",
-        "## Flat against the least the plan needs",
+        "## Output dist against the least the plan needs",
         "",
-        "Least: the pooled output dist (both directions) with the row blocks of one host added there before they",
-        "cross, so each destination gets each column once from the other host; DDP's all-reduce as a reduce within",
-        "each host and a 2-host ring between them. The input dist's least is data-dependent (not derived here).",
+        "Counted cross-host output-dist bytes (forward + backward) per step in each mode. Least: each destination",
+        "gets each column once from the other host (the row blocks of one host added there before they cross);",
+        "flat (analytic): every non-empty shard's columns cross on their own. DDP's all-reduce: gloo's ring",
+        "against a reduce within each host and a 2-host ring between them. The input dist's least is",
+        "data-dependent (not derived here).",
         "",
-        "| sharding | output dist flat | output dist least | flat / least | dense all-reduce flat | least |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| sharding | "
+        + " | ".join(f"output dist {m}" for m in modes)
+        + " | flat (analytic) | least | "
+        + " | ".join(f"{m} / least" for m in modes)
+        + " | dense all-reduce | least |",
+        "| --- | " + " | ".join("---:" for _ in range(2 * len(modes) + 4)) + " |",
     ]
     for kind in TYPES:
-        got = summary[rate].get(kind)
-        if got is None:
+        if kind not in summary[main_mode][rate]:
             continue
-        out = got["stages"].get("output_dist_fwd", 0.0) + got["stages"].get("output_dist_bwd", 0.0)
+        outs = [
+            summary[m][rate][kind]["stages"].get("output_dist_fwd", 0.0)
+            + summary[m][rate][kind]["stages"].get("output_dist_bwd", 0.0)
+            for m in modes
+        ]
+        got = summary[main_mode][rate][kind]
         least = got["least"]["output_dist"]
-        ratio = f"{out / least:.2f}" if least else "-"
+        ratios = [f"{o / least:.2f}" if least else "-" for o in outs]
         dense = got["stages"].get("dense_grad_allreduce", 0.0)
         lines.append(
-            f"| {kind} | {_mb(out)} | {_mb(least)} | {ratio} | {_mb(dense)} | {_mb(got['least']['dense_grad_allreduce'])} |"
+            f"| {kind} | "
+            + " | ".join(_mb(o) for o in outs)
+            + f" | {_mb(got['flat']['output_dist'])} | {_mb(least)} | "
+            + " | ".join(ratios)
+            + f" | {_mb(dense)} | {_mb(got['least']['dense_grad_allreduce'])} |"
         )
     lines += ["", *NOTES]
-    if len(rates) > 1:
-        slow, fast = rates[0], rates[-1]
-        parts = []
-        for kind in TYPES:
-            if kind in summary[slow] and kind in summary[fast]:
-                a, b = summary[slow][kind]["median_steps_per_s"], summary[fast][kind]["median_steps_per_s"]
-                wire = summary[slow][kind]["link"] * 8 / rate_bits(slow) * 1e3 / N_HOSTS
-                parts.append(f"{kind} {a / b:.2f} ({wire:.0f} ms of link time per step at {slow})")
-        lines += [
-            f"- Median steps/s at {slow} over those at {fast}: " + "; ".join(parts) + ". Link time: the step's",
-            "  cross-host bytes at the link's rate, both hosts sending at once.",
-        ]
+    parts = []
+    for kind in TYPES:
+        got = summary[main_mode][rate].get(kind)
+        if got is not None:
+            wire = got["link"] * 8 / rate_bits(rate) * 1e3 / N_HOSTS
+            parts.append(f"{kind} {wire:.0f} ms")
+    lines += [
+        f"- Link time per step at {rate}, {main_mode} (the step's cross-host bytes at the link's rate, both hosts",
+        "  sending at once): " + "; ".join(parts) + ".",
+    ]
     (RESULTS / "hosts.md").write_text("\n".join(lines) + "\n")
 
 
 NOTES = [
     "## Reading",
     "",
-    "- Counted equals the flat analytic count exactly for the output dist (both directions) and DDP's all-reduce,",
-    "  for every type; the links carried 0.4-4% more than counted (TCP/IP headers, the window's barriers, the",
-    "  loaders' and Lightning's own small collectives), so nothing of size escapes the count.",
-    "- The flat exchange's excess is all row blocks: row_wise sends every destination the partial sums of both",
-    "  remote row blocks (2x the least), table_row_wise and grid_shard likewise; table_wise and column_wise",
-    "  already send each remote column once. DDP's ring crosses between the hosts twice with 3/4 of the gradient",
-    "  each time (1.5x a 2-host ring). These are what the hierarchical exchanges (later parts of issue 46) remove.",
-    "- column_wise's input dist is the largest: every id goes to every column shard, two of them on the other host.",
+    "- Counted equals the analytic count exactly for the output dist (both directions, each mode) and DDP's",
+    "  all-reduce; the links carried 0.4-4% more than counted (TCP/IP headers, the window's barriers, the loaders'",
+    "  and Lightning's own small collectives), so nothing of size escapes the count.",
+    "- With host blocks, row_wise, table_row_wise and grid_shard send the least: each host's two row blocks are",
+    "  added on their host (over shared memory) and cross once; the flat exchange sends both (2x). table_wise,",
+    "  column_wise and data_parallel hold no column twice on a host: both modes run the same flat exchange, so",
+    "  their steps/s differ by noise alone. DDP's ring still crosses twice with 3/4 of the gradient (1.5x).",
     "- No latency is simulated: the links add only serialization time at their rate. The 2-core machine runs 4",
-    "  ranks plus the kernel's forwarding of every byte, so at 10 Gbit/s compute dominates the step.",
+    "  ranks plus the kernel's forwarding of every byte, so compute takes most of a step at small widths.",
 ]
 
 
@@ -361,7 +402,10 @@ def main() -> None:
     from tests.distributed.hosts_net import network_unavailable
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"])
+    parser.add_argument("--rates", nargs="+", default=["1gbit"])
+    parser.add_argument(
+        "--modes", nargs="+", default=list(MODES), choices=list(MODES), help="output dist: host blocks, or flat"
+    )
     parser.add_argument("--types", nargs="+", default=list(TYPES), choices=TYPES)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--warmup", type=int, default=4)
@@ -376,9 +420,10 @@ def main() -> None:
     cfg = {k: getattr(args, k) for k in ("types", "steps", "warmup", "batch_size", "size", "dim")}
     summary: dict = {}
     t0 = time.perf_counter()
-    # rounds alternate the rates' order, so a neighbour's burst on the shared machine hits each rate alike
-    order = [r for i in range(args.rounds) for r in (args.rates if i % 2 == 0 else args.rates[::-1])]
-    for rate in order:
+    # rounds alternate the order of (mode, rate), so a neighbour's burst on the shared machine hits each alike
+    pairs = [(m, r) for r in args.rates for m in args.modes]
+    order = [p for i in range(args.rounds) for p in (pairs if i % 2 == 0 else pairs[::-1])]
+    for mode, rate in order:
         out = Path(tempfile.mkdtemp(prefix="bench_hosts_"))
         run = run_hosts(
             "benchmarks.bench_hosts",
@@ -389,20 +434,23 @@ def main() -> None:
             deadline_s=900.0,
             own_network=True,
             link_rate=rate,
-            env={_ROLE: "1", "LIGHTNING_REC_BYTE_COUNT": "1"},
+            env={_ROLE: "1", "LIGHTNING_REC_BYTE_COUNT": "1", "LIGHTNING_REC_OUTPUT_DIST": MODES[mode]},
         )
         if any(r is None for r in run["ranks"]) or run["timed_out"]:
             tail = "\n".join(text[-2000:] for text in run["logs"] if text.strip())
-            raise SystemExit(f"the run at {rate} failed:\n{tail}")
-        got_now = {kind: _summarize(run["ranks"], run["hosts"], kind) for kind in args.types if kind in run["ranks"][0]}
+            raise SystemExit(f"the run at {rate} ({mode}) failed:\n{tail}")
+        got_now = {
+            kind: _summarize(run["ranks"], run["hosts"], kind, mode) for kind in args.types if kind in run["ranks"][0]
+        }
         for kind, got in got_now.items():
-            best = summary.setdefault(rate, {}).get(kind)
+            best = summary.setdefault(mode, {}).setdefault(rate, {}).get(kind)
             if best is None or got["median_steps_per_s"] > best["median_steps_per_s"]:
-                summary[rate][kind] = got  # the fastest round; its bytes are every round's
+                summary[mode][rate][kind] = got  # the fastest round; its bytes are every round's
         for kind, got in got_now.items():
             print(
-                f"{rate} {kind}: {got['steps_per_s']:.2f} steps/s, {_mb(got['counted'])} MB/step counted, "
-                f"{_mb(got['link'])} on the links, {json.dumps({k: round(v) for k, v in got['stages'].items()})}"
+                f"{rate} {mode} {kind}: {got['median_steps_per_s']:.2f} steps/s (median), {_mb(got['counted'])} MB/step "
+                f"counted, {_mb(got['link'])} on the links, {json.dumps({k: round(v) for k, v in got['stages'].items()})}",
+                flush=True,
             )
     _write(summary, dict(vars(args)), time.perf_counter() - t0)
 

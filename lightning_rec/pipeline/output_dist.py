@@ -7,7 +7,8 @@ strided copy, or add where an earlier block wrote those columns (``colmap_add``:
 up). The placing happens inside the exchange (docs/ARCHITECTURE.md, "How the bytes move"): every rank's
 rows are copied or added into their columns straight out of the buffer that brought them, and backward
 gathers each block's gradient from the same groups straight into the reverse exchange, with no flat buffer
-on either side. One path serves every layout and group size.
+on either side. One path serves every layout and group size; where the shard group spans hosts and a host holds
+columns twice (row blocks), the hierarchical exchange of ``host_output_dist.py`` runs instead (unquantized).
 """
 
 from __future__ import annotations
@@ -19,53 +20,12 @@ import torch.distributed as dist
 
 from lightning_rec import transport
 from lightning_rec.pipeline import collectives as comm
+from lightning_rec.pipeline.host_output_dist import hierarchical_output_dist, host_plan
 from lightning_rec.pipeline.input_dist import Received, regroup
+from lightning_rec.pipeline.placement import _group_view, _put, _take
 from lightning_rec.pipeline.qcomm import QuantizedCommCodecs
-from lightning_rec.pipeline.routing import ColumnGroup, ColumnMap, RoutingTable
+from lightning_rec.pipeline.routing import ColumnMap, RoutingTable
 from lightning_rec.plans.shard_geometry import offsets_of
-
-
-def _group_view(t: torch.Tensor, first: int, n: int, count: int, step: int) -> torch.Tensor:
-    """``[rows, count, n]`` view of ``count`` runs of ``n`` columns of the 2-D ``t``, ``step`` columns apart."""
-    s0, s1 = t.stride()
-    return t.as_strided((t.shape[0], count, n), (s0, step * s1, s1), t.storage_offset() + first * s1)
-
-
-def _put(out: torch.Tensor, blocks: list[tuple[torch.Tensor, tuple[ColumnGroup, ...], tuple[bool, ...]]]) -> None:
-    """Each ``(block, groups, adds)``'s column groups copied (or added) into ``out``, in order. A copy that the
-    next group adds onto (the same columns: row blocks of a table) is one ``add`` of the two, one pass fewer
-    over those columns, with the same bits (where the blocks already have ``out``'s dtype: a quantized block is
-    widened by the copy, then added in ``out``'s dtype)."""
-    ops = [
-        (geom, _group_view(block, geom[0], geom[2], geom[3], geom[2]), add)
-        for block, groups, adds in blocks
-        for geom, add in zip(groups, adds)
-    ]
-    i = 0
-    while i < len(ops):
-        (_, dst, n, count, step), piece, add = ops[i]
-        place = _group_view(out, dst, n, count, step)
-        if (
-            not add
-            and i + 1 < len(ops)
-            and ops[i + 1][2]
-            and ops[i + 1][0][1:] == ops[i][0][1:]
-            and piece.dtype == ops[i + 1][1].dtype == out.dtype
-        ):
-            torch.add(piece, ops[i + 1][1], out=place)
-            i += 2
-            continue
-        if add:
-            place += piece
-        else:
-            place.copy_(piece)
-        i += 1
-
-
-def _take(block: torch.Tensor, grad: torch.Tensor, groups: tuple[ColumnGroup, ...]) -> None:
-    """The gradient of ``block``'s column groups, gathered from the output's gradient."""
-    for src, dst, n, count, step in groups:
-        _group_view(block, src, n, count, n).copy_(_group_view(grad, dst, n, count, step))
 
 
 @torch.compiler.disable
@@ -83,6 +43,11 @@ def pooled_output_dist(
     rows (or None), each in its columns. Backward runs on every rank (an anchor needs a gradient even where
     ``pooled`` does not), as :func:`collectives.all_to_all`'s does. ``codecs``: the wire precision of the rows
     and of their gradients (``qcomm.py``; None: as they are)."""
+    if codecs is None or (codecs.forward.is_identity and codecs.backward.is_identity):
+        # rows of one host's row blocks added there before they cross (host_output_dist.py), where that saves bytes
+        plan = host_plan(routing, group) if dist.get_world_size(group) > 1 else None
+        if plan is not None:
+            return hierarchical_output_dist(pooled, dp_pooled, routing, plan, batches, b, group)
     anchor = torch.zeros(0, device=pooled.device, requires_grad=torch.is_grad_enabled())
     dp = () if dp_pooled is None else (dp_pooled,)
     return _PooledOutputDist.apply(pooled, anchor, routing, tuple(batches), b, group, codecs, *dp)

@@ -307,3 +307,15 @@ def _adds(groups_per_part: tuple[tuple[ColumnGroup, ...], ...]) -> tuple[tuple[t
             written |= cols
         adds.append(tuple(part))
     return tuple(adds), clean, len(written)
+
+
+def column_groups(cols: list[int]) -> tuple[ColumnGroup, ...]:
+    """Where each column of a block goes (``cols[i]``), as column groups (the hierarchical output dist's host
+    blocks are laid out with the same rule as ``colmap_runs``)."""
+    return _runs(cols)
+
+
+def group_adds(parts: tuple[tuple[ColumnGroup, ...], ...]) -> tuple[tuple[tuple[bool, ...], ...], bool, int]:
+    """Per group of ``parts`` (placed in order), whether it adds; whether no zero fill is needed where every
+    column is covered; how many columns are covered (as ``colmap_add`` is derived)."""
+    return _adds(parts)

@@ -4,7 +4,9 @@ Ranks 0-1 are host 0 and ranks 2-3 host 1 (``LOCAL_WORLD_SIZE=2``, as a 2-node l
 collective's expected bytes follow from its arguments alone: an all-to-all sends rank ``r`` exactly its split;
 gloo's ring all-gather and all-reduce send only to the next rank; the shared-memory transport lets every peer
 read the whole tensor. A sharded row-wise collection's output dist sends every other rank its samples' partial
-pooled rows, forward, and gets their gradients back, backward.
+pooled rows, forward, and gets their gradients back, backward (the flat exchange, ``LIGHTNING_REC_OUTPUT_DIST=flat``);
+with the host blocks (the default there: two row blocks per host), only each host's sum crosses, from the rank
+with the destination's index in its host.
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ def test_collective_bytes_equal_the_counts_their_arguments_give(path: str) -> No
         assert got["everyone"] == expected_all
 
 
-def _sharded_job(rank: int, ws: int) -> dict:
+def _sharded_job(rank: int, ws: int, mode: str) -> dict:
+    os.environ["LIGHTNING_REC_OUTPUT_DIST"] = mode  # read when the first forward plans the output dist
     tables = [EmbeddingBagConfig(name="t", num_embeddings=40, embedding_dim=DIM, feature_names=["f"])]
     torch.manual_seed(0)
     model = shard_modules(EmbeddingBagCollection(tables), ShardingPlan({"": {"t": row_wise()}}))
@@ -114,7 +117,7 @@ def _sharded_job(rank: int, ws: int) -> dict:
 
 
 def test_a_row_wise_steps_output_dist_bytes_are_its_partial_rows() -> None:
-    results = run_distributed(_sharded_job, WORLD, ranks_per_node=PER_HOST)
+    results = run_distributed(_sharded_job, WORLD, "flat", ranks_per_node=PER_HOST)
     for rank, got in enumerate(results):
         counts = got["counts"]
         for d in range(WORLD):
@@ -128,3 +131,17 @@ def test_a_row_wise_steps_output_dist_bytes_are_its_partial_rows() -> None:
         # the debug line, by host pair: rank 0 sends host 1 (ranks 2, 3) their samples' partial rows
         if rank == 0:
             assert f"0->1 output_dist_fwd: {(BATCH[2] + BATCH[3]) * DIM * 4}" in got["line"], got["line"]
+
+
+def test_with_host_blocks_each_hosts_sum_crosses_once() -> None:
+    results = run_distributed(_sharded_job, WORLD, "auto", ranks_per_node=PER_HOST)
+    for rank, got in enumerate(results):
+        counts = got["counts"]
+        for d in range(WORLD):
+            if d // PER_HOST == rank // PER_HOST:
+                continue
+            # rank 0 adds host 0's two row blocks for rank 2 and sends the sum (rank 1 for rank 3); backward, rank
+            # 2 sends the sum's gradient to rank 0 only, which passes it on to rank 1 within host 0
+            paired = d % PER_HOST == rank % PER_HOST
+            assert counts.get(f"{rank} {d} output_dist_fwd", 0) == (BATCH[d] * DIM * 4 if paired else 0), counts
+            assert counts.get(f"{rank} {d} output_dist_bwd", 0) == (BATCH[rank] * DIM * 4 if paired else 0), counts

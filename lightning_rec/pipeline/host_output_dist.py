@@ -1,0 +1,219 @@
+"""The hierarchical pooled output dist: a host's row blocks added within the host before they cross to another.
+
+The layouts are ``host_blocks.py``'s (pure functions of the routing and the ranks' hosts). Forward, two
+exchanges: within the host (the host's own group, shared memory where the transport allows), each rank sends
+every rank of its host its rows for that rank's samples (placed as the flat exchange places them) and its rows
+for the other hosts' ranks that rank aggregates for (added into a host block there); then over the shard group
+each aggregator sends its host blocks to their destinations, which place them after their own host's blocks.
+Backward runs the reverse: each host block's gradient crosses once, to its aggregator, which fans it out
+within the host to every block that contributed, alongside the direct gradients. Blocks add in a fixed order
+(the data-parallel block, the own host's ranks, the other hosts host by host; within a host block, its ranks
+in order), so every run gives the same bits.
+
+A rank's host is its global rank over ``LOCAL_WORLD_SIZE`` (the launchers' layout, the byte accounting's
+rule). ``LIGHTNING_REC_OUTPUT_DIST=flat`` (on every rank) keeps the flat exchange for comparison.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from lightning_rec import _compat, transport
+from lightning_rec.pipeline.host_blocks import HostBlocks, mode_from_env, plan_host_blocks
+from lightning_rec.pipeline.placement import _put, _take, gathered
+from lightning_rec.pipeline.routing import RoutingTable
+from lightning_rec.plans.shard_geometry import offsets_of
+from lightning_rec.transport.accounting import host_of
+
+Plan = tuple[HostBlocks, dist.ProcessGroup | None]
+# (id of routing, id of shard group) -> (both, weakly, and this rank's plan or None: flat)
+_PLANS: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, Plan | None]] = {}
+# id of shard group -> (it, weakly, and its hosts' groups by global ranks): one per host, shared by collections
+_HOST_GROUPS: dict[int, tuple[weakref.ref, dict[tuple[int, ...], dist.ProcessGroup]]] = {}
+
+
+def host_plan(routing: RoutingTable, group: dist.ProcessGroup) -> Plan | None:
+    """This rank's hierarchical plan and its host's group (None where the host is this rank alone), or None
+    for the flat exchange. Derived once per routing table and group; the first call makes the host's group,
+    which every rank of the host reaches at the same forward."""
+    key = (id(routing), id(group))
+    hit = _PLANS.get(key)
+    if hit is not None and hit[0]() is routing and hit[1]() is group:
+        return hit[2]
+    ranks = dist.get_process_group_ranks(group)
+    blocks = plan_host_blocks(routing, [host_of(g) for g in ranks], mode_from_env())
+    plan = None if blocks is None else (blocks, _host_group(group, tuple(ranks[s] for s in blocks.members)))
+    for k in [k for k, (r, g, _) in _PLANS.items() if r() is None or g() is None]:
+        del _PLANS[k]  # tables and groups gone (re-sharded, a new job): their ids may come back
+    _PLANS[key] = (weakref.ref(routing), weakref.ref(group), plan)
+    return plan
+
+
+def _host_group(group: dist.ProcessGroup, members: tuple[int, ...]) -> dist.ProcessGroup | None:
+    if len(members) == 1:
+        return None
+    hit = _HOST_GROUPS.get(id(group))
+    if hit is None or hit[0]() is not group:
+        hit = (weakref.ref(group), {})
+        _HOST_GROUPS[id(group)] = hit
+    made = hit[1].get(members)
+    if made is None:
+        # only the host's ranks take part (the other hosts make theirs at the same forward)
+        new = dist.new_group(list(members), timeout=_compat.group_timeout(group), use_local_synchronization=True)
+        made = hit[1][members] = cast(dist.ProcessGroup, new)
+    return made
+
+
+def _within_host(
+    sends: list[list[torch.Tensor]],
+    sizes: list[list[int]],
+    consume: Any,
+    host_group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> Any:
+    if host_group is None:
+        return consume([list(sends[0])])
+    return transport.all_to_all_pieces(sends, sizes, consume, host_group, device).wait()
+
+
+def hierarchical_output_dist(
+    pooled: torch.Tensor,
+    dp_pooled: torch.Tensor | None,
+    routing: RoutingTable,
+    plan: Plan,
+    batches: list[int],
+    b: int,
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
+    """:func:`output_dist.pooled_output_dist` through the host blocks of ``plan`` (same arguments, same
+    result up to the order of additions)."""
+    anchor = torch.zeros(0, device=pooled.device, requires_grad=torch.is_grad_enabled())
+    dp = () if dp_pooled is None else (dp_pooled,)
+    return _HostOutputDist.apply(pooled, anchor, routing, plan, tuple(batches), b, group, *dp)
+
+
+class _HostOutputDist(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        pooled: torch.Tensor,
+        anchor: torch.Tensor,
+        routing: RoutingTable,
+        plan: Plan,
+        batches: tuple[int, ...],
+        b: int,
+        group: dist.ProcessGroup,
+        *dp: torch.Tensor,
+    ) -> torch.Tensor:
+        hb, host_group = plan
+        members, cols_from, device = hb.members, routing.cols_from, pooled.device
+        me = members.index(routing.group_rank)
+        mine_gathers = hb.gathers[me]
+        width = hb.width[hb.my_host]
+        out = (torch.zeros if hb.out_zero else torch.empty)(b, routing.feat_off[-1], dtype=pooled.dtype, device=device)
+        flat, mine, starts = pooled.reshape(-1), pooled.shape[1], offsets_of(list(batches))
+
+        def rows(d: int) -> torch.Tensor:
+            return flat[starts[d] * mine : (starts[d] + batches[d]) * mine]
+
+        sends = [[rows(q), *(rows(d) for d in hb.gathers[i])] for i, q in enumerate(members)]
+        sizes = [[b * cols_from[s], *(batches[d] * cols_from[s] for d in mine_gathers)] for s in members]
+
+        def place_within(got: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+            blocks = [(dp[0], hb.out_runs[0], hb.out_add[0])] if dp else []
+            blocks += [
+                (pieces[0].view(b, cols_from[s]), hb.out_runs[i + 1], hb.out_add[i + 1])
+                for i, (s, pieces) in enumerate(zip(members, got))
+            ]
+            _put(out, blocks)
+            sums = []
+            for k, d in enumerate(mine_gathers):
+                fill = torch.zeros if hb.block_zero else torch.empty
+                block = fill(batches[d], width, dtype=out.dtype, device=device)
+                parts = [
+                    (pieces[1 + k].view(batches[d], cols_from[s]), hb.into[i], hb.into_add[i])
+                    for i, (s, pieces) in enumerate(zip(members, got))
+                ]
+                _put(block, parts)
+                sums.append(block)
+            return sums
+
+        n = routing.group_size
+        # a piece of nothing to itself: a rank that aggregates for nobody still names the exchange's dtype
+        cross: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        cross[routing.group_rank] = [flat[:0]]
+        cross_sizes: list[list[int]] = [[] for _ in range(n)]
+        cross_sizes[routing.group_rank] = [0]
+        first_remote = 1 + len(members)
+        with transport.stage("output_dist_fwd"):
+            sums = _within_host(sends, sizes, place_within, host_group, device)
+            for d, block in zip(mine_gathers, sums):
+                cross[d] = [block.view(-1)]
+            for h, src in hb.remote:
+                cross_sizes[src] = [b * hb.width[h]]
+
+            def place_across(got: list[list[torch.Tensor]]) -> torch.Tensor:
+                _put(
+                    out,
+                    [
+                        (got[src][0].view(b, hb.width[h]), hb.out_runs[first_remote + k], hb.out_add[first_remote + k])
+                        for k, (h, src) in enumerate(hb.remote)
+                    ],
+                )
+                return out
+
+            transport.all_to_all_pieces(cross, cross_sizes, place_across, group, device).wait()
+        ctx.routing, ctx.plan, ctx.batches, ctx.b, ctx.group, ctx.shape = routing, plan, batches, b, group, pooled.shape
+        ctx.dp_shape = dp[0].shape if dp else None
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        routing, (hb, host_group), batches, b = ctx.routing, ctx.plan, ctx.batches, ctx.b
+        members, cols_from, n = hb.members, routing.cols_from, routing.group_size
+        me = members.index(routing.group_rank)
+        width = hb.width[hb.my_host]
+        first_remote = 1 + len(members)
+        # across: each other host's block gradient to its aggregator; this rank's aggregated blocks come back
+        cross: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        for k, (h, src) in enumerate(hb.remote):
+            cross[src] = [gathered(grad, hb.out_runs[first_remote + k], hb.width[h])]
+        back: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        sums = []
+        for d in hb.gathers[me]:
+            block = torch.empty(batches[d], width, dtype=grad.dtype, device=grad.device)
+            back[d] = [block]
+            sums.append(block)
+        grad_pooled = torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device)
+        starts = offsets_of(list(batches))
+
+        def rows(d: int) -> torch.Tensor:
+            return grad_pooled[starts[d] : starts[d] + batches[d]]
+
+        with transport.stage("output_dist_bwd"):
+            transport.all_to_all_views(cross, back, ctx.group)
+            # within the host: each rank's direct gradient and its share of every aggregated block
+            sends = [
+                [
+                    gathered(grad, hb.out_runs[1 + i], cols_from[q]),
+                    *(gathered(block, hb.into[i], cols_from[q]) for block in sums),
+                ]
+                for i, q in enumerate(members)
+            ]
+            recvs = [[rows(s), *(rows(d) for d in hb.gathers[i])] for i, s in enumerate(members)]
+            if host_group is None:
+                for got, want in zip(sends[0], recvs[0]):
+                    want.copy_(got.reshape(want.shape))
+            else:
+                transport.all_to_all_views(sends, recvs, host_group)
+        grad_dp = None
+        if ctx.dp_shape is not None:
+            dp_runs = routing.colmap_runs[0]
+            whole = b * sum(g.n * g.runs for g in dp_runs) == ctx.dp_shape.numel()
+            grad_dp = (torch.empty if whole else torch.zeros)(ctx.dp_shape, dtype=grad.dtype, device=grad.device)
+            _take(grad_dp, grad, dp_runs)
+        return (grad_pooled if ctx.needs_input_grad[0] else None), None, None, None, None, None, None, grad_dp
