@@ -107,7 +107,7 @@ def apply_optimizer_in_backward(
     Same effect and the same parameter attributes (``_in_backward_optimizers``, ``_optimizer_classes``,
     ``_optimizer_kwargs``) as torch's ``_apply_optimizer_in_backward``; the gradient is set to None after the
     step. ``DistributedModelParallel`` turns the optimizer of an embedding collection's tables into the fused
-    kernel's (SGD, Adagrad, RowWiseAdagrad; Adam on CUDA).
+    kernel's (SGD, Adagrad, RowWiseAdagrad, Adam).
     """
     for p in params:
         opt = optimizer_class([p], **optimizer_kwargs)
