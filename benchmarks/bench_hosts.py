@@ -44,13 +44,66 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 TYPES = ("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise", "grid_shard")
+# the planner's plans for the same job: told the shaped link's speed, and with the device's default speeds
+PLANNED = {"planner": "1gbit", "planner_defaults": None}
+CANDIDATES = TYPES + tuple(PLANNED)
 N_HOSTS, PER_HOST = 2, 2
 WORLD = N_HOSTS * PER_HOST
 RESULTS = ROOT / "benchmarks" / "results"
 _ROLE = "LIGHTNING_REC_BENCH_HOSTS_RANK"  # set on the ranks: this file is their program too
 
 
-def _plan(kind: str, tables: list) -> object:
+def _dlrm(cfg: dict, plan: object = None) -> object:
+    import torch
+
+    from lightning_rec.data import SyntheticClicks
+    from lightning_rec.models import DLRM
+
+    ds = SyntheticClicks(num_rows=1, batch_size=1, size=cfg["size"])
+    torch.manual_seed(0)
+    dim = cfg["dim"]
+    return DLRM(
+        num_dense=ds.num_dense,
+        feature_names=ds.feature_names,
+        num_embeddings_per_feature=ds.cardinalities,
+        embedding_dim=dim,
+        dense_arch_layer_sizes=[64, dim],
+        over_arch_layer_sizes=[64, 1],
+        plan=plan,
+    )
+
+
+def planner_for(cfg: dict, link: str | None) -> object:
+    """The planner the strategy would run for this job on 2 hosts x 2 ranks (``link``: the hosts' link speed,
+    None: the device's default speeds), told the data's ids per sample (rank 0's rows: the same on every rank)."""
+    from lightning_rec.data import SyntheticClicks
+    from lightning_rec.plans.planner import automatic_plan
+    from lightning_rec.table_optimizers import resolve_table_optimizers
+
+    ds = SyntheticClicks(num_rows=4096, batch_size=cfg["batch_size"], size=cfg["size"])
+    lengths = ds.rows(0, 4096)[1]
+    pooling = {f: float(lengths[i].mean()) for i, f in enumerate(ds.feature_names)}
+    model = _dlrm(cfg)
+    specs = resolve_table_optimizers(model, None)  # type: ignore[arg-type]
+    extra = {} if link is None else {"host_link": link}
+    planner = automatic_plan(
+        model,  # type: ignore[arg-type]
+        WORLD,
+        PER_HOST,
+        WORLD,
+        table_optimizers=specs,
+        device="cpu",
+        batch_size=cfg["batch_size"],
+        pooling_factors=pooling,
+        **extra,
+    )
+    planner.plan(model)  # type: ignore[arg-type]
+    return planner
+
+
+def _plan(kind: str, tables: list, cfg: dict) -> object:
+    if kind in PLANNED:
+        return planner_for(cfg, PLANNED[kind]).explain().plan  # type: ignore[attr-defined]
     from lightning_rec.sharding import (
         ShardingPlan,
         column_wise,
@@ -76,6 +129,32 @@ def _plan(kind: str, tables: list) -> object:
 
     by_size = sorted(tables, key=lambda t: -t.num_embeddings)
     return ShardingPlan({"sparse_arch.embedding_bag_collection": {t.name: placement(i) for i, t in enumerate(by_size)}})
+
+
+def _describe_plans(cfg: dict) -> tuple[dict[str, str], dict[str, float]]:
+    """Each candidate's placements in a few words, and the link-aware planner's estimate of its step."""
+    from collections import Counter
+
+    from lightning_rec.data import SyntheticClicks
+    from lightning_rec.models import tables_from_cardinalities
+
+    planners = {k: planner_for(cfg, link) for k, link in PLANNED.items()}
+    aware = planners["planner"]
+    model = _dlrm(cfg)
+    ds = SyntheticClicks(num_rows=1, batch_size=1, size=cfg["size"])
+    tables = tables_from_cardinalities(ds.feature_names, ds.cardinalities, cfg["dim"])
+    plans, estimates = {}, {}
+    for kind in CANDIDATES:
+        plan = planners[kind].explain().plan if kind in PLANNED else _plan(kind, tables, cfg)  # type: ignore[attr-defined]
+        estimates[kind] = aware.estimate(model, plan).step_time_ms  # type: ignore[attr-defined]
+        if kind in PLANNED:
+            placed = [ps for per in plan.plan.values() for ps in per.values()]  # type: ignore[attr-defined]
+            count = Counter(ps.sharding_type.value for ps in placed)
+            ranks = ";".join(
+                f"{n}:{ps.sharding_type.value}{ps.ranks or ''}" for per in plan.plan.values() for n, ps in per.items()
+            )  # type: ignore[attr-defined]
+            plans[kind] = ", ".join(f"{n} {k}" for k, n in count.most_common()) + f" ({ranks})"
+    return plans, estimates
 
 
 def _output_dist_bytes(model: object, batch: int) -> tuple[int, int]:
@@ -106,7 +185,7 @@ def _fit(kind: str, cfg: dict) -> dict:
 
     from lightning_rec import RecShardedStrategy
     from lightning_rec.data import SyntheticClicks
-    from lightning_rec.models import DLRM, tables_from_cardinalities
+    from lightning_rec.models import tables_from_cardinalities
     from lightning_rec.transport import accounting
     from tests.distributed.hosts_net import interface_bytes
 
@@ -114,17 +193,9 @@ def _fit(kind: str, cfg: dict) -> dict:
     steps, warmup, b, dim = cfg["steps"], cfg["warmup"], cfg["batch_size"], cfg["dim"]
     ds = SyntheticClicks(num_rows=WORLD * b * steps, batch_size=b, size=cfg["size"], rank=rank, world_size=WORLD)
     batches = list(ds)
-    torch.manual_seed(0)
     tables = tables_from_cardinalities(ds.feature_names, ds.cardinalities, dim)
-    model = DLRM(
-        num_dense=ds.num_dense,
-        feature_names=ds.feature_names,
-        num_embeddings_per_feature=ds.cardinalities,
-        embedding_dim=dim,
-        dense_arch_layer_sizes=[64, dim],
-        over_arch_layer_sizes=[64, 1],
-        plan=_plan(kind, tables),
-    )
+    plan = _plan(kind, tables, cfg)
+    model = _dlrm(cfg, plan)
     window: dict = {"step_s": []}
 
     class Window(L.Callback):
@@ -258,7 +329,7 @@ def _write(summary: dict, cfg: dict, seconds: float) -> None:
         + " ".join(
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
             for k, v in cfg.items()
-            if k not in ("types", "load")
+            if k not in ("types", "load", "plans", "estimates")
         )
         + f"` ({seconds:.0f} s). {_machine()}.",
         "",
@@ -289,7 +360,7 @@ def _write(summary: dict, cfg: dict, seconds: float) -> None:
             head.append(f"hierarchical / flat at {r}")
             rule.append("---:")
     lines += ["| " + " | ".join(head) + " |", "| " + " | ".join(rule) + " |"]
-    for kind in TYPES:
+    for kind in CANDIDATES:
         if kind not in summary[main_mode][rates[0]]:
             continue
         cells = []
@@ -316,7 +387,7 @@ def _write(summary: dict, cfg: dict, seconds: float) -> None:
             "| sharding | " + " | ".join(stages) + " | counted | link |",
             "| --- | " + " | ".join("---:" for _ in stages) + " | ---: | ---: |",
         ]
-        for kind in TYPES:
+        for kind in CANDIDATES:
             got = summary[m][rate].get(kind)
             if got is None:
                 continue
@@ -362,6 +433,7 @@ def _write(summary: dict, cfg: dict, seconds: float) -> None:
             + " | ".join(ratios)
             + f" | {_mb(dense)} | {_mb(got['least']['dense_grad_allreduce'])} |"
         )
+    lines += _planner_lines(summary, cfg)
     lines += ["", *NOTES]
     parts = []
     for kind in TYPES:
@@ -391,6 +463,40 @@ NOTES = [
 ]
 
 
+def _planner_lines(summary: dict, cfg: dict) -> list[str]:
+    """Where the planner's plans rank among the measured candidates, with every round's figure as the noise."""
+    if not any(k in PLANNED for m in summary.values() for r in m.values() for k in r):
+        return []
+    mode = next(iter(summary))
+    rate = next(iter(summary[mode]))
+    got = summary[mode][rate]
+    order = sorted(got, key=lambda k: -got[k]["median_steps_per_s"])
+    best = got[order[0]]["median_steps_per_s"]
+    lines = [
+        "",
+        f"## The planner's plan on the shaped link ({mode}, {rate})",
+        "",
+        '*planner*: the plan the strategy\'s planner makes for this job on `Topology(4, 4, 2, host_link="1gbit")`',
+        "(2 hosts x 2 ranks, the link's speed shared by a host's ranks), told the data's ids per sample;",
+        "*planner_defaults*: the same without `host_link` (the CPU defaults' inter-host speed, 8 Gbit/s per rank).",
+        f"Candidates ranked by their fastest round's median steps/s; every round's figure in brackets (rounds: {cfg['rounds']}).",
+        "The planner's estimate of each candidate, from the link-aware cost model, alongside.",
+        "",
+        "| rank | candidate | steps/s (median) | rounds | vs best | estimated step (ms) | plan |",
+        "| ---: | --- | ---: | --- | ---: | ---: | --- |",
+    ]
+    for i, kind in enumerate(order, 1):
+        g = got[kind]
+        rounds = ", ".join(f"{x:.2f}" for x in g.get("rounds", []))
+        est = cfg.get("estimates", {}).get(kind)
+        lines.append(
+            f"| {i} | {kind} | {g['median_steps_per_s']:.2f} | {rounds} | {g['median_steps_per_s'] / best:.2f} | "
+            + (f"{est:.1f}" if est is not None else "-")
+            + f" | {cfg.get('plans', {}).get(kind, kind)} |"
+        )
+    return lines
+
+
 def _machine() -> str:
     import torch
 
@@ -406,7 +512,7 @@ def main() -> None:
     parser.add_argument(
         "--modes", nargs="+", default=list(MODES), choices=list(MODES), help="output dist: host blocks, or flat"
     )
-    parser.add_argument("--types", nargs="+", default=list(TYPES), choices=TYPES)
+    parser.add_argument("--types", nargs="+", default=list(CANDIDATES), choices=CANDIDATES)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2, help="runs per rate; the fastest (median step) is reported")
@@ -418,6 +524,9 @@ def main() -> None:
     if why is not None:
         raise SystemExit(why)
     cfg = {k: getattr(args, k) for k in ("types", "steps", "warmup", "batch_size", "size", "dim")}
+    plans, estimates = _describe_plans(cfg)
+    if "planner_defaults" in cfg["types"] and plans.get("planner_defaults") == plans.get("planner"):
+        cfg["types"] = [k for k in cfg["types"] if k != "planner_defaults"]  # the same plan: timed once
     summary: dict = {}
     t0 = time.perf_counter()
     # rounds alternate the order of (mode, rate), so a neighbour's burst on the shared machine hits each alike
@@ -444,15 +553,19 @@ def main() -> None:
         }
         for kind, got in got_now.items():
             best = summary.setdefault(mode, {}).setdefault(rate, {}).get(kind)
+            rounds = [] if best is None else best["rounds"]
+            got["rounds"] = [*rounds, got["median_steps_per_s"]]
             if best is None or got["median_steps_per_s"] > best["median_steps_per_s"]:
                 summary[mode][rate][kind] = got  # the fastest round; its bytes are every round's
+            else:
+                best["rounds"] = got["rounds"]
         for kind, got in got_now.items():
             print(
                 f"{rate} {mode} {kind}: {got['median_steps_per_s']:.2f} steps/s (median), {_mb(got['counted'])} MB/step "
                 f"counted, {_mb(got['link'])} on the links, {json.dumps({k: round(v) for k, v in got['stages'].items()})}",
                 flush=True,
             )
-    _write(summary, dict(vars(args)), time.perf_counter() - t0)
+    _write(summary, {**vars(args), "plans": plans, "estimates": estimates}, time.perf_counter() - t0)
 
 
 if __name__ == "__main__":

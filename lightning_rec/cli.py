@@ -195,6 +195,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host-memory", help="per host, for tables kept in host memory, e.g. 1TB")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--backend", choices=("gloo", "nccl"))
+    p.add_argument(
+        "--host-link",
+        metavar="SPEED",
+        help="each host's link to the other hosts, per direction, shared by its ranks: 1gbit, 100Gb/s, 12.5GB/s "
+        "(default: the device's inter-host speed)",
+    )
     p.add_argument("--batch-size", type=int, default=512, help="samples per rank per step")
     p.add_argument("--pooling-factor", type=float, default=1.0, help="ids per sample of features the file leaves out")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE), default="sgd")
@@ -325,6 +331,7 @@ def plan_command(args: argparse.Namespace) -> int:
         args.host_memory,
         device=args.device,
         backend=args.backend,
+        host_link=args.host_link,
     )
     planner = Planner(
         topo,

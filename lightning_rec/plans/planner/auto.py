@@ -30,7 +30,7 @@ def automatic_plan(
     """
     topo_kw = {
         k: planner_kwargs.pop(k)
-        for k in ("device_memory", "host_memory", "device", "backend", "hardware")
+        for k in ("device_memory", "host_memory", "device", "backend", "hardware", "host_link")
         if k in planner_kwargs
     }
     topo = Topology(world_size or group_size, group_size, local_size, **topo_kw)

@@ -106,6 +106,9 @@ class CostModel:
         self.k_in = (self.local - 1) / hw.intra_host_bandwidth + (self.M - self.local) / hw.inter_host_bandwidth
         self.world = topo.world_size
         self.world_bw = hw.inter_host_bandwidth if self.world > self.local else hw.intra_host_bandwidth
+        if topo.host_link is not None and self.world > self.local:
+            # a ring crosses each host's link with one rank's stream: the whole link, not a rank's share
+            self.world_bw = min(float(topo.host_link), hw.intra_host_bandwidth)
 
     def empty(self) -> Load:
         return Load(np.zeros((len(TIME_PARTS), self.M)), np.zeros((len(MEMORY_PARTS), self.M)), np.zeros(self.H))

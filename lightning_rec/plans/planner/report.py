@@ -11,7 +11,7 @@ import numpy as np
 from lightning_rec.plans.kinds import KINDS, ParameterSharding
 from lightning_rec.plans.plan import ShardingPlan
 from lightning_rec.plans.planner.cost import MEMORY_PARTS, TIME_PARTS
-from lightning_rec.plans.planner.topology import Topology, human_bytes, human_ms
+from lightning_rec.plans.planner.topology import Topology, human_bytes, human_ms, human_rate
 
 
 def placement_label(ps: ParameterSharding) -> str:
@@ -99,6 +99,7 @@ class PlanReport:
                 "host_memory_bytes": topo.host_memory,
                 "device": topo.device,
                 "backend": topo.backend,
+                **({} if topo.host_link is None else {"host_link_bytes_per_s": topo.host_link}),
             },
             "settings": dict(self.settings),
             "step_time_ms": self.step_time_ms,
@@ -126,7 +127,8 @@ class PlanReport:
         budget = "unlimited" if topo.device_memory is None else human_bytes(cast(int, topo.device_memory))
         lines = [
             f"Sharding plan: world {topo.world_size} = {topo.replicas} replica(s) x {M} model-parallel ranks, "
-            f"{topo.local_size} ranks per host",
+            f"{topo.local_size} ranks per host"
+            + ("" if topo.host_link is None else f", {human_rate(cast(float, topo.host_link))} link between hosts"),
             f"memory: {budget} per rank (device)"
             + ("" if topo.host_memory is None else f", {human_bytes(cast(int, topo.host_memory))} per host"),
             *textwrap.wrap(

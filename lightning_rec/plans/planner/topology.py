@@ -7,7 +7,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 from lightning_rec.configs import ShardingType
 from lightning_rec.plans.kinds import ParameterSharding
@@ -41,6 +41,34 @@ def parse_bytes(value: int | float | str | None, what: str = "memory") -> int | 
     if not m or float(m.group(1)) <= 0:
         raise ValueError(f"{what}: expected a size such as 80GB, 64GiB or 1TB, got {value!r}")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+_RATE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(bit|b|B)(?:ps|/s)?\s*")
+
+
+def parse_rate(value: int | float | str, what: str = "host_link") -> float:
+    """A link speed in bytes per second: ``"1gbit"`` (tc's spelling), ``"25Gbit/s"`` or ``"100Gb/s"`` are bits per
+    second, ``"12.5GB/s"`` bytes per second (SI prefixes); ints and floats are bytes per second."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected a speed such as 1gbit or 12.5GB/s, got {value!r}")
+    if isinstance(value, (int, float)):
+        if not value > 0 or not math.isfinite(value):
+            raise ValueError(f"{what}: must be a positive number of bytes per second, got {value!r}")
+        return float(value)
+    m = _RATE.fullmatch(str(value))
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"{what}: expected a speed such as 1gbit, 100Gb/s or 12.5GB/s, got {value!r}")
+    n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    return n if m.group(3) == "B" else n / 8  # "bit" and "b" are bits (as tc and NIC vendors write them)
+
+
+def human_rate(bytes_per_s: float) -> str:
+    """Bytes per second as bits per second, the way links are sold (``1 Gbit/s``)."""
+    bits = 8 * bytes_per_s
+    for unit, size in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits >= size:
+            return f"{bits / size:.3g} {unit}"
+    return f"{bits:.3g} bit/s"
 
 
 def human_bytes(n: float) -> str:
@@ -114,6 +142,10 @@ class Topology:
             None: tables stay in device memory.
         device, backend: pick default ``hardware`` speeds (``"cpu"``/``"gloo"``, ``"cuda"``/``"nccl"``).
         hardware: explicit speeds (see :class:`Hardware`).
+        host_link: each host's link to the other hosts, per direction: ``"1gbit"``, ``"100Gb/s"``, ``"12.5GB/s"``
+            or bytes per second. Every rank of a host sends across at once in the all-to-alls, so the link is
+            shared: it sets ``hardware.inter_host_bandwidth`` to ``host_link / local_size`` (whatever
+            ``hardware`` or the device's defaults said). None: the hardware's own inter-host speed.
     """
 
     world_size: int = 1
@@ -124,6 +156,7 @@ class Topology:
     device: str = "cpu"
     backend: str | None = None
     hardware: Hardware | None = None
+    host_link: int | float | str | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen: fields resolved once here
@@ -143,6 +176,12 @@ class Topology:
         set_("host_memory", parse_bytes(self.host_memory, "host_memory"))
         if self.hardware is None:
             set_("hardware", Hardware.defaults(self.device, self.backend))
+        if self.host_link is not None:
+            # from the link itself, not the current speed: replace() runs this again on the result
+            link = parse_rate(self.host_link)
+            set_("host_link", link)
+            if mp > local:  # one host: nothing crosses, and its estimates stay those without a link
+                set_("hardware", replace(cast(Hardware, self.hardware), inter_host_bandwidth=link / local))
 
     @property
     def replicas(self) -> int:
@@ -155,7 +194,7 @@ class Topology:
     @staticmethod
     def from_mesh(mesh: MeshInfo, **kwargs: Any) -> Topology:
         """The topology of a built mesh (world, model-parallel group, ranks per host); ``kwargs`` set the
-        other fields (``device_memory``, ``host_memory``, ``device``, ``backend``, ``hardware``)."""
+        other fields (``device_memory``, ``host_memory``, ``device``, ``backend``, ``hardware``, ``host_link``)."""
         return Topology(mesh.world_size, mesh.model_parallel_size, mesh.local_size, **kwargs)
 
 
