@@ -87,7 +87,9 @@ def _job(rank: int, ws: int, path: str, fused: bool) -> tuple | None:
 @pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["plain", "fused"])
 def test_sharded_model_exports_the_unsharded_program(tmp_path: Path, fused: bool) -> None:
     path = tmp_path / "dlrm.pt2"
-    state, batch, sharded_out = run_distributed(_job, 2, str(path), fused)[0]
+    # processes of their own (daemon=False is another pool): torch.export in a rank process that earlier ran
+    # torch.compile and other jobs failed now and then inside torch (IndexError in make_constraints)
+    state, batch, sharded_out = run_distributed(_job, 2, str(path), fused, daemon=False)[0]
     assert not (tmp_path / "dlrm.pt2.bad").exists()
     reference = _model()
     reference.load_state_dict(state)
