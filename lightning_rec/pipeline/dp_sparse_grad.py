@@ -11,88 +11,20 @@ That is exact only for optimizers whose update of a row with zero gradient is no
 
 Everything else stays dense: weight decay and Adam-like moments move untouched rows too, and SGD's sparse
 momentum buffer grows to every row ever touched (same result, no faster than dense). Gradient clipping
-(which needs the dense norm) and loss scaling also keep the tables dense.
+(which needs the dense norm) and loss scaling also keep the tables dense. Each collection holds its tables'
+mode in a ``dp_grad_mode.DataParallelGradMode``; this module only decides the switch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:  # the collection's types; importing them at run time would be a cycle
-    from lightning_rec.embedding_modules import FeatureLayout
-    from lightning_rec.fused_kinds import FusedOptimizerSpec
-    from lightning_rec.pipeline.routing import RoutingTable
+from lightning_rec.pipeline.shard_modules import sharded_collections
 
-__all__ = ["DataParallelGradMode", "sparse_grad_blocker", "use_sparse_grads_where_possible"]
-
-
-class DataParallelGradMode:
-    """The gradient mode of a ``ShardedCollection``'s data-parallel tables (a mixin of that class only).
-
-    Reads the collection's own state: ``sparse_grad``, ``_dp_sparse_auto`` / ``_dp_sparse`` (set in its
-    ``__init__``), its routing, fused spec and requested kernels.
-    """
-
-    # set by ShardedCollection
-    sparse_grad: bool
-    _dp_sparse_auto: bool
-    _dp_sparse: bool
-    _routing: RoutingTable
-    _fused_spec: FusedOptimizerSpec | None
-    _layout: FeatureLayout
-    _requested_kernels: list[str]
-    _table_kernels: list[str]
-    _table_dtypes: list[torch.dtype]
-    _device: torch.device
-    _table_param: Callable[[int], torch.Tensor]
-    _resolve_kernels: Callable[[list[torch.dtype], torch.device], list[str]]
-    _build_lookups: Callable[[], None]
-
-    @property
-    def _dp_sparse_grad(self) -> bool:
-        """Whether the data-parallel tables' lookups make sparse gradients now."""
-        return self.sparse_grad or self._dp_sparse
-
-    def data_parallel_sparse_grad_allowed(self) -> str | None:
-        """Why the data-parallel tables here cannot switch to sparse gradients by themselves (None: they can)."""
-        if not self._routing.dp_tables:
-            return "no data-parallel table"
-        if self._fused_spec is not None:
-            return "fused: updated inside backward"
-        if not self._dp_sparse_auto:
-            return f"sparse_grad={self.sparse_grad} was given explicitly"
-        explicit = [
-            self._layout.tables[ti].name for ti in self._routing.dp_tables if self._requested_kernels[ti] == "fbgemm"
-        ]
-        if explicit:
-            return f"tables {explicit} ask for compute_kernel='fbgemm', which makes dense gradients"
-        return None
-
-    def data_parallel_weights(self) -> dict[str, torch.Tensor]:
-        """``{table: weight}`` of the data-parallel (replicated) tables held as plain parameters."""
-        if self._fused_spec is not None:
-            return {}
-        return {self._layout.tables[ti].name: self._table_param(ti) for ti in self._routing.dp_tables}
-
-    def set_data_parallel_sparse_grad(self, sparse: bool) -> None:
-        """Make the data-parallel tables' lookups produce sparse (or dense) gradients from the next forward.
-
-        Only for a collection whose ``sparse_grad`` was left at ``None`` (auto); see
-        ``lightning_rec.sharding.use_sparse_grads_where_possible``, which decides it from the optimizers.
-        """
-        reason = self.data_parallel_sparse_grad_allowed()
-        if sparse and reason is not None:
-            raise ValueError(f"cannot switch the data-parallel tables to sparse gradients: {reason}")
-        if sparse == self._dp_sparse:
-            return
-        self._dp_sparse = sparse
-        if self._fused_spec is None:
-            self._table_kernels = self._resolve_kernels(self._table_dtypes, self._device)
-            self._build_lookups()
+__all__ = ["sparse_grad_blocker", "use_sparse_grads_where_possible"]
 
 
 def _leaf_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.optim.Optimizer]:
@@ -142,9 +74,7 @@ def use_sparse_grads_where_possible(
     opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
     groups = {id(p): (opt, g) for opt in _leaf_optimizers(opts) for g in opt.param_groups for p in g["params"]}
     decided: dict[str, str | None] = {}
-    for path, m in model.named_modules():
-        if not isinstance(m, DataParallelGradMode):
-            continue
+    for path, m in sharded_collections(model):
         reason = m.data_parallel_sparse_grad_allowed()
         if reason is None and gradient_clipping:
             reason = "gradient clipping needs dense gradients"

@@ -164,7 +164,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection[PooledLookups, KeyedTensor
             sub.offsets(),
             b,
             psw,
-            self._dp_sparse_grad,
+            self._dp_grad.sparse,
             storage=self._dp_params(),
             bounds=self._host_bounds(sub.length_per_key),  # read once by the input check: no second host sync
         ).to(dtype)

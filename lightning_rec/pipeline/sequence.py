@@ -50,7 +50,7 @@ class ShardedEmbeddingCollection(ShardedCollection[SequenceLookups, dict[str, Ja
                 self._dp_feature_tables(),
                 sub.values(),
                 sub.length_per_key(),
-                self._dp_sparse_grad,
+                self._dp_grad.sparse,
             )
             dp = dict(zip(routing.dp_features, embs))
         recv = ctx.wait()

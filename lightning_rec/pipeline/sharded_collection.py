@@ -9,9 +9,7 @@ process groups. Its forward is the typed stage contract of ``stages.py``: ``inpu
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping
-from functools import partial
 from typing import Any, cast
 
 import torch
@@ -23,22 +21,23 @@ from lightning_rec.configs import BaseEmbeddingConfig
 from lightning_rec.embedding_modules import FeatureLayout
 from lightning_rec.fused_kinds import FusedOptimizerSpec
 from lightning_rec.pipeline import collectives as comm
-from lightning_rec.pipeline.dp_sparse_grad import DataParallelGradMode
+from lightning_rec.pipeline.dp_grad_mode import DataParallelGradMode
 from lightning_rec.pipeline.fused_lookup import FusedGroup, build_kernels, check_fused, grouped_lookup, table_specs
-from lightning_rec.pipeline.input_dist import InputDist, InputRejected, Received, RowKey
+from lightning_rec.pipeline.input_dist import InputDist, InputRejected, Received
 from lightning_rec.pipeline.local_tables import place_tables
+from lightning_rec.pipeline.lookup_weights import dp_lookup_weights, shard_lookup_weights
 from lightning_rec.pipeline.materialize import broadcast_from_first, requested_kernel, target_device, warn_large_tables
 from lightning_rec.pipeline.prefetch import PrefetchQueue
+from lightning_rec.pipeline.raw_ids import RawIdRouting
 from lightning_rec.pipeline.routing import RoutingTable, build_routing
 from lightning_rec.pipeline.stages import RAW_ID_HOOK_ATTR, LookupContext, Lookups, Out, RawIdHook, Stages
 from lightning_rec.pipeline.state_dict import load_hook, sharded_state_dict_hook
+from lightning_rec.pipeline.table_conversion import table_conversion
 from lightning_rec.plans.shard_geometry import ShardMeta
 from lightning_rec.sparse import KeyedJaggedTensor, checks_enabled
 
-_MAX_ID = (1 << 63) - 1  # raw ids are only checked to be non-negative
 
-
-class ShardedCollection(DataParallelGradMode, Stages[Lookups, Out], nn.Module):
+class ShardedCollection(Stages[Lookups, Out], nn.Module):
     """Shared machinery of the sharded pooled and sequence collections.
 
     ``forward`` is three stages, :meth:`input_dist` -> ``compute`` -> ``output_dist`` (``stages.Stages``), driven
@@ -87,10 +86,11 @@ class ShardedCollection(DataParallelGradMode, Stages[Lookups, Out], nn.Module):
         self._dp_group = shard_group if replica_group is None else dist.group.WORLD
         self.embedding_grad = embedding_grad
         self._scale = comm.grad_scale(embedding_grad, self._num_dp_ranks)
-        self.sparse_grad: bool = unsharded.sparse_grad if sparse_grad is None else sparse_grad
-        # sparse_grad=None: data-parallel tables may switch to sparse gradients later (grad_mode.py)
-        self._dp_sparse_auto = sparse_grad is None and getattr(module, "_sparse_grad_auto", False)
-        self._dp_sparse = False
+        # sparse_grad=None: data-parallel tables may switch to sparse gradients later (dp_sparse_grad.py)
+        self._dp_grad = DataParallelGradMode(
+            unsharded.sparse_grad if sparse_grad is None else sparse_grad,
+            auto=sparse_grad is None and getattr(module, "_sparse_grad_auto", False),
+        )
         self._table_dtypes = [cast(torch.dtype, t.dtype) for t in tables]  # set by the config's __post_init__
         self._keep_table_dtypes = False
         self._output_dtype: torch.dtype | None = None
@@ -152,9 +152,6 @@ class ShardedCollection(DataParallelGradMode, Stages[Lookups, Out], nn.Module):
         _compat.register_state_dict_hook(self, sharded_state_dict_hook)
         _compat.register_load_state_dict_pre_hook(self, self._load_hook)
         # raw-id tables (managed collision): a permanent stage hook, carried over from the unsharded module
-        self._raw_id_hook: RawIdHook | None = None
-        self._row_keys: dict[int, RowKey] | None = None
-        self._raw_id_layout: FeatureLayout | None = None
         self.set_raw_id_hook(getattr(module, RAW_ID_HOOK_ATTR, None))
         # the input dist, built once per layout (and per device: _apply)
         self._kjt_dist = InputDist(
@@ -224,13 +221,49 @@ class ShardedCollection(DataParallelGradMode, Stages[Lookups, Out], nn.Module):
         """``{table: kernel}``: ``"torch"``, ``"fbgemm"`` (the plan's ``compute_kernel``, resolved) or ``"fused"``."""
         return {t.name: k for t, k in zip(self._layout.tables, self._table_kernels)}
 
+    # -- the data-parallel tables' gradient mode, held by a dp_grad_mode.DataParallelGradMode -------------
+    @property
+    def sparse_grad(self) -> bool:
+        """Whether the lookups make sparse gradients (data-parallel tables may switch to them later as well)."""
+        return self._dp_grad.given
+
+    @sparse_grad.setter
+    def sparse_grad(self, sparse: bool) -> None:
+        self._dp_grad.given = sparse
+
+    def _dp_grad_facts(self) -> tuple[list[str], bool, set[str]]:
+        """What the gradient mode decides on: the data-parallel tables, fused or not, the tables asking for fbgemm."""
+        tables = self._layout.tables
+        fbgemm = {t.name for t, k in zip(tables, self._requested_kernels) if k == "fbgemm"}
+        return [tables[ti].name for ti in self._routing.dp_tables], self._fused_spec is not None, fbgemm
+
+    def data_parallel_sparse_grad_allowed(self) -> str | None:
+        """Why the data-parallel tables here cannot switch to sparse gradients by themselves (None: they can)."""
+        return self._dp_grad.blocker(*self._dp_grad_facts())
+
+    def data_parallel_weights(self) -> dict[str, torch.Tensor]:
+        """``{table: weight}`` of the data-parallel (replicated) tables held as plain parameters."""
+        if self._fused_spec is not None:
+            return {}
+        return {self._layout.tables[ti].name: self._table_param(ti) for ti in self._routing.dp_tables}
+
+    def set_data_parallel_sparse_grad(self, sparse: bool) -> None:
+        """Make the data-parallel tables' lookups produce sparse (or dense) gradients from the next forward.
+
+        Only for a collection whose ``sparse_grad`` was left at ``None`` (auto); see
+        ``lightning_rec.sharding.use_sparse_grads_where_possible``, which decides it from the optimizers.
+        """
+        if self._dp_grad.switch(sparse, *self._dp_grad_facts()) and self._fused_spec is None:
+            self._table_kernels = self._resolve_kernels(self._table_dtypes, self._device)
+            self._build_lookups()
+
     def _resolve_kernels(self, dtypes: list[torch.dtype], device: torch.device) -> list[str]:
         if self._fused_spec is not None:  # fused optimizers keep their fused kernel whatever the plan says
             return ["fused"] * len(dtypes)
         dp = {ti for ti, t in enumerate(self._layout.tables) if self._shards[t.name] is None}
         return [
             kernels.resolve_table_kernel(
-                req, t.name, d, device, self._dp_sparse_grad if ti in dp else self.sparse_grad, self._pooled
+                req, t.name, d, device, self._dp_grad.sparse if ti in dp else self.sparse_grad, self._pooled
             )
             for ti, (t, req, d) in enumerate(zip(self._layout.tables, self._requested_kernels, dtypes))
         ]
@@ -251,20 +284,13 @@ class ShardedCollection(DataParallelGradMode, Stages[Lookups, Out], nn.Module):
         load_hook(self, state_dict, prefix)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ShardedCollection:  # type: ignore[override]
-        if self._keep_table_dtypes:
-            # a precision plugin converting the model moves tables but keeps the dtype their config fixed
-            convert = fn
-            fn = lambda t: t.to(convert(torch.empty(0, dtype=t.dtype, device=t.device)).device)  # noqa: E731
         # the lookup kernels for the converted tables, resolved before converting: a table whose plan asks
         # for fbgemm and whose new dtype fbgemm cannot serve raises and leaves the module as it was
-        new_dtypes = [fn(torch.empty(0, dtype=d, device=self._device)).dtype for d in self._table_dtypes]
-        new_device = _compat.indexed_device(fn(torch.empty(0, device=self._device)).device)
-        table_kernels = self._resolve_kernels(new_dtypes, new_device)
-        out = super()._apply(fn, recurse)
-        self._table_kernels = table_kernels
-        # Ranks without a local piece of a table still need its dtype for the wire; follow conversions.
-        self._table_dtypes = [fn(torch.empty(0, dtype=d, device=self._device)).dtype for d in self._table_dtypes]
-        self._device = _compat.indexed_device(fn(torch.empty(0, device=self._device)).device)
+        new = table_conversion(fn, self._table_dtypes, self._device, self._keep_table_dtypes)
+        table_kernels = self._resolve_kernels(new.dtypes, new.device)
+        out = super()._apply(new.fn, recurse)
+        # ranks without a local piece of a table still need its dtype for the wire: it follows conversions
+        self._table_kernels, self._table_dtypes, self._device = table_kernels, new.dtypes, new.device
         self._routing = self._routing.to(self._device)
         self._kjt_dist = self._kjt_dist.to(self._routing, self._device)
         self._build_lookups()
@@ -296,7 +322,7 @@ class ShardedCollection(DataParallelGradMode, Stages[Lookups, Out], nn.Module):
     def _checked_input(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor | None, Exception | None]:
         """This rank's input in config order, or the error that rejects it (raised once every rank knows)."""
         try:
-            kjt = (self._raw_id_layout or self._layout).select(features)
+            kjt = (self._raw_ids.layout or self._layout).select(features)
             if kjt.device != self._device:
                 raise ValueError(
                     f"the KeyedJaggedTensor is on {kjt.device} but this sharded collection is on "
@@ -338,7 +364,7 @@ class ShardedCollection(DataParallelGradMode, Stages[Lookups, Out], nn.Module):
                 weights,
                 rejected=err is not None,
                 async_op=async_op,
-                row_keys=self._row_keys,
+                row_keys=self._raw_ids.row_keys,
                 ids_checked=checks_enabled(),
             )
         except InputRejected:
@@ -346,7 +372,7 @@ class ShardedCollection(DataParallelGradMode, Stages[Lookups, Out], nn.Module):
                 raise err from None
             raise
         assert kjt is not None  # a rejected input raised above, on every rank
-        hook = self._raw_id_hook  # the ids were routed for this hook: its remap delivers them, whatever comes later
+        hook = self._raw_ids.hook  # the ids were routed for this hook: its remap delivers them, whatever comes later
         return LookupContext(kjt, pending, None if hook is None else hook.on_received)
 
     # -- the three stages: input_dist here, compute and output_dist in the pooled and sequence subclasses ----
@@ -439,13 +465,8 @@ class ShardedCollection(DataParallelGradMode, Stages[Lookups, Out], nn.Module):
 
     def _dp_weights(self, kjt: KeyedJaggedTensor) -> list[torch.Tensor]:
         """The data-parallel tables as the lookup sees them (their backward sums the touched rows over ranks)."""
-        layout, dp_tables = self._layout, self._routing.dp_tables
-        opk = kjt.offset_per_key()
-        ids = [
-            torch.cat([kjt.values()[opk[f] : opk[f + 1]] for f, t in enumerate(layout.feature_table) if t == ti])
-            for ti in dp_tables
-        ]
-        return comm.embedding_grad([self._table_param(ti) for ti in dp_tables], ids, self._dp_group, self._scale)
+        feature_table, dp_tables = self._layout.feature_table, self._routing.dp_tables
+        return dp_lookup_weights(self._dp_params(), kjt, feature_table, dp_tables, self._dp_group, self._scale)
 
     def _dp_feature_tables(self) -> list[int]:
         pos = {ti: k for k, ti in enumerate(self._routing.dp_tables)}
@@ -454,37 +475,19 @@ class ShardedCollection(DataParallelGradMode, Stages[Lookups, Out], nn.Module):
     @property
     def raw_id_hook(self) -> RawIdHook | None:
         """The stage hook of the tables fed raw ids (managed collision), or None."""
-        return self._raw_id_hook
+        return self._raw_ids.hook
 
     def set_raw_id_hook(self, hook: RawIdHook | None) -> None:
         """Install ``hook`` (``stages.RawIdHook``; None removes it): from the next input dist on, the tables it
         names take raw ids, routed by ``hook.row_key`` and remapped by ``hook.on_received`` at delivery. Input
         dists already started keep the hook they were routed for. Their ids are only checked to be non-negative.
         """
-        if hook is None:
-            self._raw_id_hook = self._row_keys = self._raw_id_layout = None
-            return
-        names = self._layout.feature_table_names
-        unknown = sorted(hook.tables - set(names))
-        if unknown:
-            raise ValueError(f"raw-id tables {unknown} are not tables of this collection ({sorted(set(names))})")
-        hook.attach(self)
-        self._row_keys = {f: partial(hook.row_key, t) for f, t in enumerate(names) if t in hook.tables}
-        layout = copy.copy(self._layout)
-        layout.rows = [_MAX_ID if t in hook.tables else r for t, r in zip(names, layout.rows)]
-        self._raw_id_layout = layout
-        self._raw_id_hook = hook
+        routing = RawIdRouting(hook, self._layout)  # checks the hook's tables before it attaches
+        if hook is not None:
+            hook.attach(self)
+        self._raw_ids = routing
 
     def _shard_weights(self, recv: Received) -> list[torch.Tensor]:
         """This rank's shards as the lookup sees them; under 2D replicas their backward sums over the replicas."""
-        my_route_table = self._routing.my_route_table
-        empty = torch.zeros(0, dtype=torch.long, device=self._device)
-        ids = [empty] * len(self._local_shards)
-        if self._replica_group is not None and self._local_shards:
-            route_ids = torch.split(recv.values, recv.ids_per_route())
-            ids = [
-                torch.cat([route_ids[j] for j, t in enumerate(my_route_table) if t == k] or [empty])
-                for k in range(len(self._local_shards))
-            ]
-        weights = [self._table_param(ti) for ti, _ in self._local_shards]
-        return comm.embedding_grad(weights, ids, self._replica_group, self._scale)
+        weights, route_table = self._shard_params(), self._routing.my_route_table
+        return shard_lookup_weights(weights, recv, route_table, self._replica_group, self._scale, self._device)
