@@ -9,6 +9,7 @@ process groups. Its forward is the typed stage contract of ``stages.py``: ``inpu
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -409,8 +410,8 @@ class ShardedCollection(Stages[Lookups, Out], nn.Module):
         return self._prefetched.clear()
 
     @staticmethod
-    def _configs_of(module: nn.Module) -> list[BaseEmbeddingConfig]:
-        raise NotImplementedError
+    @abstractmethod
+    def _configs_of(module: nn.Module) -> list[BaseEmbeddingConfig]: ...
 
     def _check_weights(self, kjt: KeyedJaggedTensor) -> None:
         pass

@@ -12,6 +12,7 @@ takes the delivery.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, Protocol, TypeVar
@@ -105,17 +106,17 @@ class SequenceLookups(NamedTuple):
     shards: list[torch.Tensor] | None
 
 
-class Stages(Generic[Lookups, Out]):
+class Stages(ABC, Generic[Lookups, Out]):
     """``forward`` as the three stages; subclasses supply them (``input_dist`` comes from the shared collection)."""
 
-    def input_dist(self, features: KeyedJaggedTensor) -> LookupContext:
-        raise NotImplementedError
+    @abstractmethod
+    def input_dist(self, features: KeyedJaggedTensor) -> LookupContext: ...
 
-    def compute(self, ctx: LookupContext) -> Lookups:
-        raise NotImplementedError
+    @abstractmethod
+    def compute(self, ctx: LookupContext) -> Lookups: ...
 
-    def output_dist(self, ctx: LookupContext, lookups: Lookups) -> Out:
-        raise NotImplementedError
+    @abstractmethod
+    def output_dist(self, ctx: LookupContext, lookups: Lookups) -> Out: ...
 
     def forward(self, features: KeyedJaggedTensor) -> Out:
         ctx = self.input_dist(features)
