@@ -57,11 +57,6 @@ class PerTableOptimizers:
         """The spec table ``table`` trains with."""
         return self.tables.get(table, self.default)
 
-    @property
-    def is_fused(self) -> bool:
-        """Whether any table gets a fused optimizer."""
-        return self.default is not None or any(s is not None for s in self.tables.values())
-
 
 EmbeddingOptimizer = FusedOptimizerSpec | PerTableOptimizers
 

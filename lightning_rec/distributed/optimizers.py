@@ -4,7 +4,7 @@
 ``torch.distributed.optim._apply_optimizer_in_backward`` does (TorchRec's golden example calls torch's), so
 either function works: on an unsharded model the optimizer steps each parameter inside backward; when
 :class:`~lightning_rec.distributed.DistributedModelParallel` shards a collection whose tables carry such an
-optimizer, :func:`fused_spec_of` maps it to the fused fbgemm kernel of the same maths.
+optimizer, :func:`in_backward_specs` maps it to the fused fbgemm kernel of the same maths.
 """
 
 from __future__ import annotations
@@ -277,16 +277,6 @@ def in_backward_specs(module: nn.Module) -> dict[str, FusedOptimizerSpec | None]
         except ValueError as e:
             raise ValueError(f"table {name!r}: {e}") from None
     return found
-
-
-def in_backward_spec(module: nn.Module) -> FusedOptimizerSpec | None:
-    """The one fused spec of the in-backward optimizers on ``module``'s tables (None when they have none);
-    raises when the tables carry different ones."""
-    found = in_backward_specs(module)
-    specs = set(found.values())
-    if len(specs) > 1:
-        raise ValueError(f"the tables of one collection need the same in-backward optimizer; got {found}")
-    return specs.pop() if specs else None
 
 
 class KeyedOptimizerWrapper(torch.optim.Optimizer):

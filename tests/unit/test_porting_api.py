@@ -310,16 +310,17 @@ def test_torch_and_fbgemm_spellings_of_the_optimizer() -> None:
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torch.distributed.optim import _apply_optimizer_in_backward
 
-    from lightning_rec.distributed.optimizers import in_backward_spec
+    from lightning_rec.distributed.optimizers import in_backward_specs
 
     ebc = _ebc((6, 4), (5, 4))
-    assert in_backward_spec(ebc) is None
+    assert in_backward_specs(ebc) == {"t0": None, "t1": None}
     _apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.3})
-    assert in_backward_spec(ebc) == FusedOptimizerSpec("rowwise_adagrad", 0.3, eps=1e-10)
+    rowwise = FusedOptimizerSpec("rowwise_adagrad", 0.3, eps=1e-10)
+    assert in_backward_specs(ebc) == {"t0": rowwise, "t1": rowwise}
     assert spec_from_fused_params(
         {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.2}
     ) == FusedOptimizerSpec("rowwise_adagrad", 0.2)
+    # tables of one collection may carry different optimizers (each becomes its own fused kernel)
     mixed = _ebc((6, 4), (5, 4))
     apply_optimizer_in_backward(torch.optim.SGD, [next(mixed.parameters())], {"lr": 0.1})
-    with pytest.raises(ValueError, match="the same in-backward optimizer"):
-        in_backward_spec(mixed)
+    assert in_backward_specs(mixed) == {"t0": FusedOptimizerSpec("sgd", 0.1), "t1": None}
