@@ -29,8 +29,8 @@ import torch
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_rec  # noqa: F401  registers strategy="rec_sharded"
-from lightning_rec.callbacks import ExportProgram
 from lightning_rec.data import ClickDataModule, SyntheticClicks
+from lightning_rec.lightning.callbacks import ExportProgram
 from lightning_rec.models import DLRM
 
 DEFAULT_CONFIG = Path(__file__).with_name("dlrm.yaml")

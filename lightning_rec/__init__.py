@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib as _importlib
+import sys as _sys
+
 import torch as _torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY as _FabricStrategyRegistry
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
@@ -34,8 +37,10 @@ from lightning_rec.distributed import (  # noqa: E402
     in_backward_optimizer_filter,
 )
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection  # noqa: E402
-from lightning_rec.fabric import RecShardedFabricStrategy  # noqa: E402
 from lightning_rec.fused_tables import PerTableOptimizers  # noqa: E402
+from lightning_rec.lightning.fabric import RecShardedFabricStrategy  # noqa: E402
+from lightning_rec.lightning.rec_module import RecModule  # noqa: E402
+from lightning_rec.lightning.strategy import RecShardedStrategy  # noqa: E402
 from lightning_rec.mc import (  # noqa: E402
     LFU_EvictionPolicy,
     LRU_EvictionPolicy,
@@ -47,7 +52,6 @@ from lightning_rec.mc import (  # noqa: E402
 )
 from lightning_rec.optim import CombinedOptimizer, FusedOptimizer, FusedOptimizerSpec  # noqa: E402
 from lightning_rec.quant import load_quantized, quantize_embeddings  # noqa: E402
-from lightning_rec.rec_module import RecModule  # noqa: E402
 from lightning_rec.sharding import (  # noqa: E402
     ParameterSharding,
     Planner,
@@ -70,7 +74,6 @@ from lightning_rec.sharding import (  # noqa: E402
     use_sparse_grads_where_possible,
 )
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor  # noqa: E402
-from lightning_rec.strategy import RecShardedStrategy  # noqa: E402
 
 
 def _register() -> None:
@@ -80,6 +83,20 @@ def _register() -> None:
 
 
 _register()
+
+# The Lightning front end moved into lightning_rec.lightning; its old module paths stay importable (as the same
+# module objects) because users' YAML class_paths and pickled checkpoints and hyper-parameters name them.
+_MOVED = ("strategy", "fabric", "shard_setup", "uneven", "preemption", "child_exits", "callbacks", "rec_module")
+
+
+def _alias_moved_modules() -> None:
+    for name in _MOVED:
+        module = _importlib.import_module(f"lightning_rec.lightning.{name}")
+        _sys.modules[f"{__name__}.{name}"] = module
+        globals()[name] = module  # `import lightning_rec.strategy` then `lightning_rec.strategy.X`, as before
+
+
+_alias_moved_modules()
 
 __version__ = "0.1.0"
 

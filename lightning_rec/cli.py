@@ -37,6 +37,7 @@ from lightning_rec.checkpoint import atomic
 from lightning_rec.configs import EmbeddingBagConfig, EmbeddingConfig
 from lightning_rec.data import convert
 from lightning_rec.export import export_program
+from lightning_rec.lightning.rec_module import RecModule
 from lightning_rec.plans.kinds import ParameterSharding, kind_of
 from lightning_rec.plans.planner import OPTIMIZER_STATE, Planner, PlannerError, TableConstraint, Topology
 from lightning_rec.plans.planner.profile_cmd import add_parser as add_profile_parser
@@ -44,7 +45,6 @@ from lightning_rec.plans.planner.profile_cmd import command as profile_command
 from lightning_rec.quant import EmbeddingBagCollection as QuantEmbeddingBagCollection
 from lightning_rec.quant import EmbeddingCollection as QuantEmbeddingCollection
 from lightning_rec.quant import load_quantized
-from lightning_rec.rec_module import RecModule
 from lightning_rec.testing import run_distributed
 
 _TABLE_KEYS = {

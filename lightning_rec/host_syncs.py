@@ -47,7 +47,7 @@ _DATA_DEPENDENT = {
 _HOST_ONLY = (
     "lightning_rec/transport/shm.py",
     "lightning_rec/transport/bytecopy.py",
-    "lightning_rec/preemption.py",
+    "lightning_rec/lightning/preemption.py",
     "torch/optim/",
 )
 

@@ -1,7 +1,8 @@
 """``DistributedModelParallel`` for a training loop without Lightning (TorchRec's names and argument order).
 
-A thin wrapper: :func:`lightning_rec.sharding.shard_modules` shards every embedding collection by the plan
-(or an automatic plan), DDP keeps the dense rest in sync, and the state_dict keeps the unsharded model's keys.
+A thin wrapper over the core the Lightning strategies call too (``lightning_rec.front_end``): every embedding
+collection sharded by the plan (or an automatic plan), DDP keeps the dense rest in sync, and the state_dict
+keeps the unsharded model's keys.
 Embedding gradients follow TorchRec's rule by default (``embedding_grad="mean"``: divided by the number of
 ranks), so a DMP job on N ranks with batch B per rank trains like one process on batch N * B.
 """
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_rec import _compat
+from lightning_rec import _compat, front_end
 from lightning_rec.distributed.data_parallel import DefaultDataParallelWrapper
 from lightning_rec.distributed.optimizers import spec_from_fused_params
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
@@ -34,8 +35,8 @@ from lightning_rec.pipeline.shard_modules import (
 from lightning_rec.plans.kinds import placement_of
 from lightning_rec.plans.mesh import default_local_size
 from lightning_rec.plans.plan import with_resolved_ranks
-from lightning_rec.sharding import ParameterSharding, ShardingPlan, shard_modules
-from lightning_rec.table_optimizers import mark_fused_tables, resolve_table_optimizers
+from lightning_rec.sharding import ParameterSharding, ShardingPlan
+from lightning_rec.table_optimizers import resolve_table_optimizers
 
 
 @dataclass
@@ -219,21 +220,20 @@ class DistributedModelParallel(nn.Module):
             for op, c in (by_type.get(EmbeddingBagCollection) or {}).items()
             if op != CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.value
         }
-        sharded = shard_modules(
+        sharded, self._fused = front_end.shard(
             module,
             plan,
+            specs,
             process_group=env.process_group,
             device=self.device,
             embedding_grad=embedding_grad,
-            table_optimizers=specs,
             qcomm_codecs_registry=pooled_registry or None,
+            # dense parameters built on the meta device get real storage here and their own initialisation
+            materialize_as="DistributedModelParallel" if init_parameters else None,
         )
         self._plan = self._resolved_plan(sharded, plan)
         self._dmp_wrapped_module: nn.Module = sharded
-        self._fused = mark_fused_tables(sharded)
         self._ddp_wrapped = False
-        if init_parameters:
-            self._init_parameters(sharded)
         if init_data_parallel:
             self.init_data_parallel()
 
@@ -266,14 +266,13 @@ class DistributedModelParallel(nn.Module):
         if self.init_parameters:
             self._init_parameters(self._dmp_wrapped_module)
         model = self._dmp_wrapped_module
-        sharded = ddp_ignored_names(model)  # the strategies' list: managed-collision remap state is per rank too
+        # a sharded collection alone has nothing dense: it reduces its own gradients
         if not isinstance(model, ShardedCollection):
-            _move_dense(model, set(sharded), self.device)
-        dense = [p for n, p in model.named_parameters() if n not in set(sharded) and p.requires_grad]
-        if dense and not isinstance(model, ShardedCollection):
-            _compat.ddp_ignore(model, [*sharded, *self._data_parallel_wrapper.params_to_ignore])
-            assert self._env.process_group is not None
-            self._dmp_wrapped_module = self._data_parallel_wrapper.wrap(model, self.device, self._env.process_group)
+            _move_dense(model, set(ddp_ignored_names(model)), self.device)
+            # the strategies' list (managed-collision remap state is per rank too), and the wrapper's names
+            if front_end.ignore_in_ddp(model, also=self._data_parallel_wrapper.params_to_ignore):
+                assert self._env.process_group is not None
+                self._dmp_wrapped_module = self._data_parallel_wrapper.wrap(model, self.device, self._env.process_group)
         self._ddp_wrapped = True
 
     @property

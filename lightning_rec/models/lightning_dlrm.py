@@ -19,6 +19,7 @@ from torchmetrics import MetricCollection
 
 from lightning_rec.configs import EmbeddingBagConfig
 from lightning_rec.embedding_modules import EmbeddingBagCollection
+from lightning_rec.lightning.rec_module import RecModule
 from lightning_rec.mc import (
     LFU_EvictionPolicy,
     LRU_EvictionPolicy,
@@ -31,7 +32,6 @@ from lightning_rec.metrics import rec_metrics
 from lightning_rec.models.dlrm import DenseArch, InteractionArch, OverArch, SparseArch
 from lightning_rec.optim import CombinedOptimizer
 from lightning_rec.plans.plan import ShardingPlan, row_wise, table_wise
-from lightning_rec.rec_module import RecModule
 from lightning_rec.sparse import KeyedJaggedTensor
 
 _EMBEDDING_OPTIMIZERS = ("adagrad", "sgd", "sparse_adam")

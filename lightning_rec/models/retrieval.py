@@ -21,9 +21,9 @@ from torch.utils.data import IterableDataset
 
 from lightning_rec.configs import EmbeddingConfig
 from lightning_rec.embedding_modules import EmbeddingCollection
+from lightning_rec.lightning.rec_module import RecModule
 from lightning_rec.optim import CombinedOptimizer
 from lightning_rec.plans.plan import ShardingPlan
-from lightning_rec.rec_module import RecModule
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor
 
 FEATURES = ("user_id", "history", "candidate")

@@ -13,9 +13,9 @@ from lightning_rec import checkpoint
 from lightning_rec.checkpoint.storage import CheckedReader
 from lightning_rec.configs import BaseEmbeddingConfig
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from lightning_rec.lightning.rec_module import RecModule
 from lightning_rec.quant.quantize import check_quantizable, quantize_embeddings
 from lightning_rec.quant.rows import DEFAULT_ROW_ALIGNMENT
-from lightning_rec.rec_module import RecModule
 
 
 def _saved_tables(path: os.PathLike | str, trusted: bool) -> dict[str, list[int]]:

@@ -38,7 +38,7 @@ def test_planner_choice_is_the_models_best_of_the_rejected_plans() -> None:
 def _fit_with_summary(rank: int, world: int, tables_optimizer: str) -> dict:
     import lightning as L
 
-    from lightning_rec.callbacks import ShardingSummary
+    from lightning_rec.lightning.callbacks import ShardingSummary
     from lightning_rec.optim import CombinedOptimizer
     from lightning_rec.pipeline.sharded_collection import ShardedCollection
     from tests.lightning.models import ClickModule

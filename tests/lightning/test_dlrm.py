@@ -269,7 +269,7 @@ trainer:
   logger: false
   val_check_interval: 1.0
   callbacks:
-    - class_path: lightning_rec.callbacks.ShardingSummary
+    - class_path: lightning_rec.lightning.callbacks.ShardingSummary
     - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args: {{dirpath: {root}/checkpoints, filename: dlrm-final}}
 model:

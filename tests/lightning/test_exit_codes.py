@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_rec import child_exits
+from lightning_rec.lightning import child_exits
 from tests.lightning.exit_flows import RANK_1_FAILS, aborted, run_once
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_rec import RecShardedStrategy, ShardingPlan, full_state_dict, row_wise, table_wise
-from lightning_rec.preemption import EXIT_CODE
+from lightning_rec.lightning.preemption import EXIT_CODE
 from lightning_rec.testing import run_distributed
 from tests.lightning.models import ClickModule
 

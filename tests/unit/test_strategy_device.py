@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_rec.strategy import RecShardedStrategy
+from lightning_rec.lightning.strategy import RecShardedStrategy
 
 
 def test_root_device_gets_an_index() -> None:

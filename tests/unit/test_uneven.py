@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
-from lightning_rec.uneven import UnevenEvaluation, lookup_roots, unreplayable
+from lightning_rec.lightning.uneven import UnevenEvaluation, lookup_roots, unreplayable
 
 
 def test_ranks_without_a_batch_before_others_cannot_join() -> None:

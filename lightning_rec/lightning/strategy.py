@@ -13,13 +13,8 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.data import sized_len
-from lightning.pytorch import callbacks
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
@@ -29,21 +24,22 @@ from lightning_rec._compat import precision_target_dtype
 from lightning_rec.checkpoint.safe import refusing_unsafe
 from lightning_rec.data.loader import AgreedLoader, ClickLoader
 from lightning_rec.distributed.train_pipeline import InputPrefetcher, PipelinedLoader
-from lightning_rec.optim import CombinedOptimizer
-from lightning_rec.pipeline.clip_grad_norm import clip_grad_norm_
-from lightning_rec.pipeline.dp_sparse_grad import use_sparse_grads_where_possible
+from lightning_rec.front_end import ignore_in_ddp
+from lightning_rec.lightning import shard_setup
+from lightning_rec.lightning import trainer_setup as checks
+from lightning_rec.lightning.preemption import AgreedStop
+from lightning_rec.lightning.shard_setup import ShardSetup, require_popen
+from lightning_rec.lightning.uneven import EvaluationSteps
 from lightning_rec.pipeline.qcomm import QCommsConfig
-from lightning_rec.pipeline.shard_modules import ShardedCollection, dense_state, fused_optimizer
+from lightning_rec.pipeline.shard_modules import ShardedCollection
 from lightning_rec.plans.mesh import MeshInfo
 from lightning_rec.plans.plan import ShardingPlan
 from lightning_rec.plans.planner import Planner, PlanReport
-from lightning_rec.preemption import AgreedStopHooks
-from lightning_rec.shard_setup import ShardedFrontEnd, ShardSetup, ignore_in_ddp, require_popen
-from lightning_rec.table_optimizers import automatic_plan_report, warn_unoptimized_tables
-from lightning_rec.uneven import UnevenEvaluationHooks
+from lightning_rec.table_optimizers import warn_unoptimized_tables
+from lightning_rec.transport import inflight
 
 
-class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd, DDPStrategy):
+class RecShardedStrategy(DDPStrategy):
     """Shards every EmbeddingBagCollection / EmbeddingCollection of the LightningModule; DDP for the rest.
 
     The world is ``data_parallel_size x model_parallel_size`` ranks (default: one model-parallel group per
@@ -89,7 +85,7 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
             another device type is refused. None: the planner's default speeds.
     """
 
-    strategy_name = "rec_sharded"
+    strategy_name = shard_setup.STRATEGY_NAME
 
     def __init__(
         self,
@@ -133,6 +129,8 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         self.compile_options: dict[str, Any] | None = (
             {"dynamic": True, **compile} if isinstance(compile, dict) else {"dynamic": True} if compile else None
         )
+        self._stop: AgreedStop | None = None  # SIGTERM agreed over the ranks, while training on several
+        self._evaluation = EvaluationSteps()
 
     @property
     def embedding_grad(self) -> str:
@@ -147,26 +145,45 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
     def trusted_checkpoints(self, trusted: bool) -> None:
         self.core.trusted_checkpoints = trusted
 
+    @property
+    def _module(self) -> L.LightningModule:
+        """The LightningModule, in the hooks that run once the Trainer connected it."""
+        module = self.lightning_module
+        assert module is not None, "rec_sharded: no LightningModule connected yet"
+        return module
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return shard_setup.indexed_device(super().root_device, self.local_rank)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        shard_setup.register(strategy_registry, cls)
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        shard_setup.report_child_exits(self)  # ranks failing after rank 0 finished fail the job too
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        self.mesh_info = self.core.setup_environment(
+            self.world_size, self.num_processes, self.num_nodes, self.root_device
+        )
         if self.lightning_module is not None:
-            assert self.mesh_info is not None  # the front end's setup_environment builds it
             self.lightning_module._device_mesh = self.mesh_info.mesh
 
-    def _shard(self) -> None:
-        module = self.lightning_module
-        assert module is not None and self.mesh_info is not None
-        batch_size = None  # the planner's, found as Lightning's batch-size finder does
-        try:
-            if lightning_hasattr(module, "batch_size"):
-                # None raises TypeError, caught below
-                batch_size = int(lightning_getattr(module, "batch_size"))  # type: ignore[arg-type]
-        except (AttributeError, TypeError, ValueError):
-            pass
-        self.embedding_optimizer, self.planner = self.core.shard(
-            module, self.mesh_info, self.root_device, self.world_size, batch_size
-        )
+    @override
+    def teardown(self) -> None:
+        self._end_stop()
+        self._evaluation.end()  # an evaluation that raised leaves no hooks on the module
+        # collectives still in flight (a loader's status exchange for a batch never asked for) finish here, not
+        # while the interpreter shuts down
+        inflight.drain()
+        super().teardown()
 
     @override
     @contextmanager
@@ -183,16 +200,20 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
-        assert self.accelerator is not None and self.model is not None
+        assert self.accelerator is not None and self.model is not None and self.mesh_info is not None
+        module = self._module
         if trainer.state.fn == TrainerFn.FITTING:
-            self._refuse_model_copies(trainer)  # before any collective: every rank refuses alike
+            checks.refuse_model_copies(trainer)  # before any collective: every rank refuses alike
         self.accelerator.setup(trainer)
-        self._shard()  # before DDP and before the optimizers see the parameters
+        # sharded before DDP and before the optimizers see the parameters
+        self.embedding_optimizer, self.planner = self.core.shard(
+            module, self.mesh_info, self.root_device, self.world_size, checks.batch_size(module)
+        )
         if self.compile_options is not None:
-            self.lightning_module.compile(**self.compile_options)  # traced lazily, on the sharded modules
+            module.compile(**self.compile_options)  # traced lazily, on the sharded modules
         # "*-true" precision converts the dense model; tables keep the dtype their config fixed
         target = precision_target_dtype(self.precision_plugin)
-        for m in self.lightning_module.modules():
+        for m in module.modules():
             if isinstance(m, ShardedCollection) and target is not None:
                 m.keep_table_dtypes(target)
         self.precision_plugin.convert_module(self.model)
@@ -200,120 +221,30 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_fused_trainer(trainer)
             if self.pipeline:  # after sharding: it finds the sharded collections
-                self._prefetcher = InputPrefetcher(self.lightning_module, "RecShardedStrategy(pipeline=True)")
+                self._prefetcher = InputPrefetcher(module, "RecShardedStrategy(pipeline=True)")
             self.configure_ddp()
             self.setup_optimizers(trainer)
-            self._add_fused_optimizer()
-            warn_unoptimized_tables(self.lightning_module, self.optimizers)
+            self.optimizers = checks.with_fused_optimizer(module, self.optimizers)
+            warn_unoptimized_tables(module, self.optimizers)
             self._explain_plan()
-            self._choose_dp_gradients(trainer)
+            checks.choose_dp_gradients(trainer, module, self.optimizers, self.precision_plugin)
         else:
-            self._sync_dense_states()
+            checks.sync_dense_states(module)
             self._explain_plan()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            self._clip_by_global_norm()
+            checks.clip_by_global_norm(self.precision_plugin, module)
             _compat.optimizers_to_device(self.optimizers, self.root_device)
-            self._sync_grad_scaler()
+            checks.sync_grad_scaler(self.precision_plugin)
 
     def _explain_plan(self) -> None:
         if self.planner is not None:
-            self.plan_report = report = automatic_plan_report(self.planner, self.lightning_module, self.optimizers)
-            rank_zero_info(f"lightning_rec: no sharding plan given; the planner chose:\n{report}")
-
-    def _clip_by_global_norm(self) -> None:
-        # Lightning's norm clipping calls torch's clip_grad_norm_, which would see only this rank's shards:
-        # each rank would scale by its own factor. The norm over every table once keeps the one-process answer.
-        plugin, model = self.precision_plugin, self.lightning_module
-
-        def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-            clip_grad_norm_(model, plugin.main_params(optimizer), clip_val)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
-
-    def _choose_dp_gradients(self, trainer: L.Trainer) -> None:
-        # data-parallel tables take sparse gradients where the optimizers make that exact (grad_mode.py);
-        # clipping (Lightning's or the module's own hook), loss scaling and manual optimization keep them dense
-        module = self.lightning_module
-        clipping = (
-            bool(trainer.gradient_clip_val)
-            or not module.automatic_optimization
-            or is_overridden("configure_gradient_clipping", module, L.LightningModule)
-        )
-        use_sparse_grads_where_possible(
-            module,
-            self.optimizers,
-            gradient_clipping=clipping,
-            grad_scaler=getattr(self.precision_plugin, "scaler", None),
-        )
-
-    def _sync_grad_scaler(self) -> None:
-        # Each rank sees only its own shards' gradients: a rank whose shards overflowed would skip the step
-        # while the others take it, and replicas would silently diverge. Agree on "found inf" over the world.
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is not None:
-            # the plugins with a scaler (mixed precision, FSDP's) share no base class that declares it
-            cast(Any, self.precision_plugin).scaler = _compat.synced_grad_scaler(scaler, torch.distributed.group.WORLD)
-
-    @staticmethod
-    def _refuse_model_copies(trainer: L.Trainer) -> None:
-        # weight averaging copies the LightningModule in its setup hook, before sharding: the copy holds whole
-        # tables, the live model this rank's shards, and averaging them fails on mismatched shapes (or, where
-        # shapes happen to agree, averages unrelated rows)
-        kinds = tuple(
-            c for c in (getattr(callbacks, n, None) for n in ("StochasticWeightAveraging", "WeightAveraging")) if c
-        )
-        found = [type(c).__name__ for c in trainer.callbacks if isinstance(c, kinds)]  # type: ignore[attr-defined]
-        if found:
-            raise ValueError(
-                f"rec_sharded: {found[0]} keeps a copy of the whole model, made before the tables are sharded, and "
-                "averages it with this rank's shards, which cannot match. Average the dense part yourself (for "
-                "example torch.optim.swa_utils.AveragedModel of the dense modules, updated in on_train_batch_end), "
-                "or train without weight averaging"
-            )
+            self.plan_report = checks.explain_plan(self.planner, self._module, self.optimizers)
 
     def _check_fused_trainer(self, trainer: L.Trainer) -> None:
-        if self.embedding_optimizer is None:
-            return
-        fused = fused_optimizer(self.lightning_module) if self.lightning_module is not None else None
-        if fused is not None and (
-            trainer.accumulate_grad_batches > 1
-            # trainer.callbacks: set by Lightning's callback connector, not declared on the Trainer
-            or any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks)  # type: ignore[attr-defined]
-        ):
-            # Lightning steps the optimizer once every k batches: the kernels keep each backward's gradient
-            # and apply one update from their sum at that step (kernels/_accumulate.py)
-            fused.accumulate = True
-        if trainer.gradient_clip_val:
-            raise ValueError(
-                f"gradient_clip_val={trainer.gradient_clip_val} cannot clip fused embedding tables: they are updated "
-                "inside backward and never hold a gradient. Clip the dense parameters yourself in "
-                "configure_gradient_clipping (self.clip_gradients on them), or use embedding_optimizer=None"
-            )
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is not None:
-            raise ValueError(
-                f"precision {getattr(self.precision_plugin, 'precision', '16-mixed')!r} scales the loss with a "
-                "GradScaler, which cannot reach fused embedding tables: they are updated inside backward with the "
-                "scaled gradient, before the scaler could unscale it or skip the step. Use precision='bf16-mixed' "
-                "(no loss scaling) or '32-true', or embedding_optimizer=None"
-            )
+        checks.check_fused_trainer(trainer, self.lightning_module, self.precision_plugin, self.embedding_optimizer)
 
     # -- every rank must run the same number of batches: each sharded lookup is a collective ---------------
-
-    def _check_equal_batch_counts(self, stage: str, counts: Any) -> None:
-        if self.world_size == 1:
-            return
-        gathered: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(gathered, counts)
-        if any(c != gathered[0] for c in gathered):
-            raise ValueError(
-                f"rec_sharded: ranks would run different numbers of {stage} batches per epoch (by rank: {gathered}). "
-                "Every rank must run the same number of training batches, since every sharded lookup and every "
-                "gradient reduction is a collective across ranks: a rank with an extra batch would wait forever. "
-                "Use Lightning's distributed sampler (use_distributed_sampler=True, the default), DataLoaders of "
-                "equal length on every rank, or limit_train_batches"
-            )
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -324,7 +255,7 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
         agrees = isinstance(dataloader, (ClickLoader, AgreedLoader))
         if self.world_size > 1 and not agrees and sized_len(dataloader) is None:
             dataloader = AgreedLoader(cast(Iterable[Any], dataloader), what="rec_sharded dataloader")
-        if self._prefetcher is not None and self.lightning_module.trainer.training:
+        if self._prefetcher is not None and self._module.trainer.training:
             device = self.root_device
             dataloader = PipelinedLoader(
                 cast(Iterable[Any], dataloader), self._prefetcher, lambda b: move_data_to_device(b, device)
@@ -334,27 +265,82 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._check_equal_batch_counts("training", self.lightning_module.trainer.num_training_batches)
+        if self.world_size > 1:  # Lightning registered its SIGTERM handler before this hook
+            self._stop = AgreedStop(self.launcher)
+        checks.check_equal_batch_counts(self.world_size, "training", self._module.trainer.num_training_batches)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._stop is not None:
+            self._stop.check()  # collective: every rank stops before the same batch
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._prefetcher is None:
+            return super().training_step(*args, **kwargs)
+        # the step's forward takes the input dists PipelinedLoader started for its batch
+        with self._prefetcher.feeding_step(args[0] if args else None):
+            return super().training_step(*args, **kwargs)
 
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
+        self._end_stop()
         if self._prefetcher is not None:
             self._prefetcher.clear()  # a batch read ahead past the last step trained
 
-    def _add_fused_optimizer(self) -> None:
-        fused = fused_optimizer(self.lightning_module) if self.lightning_module is not None else None
-        if fused is None:
-            return
-        inside = any(o is fused or fused in getattr(o, "optimizers", ()) for o in self.optimizers)
-        if not inside:
-            # the user's configure_optimizers did not include it: step it with theirs, at the spec's lr
-            self.optimizers = [CombinedOptimizer([*self.optimizers[:1], fused]), *self.optimizers[1:]]
+    def _end_stop(self) -> None:
+        if self._stop is not None:
+            self._stop.close()
+            self._stop = None
 
-    def _sync_dense_states(self) -> None:
-        # without DDP (validate / test / predict) dense replicas still start equal; shards are per rank
-        for t in dense_state(self.lightning_module):
-            torch.distributed.broadcast(t.data, src=0)
+    # -- evaluation: ranks may run different numbers of batches (uneven.py) ----------------------------------
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation.run(super().validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation.run(super().test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation.run(super().predict_step, *args, **kwargs)
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        trainer = self._module.trainer
+        counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+        self._evaluation.start(self._module, "validation", counts, self.world_size)
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        self._evaluation.end()
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._evaluation.start(self._module, "test", self._module.trainer.num_test_batches, self.world_size)
+
+    @override
+    def on_test_end(self) -> None:
+        super().on_test_end()
+        self._evaluation.end()
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        counts = self._module.trainer.num_predict_batches
+        self._evaluation.start(self._module, "prediction", counts, self.world_size)
+
+    @override
+    def on_predict_end(self) -> None:
+        super().on_predict_end()
+        self._evaluation.end()
 
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:  # type: ignore[override]  # returns model unwrapped too
@@ -386,7 +372,7 @@ class RecShardedStrategy(AgreedStopHooks, UnevenEvaluationHooks, ShardedFrontEnd
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Optimizer state keyed by parameter name, sharded like the tables. Collective."""
-        return ckpt.optimizer_state(self.lightning_module, optimizer)
+        return ckpt.optimizer_state(self._module, optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:

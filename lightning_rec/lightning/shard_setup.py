@@ -1,8 +1,13 @@
-"""What both front ends (the Trainer's ``RecShardedStrategy`` and Fabric's ``RecShardedFabricStrategy``) do to a
-model: the 2D mesh, the plan, sharding, the fused optimizer, DDP's ignore list, and checkpoint directories.
+"""What both Lightning front ends (the Trainer's ``RecShardedStrategy`` and Fabric's ``RecShardedFabricStrategy``) do
+to a model and a job: the 2D mesh, the plan, sharding, checkpoint directories (:class:`ShardSetup`, which each
+strategy owns), and the plain functions each strategy's own hooks call (the indexed CUDA device, the registry
+name, the environment, the launcher, ``start_method``).
 
 One copy, so a checkpoint written under one front end resumes under the other, and a model trains the same
-under both (same plan resolution, gradient convention, fused kernels, agreement checks, timeouts).
+under both (same plan resolution, gradient convention, fused kernels, agreement checks, timeouts). The sharding
+itself and DDP's ignore list are ``front_end``'s, which ``DistributedModelParallel`` calls too. As Lightning's
+Trainer strategies import the functions of its Fabric strategies, the strategies here call these functions from
+hook methods they write out; neither inherits anything but Lightning's ``DDPStrategy``.
 """
 
 from __future__ import annotations
@@ -12,29 +17,19 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
-from lightning_rec import _compat, child_exits
+from lightning_rec import _compat, front_end
 from lightning_rec import checkpoint as ckpt
 from lightning_rec.fused_tables import EmbeddingOptimizer, as_table_optimizers, summary
+from lightning_rec.lightning import child_exits
 from lightning_rec.pipeline.collectives import grad_scale
 from lightning_rec.pipeline.qcomm import QCommsConfig, get_qcomm_codecs_registry
-from lightning_rec.pipeline.shard_modules import ddp_ignored_names, materialize_dense, shard_modules
 from lightning_rec.plans.mesh import MeshInfo, check_layout, init_2d_mesh
 from lightning_rec.plans.plan import ShardingPlan
 from lightning_rec.plans.planner import Planner, automatic_plan
-from lightning_rec.table_optimizers import mark_fused_tables, resolve_table_optimizers
+from lightning_rec.table_optimizers import resolve_table_optimizers
 from lightning_rec.transport import inflight
 
-
-def ignore_in_ddp(model: nn.Module, module: nn.Module | None = None) -> bool:
-    """Mark what DDP must ignore on ``model`` (``module``: where to look, default ``model``); False when nothing
-    dense trains, so there is nothing for DDP to do."""
-    where = module if module is not None else model
-    ignore = ddp_ignored_names(where)
-    skip = set(ignore)
-    if not any(p.requires_grad for n, p in where.named_parameters() if n not in skip):
-        return False
-    _compat.ddp_ignore(model, ignore)
-    return True
+STRATEGY_NAME = "rec_sharded"
 
 
 def require_popen(kwargs: dict[str, Any], who: str) -> None:
@@ -49,6 +44,27 @@ def require_popen(kwargs: dict[str, Any], who: str) -> None:
         )
 
 
+def indexed_device(device: torch.device, local_rank: int) -> torch.device:
+    """``device``, a CUDA device given its index (this process's local rank) where it has none:
+    ``init_process_group(device_id=...)`` and DTensor placements refuse a CUDA device without one."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", local_rank)
+    return device
+
+
+def register(strategy_registry: Any, strategy: type) -> None:
+    """Register ``strategy`` as ``"rec_sharded"`` in a Lightning or Fabric strategy registry, unless the name is
+    taken (Lightning scans only its own modules for strategies: a plugin registers at import)."""
+    if STRATEGY_NAME not in strategy_registry:
+        strategy_registry.register(STRATEGY_NAME, strategy, description="Sharded embedding tables + DDP")
+
+
+def report_child_exits(strategy: Any) -> None:
+    """Make the launcher a Lightning strategy configured report ranks that fail after rank 0 finished
+    (``child_exits``), so the job fails too."""
+    _compat.set_strategy_launcher(strategy, child_exits.reporting(_compat.strategy_launcher(strategy)))
+
+
 class _ChoosesPlan(Protocol):
     """A module that places its own tables (``RecModule.configure_sharding``)."""
 
@@ -58,7 +74,7 @@ class _ChoosesPlan(Protocol):
 class ShardSetup:
     """The sharding settings both strategies take, and what they do with them.
 
-    Args: as :class:`~lightning_rec.strategy.RecShardedStrategy`'s ``plan``, ``model_parallel_size``,
+    Args: as :class:`~lightning_rec.lightning.strategy.RecShardedStrategy`'s ``plan``, ``model_parallel_size``,
     ``data_parallel_size``, ``embedding_grad``, ``embedding_optimizer``, ``trusted_checkpoints``, ``qcomms_config``
     and ``planner_speeds`` (the automatic plan's measured speeds, a ``ProfiledSpeeds`` or the path of its file from
     ``lightning-rec profile``; None: the default speeds).
@@ -89,8 +105,11 @@ class ShardSetup:
         self.trusted_checkpoints = trusted_checkpoints
         self.planner_speeds = planner_speeds
 
-    def init_mesh(self, world_size: int, num_processes: int, num_nodes: int, device: torch.device) -> MeshInfo:
-        """The ``replicas x model_parallel_size`` mesh (default: one model-parallel group per node). Collective."""
+    def setup_environment(self, world_size: int, num_processes: int, num_nodes: int, device: torch.device) -> MeshInfo:
+        """A strategy's ``setup_environment`` once the process group exists: the exit handler that waits for
+        collectives still in flight, then the ``replicas x model_parallel_size`` mesh (default: one model-parallel
+        group per node). Collective."""
+        inflight.install_exit_hook()  # after Lightning's exit handler: runs before it
         mp, dp = self.model_parallel_size, self.data_parallel_size
         if mp is None and dp is None:
             mp, dp = num_processes, num_nodes
@@ -127,21 +146,20 @@ class ShardSetup:
             )
             plan = planner.plan(module)
             planner = planner if plan.plan else None
-        shard_modules(
+        front_end.shard(
             module,
             plan,
+            specs,
             process_group=mesh.shard_group,
             replica_group=mesh.replica_group,
             device=device,
             embedding_grad=self.embedding_grad,
             local_size=mesh.local_size,
-            table_optimizers=specs,
             qcomm_codecs_registry=get_qcomm_codecs_registry(self.qcomms_config),
+            # a dense part built on the meta device (configure_model under torch.device("meta"), as for
+            # ModelParallelStrategy) gets storage and its modules' own initialisation, as DMP gives it
+            materialize_as="rec_sharded",
         )
-        # a dense part built on the meta device (configure_model under torch.device("meta"), as for
-        # ModelParallelStrategy) gets storage and its modules' own initialisation, as DMP gives it
-        materialize_dense(module, device, "rec_sharded")
-        mark_fused_tables(module)
         return summary(specs), planner
 
     @staticmethod
@@ -184,46 +202,3 @@ class ShardSetup:
         )
         meta.pop("format", None)
         return meta
-
-
-class ShardedFrontEnd:
-    """Methods both strategies share (a mixin before their Lightning / Fabric DDP base class): the registry name,
-    a CUDA root device with its index, and the 2D mesh once the process group exists."""
-
-    strategy_name = "rec_sharded"
-    core: ShardSetup
-    mesh_info: MeshInfo | None = None
-    _launcher: Any
-    local_rank: int
-    world_size: int
-    num_processes: int
-    num_nodes: int
-
-    @property
-    def root_device(self) -> torch.device:
-        # init_process_group(device_id=...) and DTensor placements refuse a CUDA device without an index
-        device = super().root_device  # type: ignore[misc]
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", self.local_rank)
-        return device
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description="Sharded embedding tables + DDP")
-
-    def setup_environment(self) -> None:
-        super().setup_environment()  # type: ignore[misc]
-        inflight.install_exit_hook()  # after Lightning's exit handler: runs before it
-        self.mesh_info = self.core.init_mesh(self.world_size, self.num_processes, self.num_nodes, self.root_device)
-
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()  # type: ignore[misc]
-        # ranks that fail after rank 0 finished make the job fail too (child_exits)
-        _compat.set_strategy_launcher(self, child_exits.reporting(_compat.strategy_launcher(self)))
-
-    def teardown(self) -> None:
-        # collectives still in flight (a loader's status exchange for a batch never asked for) finish here, not
-        # while the interpreter shuts down
-        inflight.drain()
-        super().teardown()  # type: ignore[misc]

@@ -80,35 +80,3 @@ class AgreedStop:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
-
-
-class AgreedStopHooks:
-    """Strategy hooks (a mixin before the Lightning strategy class): :class:`AgreedStop` in place of Lightning's
-    SIGTERM handler while training on several ranks, checked before every training batch."""
-
-    _stop: AgreedStop | None = None
-    world_size: int
-    launcher: Any
-
-    def on_train_start(self) -> None:
-        super().on_train_start()  # type: ignore[misc]
-        if self.world_size > 1:  # Lightning registered its handler before this hook
-            self._stop = AgreedStop(self.launcher)
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
-        if self._stop is not None:
-            self._stop.check()
-
-    def on_train_end(self) -> None:
-        super().on_train_end()  # type: ignore[misc]
-        self._end_stop()
-
-    def teardown(self) -> None:
-        self._end_stop()
-        super().teardown()  # type: ignore[misc]
-
-    def _end_stop(self) -> None:
-        if self._stop is not None:
-            self._stop.close()
-            self._stop = None

@@ -16,7 +16,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
+
+from typing_extensions import override
 
 from lightning_rec import _compat
 
@@ -79,26 +82,30 @@ def _watch(launcher: Any) -> None:
         _launchers.append(launcher)
 
 
-class _ReportsChildren:
-    """Mixin before Lightning's popen launcher: watch the ranks it starts; remember when it stops them."""
-
-    stopped_children = False
-
-    def launch(self, function: Any, *args: Any, **kwargs: Any) -> Any:
-        _watch(self)
-        return super().launch(function, *args, **kwargs)  # type: ignore[misc]
-
-    def kill(self, signum: Any) -> None:
-        self.stopped_children = True
-        super().kill(signum)  # type: ignore[misc]
-
-
-class TrainerLauncher(_ReportsChildren, _compat.TrainerPopenLauncher):
+class TrainerLauncher(_compat.TrainerPopenLauncher):
     """Lightning's Trainer popen launcher, reporting ranks that fail after rank 0 finished."""
 
+    stopped_children = False  # the launcher stopped its ranks itself (after an error on rank 0, or a SIGTERM)
 
-class FabricLauncher(_ReportsChildren, _compat.FabricPopenLauncher):
-    """Lightning Fabric's popen launcher, reporting ranks that fail after rank 0 finished."""
+    @override
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        _watch(self)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def kill(self, signum: Any) -> None:
+        self.stopped_children = True
+        super().kill(signum)
+
+
+class FabricLauncher(_compat.FabricPopenLauncher):
+    """Lightning Fabric's popen launcher, reporting ranks that fail after rank 0 finished (Fabric's launcher has
+    no ``kill``: nothing stops its ranks but their own exit)."""
+
+    @override
+    def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        _watch(self)
+        return super().launch(function, *args, **kwargs)
 
 
 def reporting(launcher: Any) -> Any:

@@ -3,8 +3,9 @@
 The idiom of Lightning's model-parallel Fabric strategies: ``model = fabric.setup_module(model)`` shards the
 collections (the strategy's plan, the module's ``configure_sharding()``, or the planner) and wraps the dense
 rest in DDP; then ``optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters()))`` sees this
-rank's shards. Everything that decides the math is :mod:`lightning_rec.shard_setup`, shared with the Trainer
-strategy, and ``fabric.save`` / ``fabric.load`` read and write the same checkpoint directories.
+rank's shards. Everything that decides the math is :mod:`lightning_rec.lightning.shard_setup` (and the
+``front_end`` it calls), shared with the Trainer strategy, and ``fabric.save`` / ``fabric.load`` read and write
+the same checkpoint directories.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from lightning_rec import _compat
 from lightning_rec import checkpoint as ckpt
 from lightning_rec.checkpoint.safe import refusing_unsafe
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from lightning_rec.front_end import ignore_in_ddp
+from lightning_rec.lightning import shard_setup
+from lightning_rec.lightning.shard_setup import ShardSetup, require_popen
 from lightning_rec.optim import CombinedOptimizer
 from lightning_rec.pipeline.clip_grad_norm import clip_grad_norm_
 from lightning_rec.pipeline.qcomm import QCommsConfig
@@ -30,8 +34,8 @@ from lightning_rec.pipeline.shard_modules import fused_optimizer, sharded_collec
 from lightning_rec.plans.mesh import MeshInfo
 from lightning_rec.plans.plan import ShardingPlan
 from lightning_rec.plans.planner import Planner
-from lightning_rec.shard_setup import ShardedFrontEnd, ShardSetup, ignore_in_ddp, require_popen
 from lightning_rec.table_optimizers import warn_unoptimized_tables
+from lightning_rec.transport import inflight
 
 
 class _BackwardSync(_compat.BackwardSyncControl):
@@ -53,10 +57,10 @@ class _BackwardSync(_compat.BackwardSyncControl):
         return nullcontext()
 
 
-class RecShardedFabricStrategy(ShardedFrontEnd, DDPStrategy):
+class RecShardedFabricStrategy(DDPStrategy):
     """Shards every EmbeddingBagCollection / EmbeddingCollection of a module set up with Fabric; DDP for the rest.
 
-    Takes the arguments of :class:`~lightning_rec.strategy.RecShardedStrategy` (``plan``, ``model_parallel_size``,
+    Takes the arguments of :class:`~lightning_rec.RecShardedStrategy` (``plan``, ``model_parallel_size``,
     ``data_parallel_size``, ``embedding_grad``, ``embedding_optimizer``, ``process_group_backend``, ``timeout``,
     ``trusted_checkpoints``, ``qcomms_config``, ``planner_speeds``) with the same meaning. Set up the module first
     (``fabric.setup_module``), then build the optimizers from its parameters; ``fabric.setup(model, optimizer)``
@@ -65,7 +69,7 @@ class RecShardedFabricStrategy(ShardedFrontEnd, DDPStrategy):
     does); accumulating under ``fabric.no_backward_sync`` gives it one update per step from the summed gradient.
     """
 
-    strategy_name = "rec_sharded"
+    strategy_name = shard_setup.STRATEGY_NAME
 
     def __init__(
         self,
@@ -99,6 +103,35 @@ class RecShardedFabricStrategy(ShardedFrontEnd, DDPStrategy):
         self._module: nn.Module | None = None  # the sharded module, unwrapped
         self._fused_attached = False
         self._backward_sync_control = _BackwardSync()
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return shard_setup.indexed_device(super().root_device, self.local_rank)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        shard_setup.register(strategy_registry, cls)
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        shard_setup.report_child_exits(self)  # ranks failing after rank 0 finished fail the job too
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.mesh_info = self.core.setup_environment(
+            self.world_size, self.num_processes, self.num_nodes, self.root_device
+        )
+
+    @override
+    def teardown(self) -> None:
+        # collectives still in flight (a loader's status exchange for a batch never asked for) finish here, not
+        # while the interpreter shuts down
+        inflight.drain()
+        super().teardown()
 
     @override
     def setup_module_and_optimizers(

@@ -15,7 +15,7 @@ counts (its gradients are collectives too); the strategy checks them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -162,64 +162,27 @@ def unreplayable(counts: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
     return bad
 
 
-class UnevenEvaluationHooks:
-    """Strategy hooks (a mixin before the Lightning strategy class): evaluation steps run through
-    :class:`UnevenEvaluation` when the ranks' batch counts differ, and directly otherwise."""
+class EvaluationSteps:
+    """The Trainer strategy's evaluation steps (it owns one and calls it from its hooks): through an
+    :class:`UnevenEvaluation` while the ranks' batch counts differ, directly otherwise."""
 
-    _uneven: UnevenEvaluation | None = None
-    world_size: int
-    lightning_module: Any
+    def __init__(self) -> None:
+        self._uneven: UnevenEvaluation | None = None
 
-    def _start_evaluation(self, stage: str, counts: Any) -> None:
-        self._end_evaluation()
-        if self.world_size > 1:
-            self._uneven = UnevenEvaluation.if_needed(self.lightning_module, stage, counts)
+    def start(self, model: nn.Module, stage: str, counts: Sequence[float], world_size: int) -> None:
+        """At an evaluation's start: compare every rank's batch counts (collective where ``world_size > 1``)."""
+        self.end()
+        if world_size > 1:
+            self._uneven = UnevenEvaluation.if_needed(model, stage, counts)
 
-    def _end_evaluation(self) -> None:
+    def run(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """One evaluation step: ``step(*args, **kwargs)``, joined by replayed lookups where this rank is short."""
+        if self._uneven is None:
+            return step(*args, **kwargs)
+        return self._uneven.step(step, *args, **kwargs)
+
+    def end(self) -> None:
+        """At an evaluation's end (or teardown, after one that raised): no hooks left on the module."""
         if self._uneven is not None:
             self._uneven.close()
             self._uneven = None
-
-    def _evaluation_step(self, run: Any, args: tuple, kwargs: dict) -> Any:
-        if self._uneven is None:
-            return run(*args, **kwargs)
-        return self._uneven.step(run, *args, **kwargs)
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().validation_step, args, kwargs)  # type: ignore[misc]
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().test_step, args, kwargs)  # type: ignore[misc]
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().predict_step, args, kwargs)  # type: ignore[misc]
-
-    def on_validation_start(self) -> None:
-        super().on_validation_start()  # type: ignore[misc]
-        trainer = self.lightning_module.trainer
-        counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
-        self._start_evaluation("validation", counts)
-
-    def on_validation_end(self) -> None:
-        super().on_validation_end()  # type: ignore[misc]
-        self._end_evaluation()
-
-    def on_test_start(self) -> None:
-        super().on_test_start()  # type: ignore[misc]
-        self._start_evaluation("test", self.lightning_module.trainer.num_test_batches)
-
-    def on_test_end(self) -> None:
-        super().on_test_end()  # type: ignore[misc]
-        self._end_evaluation()
-
-    def on_predict_start(self) -> None:
-        super().on_predict_start()  # type: ignore[misc]
-        self._start_evaluation("prediction", self.lightning_module.trainer.num_predict_batches)
-
-    def on_predict_end(self) -> None:
-        super().on_predict_end()  # type: ignore[misc]
-        self._end_evaluation()
-
-    def teardown(self) -> None:
-        self._end_evaluation()  # an evaluation that raised leaves no hooks on the module
-        super().teardown()  # type: ignore[misc]
