@@ -77,9 +77,11 @@ def run_config(contender: str, rank: int, world: int, cmd: dict) -> dict:
         for i in range(first, first + n):
             s0 = time.perf_counter()
             ahead = prefetcher.start(kjts[(i + 1) % len(kjts)][0]) if prefetcher and i + 1 < first + n else []
-            step(kjts[i % len(kjts)])
             if prefetcher:
-                prefetcher.finish(started)
+                with prefetcher.feeding(started):  # the forward takes the input dist started a step ago
+                    step(kjts[i % len(kjts)])
+            else:
+                step(kjts[i % len(kjts)])
             started = ahead
             if times is not None:
                 times.append(time.perf_counter() - s0)

@@ -3,9 +3,12 @@
 A sharded collection's input dist moves ids only, so it can start one batch early without changing any
 result: the lookups, which read the weights, still run in the forward after the previous step's update.
 :class:`InputPrefetcher` finds the KeyedJaggedTensor of each sharded collection in a batch and starts its
-input dist (``ShardedCollection.prefetch_input_dist``); the collection's forward, given that same KJT,
-waits for it instead of starting its own. Used by :class:`TrainPipelineSparseDist` (loops without Lightning)
-and by ``RecShardedStrategy(pipeline=True)``. Results are bitwise those of the unpipelined loop.
+input dist (``ShardedCollection.prefetch_input_dist``). When the batch's forward runs, the pipeline hands each
+collection the input dist it started for it (``InputPrefetcher.feeding``); the collection's forward, given
+that same KJT, waits for it instead of starting its own, and what no forward took is dropped after the forward.
+Used by :class:`TrainPipelineSparseDist` (loops without Lightning), and by ``RecShardedStrategy(pipeline=True)``
+(:class:`PipelinedLoader` starts them, the strategy's training step hands them over). Results are bitwise those
+of the unpipelined loop.
 
 Managed collision remaps ids with state every step changes (admissions, evictions), so batch i+1's remap must
 follow batch i's step. A sharded ``ManagedCollisionEmbedding(Bag)Collection`` remaps on the owners, in its
@@ -20,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Protocol, cast
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 from torch import nn
@@ -28,11 +32,14 @@ from torch import nn
 from lightning_rec.distributed.model_parallel import DistributedModelParallel
 from lightning_rec.mc.embedding import ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection
 from lightning_rec.mc.modules import ManagedCollisionCollection, MCHManagedCollisionModule
+from lightning_rec.pipeline.prefetch import PrefetchedInputDist
 from lightning_rec.pipeline.shard_modules import ShardedCollection, sharded_collections
 from lightning_rec.sparse import KeyedJaggedTensor
 
 _MC_WRAPPERS = (ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection)
 _MC_TYPES = (MCHManagedCollisionModule, ManagedCollisionCollection, *_MC_WRAPPERS)
+# started batches that may wait for their step: the loop's read-ahead (Lightning's one batch) plus the loader's
+_MAX_WAITING = 4
 
 
 def _inside(path: str, parent: str) -> bool:
@@ -84,9 +91,18 @@ def find_kjts(batch: Any, _depth: int = 0) -> list[KeyedJaggedTensor]:
     return out
 
 
+class Started(NamedTuple):
+    """One collection's input dist of a batch, started ahead of the batch's forward."""
+
+    path: str
+    collection: ShardedCollection
+    prefetched: PrefetchedInputDist
+
+
 class InputPrefetcher:
     """Starts the input dists of a batch for every sharded collection of ``model`` (collective: every rank
-    calls :meth:`start` with its own batch of the same step, in the same order).
+    calls :meth:`start` with its own batch of the same step, in the same order), and hands them to the batch's
+    forward (:meth:`feeding`).
 
     A collection's input is the one KeyedJaggedTensor of the batch that holds all its features; a collection
     with none or several such KJTs is not prefetched (its forward runs its input dist as usual).
@@ -99,34 +115,73 @@ class InputPrefetcher:
             (path or "<root>", c, frozenset(f for t in c.tables for f in t.feature_names))
             for path, c in sharded_collections(model)
         ]
+        self._waiting: list[list[Started]] = []  # started batches not yet fed to a forward, oldest first
         self._warned = False
 
-    def start(self, batch: Any) -> list[tuple[str, ShardedCollection, object]]:
+    def start(self, batch: Any) -> list[Started]:
         """Start the input dist of ``batch`` (already on the model's device); returns what was started."""
         kjts = find_kjts(batch) if self._collections else []
         started = []
         for path, coll, features in self._collections:
             fits = [k for k in kjts if features <= set(k.keys())]
             if len(fits) == 1:
-                started.append((path, coll, coll.prefetch_input_dist(fits[0])))
+                started.append(Started(path, coll, coll.prefetch_input_dist(fits[0])))
+        if started:
+            self._waiting.append(started)
+            if len(self._waiting) > _MAX_WAITING:  # batches no step ran must not hold their buffers forever
+                self._drop_unfed(self._waiting[:1])
+                del self._waiting[0]
         return started
 
-    def finish(self, started: list[tuple[str, ShardedCollection, object]]) -> None:
-        """After the batch's step: drop what its forward did not take, and say so once."""
-        missed = [path for path, coll, token in started if coll.discard_prefetched(token)]
-        if missed and not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"{self._what}: the sharded collections {missed} were not called with the batch's own "
-                "KeyedJaggedTensor (the object the data loader produced), so their input dist ran twice and nothing "
-                "overlapped; pass the batch's KJT to the collection as is to benefit from pipelining",
-                stacklevel=3,
+    @contextmanager
+    def feeding(self, started: list[Started]) -> Iterator[None]:
+        """Run the forward of the batch ``started`` belongs to inside: each collection is handed the input dist
+        started for it. Afterwards what no forward took is dropped, and said once."""
+        self._waiting = [w for w in self._waiting if w is not started]
+        try:
+            with ExitStack() as stack:
+                for s in started:
+                    stack.enter_context(s.collection.feeding(s.prefetched))
+                yield
+        finally:
+            missed = [s.path for s in started if s.prefetched.drop()]
+        if missed:
+            self._warn_once(
+                f"the sharded collections {missed} were not called with the batch's own KeyedJaggedTensor (the "
+                "object the data loader produced), so their input dist ran twice and nothing overlapped; pass the "
+                "batch's KJT to the collection as is to benefit from pipelining"
             )
 
-    def clear(self) -> None:
-        """Drop every prefetched input dist (local: no collective)."""
-        for _, coll, _ in self._collections:
-            coll.clear_prefetched()
+    def feeding_step(self, batch: Any) -> AbstractContextManager[None]:
+        """:meth:`feeding` for a training step given ``batch``, for a loop that reads batches ahead of its steps
+        (Lightning's): the waiting batch whose KJTs ``batch`` holds (older ones no step ran are dropped), else the
+        oldest waiting one (a step reading its batch from an iterator itself)."""
+        if not self._waiting:
+            return nullcontext()
+        kjts = find_kjts(batch)
+        own = [i for i, w in enumerate(self._waiting) if any(s.prefetched.features is k for s in w for k in kjts)]
+        first = own[0] if own else 0
+        self._drop_unfed(self._waiting[:first])
+        del self._waiting[:first]
+        return self.feeding(self._waiting[0])
+
+    def clear(self) -> int:
+        """Drop every started input dist no forward took (local: no collective); returns how many there were.
+        For batches read ahead of the last step run (end of training, an epoch cut short)."""
+        waiting, self._waiting = self._waiting, []
+        return sum(s.prefetched.drop() for w in waiting for s in w)
+
+    def _drop_unfed(self, batches: list[list[Started]]) -> None:
+        if sum(s.prefetched.drop() for w in batches for s in w):
+            self._warn_once(
+                "batches were started but no training step handed them to its forward, so their input dists ran "
+                "twice and nothing overlapped"
+            )
+
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"{self._what}: {message}", stacklevel=4)
 
 
 class TrainPipelineSparseDist:
@@ -166,9 +221,9 @@ class TrainPipelineSparseDist:
         self._fused = None if inside else fused
         self._prefetcher = InputPrefetcher(model, "TrainPipelineSparseDist") if pipelined else None
         self._iter: Iterator[Any] | None = None
-        self._next: tuple[Any, list] | None = None
+        self._next: tuple[Any, list[Started]] | None = None
 
-    def _fetch(self) -> tuple[Any, list] | None:
+    def _fetch(self) -> tuple[Any, list[Started]] | None:
         assert self._iter is not None
         try:
             batch = next(self._iter)
@@ -192,13 +247,12 @@ class TrainPipelineSparseDist:
         self._next = self._fetch()  # the next batch's ids travel while this one trains
         self._model.train()
         self._optimizer.zero_grad()
-        losses, output = self._model(batch)
+        with self._prefetcher.feeding(started) if self._prefetcher is not None else nullcontext():
+            losses, output = self._model(batch)
         torch.sum(losses).backward()
         self._optimizer.step()
         if self._fused is not None:
             self._fused.step()
-        if self._prefetcher is not None:
-            self._prefetcher.finish(started)
         return output
 
 
@@ -212,7 +266,8 @@ class _Resumable(Protocol):
 
 class PipelinedLoader:
     """A training data loader run one batch ahead: when batch i is handed out, batch i+1 is already on the device
-    with its input dist started (``prefetcher``), so its ids travel while batch i trains.
+    with its input dist started (``prefetcher``), so its ids travel while batch i trains. The training step hands
+    those input dists to its forward (``InputPrefetcher.feeding_step``).
 
     ``move(batch)`` puts a batch on the device. Everything else (length, sampler, ``state_dict`` ...) is the
     wrapped loader's; its ``state_dict`` is the one taken right after the batch last handed out was read, so a
@@ -231,30 +286,26 @@ class PipelinedLoader:
     def __iter__(self) -> Iterator[Any]:
         return self._batches()
 
-    def _pull(self, it: Iterator[Any]) -> tuple[Any, list, Any] | None:
+    def _pull(self, it: Iterator[Any]) -> tuple[Any, Any] | None:
         try:
             batch = next(it)
         except StopIteration:
             return None
         state = self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
         batch = self._move(batch)
-        return batch, self._prefetcher.start(batch), state
+        self._prefetcher.start(batch)
+        return batch, state
 
     def _batches(self) -> Iterator[Any]:
         self._prefetcher.clear()  # a batch read ahead by a previous epoch that stopped early (limits)
         self._state = None
         it = iter(self.loader)
         ahead = self._pull(it)
-        previous: list = []
         while ahead is not None:
-            batch, started, state = ahead
+            batch, state = ahead
             ahead = self._pull(it)  # the next batch's ids leave now, while this one trains
             self._state = state
             yield batch
-            # asked for the batch after this one: the one before it has trained for sure (Lightning may read
-            # one batch ahead of its training step itself, so not necessarily this one)
-            self._prefetcher.finish(previous)
-            previous = started
 
     def _state_dict(self) -> Any:
         # bound only for a loader with a state_dict (__getattr__ below)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any, cast
 
 import torch
@@ -28,7 +29,7 @@ from lightning_rec.pipeline.input_dist import InputDist, InputRejected, Received
 from lightning_rec.pipeline.local_tables import place_tables
 from lightning_rec.pipeline.lookup_weights import dp_lookup_weights, shard_lookup_weights
 from lightning_rec.pipeline.materialize import broadcast_from_first, requested_kernel, target_device, warn_large_tables
-from lightning_rec.pipeline.prefetch import PrefetchQueue
+from lightning_rec.pipeline.prefetch import FeedSlot, PrefetchedInputDist
 from lightning_rec.pipeline.raw_ids import RawIdRouting
 from lightning_rec.pipeline.routing import RoutingTable, build_routing
 from lightning_rec.pipeline.stages import RAW_ID_HOOK_ATTR, LookupContext, Lookups, Out, RawIdHook, Stages
@@ -95,7 +96,7 @@ class ShardedCollection(Stages[Lookups, Out], nn.Module):
         self._table_dtypes = [cast(torch.dtype, t.dtype) for t in tables]  # set by the config's __post_init__
         self._keep_table_dtypes = False
         self._output_dtype: torch.dtype | None = None
-        self._prefetched = PrefetchQueue()  # input dists a train pipeline started ahead (prefetch_input_dist)
+        self._feed = FeedSlot()  # the input dist a train pipeline started for the batch it runs (feeding)
         dev = self._device = target_device(module, device)
         if dev.type == "cpu":
             kernels.keep_freed_memory()  # memory/malloc.py
@@ -381,33 +382,24 @@ class ShardedCollection(Stages[Lookups, Out], nn.Module):
     def input_dist(self, features: KeyedJaggedTensor) -> LookupContext:
         """Stage 1: check ``features`` and send every route's ids to the shard's owner (every shard rank's
         batch size travels with them); returns the forward's context with the exchange in flight. Takes over
-        the input dist a train pipeline started for this very KJT (:meth:`prefetch_input_dist`)."""
-        ctx = self._prefetched.take(features)
+        the input dist a train pipeline started for this very KJT and handed to this forward (:meth:`feeding`)."""
+        ctx = self._feed.take(features)
         if ctx is not None:
             return cast(LookupContext, ctx)
         return self._start(features, async_op=False)
 
-    def prefetch_input_dist(self, features: KeyedJaggedTensor) -> object:
-        """Start the input dist of a coming batch now (collective); the forward given ``features`` waits for it.
+    def prefetch_input_dist(self, features: KeyedJaggedTensor) -> PrefetchedInputDist:
+        """Start the input dist of a coming batch now (collective) and return it, for :meth:`feeding`.
 
         For train pipelines: the ids of batch i+1 travel while batch i computes. Every rank must prefetch the
         same batches in the same order. ``features`` must reach this module's forward as the same object,
-        unmodified (a modified one raises); a batch never passed to the forward is dropped by
-        :meth:`clear_prefetched`, or once more than a few batches wait. Returns a token for
-        :meth:`discard_prefetched`.
+        unmodified (a modified one raises); the caller drops what no forward took (``PrefetchedInputDist.drop``).
         """
-        ctx = self._start(features, async_op=True)
-        self._prefetched.add(features, ctx)
-        return ctx
+        return PrefetchedInputDist(features, self._start(features, async_op=True))
 
-    def discard_prefetched(self, token: object) -> bool:
-        """Drop the prefetched input dist ``token`` (from :meth:`prefetch_input_dist`) if no forward took it;
-        returns whether it was still there."""
-        return self._prefetched.discard(token)
-
-    def clear_prefetched(self) -> int:
-        """Drop every prefetched input dist (waiting for its transfers); returns how many there were."""
-        return self._prefetched.clear()
+    def feeding(self, prefetched: PrefetchedInputDist) -> AbstractContextManager[None]:
+        """Within this, a forward given ``prefetched``'s own KJT takes over its input dist (once)."""
+        return self._feed.holding(prefetched)
 
     @staticmethod
     @abstractmethod

@@ -227,18 +227,55 @@ def test_pipelined_sequence_collection_equals_the_plain_loop_bitwise() -> None:
 
 def _modified_job(rank: int, ws: int) -> str:
     model, _ = _sharded(ws, False, False)
-    ((_, coll),) = sharded_collections(model)
     batch = _batches(rank, False)[0]
-    InputPrefetcher(model).start(batch)
+    prefetcher = InputPrefetcher(model)
+    started = prefetcher.start(batch)
     batch.sparse.values().add_(0)  # an in-place change after the ids left: the prefetched dist is stale
-    with pytest.raises(ValueError, match="modified in place") as err:
+    with pytest.raises(ValueError, match="modified in place") as err, prefetcher.feeding(started):
         model(batch)
-    assert coll.clear_prefetched() == 0
+    assert prefetcher.clear() == 0 and not started[0].prefetched.pending  # dropped when refused
     return str(err.value)
 
 
 def test_a_batch_modified_after_its_input_dist_started_is_refused() -> None:
     assert all("train without input pipelining" in m for m in run_distributed(_modified_job, 2))
+
+
+def _handoff_job(rank: int, ws: int) -> None:
+    model, _ = _sharded(ws, False, False)
+    want = [model(b)[1] for b in _batches(rank, False)]
+    b0, b1, b2, b3 = _batches(rank, False)
+    prefetcher = InputPrefetcher(model, "handoff")
+    started = [prefetcher.start(b)[0].prefetched for b in (b0, b1)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # only a forward inside feeding takes a started input dist: the one outside runs its own
+        assert torch.equal(model(b0)[1], want[0]) and started[0].pending
+        # a step reading its batch itself (no KJT in its arguments) is fed the oldest waiting batch
+        with prefetcher.feeding_step(iter([b0])):
+            assert torch.equal(model(b0)[1], want[0])
+        # a step given its batch is fed that batch's
+        with prefetcher.feeding_step({"batch": b1, "idx": 1}):
+            assert torch.equal(model(b1)[1], want[1])
+        assert not caught, [str(w.message) for w in caught]
+        assert not started[0].pending and not started[1].pending
+        # b2, which no step ran, is dropped (and said) when the step given b3 comes
+        started = [prefetcher.start(b)[0].prefetched for b in (b2, b3)]
+        with prefetcher.feeding_step([b3]):
+            assert torch.equal(model(b3)[1], want[3])
+        assert len(caught) == 1 and "no training step handed them" in str(caught[0].message)
+        assert not started[0].pending and not started[1].pending and prefetcher.clear() == 0
+        # a forward given another KJT than the one fed: its input dist dropped after the forward, and said
+        prefetcher = InputPrefetcher(model, "handoff")
+        started = [prefetcher.start(b0)[0].prefetched]
+        with prefetcher.feeding_step(iter([])):
+            assert torch.equal(model(b1)[1], want[1])
+        assert len(caught) == 2 and "['ebc'] were not called" in str(caught[1].message)
+    assert not started[0].pending and prefetcher.clear() == 0
+
+
+def test_the_pipeline_hands_each_forward_its_own_batchs_input_dist() -> None:
+    run_distributed(_handoff_job, 2)
 
 
 def test_find_kjts_walks_mappings_sequences_dataclasses_and_objects() -> None:
