@@ -22,7 +22,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_rec.pipeline.routing import ColumnGroup, RoutingTable, column_groups, group_adds
+from lightning_rec.pipeline.placement import ColumnGroup, ColumnPlacement, column_groups, column_placement, group_adds
+from lightning_rec.pipeline.routing import RoutingTable
 
 ENV = "LIGHTNING_REC_OUTPUT_DIST"  # "flat" | "hierarchical" | "auto" (default); the same on every rank
 MODES = ("auto", "flat", "hierarchical")
@@ -43,7 +44,7 @@ class HostBlocks:
     into_add: tuple[tuple[bool, ...], ...]
     block_zero: bool  # the host block needs a zero fill (column ranges of members overlap partly)
     # the output's parts in placement order: the data-parallel block, each member's block, then every
-    # other host's block (host order); each part's column groups and adds, as RoutingTable.colmap_runs
+    # other host's block (host order); each part's column groups and adds, as ColumnPlacement's
     out_runs: tuple[tuple[ColumnGroup, ...], ...]
     out_add: tuple[tuple[bool, ...], ...]
     out_zero: bool
@@ -115,10 +116,13 @@ def mode_from_env() -> str:
     return mode
 
 
-def plan_host_blocks(routing: RoutingTable, hosts: Sequence[int], mode: str = "auto") -> HostBlocks | None:
+def plan_host_blocks(
+    routing: RoutingTable, hosts: Sequence[int], mode: str = "auto", placement: ColumnPlacement | None = None
+) -> HostBlocks | None:
     """This rank's :class:`HostBlocks`, or None where the flat exchange is used: one host, ``mode="flat"``, or
     (``"auto"``) no host holds a column twice. ``hosts[r]``: the host of shard-group rank ``r``; every rank
-    must pass the same ``hosts`` and ``mode`` (the choice is then the same everywhere)."""
+    must pass the same ``hosts`` and ``mode`` (the choice is then the same everywhere). ``placement``: the flat
+    exchange's (:func:`~lightning_rec.pipeline.placement.column_placement` of ``routing``, derived if not given)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     groups = host_index(hosts)
@@ -140,9 +144,10 @@ def plan_host_blocks(routing: RoutingTable, hosts: Sequence[int], mode: str = "a
     if block_zero:
         into_add = tuple((True,) * len(g) for g in into)
     others = [h for h in range(len(groups)) if h != my_host]
+    runs = (placement or column_placement(routing)).runs
     out_runs = (
-        routing.colmap_runs[0],
-        *(routing.colmap_runs[s + 1] for s in members),
+        runs[0],
+        *(runs[s + 1] for s in members),
         *(column_groups(block_cols[h]) for h in others),
     )
     out_add, clean, covered = group_adds(out_runs)

@@ -11,12 +11,14 @@ within the host to every block that contributed, alongside the direct gradients.
 in order), so every run gives the same bits.
 
 A rank's host is its global rank over ``LOCAL_WORLD_SIZE`` (the launchers' layout, the byte accounting's
-rule). ``LIGHTNING_REC_OUTPUT_DIST=flat`` (on every rank) keeps the flat exchange for comparison.
+rule). ``LIGHTNING_REC_OUTPUT_DIST=flat`` (on every rank) keeps the flat exchange for comparison. The plan is
+made once per output dist (``output_dist.PooledOutputDist``, when the collection is built).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -24,33 +26,24 @@ import torch.distributed as dist
 
 from lightning_rec import _compat, transport
 from lightning_rec.pipeline.host_blocks import HostBlocks, mode_from_env, plan_host_blocks
-from lightning_rec.pipeline.placement import _put, _take, gathered
+from lightning_rec.pipeline.placement import ColumnPlacement, _put, _take, gathered
 from lightning_rec.pipeline.routing import RoutingTable
 from lightning_rec.plans.shard_geometry import offsets_of
 from lightning_rec.transport.accounting import host_of
 
 Plan = tuple[HostBlocks, dist.ProcessGroup | None]
-# (id of routing, id of shard group) -> (both, weakly, and this rank's plan or None: flat)
-_PLANS: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, Plan | None]] = {}
 # id of shard group -> (it, weakly, and its hosts' groups by global ranks): one per host, shared by collections
 _HOST_GROUPS: dict[int, tuple[weakref.ref, dict[tuple[int, ...], dist.ProcessGroup]]] = {}
 
 
-def host_plan(routing: RoutingTable, group: dist.ProcessGroup) -> Plan | None:
+def host_plan(routing: RoutingTable, placement: ColumnPlacement, group: dist.ProcessGroup) -> Plan | None:
     """This rank's hierarchical plan and its host's group (None where the host is this rank alone), or None
-    for the flat exchange. Derived once per routing table and group; the first call makes the host's group,
-    which every rank of the host reaches at the same forward."""
-    key = (id(routing), id(group))
-    hit = _PLANS.get(key)
-    if hit is not None and hit[0]() is routing and hit[1]() is group:
-        return hit[2]
+    for the flat exchange (``LIGHTNING_REC_OUTPUT_DIST``, read now). Called once, when the output dist is built;
+    it makes the host's group (or takes the one an earlier collection of this shard group made), which every
+    rank of the host reaches at the same step: building the collection."""
     ranks = dist.get_process_group_ranks(group)
-    blocks = plan_host_blocks(routing, [host_of(g) for g in ranks], mode_from_env())
-    plan = None if blocks is None else (blocks, _host_group(group, tuple(ranks[s] for s in blocks.members)))
-    for k in [k for k, (r, g, _) in _PLANS.items() if r() is None or g() is None]:
-        del _PLANS[k]  # tables and groups gone (re-sharded, a new job): their ids may come back
-    _PLANS[key] = (weakref.ref(routing), weakref.ref(group), plan)
-    return plan
+    blocks = plan_host_blocks(routing, [host_of(g) for g in ranks], mode_from_env(), placement)
+    return None if blocks is None else (blocks, _host_group(group, tuple(ranks[s] for s in blocks.members)))
 
 
 def _host_group(group: dist.ProcessGroup, members: tuple[int, ...]) -> dist.ProcessGroup | None:
@@ -85,7 +78,7 @@ def hierarchical_output_dist(
     dp_pooled: torch.Tensor | None,
     routing: RoutingTable,
     plan: Plan,
-    batches: list[int],
+    batches: Sequence[int],
     b: int,
     group: dist.ProcessGroup,
 ) -> torch.Tensor:
@@ -212,7 +205,7 @@ class _HostOutputDist(torch.autograd.Function):
                 transport.all_to_all_views(sends, recvs, host_group)
         grad_dp = None
         if ctx.dp_shape is not None:
-            dp_runs = routing.colmap_runs[0]
+            dp_runs = hb.out_runs[0]  # the flat placement's data-parallel block
             whole = b * sum(g.n * g.runs for g in dp_runs) == ctx.dp_shape.numel()
             grad_dp = (torch.empty if whole else torch.zeros)(ctx.dp_shape, dtype=grad.dtype, device=grad.device)
             _take(grad_dp, grad, dp_runs)

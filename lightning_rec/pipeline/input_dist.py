@@ -1,7 +1,8 @@
 """Stage 1, the input dist: every route's ids to the shard's owner (:class:`InputDist`).
 
 Built once per layout from a :class:`~lightning_rec.pipeline.routing.RoutingTable` and a process group (its
-payload builders decided then, ``input_payload.py``); the sharded collections start it per batch from their
+bucketing derived then, ``bucketing.py``, and its payload builders decided, ``input_payload.py``); the sharded
+collections start it per batch from their
 ``input_dist`` stage with the batch alone (see docs/ARCHITECTURE.md, "One lookup, walked through"). Every
 tensor it creates lives on ``device``, the module's device, so the same code runs over gloo on CPU and over
 NCCL (or gloo) on CUDA. Under ``torch.compile`` it runs eagerly (a graph break, see ``collectives``).
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from lightning_rec import transport
 from lightning_rec.pipeline import collectives as comm
+from lightning_rec.pipeline.bucketing import Bucketing, build_bucketing
 from lightning_rec.pipeline.input_payload import (
     Outgoing,
     RowKey,
@@ -130,8 +132,9 @@ class PendingInputDist:
 
 
 class InputDist:
-    """The input dist of one layout: its routing, group and device, and the payload builder each kind of batch
-    gets (:class:`~lightning_rec.pipeline.input_payload.PayloadKind`), decided here once.
+    """The input dist of one layout: its routing, group and device, its bucketing (its tensors on ``device``) and
+    the payload builder each kind of batch gets (:class:`~lightning_rec.pipeline.input_payload.PayloadKind`),
+    decided here once.
 
     ``with_positions``: deliver where in each feature's ids every sent id came from (the sequence output
     needs it). ``ranks``: the global rank of every group rank, to name them in errors. :meth:`to` gives the
@@ -146,20 +149,29 @@ class InputDist:
         *,
         with_positions: bool = True,
         ranks: list[int] | None = None,
+        bucketing: Bucketing | None = None,
     ) -> None:
         self.routing, self.group, self.device = routing, group, device
         self.with_positions, self.ranks = with_positions, ranks
+        self.bucketing = build_bucketing(routing, device) if bucketing is None else bucketing
         # per (ids checked, raw ids present): only checked ids of no raw-id feature may take fbgemm's bucketize
         self.kinds = {
-            (checked, raw): payload_kind(routing, checked, raw, device.type)
+            (checked, raw): payload_kind(self.bucketing, checked, raw, device.type)
             for checked in (False, True)
             for raw in (False, True)
         }
         self.per_dest = [len(lst) for lst in routing.routes_to]
 
-    def to(self, routing: RoutingTable, device: torch.device) -> InputDist:
-        """This dist over ``routing`` (the same layout, moved) on ``device``."""
-        return InputDist(routing, self.group, device, with_positions=self.with_positions, ranks=self.ranks)
+    def to(self, device: torch.device) -> InputDist:
+        """This dist on ``device`` (its bucketing's tensors moved, the builders decided again for the device)."""
+        return InputDist(
+            self.routing,
+            self.group,
+            device,
+            with_positions=self.with_positions,
+            ranks=self.ranks,
+            bucketing=self.bucketing.to(device),
+        )
 
     def start_input_dist(
         self,
@@ -192,14 +204,14 @@ class InputDist:
         sends rank 1 the header ``[2, 0, 0, 1, 2]`` and the payload ``[1, 1, 2, 3]`` (lengths, then ids 7-5,
         8-5).
         """
-        routing, group, device, per_dest = self.routing, self.group, self.device, self.per_dest
+        routing, group, device, per_dest, bk = self.routing, self.group, self.device, self.per_dest, self.bucketing
         b = 0 if kjt is None else kjt.stride()
-        n_ranks, n_mine, n_routes = routing.group_size, len(routing.my_routes), len(routing.route_features)
+        n_ranks, n_mine, n_routes = routing.group_size, len(routing.my_routes), len(bk.route_features)
         if kjt is None or rejected:
             out = empty_payload(n_routes, b, device)
         else:
             kind = self.kinds[(ids_checked, bool(row_keys))]
-            out = build_payload(kind, kjt, weights, routing, self.with_positions, row_keys or {})
+            out = build_payload(kind, kjt, weights, bk, self.with_positions, row_keys or {})
         if n_ranks == 1:  # this rank is the whole shard group: nothing to exchange
             if rejected:
                 raise InputRejected("this rank rejected its input")
@@ -219,7 +231,7 @@ class InputDist:
         fits = (
             not weighted
             and not _through_shared_memory(group, device)
-            and _fits_int32(out, kjt, ids_checked and not row_keys and routing.rows_fit_int32)
+            and _fits_int32(out, kjt, ids_checked and not row_keys and bk.rows_fit_int32)
         )
         header, i = [], 0
         for k in per_dest:

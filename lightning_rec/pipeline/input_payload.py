@@ -3,7 +3,8 @@ weights, built by one of a few payload builders (:class:`PayloadKind`).
 
 Which builder serves a collection follows from its layout (and whether ids were checked, and raw managed-
 collision ids), so :func:`payload_kind` decides it once, when the input dist is built
-(``input_dist.InputDist``); per batch only the KJT and its weights come in. Nothing here talks to other
+(``input_dist.InputDist``); per batch only the KJT and its weights come in. The builders read the layout's
+:class:`~lightning_rec.pipeline.bucketing.Bucketing`, which the input dist owns. Nothing here talks to other
 processes: ``tests/unit/test_input_dist.py`` checks every builder against a loop over routes and bags.
 """
 
@@ -17,7 +18,8 @@ from typing import NamedTuple
 import torch
 
 from lightning_rec.kernels import has_fbgemm_op, load_fbgemm
-from lightning_rec.pipeline.routing import KEY_SPAN, RoutingTable
+from lightning_rec.pipeline.bucketing import Bucketing
+from lightning_rec.pipeline.routing import KEY_SPAN
 from lightning_rec.plans.shard_geometry import offsets_of
 from lightning_rec.sparse import KeyedJaggedTensor, segment_gather_index
 
@@ -42,14 +44,14 @@ class PayloadKind(enum.Enum):
 _BUCKETIZE = "fbgemm::block_bucketize_sparse_features"
 
 
-def payload_kind(routing: RoutingTable, ids_checked: bool, raw_ids: bool, device_type: str) -> PayloadKind:
+def payload_kind(bk: Bucketing, ids_checked: bool, raw_ids: bool, device_type: str) -> PayloadKind:
     """The builder for this layout. ``ids_checked``: every id was checked against its table (fbgemm would hash
     one outside it into some block); ``raw_ids``: some features carry raw managed-collision ids."""
-    if routing.single_block:
-        return PayloadKind.KJT if routing.routes_in_order else PayloadKind.FEATURE_SLICES
+    if bk.single_block:
+        return PayloadKind.KJT if bk.routes_in_order else PayloadKind.FEATURE_SLICES
     if ids_checked and not raw_ids and has_fbgemm_op(_BUCKETIZE, device_type):
         return PayloadKind.FBGEMM_BUCKETIZE
-    return PayloadKind.ROUTE_SORT if routing.bucket_route_rel is not None else PayloadKind.BUCKET_SORT
+    return PayloadKind.ROUTE_SORT if bk.bucket_route_rel is not None else PayloadKind.BUCKET_SORT
 
 
 class RoutePieces(NamedTuple):
@@ -107,26 +109,26 @@ class Outgoing:
         )
 
 
-def kjt_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable) -> Outgoing:
+def kjt_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, bk: Bucketing) -> Outgoing:
     """The payload when the routes read every feature once, in order, from row 0: the KJT's own tensors."""
     lpk = kjt.length_per_key()
-    sent = [lpk[f] for f in routing.route_features]
+    sent = [lpk[f] for f in bk.route_features]
     return Outgoing(kjt.lengths(), kjt.values(), weights, sent, [None] * len(sent))
 
 
-def route_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable) -> Outgoing:
+def route_payload(kjt: KeyedJaggedTensor, weights: torch.Tensor | None, bk: Bucketing) -> Outgoing:
     """Every route's payload when no table needs bucketing: the KJT's features in route order.
 
     Ids stay as they are (every routed table is one row block from row 0): each route's part is a slice of
     the input, copied once on its way to another rank (not at all for this rank's own routes).
     """
     lpk = kjt.length_per_key()
-    sent = [lpk[f] for f in routing.route_features]
+    sent = [lpk[f] for f in bk.route_features]
     positions: list[torch.Tensor | None] = [None] * len(sent)
     opk = kjt.offset_per_key()
     by_feature = kjt.lengths().long().view(len(kjt.keys()), kjt.stride())
     values = kjt.values().long()
-    order = routing.route_features
+    order = bk.route_features
     return Outgoing(
         None,
         None,
@@ -156,7 +158,7 @@ def _keyed(kjt: KeyedJaggedTensor, row_keys: Mapping[int, RowKey] | None) -> tup
 
 
 def _bucket_ids(
-    kjt: KeyedJaggedTensor, keyed: torch.Tensor, routing: RoutingTable
+    kjt: KeyedJaggedTensor, keyed: torch.Tensor, bk: Bucketing
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Every id's bag (counted over all features), feature, bucket (its feature's row block), and rank among
     the earlier ids of its bag in the same bucket (None where a stable sort must find the order instead).
@@ -169,15 +171,15 @@ def _bucket_ids(
     dev, n = keyed.device, keyed.numel()
     bag = torch.repeat_interleave(torch.arange(n_keys * b, device=dev), kjt.lengths(), output_size=n)
     feature = torch.div(bag, b, rounding_mode="floor") if b else bag
-    n_cuts = routing.block_cuts.shape[1]
+    n_cuts = bk.block_cuts.shape[1]
     if n_cuts > 1:
-        bucket = torch.searchsorted(routing.bucket_bounds, feature * KEY_SPAN + keyed, right=True) - 1
+        bucket = torch.searchsorted(bk.bucket_bounds, feature * KEY_SPAN + keyed, right=True) - 1
         return bag, feature, bucket, None
-    bucket = routing.feature_bucket.index_select(0, feature)
+    bucket = bk.feature_bucket.index_select(0, feature)
     in_bag = torch.arange(n, device=dev) - kjt.offsets().index_select(0, bag)
     if n_cuts == 0:
         return bag, feature, bucket, in_bag
-    block = (keyed >= routing.block_cuts.view(-1).index_select(0, feature)).long()
+    block = (keyed >= bk.block_cuts.view(-1).index_select(0, feature)).long()
     # rank among the bag's earlier ids of the same block: a running count of block-1 ids since the bag's start
     ones = torch.cumsum(block, 0) - block
     ones = ones - ones.index_select(0, torch.arange(n, device=dev) - in_bag)
@@ -196,7 +198,7 @@ def _slot_order(slot: torch.Tensor, n_slots: int, rank: torch.Tensor | None) -> 
 
 
 def fbgemm_payload(
-    kjt: KeyedJaggedTensor, weights: torch.Tensor | None, routing: RoutingTable, with_positions: bool
+    kjt: KeyedJaggedTensor, weights: torch.Tensor | None, bk: Bucketing, with_positions: bool
 ) -> Outgoing:
     """:func:`bucketed_payload` in one pass of fbgemm's block bucketize kernel, for ids already checked.
 
@@ -207,7 +209,7 @@ def fbgemm_payload(
     b, n_keys = kjt.stride(), len(kjt.keys())
     values = kjt.values()
     n = values.numel()
-    n_blocks = routing.block_bounds[0].numel() - 1 if routing.block_bounds else 1
+    n_blocks = bk.block_bounds[0].numel() - 1 if bk.block_bounds else 1
     ordered = with_positions or weights is not None
     load_fbgemm()
     lengths, ids, _, _, where = torch.ops.fbgemm.block_bucketize_sparse_features(
@@ -218,11 +220,11 @@ def fbgemm_payload(
         torch.ones(n_keys, dtype=values.dtype, device=values.device),
         n_blocks,
         None,
-        block_bucketize_pos=list(routing.block_bounds),
+        block_bucketize_pos=list(bk.block_bounds),
     )
     seg_ids = lengths.view(n_blocks * n_keys, b).sum(1).tolist() if b else [0] * (n_blocks * n_keys)
     first = offsets_of(seg_ids)  # the one host sync of the send side: the all-to-all needs split sizes
-    segs = routing.route_segment
+    segs = bk.route_segment
     sent = [seg_ids[s] for s in segs]
     order = None
     if ordered:  # fbgemm gives every id's new place; the ids in their new order are its inverse
@@ -236,7 +238,7 @@ def fbgemm_payload(
     if with_positions:
         assert order is not None
         opk = kjt.offset_per_key()
-        positions = [order[first[s] : first[s + 1]] - opk[f] for s, f in zip(segs, routing.route_features)]
+        positions = [order[first[s] : first[s + 1]] - opk[f] for s, f in zip(segs, bk.route_features)]
     lengths = lengths.long()
     return Outgoing(
         None,
@@ -255,7 +257,7 @@ def fbgemm_payload(
 def bucketed_payload(
     kjt: KeyedJaggedTensor,
     weights: torch.Tensor | None,
-    routing: RoutingTable,
+    bk: Bucketing,
     with_positions: bool,
     row_keys: Mapping[int, RowKey] | None = None,
 ) -> Outgoing:
@@ -269,26 +271,26 @@ def bucketed_payload(
     values = kjt.values()
     dev = values.device
     keyed, raw = _keyed(kjt, row_keys)
-    bag, feature, bucket, rank = _bucket_ids(kjt, keyed, routing)
-    local = keyed - routing.bucket_start[bucket]
+    bag, feature, bucket, rank = _bucket_ids(kjt, keyed, bk)
+    local = keyed - bk.bucket_start[bucket]
     if raw is not None:
         local = torch.where(raw, values, local)
-    n_buckets = routing.bucket_bounds.numel()
+    n_buckets = bk.bucket_bounds.numel()
     counts, order = _slot_order(bucket * b + (bag - feature * b), n_buckets * b, rank)
     counts = counts.view(n_buckets, b)
     size = counts.sum(1)
-    route_size = size[routing.route_bucket]
+    route_size = size[bk.route_bucket]
     sent = route_size.tolist()  # the one host sync of the send side: the all-to-all needs split sizes
     bucket_first = torch.cumsum(size, 0) - size
-    gather = order[segment_gather_index(bucket_first[routing.route_bucket], route_size, total=sum(sent))]
+    gather = order[segment_gather_index(bucket_first[bk.route_bucket], route_size, total=sum(sent))]
     positions: list[torch.Tensor | None] = []
     if with_positions:
         feature_first = kjt.offsets()[torch.arange(n_keys, device=dev) * b]
-        route_first = feature_first[torch.tensor(routing.route_features, dtype=torch.long, device=dev)]
+        route_first = feature_first[torch.tensor(bk.route_features, dtype=torch.long, device=dev)]
         base = torch.repeat_interleave(route_first, route_size, output_size=gather.numel())
         positions = list(torch.split(gather - base, sent))
     return Outgoing(
-        counts[routing.route_bucket].reshape(-1),
+        counts[bk.route_bucket].reshape(-1),
         local[gather],
         None if weights is None else weights[gather],
         sent,
@@ -299,7 +301,7 @@ def bucketed_payload(
 def sorted_payload(
     kjt: KeyedJaggedTensor,
     weights: torch.Tensor | None,
-    routing: RoutingTable,
+    bk: Bucketing,
     with_positions: bool,
     row_keys: Mapping[int, RowKey] | None = None,
 ) -> Outgoing:
@@ -311,22 +313,22 @@ def sorted_payload(
     b, n_keys = kjt.stride(), len(kjt.keys())
     values = kjt.values()
     dev = values.device
-    n_routes = routing.route_row_start.numel()
+    n_routes = bk.route_row_start.numel()
     keyed, raw = _keyed(kjt, row_keys)
-    bag, _, bucket, rank = _bucket_ids(kjt, keyed, routing)
-    assert routing.bucket_route_rel is not None  # the caller picks this path only where it exists
-    slot = (routing.bucket_route_rel * b).index_select(0, bucket) + bag
+    bag, _, bucket, rank = _bucket_ids(kjt, keyed, bk)
+    assert bk.bucket_route_rel is not None  # the caller picks this path only where it exists
+    slot = (bk.bucket_route_rel * b).index_select(0, bucket) + bag
     counts, order = _slot_order(slot, (n_routes + n_keys) * b, rank)
     counts = counts[: n_routes * b]
     route_size = counts.view(n_routes, b).sum(1)
     sent = route_size.tolist()  # the one host sync of the send side: the all-to-all needs split sizes
     total = sum(sent)
     order = order[:total]
-    first_row = torch.repeat_interleave(routing.route_row_start, route_size, output_size=total)
+    first_row = torch.repeat_interleave(bk.route_row_start, route_size, output_size=total)
     positions: list[torch.Tensor | None] = []
     if with_positions:
         feature_first = kjt.offsets()[torch.arange(n_keys, device=dev) * b]
-        route_first = feature_first[torch.tensor(routing.route_features, dtype=torch.long, device=dev)]
+        route_first = feature_first[torch.tensor(bk.route_features, dtype=torch.long, device=dev)]
         positions = list(torch.split(order - torch.repeat_interleave(route_first, route_size, output_size=total), sent))
     local = keyed.index_select(0, order) - first_row
     if raw is not None:
@@ -338,20 +340,20 @@ def build_payload(
     kind: PayloadKind,
     kjt: KeyedJaggedTensor,
     weights: torch.Tensor | None,
-    routing: RoutingTable,
+    bk: Bucketing,
     with_positions: bool,
     row_keys: Mapping[int, RowKey],
 ) -> Outgoing:
     """This rank's payload by the builder ``kind`` (:func:`payload_kind`)."""
     if kind is PayloadKind.KJT:
-        return kjt_payload(kjt, weights, routing)
+        return kjt_payload(kjt, weights, bk)
     if kind is PayloadKind.FEATURE_SLICES:
-        return route_payload(kjt, weights, routing)
+        return route_payload(kjt, weights, bk)
     if kind is PayloadKind.FBGEMM_BUCKETIZE:
-        return fbgemm_payload(kjt, weights, routing, with_positions)
+        return fbgemm_payload(kjt, weights, bk, with_positions)
     if kind is PayloadKind.ROUTE_SORT:
-        return sorted_payload(kjt, weights, routing, with_positions, row_keys)
-    return bucketed_payload(kjt, weights, routing, with_positions, row_keys)
+        return sorted_payload(kjt, weights, bk, with_positions, row_keys)
+    return bucketed_payload(kjt, weights, bk, with_positions, row_keys)
 
 
 def empty_payload(n_routes: int, b: int, device: torch.device) -> Outgoing:

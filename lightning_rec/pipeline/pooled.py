@@ -36,7 +36,7 @@ from lightning_rec.configs import BaseEmbeddingConfig, EmbeddingBagConfig
 from lightning_rec.embedding_modules import EmbeddingBagCollection
 from lightning_rec.pipeline import collectives as comm
 from lightning_rec.pipeline.input_dist import Received
-from lightning_rec.pipeline.output_dist import pooled_output_dist
+from lightning_rec.pipeline.output_dist import OutputDistKind, PooledOutputDist
 from lightning_rec.pipeline.qcomm import QuantizedCommCodecs
 from lightning_rec.pipeline.sharded_collection import ShardedCollection
 from lightning_rec.pipeline.stages import LookupContext, PooledLookups
@@ -71,11 +71,18 @@ class ShardedEmbeddingBagCollection(ShardedCollection[PooledLookups, KeyedTensor
         super().__init__(module, shards, shard_group, **kw)
         self._is_weighted = module.is_weighted()
         self._qcomm = qcomm_codecs  # the output dist's wire precision (qcomm.py); None: as the rows are
+        # built once per layout; it holds no tensor, so a device move keeps it (the input dist moves: _apply)
+        self._out_dist = PooledOutputDist(self._routing, shard_group, qcomm_codecs)
 
     @property
     def qcomm_codecs(self) -> QuantizedCommCodecs | None:
         """The wire precision of the output dist (forward rows, backward gradients); None: unchanged."""
         return self._qcomm
+
+    @property
+    def output_dist_kind(self) -> OutputDistKind:
+        """Which exchange the output dist runs (flat, host blocks, quantized), decided when it was built."""
+        return self._out_dist.kind
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return list(self._layout.tables)  # type: ignore[arg-type]
@@ -132,9 +139,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection[PooledLookups, KeyedTensor
                 else torch.zeros(b, 0, dtype=self._out_dtype(), device=self._device)
             )
         else:
-            out = pooled_output_dist(
-                lookups.shards, lookups.dp, routing, list(recv.batches), b, self._group, self._qcomm
-            )
+            out = self._out_dist(lookups.shards, lookups.dp, recv.batches, b)
             if not routing.my_routes and recv.weights is not None and recv.weights.requires_grad:
                 # weights received for no shard still came by a differentiable all-to-all that every rank must
                 # run backward: keep it in this rank's graph, or the ranks holding shards wait for it forever

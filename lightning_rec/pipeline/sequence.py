@@ -7,7 +7,8 @@ id's columns of its shard, and the output dist sends them back to the id's rank,
 
 from __future__ import annotations
 
-from typing import cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -17,9 +18,10 @@ from lightning_rec import kernels
 from lightning_rec.configs import BaseEmbeddingConfig, EmbeddingConfig
 from lightning_rec.embedding_modules import EmbeddingCollection
 from lightning_rec.pipeline.fused_rows import grouped_rows
-from lightning_rec.pipeline.output_dist import sequence_output_dist
+from lightning_rec.pipeline.output_dist import SequenceOutputDist
 from lightning_rec.pipeline.sharded_collection import ShardedCollection
 from lightning_rec.pipeline.stages import LookupContext, SequenceLookups
+from lightning_rec.plans.shard_geometry import ShardMeta
 from lightning_rec.sparse import JaggedTensor, checks_enabled
 from lightning_rec.sparse.jagged_tensor import jagged_from_checked
 
@@ -32,6 +34,24 @@ class ShardedEmbeddingCollection(ShardedCollection[SequenceLookups, dict[str, Ja
     @staticmethod
     def _configs_of(module: nn.Module) -> list[BaseEmbeddingConfig]:
         return list(cast(EmbeddingCollection, module).embedding_configs())
+
+    def __init__(
+        self,
+        module: EmbeddingCollection,
+        shards: dict[str, list[ShardMeta] | None],
+        shard_group: dist.ProcessGroup,
+        **kw: Any,
+    ) -> None:
+        super().__init__(module, shards, shard_group, **kw)
+        # built once per layout, and again on a device or dtype conversion (_apply)
+        self._out_dist = SequenceOutputDist(
+            self._routing, shard_group, self._layout.dims, self._device, self._out_dtype()
+        )
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ShardedEmbeddingCollection:  # type: ignore[override]
+        out = super()._apply(fn, recurse)
+        self._out_dist = self._out_dist.to(self._device, self._out_dtype())
+        return cast(ShardedEmbeddingCollection, out)
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
         return list(self._layout.tables)  # type: ignore[arg-type]
@@ -91,9 +111,7 @@ class ShardedEmbeddingCollection(ShardedCollection[SequenceLookups, dict[str, Ja
         dtypes = [self._table_dtypes[ti] for ti in layout.feature_table]
         pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in layout.feature_names]
         if recv is not None:
-            pieces = sequence_output_dist(
-                lookups.shards, recv, self._routing, layout.dims, self._out_dtype(), self._group, self._device
-            )
+            pieces = self._out_dist(lookups.shards or [], recv)
         out = {}
         for f, name in enumerate(layout.feature_names):
             if f in lookups.dp:

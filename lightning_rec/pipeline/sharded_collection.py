@@ -130,7 +130,6 @@ class ShardedCollection(Stages[Lookups, Out], nn.Module):
             [ti for ti, _ in self._local_shards],
             me,
             self._group_size,
-            dev,
         )
         if fused is not None:
             shard_kernels, dp_kernels = build_kernels(
@@ -293,8 +292,7 @@ class ShardedCollection(Stages[Lookups, Out], nn.Module):
         out = super()._apply(new.fn, recurse)
         # ranks without a local piece of a table still need its dtype for the wire: it follows conversions
         self._table_kernels, self._table_dtypes, self._device = table_kernels, new.dtypes, new.device
-        self._routing = self._routing.to(self._device)
-        self._kjt_dist = self._kjt_dist.to(self._routing, self._device)
+        self._kjt_dist = self._kjt_dist.to(self._device)  # the routing holds no tensor: the input dist's move
         self._build_lookups()
         return out
 

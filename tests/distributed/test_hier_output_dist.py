@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import os
 import random
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
-from lightning_rec.pipeline import host_output_dist
 from lightning_rec.pipeline.host_blocks import ENV, cross_host_elements
+from lightning_rec.pipeline.output_dist import OutputDistKind
 from lightning_rec.sharding import (
     ShardingPlan,
     grid_shard,
@@ -31,6 +33,7 @@ from lightning_rec.sharding import (
 )
 from lightning_rec.testing import run_distributed
 from lightning_rec.transport import accounting
+from tests.distributed import test_sharded_equivalence
 from tests.distributed.cases import ALL_TYPES, random_case, random_placement
 from tests.distributed.test_sharded_equivalence import _check_case
 
@@ -38,9 +41,10 @@ WORLD, PER_HOST = 4, 2
 HOSTS = [r // PER_HOST for r in range(WORLD)]
 
 
-def _plans_used() -> int:
+def _hierarchical(model: Any) -> int:
+    """How many of the model's collections run the host blocks (their output dist's kind, fixed when built)."""
     return sum(
-        1 for r, g, plan in host_output_dist._PLANS.values() if plan is not None and r() is not None and g() is not None
+        1 for _, c in sharded_collections(model) if getattr(c, "output_dist_kind", None) is OutputDistKind.HIERARCHICAL
     )
 
 
@@ -57,11 +61,19 @@ def _case(seed: int, kinds: tuple[str, ...]) -> dict:
 
 def _equivalence_job(rank: int, ws: int, runs: list[tuple[int, tuple[str, ...], str]]) -> list[dict]:
     out = []
+    built: list[Any] = []
+
+    def shard_and_keep(*args: Any, **kwargs: Any) -> Any:
+        built.append(shard_modules(*args, **kwargs))
+        return built[-1]
+
     for seed, kinds, mode in runs:
         os.environ[ENV] = mode
-        host_output_dist._PLANS.clear()
-        got = _check_case(rank, ws, _case(seed, kinds), sequence=False)
-        out.append({"seed": seed, "worst": got["worst"], "hierarchical": _plans_used()})
+        built.clear()
+        with mock.patch.object(test_sharded_equivalence, "shard_modules", shard_and_keep):
+            got = _check_case(rank, ws, _case(seed, kinds), sequence=False)
+        out.append({"seed": seed, "worst": got["worst"], "hierarchical": sum(_hierarchical(m) for m in built)})
+    built.clear()
     return out
 
 
@@ -92,8 +104,7 @@ BATCH = (3, 0, 5, 2)
 
 
 def _bytes_job(rank: int, ws: int, kind: str, mode: str) -> dict:
-    os.environ[ENV] = mode
-    host_output_dist._PLANS.clear()
+    os.environ[ENV] = mode  # read when the collection (its output dist) is built
     tables = [_table(i, 8 if i % 2 else 4) for i in range(4)]
     torch.manual_seed(0)
     plan = ShardingPlan({"": {t.name: _BYTE_PLANS[kind](i) for i, t in enumerate(tables)}})
@@ -117,7 +128,7 @@ def _bytes_job(rank: int, ws: int, kind: str, mode: str) -> dict:
         "bwd": counts.get("output_dist_bwd", 0),
         "flat": 4 * cross_host_elements(routing, HOSTS, BATCH, flat=True),
         "least": 4 * cross_host_elements(routing, HOSTS, BATCH, flat=False),
-        "hierarchical": _plans_used(),
+        "hierarchical": _hierarchical(model),
     }
 
 

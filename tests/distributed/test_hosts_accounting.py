@@ -102,7 +102,7 @@ def test_collective_bytes_equal_the_counts_their_arguments_give(path: str) -> No
 
 
 def _sharded_job(rank: int, ws: int, mode: str) -> dict:
-    os.environ["LIGHTNING_REC_OUTPUT_DIST"] = mode  # read when the first forward plans the output dist
+    os.environ["LIGHTNING_REC_OUTPUT_DIST"] = mode  # read when the collection builds its output dist
     tables = [EmbeddingBagConfig(name="t", num_embeddings=40, embedding_dim=DIM, feature_names=["f"])]
     torch.manual_seed(0)
     model = shard_modules(EmbeddingBagCollection(tables), ShardingPlan({"": {"t": row_wise()}}))

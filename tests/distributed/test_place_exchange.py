@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 
-from lightning_rec.pipeline.output_dist import pooled_output_dist
+from lightning_rec.pipeline.output_dist import OutputDistKind, PooledOutputDist
 from lightning_rec.pipeline.routing import build_routing
 from lightning_rec.plans.shard_geometry import ShardMeta, offsets_of
 from lightning_rec.testing import run_distributed
@@ -67,10 +67,15 @@ def _reference(pooled, dp, rt, batches, b, group):
     )
     blocks = [] if dp is None else [dp]
     blocks += [flat[s : s + b * w].view(b, w) for s, w in zip(offsets_of([b * w for w in rt.cols_from]), rt.cols_from)]
-    runs = rt.colmap_runs if dp is not None else rt.colmap_runs[1:]
+    # every block's output columns straight from the routes: the data-parallel features', then each rank's
+    off = rt.feat_off
+    cols_of = [[c for f in rt.dp_features for c in range(off[f], off[f + 1])]] if dp is not None else []
+    cols_of += [
+        [off[r.feature] + r.shard.col_offset + c for r in routes for c in range(r.shard.cols)]
+        for routes in rt.routes_to
+    ]
     out = torch.zeros(b, rt.feat_off[-1], dtype=pooled.dtype)
-    for block, groups in zip(blocks, runs):
-        cols = [dst + j * step + i for _, dst, n, count, step in groups for j in range(count) for i in range(n)]
+    for block, cols in zip(blocks, cols_of):
         if cols:
             out = out.index_add(1, torch.tensor(cols), block)
     return out
@@ -88,9 +93,11 @@ def _job(rank: int, ws: int, seeds: list[int], use_shm: bool) -> list[str]:
             feature_table, dims, shards = _layout(seed, size)
             local = [t for t, sh in enumerate(shards) if sh and any(s.rank == me for s in sh)]
             rt = build_routing(feature_table, dims, shards, local, group_rank=me, group_size=size)
-            kinds.append(rt.colmap_kind)
+            out_dist = PooledOutputDist(rt, g)
+            assert out_dist.kind is OutputDistKind.FLAT  # one host
+            kinds.append(out_dist.placement.kind)
             gen = torch.Generator().manual_seed(seed * 10 + rank)
-            dp_width = sum(n * count for _, _, n, count, _ in rt.colmap_runs[0])
+            dp_width = sum(rt.feat_off[f + 1] - rt.feat_off[f] for f in rt.dp_features)
             pooled0 = torch.randn(sum(batches), rt.cols_from[me], dtype=torch.float64, generator=gen)
             dp0 = torch.randn(b, dp_width, dtype=torch.float64, generator=gen) if rt.dp_tables else None
             coef = torch.randn(b, rt.feat_off[-1], dtype=torch.float64, generator=gen)
@@ -99,7 +106,7 @@ def _job(rank: int, ws: int, seeds: list[int], use_shm: bool) -> list[str]:
                 pooled = pooled0.clone().requires_grad_(True)
                 dp = None if dp0 is None else dp0.clone().requires_grad_(True)
                 if ours:
-                    out = pooled_output_dist(pooled, dp, rt, batches, b, g)
+                    out = out_dist(pooled, dp, batches, b)
                 else:
                     out = _reference(pooled, dp, rt, batches, b, g)
                 (out * coef).sum().backward()

@@ -24,7 +24,7 @@ from lightning_rec.distributed import (
     QCommsConfig,
     get_qcomm_codecs_registry,
 )
-from lightning_rec.pipeline.output_dist import pooled_output_dist
+from lightning_rec.pipeline.output_dist import OutputDistKind, PooledOutputDist
 from lightning_rec.pipeline.qcomm import pooled_codecs
 from lightning_rec.pipeline.routing import build_routing
 from lightning_rec.sharding import ShardingPlan, column_wise, data_parallel, row_wise, shard_modules, table_wise
@@ -55,7 +55,8 @@ def _output_dist_job(rank: int, ws: int, seeds: list[int]) -> None:
         local = [t for t, sh in enumerate(shards) if sh and any(s.rank == rank for s in sh)]
         rt = build_routing(feature_table, dims, shards, local, group_rank=rank, group_size=ws)
         gen = torch.Generator().manual_seed(seed * 10 + rank)
-        dp_width = sum(n * count for _, _, n, count, _ in rt.colmap_runs[0])
+        dp_width = sum(rt.feat_off[f + 1] - rt.feat_off[f] for f in rt.dp_features)
+        flat = PooledOutputDist(rt, group)
         # magnitudes over many binades, a few below fp16's normal range
         pooled0 = torch.randn(sum(batches), rt.cols_from[rank], generator=gen) * 10.0 ** torch.randint(
             -6, 3, (sum(batches), rt.cols_from[rank]), generator=gen
@@ -66,14 +67,16 @@ def _output_dist_job(rank: int, ws: int, seeds: list[int]) -> None:
         )
         n_blocks = ws + 1
         with torch.no_grad():
-            bound_sum = pooled_output_dist(pooled0.abs(), None if dp0 is None else dp0.abs(), rt, batches, b, group)
+            bound_sum = flat(pooled0.abs(), None if dp0 is None else dp0.abs(), batches, b)
         for config in CONFIGS:
             codecs = _codecs(config)
+            quantized = PooledOutputDist(rt, group, codecs)
+            assert flat.kind is OutputDistKind.FLAT and quantized.kind is OutputDistKind.QUANTIZED
             results = []
-            for c in (None, codecs):
+            for out_dist in (flat, quantized):
                 pooled = pooled0.clone().requires_grad_(True)
                 dp = None if dp0 is None else dp0.clone().requires_grad_(True)
-                out = pooled_output_dist(pooled, dp, rt, batches, b, group, c)
+                out = out_dist(pooled, dp, batches, b)
                 (out * coef).sum().backward()
                 results.append((out.detach(), pooled.grad, None if dp is None else dp.grad))
             (o32, g32, d32), (oq, gq, dq) = results

@@ -80,7 +80,7 @@ def _move_job(rank: int, ws: int) -> dict:
     placements = [v.device_mesh.device_type for v in sd.values() if _compat.is_sharded(v)]
     return dict(
         device=str(sharded.device),
-        routing=str(sharded.routing.bucket_start.device),
+        routing=str(sharded._kjt_dist.bucketing.bucket_start.device),  # the input dist's routing tensors
         params={str(p.device) for p in sharded.parameters()},
         pieces={str(t.device) for t in pieces},
         placements=placements,

@@ -18,8 +18,8 @@ from lightning_rec.pipeline.host_blocks import (
     plan_host_blocks,
     saves_bytes,
 )
-from lightning_rec.pipeline.placement import _put, _take
-from lightning_rec.pipeline.routing import ColumnGroup, build_routing
+from lightning_rec.pipeline.placement import ColumnGroup, _put, _take, column_placement
+from lightning_rec.pipeline.routing import build_routing
 from lightning_rec.plans.shard_geometry import ShardMeta
 
 HOSTS = [0, 0, 1, 1]  # 2 hosts x 2 ranks
@@ -135,7 +135,8 @@ def test_the_exchange_played_out_equals_every_block_added_into_its_columns(seed:
     rts = _routings(dims, shards, n)
     batches = [rng.choice([0, 1, 3]) for _ in range(n)]
     width = rts[0].feat_off[-1]
-    dp_width = sum(g.n * g.runs for g in rts[0].colmap_runs[0])
+    dp_runs = column_placement(rts[0]).runs[0]
+    dp_width = sum(g.n * g.runs for g in dp_runs)
     g = torch.Generator().manual_seed(seed)
     # blocks[s][d]: rank s's pooled rows for rank d's samples
     blocks = [[torch.randn(batches[d], rts[0].cols_from[s], generator=g) for d in range(n)] for s in range(n)]
@@ -148,7 +149,7 @@ def test_the_exchange_played_out_equals_every_block_added_into_its_columns(seed:
                 want[:, c] += blocks[s][d][:, i].double()
         dp_cols = [
             c
-            for grp in rts[0].colmap_runs[0]
+            for grp in dp_runs
             for j in range(grp.runs)
             for c in range(grp.dst + j * grp.step, grp.dst + j * grp.step + grp.n)
         ]

@@ -11,6 +11,7 @@ import torch
 from lightning_rec import KeyedJaggedTensor
 from lightning_rec.pipeline import input_dist as dists
 from lightning_rec.pipeline import input_payload as payloads
+from lightning_rec.pipeline.bucketing import build_bucketing
 from lightning_rec.pipeline.input_payload import PayloadKind, payload_kind
 from lightning_rec.pipeline.routing import build_routing
 from lightning_rec.plans.shard_geometry import ShardMeta
@@ -78,23 +79,32 @@ def _case(seed: int):
 def test_payload_matches_a_loop_over_routes_and_bags(seed: int) -> None:
     kjt, weights, routing = _case(seed)
     want = _expected(kjt, weights, routing)
-    if routing.single_block:
-        kind = payload_kind(routing, True, False, "cpu")
-        assert kind is (PayloadKind.KJT if routing.routes_in_order else PayloadKind.FEATURE_SLICES)
+    bk = build_bucketing(routing)
+    # one row block from row 0 per routed table: exactly when no id needs bucketing
+    whole = all(r.shard.row_offset == 0 for r in routing.all_routes)
+    assert bk.single_block == whole
+    assert bk.route_features == tuple(r.feature for r in routing.all_routes)
+    if bk.single_block:
+        kind = payload_kind(bk, True, False, "cpu")
+        in_order = [r.feature for r in routing.all_routes] == list(range(len(kjt.keys())))
+        assert kind is (PayloadKind.KJT if in_order else PayloadKind.FEATURE_SLICES)
         outs = [
-            payloads.build_payload(kind, kjt, weights, routing, True, {}),
-            payloads.route_payload(kjt, weights, routing),
+            payloads.build_payload(kind, kjt, weights, bk, True, {}),
+            payloads.route_payload(kjt, weights, bk),
         ]
     else:  # torch's one-sort path, its general one and fbgemm's bucketize must all agree
-        torch_kind = payload_kind(routing, False, False, "cpu")
-        assert torch_kind is (PayloadKind.BUCKET_SORT if routing.bucket_route_rel is None else PayloadKind.ROUTE_SORT)
+        torch_kind = payload_kind(bk, False, False, "cpu")
+        # one sort by route where no row block of a feature is read by two routes (column shards of one block)
+        blocks = {(r.feature, r.shard.row_offset) for r in routing.all_routes}
+        assert (bk.bucket_route_rel is None) == (len(blocks) < len(routing.all_routes))
+        assert torch_kind is (PayloadKind.BUCKET_SORT if bk.bucket_route_rel is None else PayloadKind.ROUTE_SORT)
         outs = [
-            payloads.build_payload(torch_kind, kjt, weights, routing, True, {}),
-            payloads.bucketed_payload(kjt, weights, routing, with_positions=True),
-            payloads.fbgemm_payload(kjt, weights, routing, with_positions=True),
+            payloads.build_payload(torch_kind, kjt, weights, bk, True, {}),
+            payloads.bucketed_payload(kjt, weights, bk, with_positions=True),
+            payloads.fbgemm_payload(kjt, weights, bk, with_positions=True),
         ]
         # unweighted and without positions, fbgemm's kernel skips the order: the same ids and lengths
-        bare = payloads.fbgemm_payload(kjt, None, routing, with_positions=False)
+        bare = payloads.fbgemm_payload(kjt, None, bk, with_positions=False)
         assert [x.tolist() for x in bare.per_route(kjt.stride())[1]] == [w[1] for w in want]
         assert [x.tolist() for x in bare.per_route(kjt.stride())[0]] == [w[0] for w in want]
     for out in outs:
@@ -113,10 +123,10 @@ def test_payload_matches_a_loop_over_routes_and_bags(seed: int) -> None:
 def test_fbgemm_bucketize_keeps_the_weights_gradient() -> None:
     # fbgemm's own bucketized weights have no gradient (FBGEMM_CPU.md F13): ours are gathered by its order
     shards = [[ShardMeta(0, 3, 0, 4, 0), ShardMeta(3, 4, 0, 4, 1)]]
-    routing = build_routing([0], [4], shards, [0], 0, 2)
+    bk = build_bucketing(build_routing([0], [4], shards, [0], 0, 2))
     kjt = KeyedJaggedTensor(["a"], torch.tensor([5, 1, 6, 2]), lengths=torch.tensor([3, 1]))
     w = torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
-    out = payloads.fbgemm_payload(kjt, w, routing, with_positions=False)
+    out = payloads.fbgemm_payload(kjt, w, bk, with_positions=False)
     assert [x.tolist() for x in out.pieces[2]] == [[2.0, 4.0], [1.0, 3.0]]
     assert [x.tolist() for x in out.pieces[1]] == [[1, 2], [2, 3]]
     sum(p.sum() * (k + 1) for k, p in enumerate(out.pieces[2])).backward()

@@ -10,17 +10,18 @@ import torch
 
 from lightning_rec import _compat
 from lightning_rec.pipeline.agreement import _mismatch_message, describe_table
+from lightning_rec.pipeline.bucketing import build_bucketing
 from lightning_rec.pipeline.input_dist import Received, regroup
-from lightning_rec.pipeline.output_dist import _put, _take
-from lightning_rec.pipeline.routing import Route, _runs, build_routing
+from lightning_rec.pipeline.placement import _put, _runs, _take, column_placement
+from lightning_rec.pipeline.routing import Route, build_routing
 from lightning_rec.plans.shard_geometry import ShardMeta
 
 
 def _colmap(rt) -> list[int]:
-    """The output column of every column of the concatenated blocks, from the routing's runs."""
+    """The output column of every column of the concatenated blocks, from the output placement's runs."""
     return [
         dst + j * step + i
-        for groups in rt.colmap_runs
+        for groups in column_placement(rt).runs
         for _, dst, n, count, step in groups
         for j in range(count)
         for i in range(n)
@@ -44,9 +45,10 @@ def test_row_wise_routes_blocks_and_columns() -> None:
     assert rt.dp_tables == () and rt.dp_features == ()
     # both row blocks land on the same 4 output columns: their partial sums add up
     assert _colmap(rt) == [0, 1, 2, 3, 0, 1, 2, 3]
-    assert rt.colmap_runs == ((), ((0, 0, 4, 1, 4),), ((0, 0, 4, 1, 4),))
+    placement = column_placement(rt)
+    assert placement.runs == ((), ((0, 0, 4, 1, 4),), ((0, 0, 4, 1, 4),))
     # the first row block is copied into place, the second adds onto it: no zero fill
-    assert rt.colmap_kind == "overlay" and rt.colmap_add == ((), (False,), (True,))
+    assert placement.kind == "overlay" and placement.adds == ((), (False,), (True,)) and not placement.zero_fill
     assert rt.has_model_parallel and rt.group_size == 2
 
 
@@ -66,7 +68,7 @@ def test_data_parallel_and_column_shards_map_onto_output_columns() -> None:
     assert sorted(want) == list(range(14))
     # the same map as runs of adjacent columns, per part (data-parallel block, rank 0's, rank 1's)
     # (each rank's two runs land 6 columns apart: one strided group)
-    assert rt.colmap_runs == (((0, 0, 2, 1, 2),), ((0, 4, 4, 2, 6),), ((0, 2, 2, 2, 6),))
+    assert column_placement(rt).runs == (((0, 0, 2, 1, 2),), ((0, 4, 4, 2, 6),), ((0, 2, 2, 2, 6),))
 
 
 def test_zero_row_shards_get_no_route_and_routes_sort_by_table() -> None:
@@ -90,17 +92,23 @@ def test_shard_outside_the_group_is_refused() -> None:
         build_routing([0], [4], [[ShardMeta(0, 3, 0, 4, 2)]], [], group_rank=0, group_size=2)
 
 
-def test_routing_table_is_frozen_and_follows_the_device() -> None:
+def test_routing_table_is_frozen_and_its_bucketing_follows_the_device() -> None:
     rt = build_routing([0], [4], [_row_wise_10()], [0], group_rank=0, group_size=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         rt.group_rank = 1  # type: ignore[misc]
-    moved = rt.to("meta")
-    assert moved.bucket_start.device.type == "meta" and rt.bucket_start.device.type == "cpu"
-    assert moved.routes_to == rt.routes_to
+    bucketing = build_bucketing(rt)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        bucketing.single_block = True  # type: ignore[misc]
+    # the walk-through's table: two row blocks of feature 0 (keys 0 and 5), a route to each
+    assert bucketing.bucket_start.tolist() == [0, 5] and bucketing.route_bucket.tolist() == [0, 1]
+    assert not bucketing.single_block and bucketing.route_features == (0, 0)
+    moved = bucketing.to("meta")
+    assert moved.bucket_start.device.type == "meta" and bucketing.bucket_start.device.type == "cpu"
+    assert all(t.device.type == "meta" for t in moved.block_bounds) and moved.route_segment == bucketing.route_segment
     # built directly on a device, under another default device: nothing lands on the default
     with torch.device("meta"):
-        on_cpu = build_routing([0], [4], [_row_wise_10()], [0], 0, 2, device="cpu")
-    assert on_cpu.bucket_start.device.type == "cpu"
+        on_cpu = build_bucketing(build_routing([0], [4], [_row_wise_10()], [0], 0, 2), device="cpu")
+    assert on_cpu.bucket_start.device.type == "cpu" and on_cpu.block_cuts.device.type == "cpu"
 
 
 def test_regroup_swaps_outer_and_inner_segments() -> None:
@@ -163,7 +171,8 @@ SEEDS = range(12)
 
 
 def test_place_columns_cases_cover_every_kind() -> None:
-    assert {_random_routing(seed)[0].colmap_kind for seed in SEEDS} == {"identity", "permutation", "overlay", "sum"}
+    kinds = {column_placement(_random_routing(seed)[0]).kind for seed in SEEDS}
+    assert kinds == {"identity", "permutation", "overlay", "sum"}
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -171,22 +180,26 @@ def test_place_columns_by_runs_matches_index_add(seed: int) -> None:
     # the output placement (groups of column runs, copied or added, then gathered back for the gradient)
     # against a per-column reference: index_add for the values, index_select for each block's gradient
     rt, width = _random_routing(seed)
+    placement = column_placement(rt)
     b = 5
-    widths = [sum(n * count for _, _, n, count, _ in groups) for groups in rt.colmap_runs]
+    widths = [sum(n * count for _, _, n, count, _ in groups) for groups in placement.runs]
+    assert widths[1:] == list(rt.cols_from)
     blocks = [torch.randn(b, w, dtype=torch.float64) for w in widths]
-    out = (torch.zeros if rt.colmap_kind == "sum" else torch.empty)(b, width, dtype=torch.float64)
-    _put(out, list(zip(blocks, rt.colmap_runs, rt.colmap_add)))
+    out = (torch.zeros if placement.zero_fill else torch.empty)(b, width, dtype=torch.float64)
+    _put(out, list(zip(blocks, placement.runs, placement.adds)))
     ref = torch.zeros(b, width, dtype=torch.float64)
-    cols_of = [
-        [dst + j * step + i for _, dst, n, count, step in groups for j in range(count) for i in range(n)]
-        for groups in rt.colmap_runs
+    # every block's output columns straight from the routes (independent of the groups)
+    off = rt.feat_off
+    cols_of = [[c for f in rt.dp_features for c in range(off[f], off[f + 1])]] + [
+        [off[r.feature] + r.shard.col_offset + c for r in routes for c in range(r.shard.cols)]
+        for routes in rt.routes_to
     ]
     for block, cols in zip(blocks, cols_of):
         if cols:
             ref = ref.index_add(1, torch.tensor(cols), block)
     assert torch.allclose(out, ref)
     grad = torch.randn(b, width, dtype=torch.float64)
-    for groups, cols, w in zip(rt.colmap_runs, cols_of, widths):
+    for groups, cols, w in zip(placement.runs, cols_of, widths):
         got = torch.full((b, w), float("nan"), dtype=torch.float64)
         _take(got, grad, groups)
         assert torch.equal(got, grad.index_select(1, torch.tensor(cols, dtype=torch.long)))
