@@ -82,8 +82,8 @@ def hierarchical_output_dist(
     b: int,
     group: dist.ProcessGroup,
 ) -> torch.Tensor:
-    """:func:`output_dist.pooled_output_dist` through the host blocks of ``plan`` (same arguments, same
-    result up to the order of additions)."""
+    """A call of ``output_dist.PooledOutputDist`` through the host blocks of ``plan`` (the same result as its flat
+    exchange up to the order of additions)."""
     anchor = torch.zeros(0, device=pooled.device, requires_grad=torch.is_grad_enabled())
     dp = () if dp_pooled is None else (dp_pooled,)
     return _HostOutputDist.apply(pooled, anchor, routing, plan, tuple(batches), b, group, *dp)
