@@ -366,7 +366,8 @@ def build_lightning_rec(tables, plan: str, variant: str, world: int, lr: float, 
         embedding_optimizer=option,
     )
     if fused:
-        opt = fused_optimizer(model)
+        # None on a rank that holds no fused table (column_wise over ranks 0 and 1 at 4 ranks): nothing to step
+        opt = fused_optimizer(model) or torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
     else:
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     keys = [f"f{n[1:]}" for n, _, _ in tables]

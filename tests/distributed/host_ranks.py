@@ -1,4 +1,5 @@
-"""One rank of a job on two simulated hosts (``tests/distributed/hosts.py``); run by ``test_two_hosts.py``.
+"""One rank of a job on simulated hosts (``tests/distributed/hosts.py``); run by ``test_two_hosts.py``,
+``test_hosts_network.py`` and ``test_four_hosts.py``.
 
 ``python -m tests.distributed.host_ranks OUT_DIR PHASE...`` with the launcher's environment set. Phases:
 
@@ -8,7 +9,8 @@
 - ``row_groups``: table-row-wise and grid plans (rows over the ranks of one host, ``local_size=2``) on the
   4-rank world, trained a few SGD steps, equal to one process on the global batch;
 - ``replicas_2d``: 2 replicas (one per host) x 2-way model parallel (shard group within a host), equal to one
-  process on the global batch;
+  process on the global batch; ``replicas_2d:M``: M-way model parallel over consecutive ranks instead (with one
+  rank per host, shard groups and replica groups both span hosts);
 - ``kill:R``: 2D training where rank R SIGKILLs itself after a forward; the others record what they raised;
 - ``all_types``: each sharding type in turn (every table of a case one type; rows and grids over one host's
   ranks) on the 4-rank world, pooled and sequence, equal to one process on the global batch;
@@ -144,12 +146,13 @@ def phase_row_groups(rank: int, ws: int, per_host: int) -> dict:
     return {"cases": out}
 
 
-def phase_replicas_2d(rank: int, ws: int, per_host: int) -> dict:
-    mesh = init_2d_mesh(model_parallel_size=per_host, data_parallel_size=ws // per_host)
+def phase_replicas_2d(rank: int, ws: int, per_host: int, model_parallel: int | None = None) -> dict:
+    mp = model_parallel or per_host
+    mesh = init_2d_mesh(model_parallel_size=mp, data_parallel_size=ws // mp)
     out = []
     for i, seed in enumerate(REPLICA_SEEDS):
         sequence = i == len(REPLICA_SEEDS) - 1
-        case = random_case(seed, per_host, sequence=sequence, world=ws)
+        case = random_case(seed, mp, sequence=sequence, world=ws)
         got = _check_case(rank, ws, case, sequence, mesh)
         out.append({"seed": seed, "sequence": sequence, "plan": _describe_plan(case), "worst": got["worst"]})
     return {
@@ -275,6 +278,8 @@ def main(out_dir: Path, phases: list[str]) -> None:
         try:
             if name == "kill":
                 data = phase_kill(rank, ws, per_host, int(arg), out_dir)
+            elif name == "replicas_2d" and arg:
+                data = phase_replicas_2d(rank, ws, per_host, int(arg))
             else:
                 data = {
                     "transport": phase_transport,
