@@ -68,13 +68,13 @@ class ReferencePlanner(Planner):
         hosts = [h for _, h in pairs if h is not None]
         return [(len(pairs) + j, h) for j, h in enumerate(hosts)]
 
-    def _score(self, cands: list[tuple[int, Candidate]], tot, used, host_used, remaining, mode) -> None:
+    def _score(self, cands: list[tuple[int, Candidate]], tot, used, host_used, remaining, mode, added) -> None:
         topo = self.topology
         budget = np.inf if topo.device_memory is None else topo.device_memory
         host_budget = np.inf if topo.host_memory is None else topo.host_memory
         for n, c in cands:
             time, mem, host = c.load.time.sum(0), c.load.mem.sum(0), c.load.host
-            c.new = new = tot + time
+            c.new = new = (tot + added(c)) + time  # the latency its type adds, as the search charges it
             over, host_over = used + mem - budget, host_used + host - host_budget
             c.fits = bool((over <= 0).all() and (host_over <= 0).all())
             if not c.fits:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import cast
 
@@ -22,7 +22,7 @@ from lightning_rec.plans.kinds import KINDS, ParameterSharding, placement_of
 from lightning_rec.plans.plan import ShardingPlan, data_parallel, resolve_table, table_wise
 from lightning_rec.plans.planner.candidates import Candidate, Probes, Space, divisors, in_host_memory, score, why
 from lightning_rec.plans.planner.checks import check_fixed, check_fused, check_names, check_total, no_candidate, no_fit
-from lightning_rec.plans.planner.cost import GRADIENTS, OPTIMIZER_STATE, CostModel, Load, TableStats
+from lightning_rec.plans.planner.cost import GRADIENTS, OPTIMIZER_STATE, CostModel, Load, TableStats, exchange_latency
 from lightning_rec.plans.planner.inputs import PlacedCollection, plan_entries, table_stats
 from lightning_rec.plans.planner.report import PlanReport, TableChoice, placement_label
 from lightning_rec.plans.planner.speeds import ProfiledSpeeds, resolve_speeds, speeds_label
@@ -139,15 +139,16 @@ class Planner:
         plan: dict[str, dict[str, ParameterSharding]] = {}
         for s, c in zip(stats, choices):
             plan.setdefault(s.path, {})[s.config.name] = c.sharding
-        kinds = {c.sharding.sharding_type for c in choices}
-        lat = self.topology.hardware.collective_latency  # type: ignore[union-attr]
-        n_coll = (6 if kinds - {ShardingType.DATA_PARALLEL} else 0) + (3 if ShardingType.DATA_PARALLEL in kinds else 0)
-        latency = 0.0 if self.topology.world_size == 1 else n_coll * lat * max(1.0, math.log2(self.topology.world_size))
+        latency = self._latency({ShardingType(c.sharding.sharding_type).value for c in choices})
         latency += self.speeds.step_overhead if self.speeds is not None else 0.0
         settings = self._settings(stats)
         return PlanReport(
             ShardingPlan(plan), choices, self.topology, settings, load.time, load.mem, load.host, latency, notes
         )
+
+    def _latency(self, kinds: set[str]) -> float:
+        lat = self.topology.hardware.collective_latency  # type: ignore[union-attr]
+        return exchange_latency(kinds, self.topology.world_size, lat)
 
     # -- public ----------------------------------------------------------------------------------------------
     def estimate(
@@ -375,15 +376,10 @@ class Planner:
         return [(n, h) for n, h in out if h is not None]
 
     def _score(
-        self,
-        cands: list[tuple[int, Candidate]],
-        tot: np.ndarray,
-        used: np.ndarray,
-        host_used: np.ndarray,
-        remaining: float,
-        mode: str,
+        self, cands: list, tot: np.ndarray, used: np.ndarray, host: np.ndarray, rem: float, mode: str, added: Callable
     ) -> None:
-        score(cands, self.topology, tot, used, host_used, remaining, mode)
+        for extra in {added(c) for _, c in cands}:  # against the totals plus the latency its type adds
+            score([x for x in cands if added(x[1]) == extra], self.topology, tot + extra, used, host, rem, mode)
 
     def _plan(self, stats: list[TableStats]) -> PlanReport:
         check_names(stats, self.pooling_factors, self.constraints, self.together)
@@ -422,15 +418,23 @@ class Planner:
         failures = []
         for mode in ("time", "memory"):
             # a second pass places by memory balance when the time-first pass leaves a table without room
-            trial = Load(total.time.copy(), total.mem.copy(), total.host.copy())
-            trial_choices = list(choices)
-            failure = self._greedy(stats, units, trial, trial_choices, mode)
-            if failure is None:
-                if mode == "memory":
-                    notes.append("placed by memory balance: placing by time first left a table without room")
+            best: PlanReport | None = None
+            # uncharged, no table pays an exchange's latency; charged, none starts one only many repay: keep the faster
+            for charge in (False, True) if mode == "time" else (False,):
+                trial = Load(total.time.copy(), total.mem.copy(), total.host.copy())
+                trial_choices = list(choices)
+                failure = self._greedy(stats, units, trial, trial_choices, mode, charge)
+                if failure is not None:
+                    failures.append(failure)
+                    break
                 # _greedy set every entry
-                return self._report(stats, cast(list[TableChoice], trial_choices), trial, notes)
-            failures.append(failure)
+                report = self._report(stats, cast(list[TableChoice], trial_choices), trial, list(notes))
+                if best is None or report.step_time_ms < best.step_time_ms:
+                    best = report
+            if best is not None and not (mode == "time" and failures):
+                if mode == "memory":
+                    best.notes.append("placed by memory balance: placing by time first left a table without room")
+                return best
         raise PlannerError(failures[0])
 
     def _order(self, stats: list[TableStats], units: list[list[int]]) -> tuple[list[list[int]], list[float]]:
@@ -446,18 +450,21 @@ class Planner:
         return [units[i] for i in order], [float(work_a[i]) for i in order]
 
     def _greedy(
-        self, stats: list[TableStats], units: list[list[int]], total: Load, choices: list, mode: str
+        self, stats: list[TableStats], units: list[list[int]], total: Load, choices: list, mode: str, charge: bool
     ) -> str | None:
         ordered, work = self._order(stats, units)
         remaining = float(sum(work))
+        present = {c.sharding.sharding_type.value for c in choices if c is not None}
         for unit, own_work in zip(ordered, work):
             remaining -= own_work
             allowed = self._allowed(stats, unit)
             tot, used = total.time.sum(0), total.mem.sum(0)
             pairs = self._candidates(stats, unit, allowed, tot, used)
-            self._score(list(enumerate(c for c, _ in pairs)), tot, used, total.host, remaining, mode)
+            base = self._latency(present) if charge else 0.0
+            added = lambda c, b=base: self._latency(present | {c.kind.value}) - b if charge else 0.0  # noqa: E731
+            self._score(list(enumerate(c for c, _ in pairs)), tot, used, total.host, remaining, mode, added)
             twins = self._twins(stats, unit, pairs, mode)
-            self._score(twins, tot, used, total.host, remaining, mode)
+            self._score(twins, tot, used, total.host, remaining, mode, added)
             cands = [c for c, _ in pairs] + [h for _, h in twins]
             if not cands:
                 raise PlannerError(no_candidate(self.topology, self.min_column_width, stats, unit, allowed))
@@ -465,6 +472,7 @@ class Planner:
             if not fitting:
                 return no_fit(self.topology, stats, unit, cands, total, sum(x is not None for x in choices))
             best = fitting[0]
+            present.add(best.kind.value)
             if best.load is None:  # the candidates of one table carry only sums over the parts
                 assert best.terms is not None
                 best.load = load_of(self._model, best.terms, self._scratch)
