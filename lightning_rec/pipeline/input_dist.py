@@ -1,7 +1,7 @@
 """Stage 1, the input dist: every route's ids to the shard's owner (:class:`InputDist`).
 
 Built once per layout from a :class:`~lightning_rec.pipeline.routing.RoutingTable` and a process group (its
-bucketing derived then, ``bucketing.py``, and its payload builders decided, ``input_payload.py``); the sharded
+bucketing derived and its payload builder decided then, both ``input_payload.py``); the sharded
 collections start it per batch from their
 ``input_dist`` stage with the batch alone (see docs/ARCHITECTURE.md, "One lookup, walked through"). Every
 tensor it creates lives on ``device``, the module's device, so the same code runs over gloo on CPU and over
@@ -20,10 +20,11 @@ import torch.distributed as dist
 
 from lightning_rec import transport
 from lightning_rec.pipeline import collectives as comm
-from lightning_rec.pipeline.bucketing import Bucketing, build_bucketing
 from lightning_rec.pipeline.input_payload import (
+    Bucketing,
     Outgoing,
     RowKey,
+    build_bucketing,
     build_payload,
     empty_payload,
     payload_kind,

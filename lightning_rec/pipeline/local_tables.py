@@ -1,5 +1,10 @@
-"""This rank's pieces of a collection's tables, placed at sharding time: which shards it holds, and for each the
-storage it starts from (a plain parameter, or what a fused kernel's storage is filled from)."""
+"""This rank's pieces of a collection's tables: placed at sharding time (which shards it holds, and for each the
+storage it starts from: a plain parameter, or what a fused kernel's storage is filled from), and seen by the
+lookups through views whose backward reduces the gradient over ranks.
+
+The view functions find the rows this rank looks up in each table and hand them to ``collectives.embedding_grad``
+(which returns the tables untouched where there is nothing to reduce or scale).
+"""
 
 from __future__ import annotations
 
@@ -12,8 +17,11 @@ import torch.distributed as dist
 from lightning_rec import kernels
 from lightning_rec.configs import BaseEmbeddingConfig
 from lightning_rec.embedding_modules import Table
+from lightning_rec.pipeline import collectives as comm
+from lightning_rec.pipeline.input_dist import Received
 from lightning_rec.pipeline.materialize import broadcast_from_first, filler, materialize
 from lightning_rec.plans.shard_geometry import ShardMeta
+from lightning_rec.sparse import KeyedJaggedTensor
 
 #: a fused kernel table's start: its shape, dtype and initial weights (a tensor or a function filling one)
 KernelSource = tuple[tuple[int, int], torch.dtype, torch.Tensor | Callable[[torch.Tensor], object]]
@@ -77,3 +85,42 @@ def place_tables(
         if s is not None:
             held.append((i, s))
     return LocalTables(held, container, sources, replicas)
+
+
+def dp_lookup_weights(
+    weights: list[torch.Tensor],
+    kjt: KeyedJaggedTensor,
+    feature_table: Sequence[int],
+    dp_tables: Sequence[int],
+    group: dist.ProcessGroup | None,
+    scale: float,
+) -> list[torch.Tensor]:
+    """The data-parallel tables ``weights`` (tables ``dp_tables``) as the lookup of ``kjt`` sees them: their
+    backward sums the rows some rank touched over ``group``. ``feature_table``: each feature's table."""
+    opk = kjt.offset_per_key()
+    ids = [
+        torch.cat([kjt.values()[opk[f] : opk[f + 1]] for f, t in enumerate(feature_table) if t == ti])
+        for ti in dp_tables
+    ]
+    return comm.embedding_grad(weights, ids, group, scale)
+
+
+def shard_lookup_weights(
+    weights: list[torch.Tensor],
+    recv: Received,
+    my_route_table: Sequence[int],
+    replica_group: dist.ProcessGroup | None,
+    scale: float,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """This rank's shards ``weights`` as the lookup of ``recv`` sees them; under 2D replicas their backward sums
+    over ``replica_group``. ``my_route_table``: the local shard each received route reads."""
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    ids = [empty] * len(weights)
+    if replica_group is not None and weights:
+        route_ids = torch.split(recv.values, recv.ids_per_route())
+        ids = [
+            torch.cat([route_ids[j] for j, t in enumerate(my_route_table) if t == k] or [empty])
+            for k in range(len(weights))
+        ]
+    return comm.embedding_grad(weights, ids, replica_group, scale)

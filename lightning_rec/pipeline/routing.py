@@ -2,7 +2,7 @@
 
 Built once, at sharding time, by the pure function :func:`build_routing` from the table layout and the
 resolved shards; the lookups read it, and each dist derives its own fixed state from it once, when it is
-built (the input dist's bucketing: ``bucketing.py``; the output dist's column placement: ``placement.py``).
+built (the input dist's bucketing: ``input_payload.py``; the output dist's column placement: ``placement.py``).
 Nothing here talks to other processes, so it is unit-tested on one process (``tests/unit/test_routing.py``).
 """
 
@@ -32,7 +32,7 @@ class Route:
 class RoutingTable:
     """The routing facts of one rank of the shard group: routes, row blocks, columns. Holds no tensor, so it
     is the same on every device; what a dist derives from it once (the input dist's bucketing, the output
-    dist's column placement) is that dist's own (``bucketing.py``, ``placement.py``).
+    dist's column placement) is that dist's own (``input_payload.py``, ``placement.py``).
 
     ``routes_to[r]`` are the routes whose shard rank ``r`` owns, sorted by (table, feature): the order of
     the all-to-all payloads to (and back from) rank ``r``.

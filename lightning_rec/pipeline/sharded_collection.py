@@ -26,13 +26,11 @@ from lightning_rec.pipeline import collectives as comm
 from lightning_rec.pipeline.dp_grad_mode import DataParallelGradMode
 from lightning_rec.pipeline.fused_lookup import FusedGroup, build_kernels, check_fused, grouped_lookup, table_specs
 from lightning_rec.pipeline.input_dist import InputDist, InputRejected, Received
-from lightning_rec.pipeline.local_tables import place_tables
-from lightning_rec.pipeline.lookup_weights import dp_lookup_weights, shard_lookup_weights
+from lightning_rec.pipeline.local_tables import dp_lookup_weights, place_tables, shard_lookup_weights
 from lightning_rec.pipeline.materialize import broadcast_from_first, requested_kernel, target_device, warn_large_tables
 from lightning_rec.pipeline.prefetch import FeedSlot, PrefetchedInputDist
-from lightning_rec.pipeline.raw_ids import RawIdRouting
 from lightning_rec.pipeline.routing import RoutingTable, build_routing
-from lightning_rec.pipeline.stages import RAW_ID_HOOK_ATTR, LookupContext, Lookups, Out, RawIdHook, Stages
+from lightning_rec.pipeline.stages import RAW_ID_HOOK_ATTR, LookupContext, Lookups, Out, RawIdHook, RawIdRouting, Stages
 from lightning_rec.pipeline.state_dict import load_hook, sharded_state_dict_hook
 from lightning_rec.pipeline.table_conversion import table_conversion
 from lightning_rec.plans.shard_geometry import ShardMeta

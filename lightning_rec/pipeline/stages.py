@@ -7,26 +7,31 @@ those lookups and returns the forward's result (``Out``). :class:`Stages` writes
 
 A :class:`RawIdHook` is the one permanent hook on those stages: tables whose ids arrive raw (managed collision),
 routed by the hook's row keys in ``input_dist`` and turned into rows by its ``on_received`` when ``compute``
-takes the delivery.
+takes the delivery. A collection owns one :class:`RawIdRouting` for the hook it has now (or none); every input
+dist started afterwards routes with it, while those already started keep the one they were routed for.
 """
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
 import torch
 from torch import nn
 
-from lightning_rec.pipeline.input_dist import PendingInputDist, Received
+from lightning_rec.embedding_modules import FeatureLayout
+from lightning_rec.pipeline.input_dist import PendingInputDist, Received, RowKey
 from lightning_rec.sparse import KeyedJaggedTensor
 
 Lookups = TypeVar("Lookups")
 Out = TypeVar("Out")
 
 RAW_ID_HOOK_ATTR = "raw_id_hook"  # where an unsharded collection carries the hook its sharded twin adopts
+_MAX_ID = (1 << 63) - 1  # raw ids are only checked to be non-negative
 
 
 class RawIdHook(Protocol):
@@ -57,6 +62,27 @@ class RawIdHook(Protocol):
     def on_received(self, received: Received) -> Received:
         """``received`` with every raw id made a row of this rank's shard (collective-free, on every rank)."""
         ...
+
+
+class RawIdRouting:
+    """``hook`` (None: every table takes row ids) and what the input dist needs of it: ``row_keys``, the row
+    key of each raw-id feature (by feature index), and ``layout``, the collection's layout with those features'
+    row counts lifted so that the input check only rejects negative raw ids.
+    """
+
+    def __init__(self, hook: RawIdHook | None, layout: FeatureLayout) -> None:
+        self.hook = hook
+        self.row_keys: dict[int, RowKey] | None = None
+        self.layout: FeatureLayout | None = None
+        if hook is None:
+            return
+        names = layout.feature_table_names
+        unknown = sorted(hook.tables - set(names))
+        if unknown:
+            raise ValueError(f"raw-id tables {unknown} are not tables of this collection ({sorted(set(names))})")
+        self.row_keys = {f: partial(hook.row_key, t) for f, t in enumerate(names) if t in hook.tables}
+        self.layout = copy.copy(layout)
+        self.layout.rows = [_MAX_ID if t in hook.tables else r for t, r in zip(names, layout.rows)]
 
 
 @dataclass

@@ -11,8 +11,7 @@ import torch
 from lightning_rec import KeyedJaggedTensor
 from lightning_rec.pipeline import input_dist as dists
 from lightning_rec.pipeline import input_payload as payloads
-from lightning_rec.pipeline.bucketing import build_bucketing
-from lightning_rec.pipeline.input_payload import PayloadKind, payload_kind
+from lightning_rec.pipeline.input_payload import PayloadKind, build_bucketing, payload_kind
 from lightning_rec.pipeline.routing import build_routing
 from lightning_rec.plans.shard_geometry import ShardMeta
 

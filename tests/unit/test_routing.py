@@ -10,8 +10,8 @@ import torch
 
 from lightning_rec import _compat
 from lightning_rec.pipeline.agreement import _mismatch_message, describe_table
-from lightning_rec.pipeline.bucketing import build_bucketing
 from lightning_rec.pipeline.input_dist import Received, regroup
+from lightning_rec.pipeline.input_payload import build_bucketing
 from lightning_rec.pipeline.placement import _put, _runs, _take, column_placement
 from lightning_rec.pipeline.routing import Route, build_routing
 from lightning_rec.plans.shard_geometry import ShardMeta
