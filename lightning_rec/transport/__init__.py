@@ -41,6 +41,8 @@ import torch.distributed as dist
 from lightning_rec.transport import accounting, bytecopy
 from lightning_rec.transport.accounting import byte_counts, counting, stage
 from lightning_rec.transport.accounting import reset as reset_byte_counts
+from lightning_rec.transport.pairwise import start as start_pairwise
+from lightning_rec.transport.pairwise import wait_all
 from lightning_rec.transport.shm import close_all, shared_group
 from lightning_rec.transport.signatures import pieces_dtype
 
@@ -107,12 +109,17 @@ def all_to_all_pieces(
     group: dist.ProcessGroup | None,
     device: torch.device,
     async_op: bool = False,
+    pairwise: bool = False,
 ) -> PendingPieces[T]:
     """Variable all-to-all of 1-D pieces of one dtype: this rank's ``sends[r]`` reach rank ``r``, where
     ``recv_sizes[s]`` gives the numel of each piece from rank ``s``. ``consume(got)`` gets every source's pieces
     (``got[s]``) and returns what the caller keeps; the pieces are only valid while it runs (through shared
     memory they are views of the sender's buffer, or this rank's own ``sends``), so it copies out what it
     needs, and a caller that reorders pieces pays one copy where a receive buffer would cost two.
+
+    ``pairwise``: through torch.distributed, point-to-point messages with only the peers that exchange bytes,
+    every receive posted first (:mod:`~lightning_rec.transport.pairwise`: the two directions of a link overlap
+    even when the ranks arrive apart); always asynchronous until :meth:`PendingPieces.wait`.
     """
     if dist.get_world_size(group) == 1:  # a group of one: this rank's pieces are what it receives
         return PendingPieces((consume([list(sends[0])]),))
@@ -125,6 +132,8 @@ def all_to_all_pieces(
             if done is not None:
                 return PendingPieces(done)
     dtype = pieces_dtype(sends)
+    if pairwise:
+        return _pieces_pairwise(sends, recv_sizes, consume, group, device, dtype)
     flat = [t for lst in sends for t in lst]
     whole = bytecopy.spanning(flat)  # pieces split from one buffer: send it as it is
     send = (
@@ -147,14 +156,40 @@ def all_to_all_pieces(
     return PendingPieces(None, work, finish)
 
 
+def _pieces_pairwise(
+    sends: list[list[torch.Tensor]],
+    recv_sizes: list[list[int]],
+    consume: Callable[[list[list[torch.Tensor]]], T],
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> PendingPieces[T]:
+    me = dist.get_rank(group)
+    into = [torch.empty(0 if s == me else sum(sizes), dtype=dtype, device=device) for s, sizes in enumerate(recv_sizes)]
+    out = [None if d == me else bytecopy.gather(list(lst)) for d, lst in enumerate(sends)]
+    works = start_pairwise(out, [t.view(torch.uint8) for t in into], group)
+
+    def finish() -> T:
+        wait_all(works)
+        got = [list(sends[me]) if s == me else list(torch.split(t, recv_sizes[s])) for s, t in enumerate(into)]
+        return consume(got)
+
+    return PendingPieces(None, None, finish)
+
+
 def all_to_all_views(
-    sends: list[list[torch.Tensor]], recvs: list[list[torch.Tensor]], group: dist.ProcessGroup | None
+    sends: list[list[torch.Tensor]],
+    recvs: list[list[torch.Tensor]],
+    group: dist.ProcessGroup | None,
+    pairwise: bool = False,
 ) -> None:
     """Variable all-to-all between tensors of any layout (views into larger tensors, strided): the elements of
     this rank's ``sends[r]`` (row-major, one tensor after the other) fill rank ``r``'s ``recvs[this rank]``.
 
     Through shared memory a strided piece is one copy into or out of the buffer, with no contiguous copy on
     either side. Sizes must agree in bytes (a mismatch raises, naming both ranks); dtypes may differ.
+    ``pairwise``: through torch.distributed, as :func:`all_to_all_pieces`'s (a receiver that is one contiguous
+    tensor takes its bytes in place).
     """
     tensors = [t for lst in (*sends, *recvs) for t in lst]
     if dist.get_world_size(group) == 1:
@@ -166,6 +201,9 @@ def all_to_all_views(
         shared = shared_group(group)
         if shared is not None and shared.exchange(sends, recvs):
             return
+    if pairwise:
+        _views_pairwise(sends, recvs, group)
+        return
     device = tensors[0].device if tensors else torch.device("cpu")
     send = bytecopy.gather([t for lst in sends for t in lst]).to(device)
     in_splits = [sum(bytecopy.nbytes(t) for t in lst) for lst in sends]
@@ -179,6 +217,32 @@ def all_to_all_views(
     me = dist.get_rank(group)
     for r, (part, dsts) in enumerate(zip(torch.split(out, out_splits), recvs)):
         bytecopy.scatter(part, dsts, r, me)
+
+
+def _views_pairwise(
+    sends: list[list[torch.Tensor]], recvs: list[list[torch.Tensor]], group: dist.ProcessGroup | None
+) -> None:
+    me = dist.get_rank(group)
+    direct = [bytecopy.spanning(list(lst)) for lst in recvs]
+    into = [
+        None
+        if s == me
+        else d
+        if d is not None
+        else torch.empty(sum(bytecopy.nbytes(t) for t in lst), dtype=torch.uint8, device=_device_of(lst))
+        for s, (d, lst) in enumerate(zip(direct, recvs))
+    ]
+    out = [None if d == me else bytecopy.gather(list(lst)) for d, lst in enumerate(sends)]
+    works = start_pairwise(out, into, group)
+    bytecopy.copy_own(list(sends[me]), list(recvs[me]), me)
+    wait_all(works)
+    for s, (d, t) in enumerate(zip(direct, into)):
+        if s != me and d is None and t is not None and t.numel():
+            bytecopy.scatter(t, recvs[s], s, me)
+
+
+def _device_of(ts: list[torch.Tensor]) -> torch.device:
+    return ts[0].device if ts else torch.device("cpu")
 
 
 def all_gather_single(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None) -> None:

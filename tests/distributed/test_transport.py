@@ -94,8 +94,10 @@ def test_random_collectives_match_gloo(ws: int) -> None:
 
 
 def _views_job(rank: int, ws: int, seed: int, shm: str) -> int:
-    """all_to_all_views between strided views, against gloo's all-to-all of the same bytes made contiguous."""
-    os.environ["LIGHTNING_REC_SHM"] = shm
+    """all_to_all_views between strided views, against gloo's all-to-all of the same bytes made contiguous.
+    ``shm="pairwise"``: through gloo as point-to-point messages (``pairwise=True``)."""
+    pairwise = shm == "pairwise"
+    os.environ["LIGHTNING_REC_SHM"] = "0" if pairwise else shm
     group = dist.new_group(list(range(ws)))  # set up under this rank's LIGHTNING_REC_SHM
     assert (transport.shared_group(group) is not None) == (shm == "1")
     rng = random.Random(seed)
@@ -121,10 +123,11 @@ def _views_job(rank: int, ws: int, seed: int, shm: str) -> int:
         for s in range(ws):
             r, w = rows[s][rank], width[s][rank]
             target = torch.full((3 * w, r), 7, dtype=dtype)
-            view = target[w : 2 * w].t()  # [r, w], transposed: strided the other way
+            # [r, w], transposed: strided the other way; every third step one contiguous tensor (received in place)
+            view = torch.full((r, w), 7, dtype=dtype) if step % 3 == 0 else target[w : 2 * w].t()
             targets.append(view)
             recvs.append(pieces(view, split[s][rank] != (step % 2 == 0)))  # split differently than sent
-        transport.all_to_all_views(sends, recvs, group)
+        transport.all_to_all_views(sends, recvs, group, pairwise=pairwise)
         send = torch.cat(expected)
         ref = torch.empty(sum(v.numel() * v.element_size() for v in targets), dtype=torch.uint8)
         dist.all_to_all_single(
@@ -133,7 +136,7 @@ def _views_job(rank: int, ws: int, seed: int, shm: str) -> int:
         got = torch.cat([v.clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8) for v in targets])
         assert torch.equal(got, ref), (step, dtype)
         checked += 1
-    if shm == "0":  # (gloo itself has no size check of its own that would not hang a peer)
+    if shm != "1":  # (gloo itself has no size check of its own that would not hang a peer)
         dist.destroy_process_group(group)
         return checked
     bad = [[torch.zeros(3)] for _ in range(ws)]
@@ -148,14 +151,16 @@ def _views_job(rank: int, ws: int, seed: int, shm: str) -> int:
 
 
 @pytest.mark.parametrize("ws", [2, 3])
-@pytest.mark.parametrize("shm", ["1", "0"])
+@pytest.mark.parametrize("shm", ["1", "0", "pairwise"])
 def test_views_between_strided_tensors_match_gloo(ws: int, shm: str) -> None:
     assert run_distributed(_views_job, ws, 5 + ws, shm) == [25] * ws
 
 
 def _pieces_job(rank: int, ws: int, seed: int, shm: str) -> int:
-    """all_to_all_pieces, its consumer reordering what arrived, against gloo's all-to-all of the same pieces."""
-    os.environ["LIGHTNING_REC_SHM"] = shm
+    """all_to_all_pieces, its consumer reordering what arrived, against gloo's all-to-all of the same pieces.
+    ``shm="pairwise"``: through gloo as point-to-point messages (``pairwise=True``)."""
+    pairwise = shm == "pairwise"
+    os.environ["LIGHTNING_REC_SHM"] = "0" if pairwise else shm
     group = dist.new_group(list(range(ws)))
     assert (transport.shared_group(group) is not None) == (shm == "1")
     rng = random.Random(seed)
@@ -176,7 +181,13 @@ def _pieces_job(rank: int, ws: int, seed: int, shm: str) -> int:
             return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
 
         pending = transport.all_to_all_pieces(
-            sends, [sizes[s][rank] for s in range(ws)], piece_major, group, torch.device("cpu"), async_op=async_op
+            sends,
+            [sizes[s][rank] for s in range(ws)],
+            piece_major,
+            group,
+            torch.device("cpu"),
+            async_op=async_op,
+            pairwise=pairwise,
         )
         send = torch.cat([t for lst in sends for t in lst]) if n_pieces else torch.zeros(0, dtype=dtype)
         out_splits = [sum(sizes[s][rank]) for s in range(ws)]
@@ -192,7 +203,7 @@ def _pieces_job(rank: int, ws: int, seed: int, shm: str) -> int:
 
 
 @pytest.mark.parametrize("ws", [2, 3])
-@pytest.mark.parametrize("shm", ["1", "0"])
+@pytest.mark.parametrize("shm", ["1", "0", "pairwise"])
 def test_pieces_reordered_on_arrival_match_gloo(ws: int, shm: str) -> None:
     assert run_distributed(_pieces_job, ws, 3 + ws, shm) == [20] * ws
 
