@@ -20,6 +20,10 @@ it follows from the plan alone (the pooled output dist, both directions: every d
 each of its samples, the columns of every non-empty shard held on another host; DDP's all-reduce: gloo's ring
 crosses between hosts twice, each time with ``2 (n - 1) / n`` of the gradient), and the bytes the links
 carried (both hosts' ``eth0`` transmit counters: payload plus TCP/IP headers plus the window's barriers).
+The planner's candidates plan the same job (``PLANNED``): ``planner`` told the link's speed, ``planner_defaults``
+with the device's default speeds, ``planner_profiled`` told the link's speed and given speeds measured by a profile
+of the job (``profile.measure``, as ``lightning-rec profile`` runs it) on the same simulated hosts, links and
+environment, every rank on its own batches, before the timed rounds (its speeds file in that run's temp dir).
 Each (mode, rate) is a run of its own: ``hierarchical`` is the default output dist (``LIGHTNING_REC_OUTPUT_DIST=auto``:
 host blocks where some host holds a column twice), ``flat`` sets ``LIGHTNING_REC_OUTPUT_DIST=flat``.
 
@@ -39,11 +43,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -51,8 +57,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 TYPES = ("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise", "grid_shard")
-# the planner's plans for the same job: told the shaped link's speed, and with the device's default speeds
-PLANNED = {"planner": "1gbit", "planner_defaults": None}
+# the planner's plans for the same job: told the shaped link's speed, with the device's default speeds, and told
+# the link's speed with the speeds a profile measured on the simulated hosts before the timed rounds
+PLANNED = {"planner": "1gbit", "planner_defaults": None, "planner_profiled": "1gbit"}
+PROFILED = "planner_profiled"
 CANDIDATES = TYPES + tuple(PLANNED)
 N_HOSTS, PER_HOST = 2, 2  # the shape: --hosts and --per-host (2 x 2 or 4 x 1 on this machine)
 WORLD = N_HOSTS * PER_HOST
@@ -90,9 +98,10 @@ def _dlrm(cfg: dict, plan: object = None) -> object:
     )
 
 
-def planner_for(cfg: dict, link: str | None) -> object:
+def planner_for(cfg: dict, link: str | None, speeds: str | None = None) -> object:
     """The planner the strategy would run for this job on 2 hosts x 2 ranks (``link``: the hosts' link speed,
-    None: the device's default speeds), told the data's ids per sample (rank 0's rows: the same on every rank)."""
+    None: the device's default speeds; ``speeds``: a speeds file, as ``RecShardedStrategy(planner_speeds=...)``
+    takes it), told the data's ids per sample (rank 0's rows: the same on every rank)."""
     from lightning_rec.data import SyntheticClicks
     from lightning_rec.plans.planner import automatic_plan
     from lightning_rec.table_optimizers import resolve_table_optimizers
@@ -102,7 +111,9 @@ def planner_for(cfg: dict, link: str | None) -> object:
     pooling = {f: float(lengths[i].mean()) for i, f in enumerate(ds.feature_names)}
     model = _dlrm(cfg)
     specs = resolve_table_optimizers(model, None)  # type: ignore[arg-type]
-    extra = {} if link is None else {"host_link": link}
+    extra: dict = {} if link is None else {"host_link": link}
+    if speeds is not None:
+        extra["speeds"] = speeds
     planner = automatic_plan(
         model,  # type: ignore[arg-type]
         WORLD,
@@ -118,9 +129,14 @@ def planner_for(cfg: dict, link: str | None) -> object:
     return planner
 
 
+def _planner(cfg: dict, kind: str) -> object:
+    """The planner of candidate ``kind`` (one of ``PLANNED``); the profiled one reads ``cfg["speeds"]``."""
+    return planner_for(cfg, PLANNED[kind], cfg["speeds"] if kind == PROFILED else None)
+
+
 def _plan(kind: str, tables: list, cfg: dict) -> object:
     if kind in PLANNED:
-        return planner_for(cfg, PLANNED[kind]).explain().plan  # type: ignore[attr-defined]
+        return _planner(cfg, kind).explain().plan  # type: ignore[attr-defined]
     from lightning_rec.sharding import (
         ShardingPlan,
         column_wise,
@@ -155,15 +171,19 @@ def _describe_plans(cfg: dict) -> tuple[dict[str, str], dict[str, float]]:
     from lightning_rec.data import SyntheticClicks
     from lightning_rec.models import tables_from_cardinalities
 
-    planners = {k: planner_for(cfg, link) for k, link in PLANNED.items()}
+    planners = {k: _planner(cfg, k) for k in PLANNED if k != PROFILED or cfg.get("speeds")}
     aware = planners["planner"]
     model = _dlrm(cfg)
     ds = SyntheticClicks(num_rows=1, batch_size=1, size=cfg["size"])
     tables = tables_from_cardinalities(ds.feature_names, ds.cardinalities, cfg["dim"])
     plans, estimates = {}, {}
     for kind in CANDIDATES:
+        if kind in PLANNED and kind not in planners:
+            continue  # profiled: no profile in this run
         plan = planners[kind].explain().plan if kind in PLANNED else _plan(kind, tables, cfg)  # type: ignore[attr-defined]
         estimates[kind] = aware.estimate(model, plan).step_time_ms  # type: ignore[attr-defined]
+        if PROFILED in planners:  # the same plan as the profiled speeds see it
+            estimates[kind + "@profiled"] = planners[PROFILED].estimate(model, plan).step_time_ms  # type: ignore[attr-defined]
         if kind in PLANNED:
             placed = [ps for per in plan.plan.values() for ps in per.values()]  # type: ignore[attr-defined]
             count = Counter(ps.sharding_type.value for ps in placed)
@@ -320,6 +340,30 @@ def _fit(kind: str, cfg: dict) -> dict:
     }
 
 
+def _profile(out_dir: Path, cfg: dict) -> None:
+    """``lightning-rec profile``'s measurement on this rank (every rank at once, over the hosts' links), on the
+    job's model and its own batches; rank 0 writes ``out_dir/speeds.json``, every rank its exchange timings."""
+    import torch.distributed as dist
+
+    from lightning_rec.data import SyntheticClicks
+    from lightning_rec.plans.planner.profile import fitted, measure
+
+    rank = int(os.environ["RANK"])
+    b, steps = cfg["batch_size"], cfg["steps"]
+    ds = SyntheticClicks(num_rows=WORLD * b * steps, batch_size=b, size=cfg["size"], rank=rank, world_size=WORLD)
+    batches = list(ds)
+    dist.init_process_group("gloo")  # the launcher's environment: MASTER_ADDR on host 0's link
+    t0 = time.perf_counter()
+    timings = measure(_dlrm(cfg), batches, max_batches=cfg["profile_batches"])
+    speeds = fitted(timings, _dlrm(cfg))
+    if rank == 0:
+        speeds.save(out_dir / "speeds.json")
+    keys = ("hosts", "latency_a2a_s", "latency_ring_s", "a2a_tiny_s", "a2a_big_s", "a2a_bytes", "step_s")
+    raw = {"seconds": time.perf_counter() - t0, **{k: getattr(timings, k) for k in keys}}
+    (out_dir / f"rank{rank}.json").write_text(json.dumps({"profile": raw}))
+    dist.destroy_process_group()
+
+
 def rank_main(out_dir: Path, cfg: dict) -> None:
     import torch
 
@@ -327,6 +371,9 @@ def rank_main(out_dir: Path, cfg: dict) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     _set_shape(cfg["hosts"], cfg["per_host"])
+    if cfg.get("phase") == "profile":
+        _profile(out_dir, cfg)
+        return
     results: dict = {}
     for kind in cfg["types"]:
         results[kind] = _fit(kind, cfg)
@@ -624,28 +671,96 @@ def _planner_lines(summary: dict, cfg: dict) -> list[str]:
         '*planner*: the plan the strategy\'s planner makes for this job on `Topology(4, 4, 2, host_link="1gbit")`',
         "(2 hosts x 2 ranks, the link's speed shared by a host's ranks), told the data's ids per sample;",
         "*planner_defaults*: the same without `host_link` (the CPU defaults' inter-host speed, 8 Gbit/s per rank).",
+        "*planner_profiled*: the same topology as *planner* with `speeds=` a profile of this job measured on these",
+        "hosts before the timed rounds (`profile.measure` + `profile.fitted`, what `lightning-rec profile` and",
+        "`profile_speeds` run: every rank at once, over the same links, on its own batches of the job), as",
+        "`RecShardedStrategy(planner_speeds=...)` would plan with it; its measurements are below the table.",
         f"Candidates ranked by their fastest round's median steps/s; every round's figure in brackets (rounds: {cfg['rounds']}).",
-        "The planner's estimate of each candidate, from the link-aware cost model, alongside.",
+        "The planner's estimate of each candidate, from the link-aware cost model with the defaults' speeds and",
+        "(where profiled) with the profile's, alongside.",
         "",
-        "| rank | candidate | steps/s (median) | rounds | vs best | estimated step (ms) | plan |",
-        "| ---: | --- | ---: | --- | ---: | ---: | --- |",
+        "| rank | candidate | steps/s (median) | rounds | vs best | estimated step (ms) | with profile (ms) | plan |",
+        "| ---: | --- | ---: | --- | ---: | ---: | ---: | --- |",
     ]
+    estimates = cfg.get("estimates", {})
     for i, kind in enumerate(order, 1):
         g = got[kind]
         rounds = ", ".join(f"{x:.2f}" for x in g.get("rounds", []))
-        est = cfg.get("estimates", {}).get(kind)
+        est = [estimates.get(kind), estimates.get(kind + "@profiled")]
         lines.append(
             f"| {i} | {kind} | {g['median_steps_per_s']:.2f} | {rounds} | {g['median_steps_per_s'] / best:.2f} | "
-            + (f"{est:.1f}" if est is not None else "-")
+            + " | ".join(f"{e:.1f}" if e is not None else "-" for e in est)
             + f" | {cfg.get('plans', {}).get(kind, kind)} |"
         )
-    return lines
+    return lines + _profile_lines(cfg.get("profile"), cfg.get("per_host", PER_HOST))
+
+
+def _profile_lines(prof: dict | None, per_host: int) -> list[str]:
+    """What the profile measured across the hosts, and the exchange speeds fitted to it."""
+    if not prof:
+        return []
+    world = N_HOSTS * per_host
+    hops_a2a, hops_ring = max(1.0, math.log2(world)), 4 * (world - 1)
+    ms = lambda x: "-" if x is None else f"{1e3 * x:.2f}"  # noqa: E731 - seconds as ms
+    intra = prof.get("intra_host_bandwidth")
+    text = (
+        f"Profile: {prof['describe']}, at {prof['rate']}, {prof['wall_s']:.0f} s with the hosts' start. Over every"
+        f" rank, on 8 bytes, an all-to-all took {ms(prof['latency_a2a_s'])} ms ({hops_a2a:.0f} hops in the cost"
+        f" model: {ms(prof['latency_a2a_s'] / hops_a2a)} ms each) and the data-parallel sync's two all-gathers and"
+        f" all-reduce {ms(prof['latency_ring_s'])} ms ({hops_ring} ring hops:"
+        f" {ms(prof['latency_ring_s'] / hops_ring)} ms each): fitted `collective_latency`"
+        f" {ms(prof['collective_latency'])} ms per hop (`fit.fit_latency`: the model's latency of a step with both"
+        " kinds' exchanges equals the measured one), against the CPU defaults' 0.20 ms. Within each host (every"
+        f" host's ranks at once): {ms(prof['a2a_tiny_s'])} ms tiny, {ms(prof['a2a_big_s'])} ms for"
+        f" {(prof['a2a_bytes'] or 0) / 1e6:.2f} MB per rank: `intra_host_bandwidth` "
+        + ("-" if intra is None else f"{intra / 1e9:.2f} GB/s")
+        + f". The reference step (table-wise round-robin) took {ms(prof['step_s'])} ms; the fixed cost per step"
+        f" fitted to it {ms(prof['step_overhead'])} ms (added to every plan alike)."
+    )
+    return ["", *textwrap.wrap(text, 110)]
 
 
 def _machine() -> str:
     import torch
 
     return f"{os.cpu_count()} CPU cores, Python {platform.python_version()}, torch {torch.__version__}"
+
+
+def _run_profile(cfg: dict, rate: str, mode: str) -> tuple[str, dict]:
+    """The profile of the job on the simulated hosts (the timed runs' harness, links and environment), before
+    the timed rounds: (the speeds file, in the run's temp dir; what it measured, with the speeds fitted)."""
+    from lightning_rec.plans.planner.speeds import ProfiledSpeeds
+    from tests.distributed.hosts import run_hosts
+
+    out = Path(tempfile.mkdtemp(prefix="bench_hosts_profile_"))
+    t0 = time.perf_counter()
+    run = run_hosts(
+        "benchmarks.bench_hosts",
+        [json.dumps({**cfg, "phase": "profile"})],
+        out,
+        N_HOSTS,
+        PER_HOST,
+        deadline_s=900.0,
+        own_network=True,
+        link_rate=rate,
+        env={_ROLE: "1", "LIGHTNING_REC_BYTE_COUNT": "1", "LIGHTNING_REC_OUTPUT_DIST": MODES[mode]},
+    )
+    if any(r is None for r in run["ranks"]) or run["timed_out"]:
+        tail = "\n".join(text[-2000:] for text in run["logs"] if text.strip())
+        raise SystemExit(f"the profile at {rate} failed:\n{tail}")
+    path = out / "speeds.json"
+    speeds = ProfiledSpeeds.load(path, "cpu")
+    got = {
+        **run["ranks"][0]["profile"],
+        "wall_s": time.perf_counter() - t0,
+        "rate": rate,
+        "collective_latency": speeds.collective_latency,
+        "intra_host_bandwidth": speeds.intra_host_bandwidth,
+        "step_overhead": speeds.step_overhead,
+        "describe": speeds.describe(),
+    }
+    print(f"profile at {rate}: {json.dumps(got)}", flush=True)
+    return str(path), got
 
 
 def main() -> None:
@@ -667,12 +782,17 @@ def main() -> None:
     parser.add_argument("--hosts", type=int, default=2, help="simulated hosts")
     parser.add_argument("--per-host", type=int, default=2, help="ranks per host")
     parser.add_argument("--out", default="hosts", help="results file name under benchmarks/results (.md, .json)")
+    parser.add_argument("--profile-batches", type=int, default=16, help=f"batches {PROFILED}'s profile times")
     args = parser.parse_args()
     _set_shape(args.hosts, args.per_host)
     why = namespaces_unavailable() or network_unavailable()
     if why is not None:
         raise SystemExit(why)
-    cfg = {k: getattr(args, k) for k in ("types", "steps", "warmup", "batch_size", "size", "dim", "hosts", "per_host")}
+    keys = ("types", "steps", "warmup", "batch_size", "size", "dim", "hosts", "per_host", "profile_batches")
+    cfg = {k: getattr(args, k) for k in keys}
+    profile = None
+    if PROFILED in cfg["types"]:
+        cfg["speeds"], profile = _run_profile(cfg, args.rates[0], args.modes[0])
     # the plans' descriptions and estimates serve the planner's section only
     plans, estimates = _describe_plans(cfg) if set(PLANNED) & set(cfg["types"]) else ({}, {})
     if "planner_defaults" in cfg["types"] and plans.get("planner_defaults") == plans.get("planner"):
@@ -715,7 +835,9 @@ def main() -> None:
                 f"counted, {_mb(got['link'])} on the links, {json.dumps({k: round(v) for k, v in got['stages'].items()})}",
                 flush=True,
             )
-    _write(summary, {**vars(args), "plans": plans, "estimates": estimates}, time.perf_counter() - t0)
+    _write(
+        summary, {**vars(args), "plans": plans, "estimates": estimates, "profile": profile}, time.perf_counter() - t0
+    )
     print(f"wrote {RESULTS / args.out}.md and .json")
 
 

@@ -14,9 +14,17 @@ import torch
 from lightning_rec import EmbeddingBagConfig, KeyedJaggedTensor
 from lightning_rec.plans.planner import Hardware, Planner, ProfiledSpeeds, SpeedsError, TableProfile, Topology
 from lightning_rec.plans.planner.auto import automatic_plan
-from lightning_rec.plans.planner.fit import TableTiming, Timings, calibrate_step, fit_speeds, reference_plan
+from lightning_rec.plans.planner.cost import SHARDED_COLLECTIVES, exchange_latency
+from lightning_rec.plans.planner.fit import (
+    TableTiming,
+    Timings,
+    calibrate_step,
+    fit_latency,
+    fit_speeds,
+    reference_plan,
+)
 from lightning_rec.plans.planner.profile import profile_speeds, take
-from lightning_rec.sharding import ShardingPlan, table_wise
+from lightning_rec.sharding import ShardingPlan, data_parallel, table_wise
 
 HW = Hardware.defaults("cpu")
 INFO = {"device": "cpu", "device_name": "test CPU", "machine": "box", "versions": {"torch": "x"}, "created": "2026"}
@@ -60,7 +68,7 @@ def test_fit_gives_the_speeds_that_reproduce_the_measured_work() -> None:
 
 def test_fit_of_fused_tables_keeps_the_default_ratio_and_measures_the_exchange() -> None:
     t = _timing("a", grads="fused", update_s=0.0, update_tiny_s=0.0)
-    timings = Timings([t], 1e-3, 0.0, processes=2, a2a_tiny_s=1e-4, a2a_big_s=1.1e-3, a2a_bytes=1e6)
+    timings = Timings([t], 1e-3, 0.0, processes=2, a2a_tiny_s=1e-4, a2a_big_s=1.1e-3, a2a_bytes=1e6, latency_a2a_s=1e-4)
     (p,) = fit_speeds(timings, HW, INFO).tables
     assert math.isclose(p.lookup_bandwidth / p.update_bandwidth, HW.lookup_bandwidth / HW.update_bandwidth)
     ids = 200
@@ -68,6 +76,45 @@ def test_fit_of_fused_tables_keeps_the_default_ratio_and_measures_the_exchange()
     assert math.isclose(modelled, 1e-3)  # the measured time less the one-sample time
     sp = fit_speeds(timings, HW, INFO)
     assert sp.collective_latency == 1e-4 and math.isclose(sp.intra_host_bandwidth, 1e6 / 1e-3)  # type: ignore[arg-type]
+
+
+def test_latency_fit_makes_a_step_of_both_kinds_take_what_was_measured() -> None:
+    # 4 ranks: an all-to-all is 2 hops in the cost model, the data-parallel sync 12 ring hops
+    lat = fit_latency(3e-3, 10e-3, 4)
+    assert lat is not None
+    both = exchange_latency({"table_wise", "data_parallel"}, 4, lat)
+    assert math.isclose(both, SHARDED_COLLECTIVES * 3e-3 + 10e-3)
+    # one kind measured: its own hops; one rank: nothing crosses
+    assert fit_latency(None, 12e-3, 4) == 1e-3 and fit_latency(2e-3, None, 4) == 1e-3
+    assert fit_latency(2e-3, None, 2) == 2e-3 and fit_latency(1e-3, 1e-3, 1) is None
+    timings = Timings([_timing("a")], 2e-3, 0.0, processes=4, hosts=2, latency_a2a_s=3e-3, latency_ring_s=10e-3)
+    sp = fit_speeds(timings, HW, INFO)
+    assert sp.collective_latency == lat and sp.hosts == 2 and sp.intra_host_bandwidth is None
+    assert "4 process(es) on 2 hosts, measured exchange" in sp.describe()
+
+
+def test_profiled_latency_reaches_the_data_parallel_sync_across_hosts() -> None:
+    tables = [EmbeddingBagConfig(100, 16, f"t{i}", [f"f{i}"]) for i in range(4)]
+    topo = Topology(4, 4, 2, host_link="1gbit")
+    dp = ShardingPlan({"": {t.name: data_parallel() for t in tables}})
+    tw = ShardingPlan({"": {t.name: table_wise(i) for i, t in enumerate(tables)}})
+    est = {}
+    for lat in (1e-4, 1.2e-3):
+        sp = _profile(collective_latency=lat, hosts=2)
+        planner = Planner(topo, batch_size=512, gradients="sparse", speeds=sp)
+        assert planner.topology.hardware.collective_latency == lat  # type: ignore[union-attr]
+        # the host link still sets the speed across hosts; the profile only its latency
+        assert planner.topology.hardware.inter_host_bandwidth == 1.25e8 / 2  # type: ignore[union-attr]
+        est[lat] = {k: planner.estimate(tables, p).latency_s for k, p in (("dp", dp), ("tw", tw))}
+    # the sync's 12 ring hops and the all-to-alls' 6 x 2 are charged the profiled latency
+    assert math.isclose(est[1.2e-3]["dp"] - est[1e-4]["dp"], 12 * 1.1e-3)
+    assert math.isclose(est[1.2e-3]["tw"] - est[1e-4]["tw"], SHARDED_COLLECTIVES * 2 * 1.1e-3)
+
+
+def test_intra_host_speed_is_bounded_when_the_big_exchange_is_lost_in_noise() -> None:
+    timings = Timings([_timing("a")], 2e-3, 0.0, processes=2, a2a_tiny_s=3e-4, a2a_big_s=2e-4, a2a_bytes=2e5)
+    sp = fit_speeds(timings, HW, INFO)
+    assert sp.intra_host_bandwidth is not None and math.isclose(sp.intra_host_bandwidth, 2e5 / 2e-5)
 
 
 def test_fit_skips_tables_without_ids_and_floors_the_fixed_cost() -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lightning_rec.configs import BaseEmbeddingConfig
 from lightning_rec.plans.plan import ShardingPlan, table_wise
+from lightning_rec.plans.planner.cost import SHARDED_COLLECTIVES
 from lightning_rec.plans.planner.search import Planner
 from lightning_rec.plans.planner.speeds import ProfiledSpeeds, TableProfile
 from lightning_rec.plans.planner.topology import Hardware, Topology
@@ -41,10 +43,15 @@ class Timings:
     tables: list[TableTiming]
     group_s: float  # all tables together, per batch
     group_tiny_s: float
-    processes: int = 1
+    processes: int = 1  # every profiling rank, over all hosts
+    hosts: int = 1
+    # all-to-alls among the ranks of each host (None: one rank per host)
     a2a_tiny_s: float | None = None
     a2a_big_s: float | None = None
-    a2a_bytes: float | None = None  # bytes each rank sent the other ranks in the big all-to-all
+    a2a_bytes: float | None = None  # bytes each rank sent the other ranks of its host in the big all-to-all
+    # over every rank, 8 bytes: an all-to-all, and the data-parallel sync's two all-gathers and all-reduce
+    latency_a2a_s: float | None = None
+    latency_ring_s: float | None = None
     step_s: float | None = None  # a training step of the whole job, table-wise round-robin, the slowest rank
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -94,10 +101,12 @@ def fit_speeds(timings: Timings, hw: Hardware, info: Mapping[str, Any]) -> Profi
                 update_bw,
             )
         )
-    intra = latency = None
+    intra = None
     if timings.a2a_tiny_s is not None and timings.a2a_big_s is not None and timings.a2a_bytes:
-        latency = timings.a2a_tiny_s
-        intra = timings.a2a_bytes / max(timings.a2a_big_s - timings.a2a_tiny_s, 1e-9)
+        # at least a share of the big one's time is its bytes': within a host on shared memory its bytes can take
+        # less than the noise of the tiny one, which would make the speed unbounded
+        intra = timings.a2a_bytes / max(timings.a2a_big_s - timings.a2a_tiny_s, _FLOOR * timings.a2a_big_s)
+    latency = fit_latency(timings.latency_a2a_s, timings.latency_ring_s, timings.processes)
     return ProfiledSpeeds(
         info["device"],
         info["device_name"],
@@ -110,7 +119,23 @@ def fit_speeds(timings: Timings, hw: Hardware, info: Mapping[str, Any]) -> Profi
         latency,
         timings.group_s - group_work,
         scale,
+        timings.hosts,
     )
+
+
+def fit_latency(a2a_s: float | None, ring_s: float | None, world: int) -> float | None:
+    """The cost model's ``collective_latency`` (seconds a hop waits, ``cost.exchange_latency``) fitted to a tiny
+    all-to-all (``log2(world)`` hops in the model) and the data-parallel sync's tiny ring collectives
+    (``4 (world - 1)`` hops) over ``world`` ranks: the model's latency of a step running both kinds (its
+    ``SHARDED_COLLECTIVES`` all-to-alls and one sync) equals the measured one. Either alone: its own hops."""
+    if world <= 1 or (a2a_s is None and ring_s is None):
+        return None
+    hops_a2a, hops_ring = max(1.0, math.log2(world)), 4.0 * (world - 1)
+    if ring_s is None:
+        return a2a_s / hops_a2a  # type: ignore[operator]
+    if a2a_s is None:
+        return ring_s / hops_ring
+    return (SHARDED_COLLECTIVES * a2a_s + ring_s) / (SHARDED_COLLECTIVES * hops_a2a + hops_ring)
 
 
 def reference_plan(tables: Sequence[BaseEmbeddingConfig], world: int) -> ShardingPlan:

@@ -8,12 +8,14 @@ onto this rank, in a process group of its own, with the job's fused optimizer or
 * all the tables together in one collection per gradient mode, the same two ways: the per-table work is
   scaled so that it adds up to this step's (one call over many tables is not the sum of many calls), and its
   one-sample time is the step's fixed cost (``step_overhead``);
-* with a process group of several ranks: all-to-alls of 8 bytes and of a step's pooled rows per peer (the
-  bandwidth between the ranks of this host), and a training step of the whole job, its tables table-wise
-  round-robin over the ranks: what the model leaves unexplained of that step, with the speeds above, is the
-  pipeline's fixed cost per step (``step_overhead``, see ``fit.calibrate_step``). Every rank profiles
-  at once, so the lookups share the host's memory system as in training, and the ranks' timings are
-  averaged: every rank fits the same speeds.
+* with a process group of several ranks: all-to-alls of 8 bytes and of a step's pooled rows per peer among
+  the ranks of each host (the bandwidth within a host; hosts are told apart by hostname), the latency of the
+  exchanges over every rank (across the hosts' links where the ranks span several): an all-to-all of 8 bytes,
+  and the data-parallel sync's ring collectives on 8 bytes (two all-gathers and an all-reduce), and a training
+  step of the whole job, its tables table-wise round-robin over the ranks: what the model leaves unexplained
+  of that step, with the speeds above, is the pipeline's fixed cost per step (``step_overhead``, see
+  ``fit.calibrate_step``). Every rank profiles at once, so the lookups share the host's memory system as in
+  training, and the ranks' timings are averaged: every rank fits the same speeds.
 
 Each measurement is the median over ``repeats`` passes of its sum over the batches, after one warm-up pass.
 The fit (``fit.py``: :func:`fit_speeds`, :func:`calibrate_step`) is a pure function of the timings.
@@ -22,9 +24,10 @@ The fit (``fit.py``: :func:`fit_speeds`, :func:`calibrate_step`) is a pure funct
 from __future__ import annotations
 
 import platform
+import socket
 import statistics
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import islice
 from pathlib import Path
 from typing import Any, cast
@@ -146,25 +149,56 @@ class _Job:
         )
 
 
-def _exchange(device: torch.device, peer_bytes: int, repeats: int) -> tuple[float, float]:
-    """(seconds of an all-to-all of 8 bytes per peer, of ``peer_bytes`` per peer) over the world group."""
-    world, out = dist.get_world_size(), []
-    for n in (1, max(peer_bytes // 8, 1)):
-        x = torch.ones(world * n, dtype=torch.int64, device=device)
-        y = torch.empty_like(x)
-        for _ in range(3):
-            transport.all_to_all_single(y, x, [n] * world, [n] * world, None)
-        times = []
-        for _ in range(max(repeats, 3)):
-            dist.barrier()
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(10):  # ten per timing: a barrier would dominate a microsecond collective
-                transport.all_to_all_single(y, x, [n] * world, [n] * world, None)
-            _sync(device)
-            times.append((time.perf_counter() - t0) / 10)
-        out.append(statistics.median(times))
-    return out[0], out[1]
+def _timed(device: torch.device, op: Callable[[], object], repeats: int) -> float:
+    """Seconds of one ``op`` (a collective every rank of the world calls): the median over ``repeats`` timings."""
+    for _ in range(3):
+        op()
+    times = []
+    for _ in range(max(repeats, 3)):
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(10):  # ten per timing: a barrier would dominate a microsecond collective
+            op()
+        _sync(device)
+        times.append((time.perf_counter() - t0) / 10)
+    return statistics.median(times)
+
+
+def _a2a(device: torch.device, peer_bytes: int, repeats: int, group: dist.ProcessGroup | None = None) -> float:
+    """Seconds of an all-to-all of ``peer_bytes`` (whole int64 words, at least one) per peer over ``group``
+    (None: the world)."""
+    world, n = dist.get_world_size(group), max(peer_bytes // 8, 1)
+    x = torch.ones(world * n, dtype=torch.int64, device=device)
+    y = torch.empty_like(x)
+    return _timed(device, lambda: transport.all_to_all_single(y, x, [n] * world, [n] * world, group), repeats)
+
+
+def _ring(device: torch.device, repeats: int) -> float:
+    """Seconds of the data-parallel sync's collectives on 8 bytes over the world (``pipeline/collectives.py``:
+    the touched rows' counts and ids all-gathered, their gradients all-reduced): what its ring hops wait."""
+    x = torch.ones(1, dtype=torch.int64, device=device)
+    out = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
+    grad = torch.zeros(2, dtype=torch.float32, device=device)  # zeros: its sums stay finite over every repeat
+
+    def sync() -> None:
+        transport.all_gather_single(out, x, None)
+        transport.all_gather_single(out, x, None)
+        transport.all_reduce_sum(grad, None)
+
+    return _timed(device, sync, repeats)
+
+
+def host_groups() -> tuple[list[list[int]], dist.ProcessGroup | None]:
+    """The world's ranks by host (ranks whose machine has one hostname), and a process group of this rank's
+    host (None when it is the whole world). Collective: every rank creates every host's group, in one order."""
+    names: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, socket.gethostname())
+    hosts = [[r for r, n in enumerate(names) if n == name] for name in dict.fromkeys(names)]
+    if len(hosts) == 1:
+        return hosts, None
+    groups = [dist.new_group(ranks) for ranks in hosts]
+    return hosts, cast(dist.ProcessGroup, next(g for g, ranks in zip(groups, hosts) if dist.get_rank() in ranks))
 
 
 def device_name(device: torch.device) -> str:
@@ -250,11 +284,20 @@ def measure(
             del job
         out = Timings(timings, group[0], group[1], processes=world)
         if exchange and world > 1:
+            hosts, local = host_groups()
+            out.hosts = len(hosts)
+            per_host = len(next(h for h in hosts if rank in h))
             # a step's pooled rows per peer: what the output dist of a table-wise plan moves
             stride = sparse[0].stride()
-            peer = int(stride * sum(len(t.feature_names) * t.embedding_dim * 4 for t in plans) / world)
-            out.a2a_tiny_s, out.a2a_big_s = _exchange(dev, max(peer, 1 << 16), repeats)
-            out.a2a_bytes = (world - 1) * max(peer, 1 << 16)
+            peer = max(int(stride * sum(len(t.feature_names) * t.embedding_dim * 4 for t in plans) / world), 1 << 16)
+            # the bandwidth within a host: every host's ranks at once, as in training (one rank alone: none)
+            every = min(len(h) for h in hosts) > 1
+            if every:
+                out.a2a_tiny_s, out.a2a_big_s = (_a2a(dev, n, repeats, local) for n in (8, peer))
+                out.a2a_bytes = (per_host - 1) * peer
+            # the latency over every rank, across the hosts' links where there are several
+            out.latency_a2a_s = _a2a(dev, 8, repeats)
+            out.latency_ring_s = _ring(dev, repeats)
             out.step_s = _job_step(plans, grads_of, spec, dev, sparse, repeats, lr)
         return _agree(out, dev) if world > 1 else out
     finally:
@@ -267,7 +310,7 @@ def _agree(t: Timings, device: torch.device) -> Timings:
     names = ("lookup_s", "update_s", "lookup_tiny_s", "update_tiny_s")
     flat = [getattr(tt, n) for tt in t.tables for n in names] + [t.group_s, t.group_tiny_s]
     flat += [t.a2a_tiny_s or 0.0, t.a2a_big_s or 0.0] + [tt.ids for tt in t.tables] + [tt.batch for tt in t.tables]
-    flat.append(t.step_s or 0.0)
+    flat += [t.latency_a2a_s or 0.0, t.latency_ring_s or 0.0, t.step_s or 0.0]
     on = device if dist.get_backend() == "nccl" else torch.device("cpu")
     x = torch.tensor(flat, dtype=torch.float64, device=on)
     dist.all_reduce(x)
@@ -280,6 +323,8 @@ def _agree(t: Timings, device: torch.device) -> Timings:
     t.group_s, t.group_tiny_s = v[k], v[k + 1]
     if t.a2a_tiny_s is not None:
         t.a2a_tiny_s, t.a2a_big_s = v[k + 2], v[k + 3]
+    if t.latency_a2a_s is not None:
+        t.latency_a2a_s, t.latency_ring_s = v[-3], v[-2]
     if t.step_s is not None:
         t.step_s = v[-1]
     return t
@@ -357,6 +402,19 @@ def profile_speeds(
         repeats=repeats,
         exchange=exchange,
     )
+    return fitted(timings, model_or_tables, device=dev, embedding_optimizer=embedding_optimizer, hardware=hardware)
+
+
+def fitted(
+    timings: Timings,
+    model_or_tables: nn.Module | Sequence[BaseEmbeddingConfig],
+    *,
+    device: torch.device | str | None = None,
+    embedding_optimizer: FusedOptimizerSpec | Mapping[str, Any] | None = None,
+    hardware: Hardware | None = None,
+) -> ProfiledSpeeds:
+    """The speeds :func:`profile_speeds` fits to ``timings`` (:func:`measure`'s, of the same tables)."""
+    dev = torch.device(device if device is not None else "cpu")
     base = hardware or Hardware.defaults("cuda" if dev.type == "cuda" else "cpu")
     speeds = fit_speeds(timings, base, machine_info(dev.type, device_name(dev)))
     if timings.step_s is None:

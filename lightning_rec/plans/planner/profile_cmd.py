@@ -142,6 +142,7 @@ def summary(speeds: ProfiledSpeeds) -> str:
     extra = {"step_overhead_ms": 1e3 * speeds.step_overhead, "grouped/per-table": speeds.group_scale}
     if speeds.collective_latency is not None:
         extra["collective_latency_us"] = 1e6 * speeds.collective_latency
-        extra["intra_host_GB/s"] = (speeds.intra_host_bandwidth or 0.0) / 1e9
+    if speeds.intra_host_bandwidth is not None:
+        extra["intra_host_GB/s"] = speeds.intra_host_bandwidth / 1e9
     lines.append(json.dumps({k: round(v, 3) for k, v in extra.items()}))
     return "\n".join(lines)

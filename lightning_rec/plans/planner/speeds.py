@@ -80,11 +80,14 @@ class ProfiledSpeeds:
     """Speeds fitted on one machine from a job's own batches (see the module docstring).
 
     ``device``: ``"cpu"`` or ``"cuda"``, the type the profile ran on (a file from another type is refused);
-    ``intra_host_bandwidth`` / ``collective_latency``: measured all-to-alls between the profiling processes of
-    one host (None: profiled without a process group; the topology's speeds stay); ``step_overhead``: seconds a
-    rank's step spends whatever the plan (the lookups' fixed cost, and with a process group what a measured
-    training step took beyond the model's estimate of it), added to every estimate; ``processes``: ranks of
-    the host profiling at once (they share its memory system, as in training).
+    ``intra_host_bandwidth``: measured all-to-alls among the profiling processes of each host (None: profiled
+    without a process group, or one process per host; the topology's speed stays); ``collective_latency``: a
+    hop's latency (``cost.exchange_latency``) fitted to tiny all-to-alls and ring collectives over every
+    profiling process, across the hosts' links where they span ``hosts`` hosts (``fit.fit_latency``; None:
+    without a process group); ``step_overhead``: seconds a rank's step spends whatever the plan (the lookups'
+    fixed cost, and with a process group what a measured training step took beyond the model's estimate of
+    it), added to every estimate; ``processes``: ranks profiling at once, over every host (a host's ranks share
+    its memory system, as in training).
     """
 
     device: str
@@ -98,6 +101,7 @@ class ProfiledSpeeds:
     collective_latency: float | None = None
     step_overhead: float = 0.0
     group_scale: float = 1.0  # the grouped step over the per-table sum (for the record)
+    hosts: int = 1
     source: str | None = field(default=None, compare=False)  # the file it was read from
 
     def __post_init__(self) -> None:
@@ -156,10 +160,11 @@ class ProfiledSpeeds:
 
     def describe(self) -> str:
         where = f"{self.source} " if self.source else ""
-        exchange = "measured exchange" if self.intra_host_bandwidth is not None else "default exchange"
+        exchange = "measured exchange" if self.collective_latency is not None else "default exchange"
+        on = f" on {self.hosts} hosts" if self.hosts > 1 else ""
         return (
             f"profile {where}({self.machine}, {self.device} {self.device_name}, {self.created[:16]}, "
-            f"{len(self.tables)} tables, {self.processes} process(es), {exchange})"
+            f"{len(self.tables)} tables, {self.processes} process(es){on}, {exchange})"
         )
 
     # -- storage ---------------------------------------------------------------------------------------------
