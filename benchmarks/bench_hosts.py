@@ -346,6 +346,7 @@ def _profile(out_dir: Path, cfg: dict) -> None:
     import torch.distributed as dist
 
     from lightning_rec.data import SyntheticClicks
+    from lightning_rec.plans.planner import Topology
     from lightning_rec.plans.planner.profile import fitted, measure
 
     rank = int(os.environ["RANK"])
@@ -355,10 +356,21 @@ def _profile(out_dir: Path, cfg: dict) -> None:
     dist.init_process_group("gloo")  # the launcher's environment: MASTER_ADDR on host 0's link
     t0 = time.perf_counter()
     timings = measure(_dlrm(cfg), batches, max_batches=cfg["profile_batches"])
-    speeds = fitted(timings, _dlrm(cfg))
+    # the job's topology, so that the steps' calibration knows which bytes crossed the link
+    hardware = Topology(WORLD, WORLD, PER_HOST, host_link=PLANNED[PROFILED]).hardware
+    speeds = fitted(timings, _dlrm(cfg), hardware=hardware)
     if rank == 0:
         speeds.save(out_dir / "speeds.json")
-    keys = ("hosts", "latency_a2a_s", "latency_ring_s", "a2a_tiny_s", "a2a_big_s", "a2a_bytes", "step_s")
+    keys = (
+        "hosts",
+        "latency_a2a_s",
+        "latency_ring_s",
+        "a2a_tiny_s",
+        "a2a_big_s",
+        "a2a_bytes",
+        "step_s",
+        "step_mixed_s",
+    )
     raw = {"seconds": time.perf_counter() - t0, **{k: getattr(timings, k) for k in keys}}
     (out_dir / f"rank{rank}.json").write_text(json.dumps({"profile": raw}))
     dist.destroy_process_group()
@@ -674,7 +686,8 @@ def _planner_lines(summary: dict, cfg: dict) -> list[str]:
         "*planner_profiled*: the same topology as *planner* with `speeds=` a profile of this job measured on these",
         "hosts before the timed rounds (`profile.measure` + `profile.fitted`, what `lightning-rec profile` and",
         "`profile_speeds` run: every rank at once, over the same links, on its own batches of the job), as",
-        "`RecShardedStrategy(planner_speeds=...)` would plan with it; its measurements are below the table.",
+        "`RecShardedStrategy(planner_speeds=...)` would plan with it (the fit told the topology's hardware, so that",
+        "its steps' calibration knows which bytes crossed the link); its measurements are below the table.",
         f"Candidates ranked by their fastest round's median steps/s; every round's figure in brackets (rounds: {cfg['rounds']}).",
         "The planner's estimate of each candidate, from the link-aware cost model with the defaults' speeds and",
         "(where profiled) with the profile's, alongside.",
@@ -699,23 +712,29 @@ def _profile_lines(prof: dict | None, per_host: int) -> list[str]:
     """What the profile measured across the hosts, and the exchange speeds fitted to it."""
     if not prof:
         return []
+    from lightning_rec.plans.planner.fit import fit_latency
+
     world = N_HOSTS * per_host
     hops_a2a, hops_ring = max(1.0, math.log2(world)), 4 * (world - 1)
     ms = lambda x: "-" if x is None else f"{1e3 * x:.2f}"  # noqa: E731 - seconds as ms
     intra = prof.get("intra_host_bandwidth")
+    alone = fit_latency(prof["latency_a2a_s"], prof["latency_ring_s"], world)
     text = (
         f"Profile: {prof['describe']}, at {prof['rate']}, {prof['wall_s']:.0f} s with the hosts' start. Over every"
         f" rank, on 8 bytes, an all-to-all took {ms(prof['latency_a2a_s'])} ms ({hops_a2a:.0f} hops in the cost"
         f" model: {ms(prof['latency_a2a_s'] / hops_a2a)} ms each) and the data-parallel sync's two all-gathers and"
         f" all-reduce {ms(prof['latency_ring_s'])} ms ({hops_ring} ring hops:"
-        f" {ms(prof['latency_ring_s'] / hops_ring)} ms each): fitted `collective_latency`"
-        f" {ms(prof['collective_latency'])} ms per hop (`fit.fit_latency`: the model's latency of a step with both"
-        " kinds' exchanges equals the measured one), against the CPU defaults' 0.20 ms. Within each host (every"
+        f" {ms(prof['latency_ring_s'] / hops_ring)} ms each): alone, {ms(alone)} ms per hop (`fit.fit_latency`: the"
+        " model's latency of a step with both kinds' exchanges equals the measured one). The reference steps,"
+        f" table-wise round-robin and with the smaller half of the tables data-parallel, took {ms(prof['step_s'])}"
+        f" and {ms(prof['step_mixed_s'])} ms: in a step the sync's ring hops wait"
+        f" {ms(prof['collective_latency'])} ms each (`fit.calibrate_step`: the model's extra time of the mixed"
+        " step's sync as measured, where more than alone), the `collective_latency` the planner was given (the CPU"
+        " defaults': 0.20 ms). Within each host (every"
         f" host's ranks at once): {ms(prof['a2a_tiny_s'])} ms tiny, {ms(prof['a2a_big_s'])} ms for"
         f" {(prof['a2a_bytes'] or 0) / 1e6:.2f} MB per rank: `intra_host_bandwidth` "
         + ("-" if intra is None else f"{intra / 1e9:.2f} GB/s")
-        + f". The reference step (table-wise round-robin) took {ms(prof['step_s'])} ms; the fixed cost per step"
-        f" fitted to it {ms(prof['step_overhead'])} ms (added to every plan alike)."
+        + f"; the fixed cost per step fitted to the steps {ms(prof['step_overhead'])} ms (added to every plan alike)."
     )
     return ["", *textwrap.wrap(text, 110)]
 

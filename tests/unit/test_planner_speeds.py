@@ -21,6 +21,7 @@ from lightning_rec.plans.planner.fit import (
     calibrate_step,
     fit_latency,
     fit_speeds,
+    reference_mixed_plan,
     reference_plan,
 )
 from lightning_rec.plans.planner.profile import profile_speeds, take
@@ -109,6 +110,29 @@ def test_profiled_latency_reaches_the_data_parallel_sync_across_hosts() -> None:
     # the sync's 12 ring hops and the all-to-alls' 6 x 2 are charged the profiled latency
     assert math.isclose(est[1.2e-3]["dp"] - est[1e-4]["dp"], 12 * 1.1e-3)
     assert math.isclose(est[1.2e-3]["tw"] - est[1e-4]["tw"], SHARDED_COLLECTIVES * 2 * 1.1e-3)
+
+
+def test_calibration_on_a_mixed_step_finds_the_latency_its_sync_waits() -> None:
+    tables = [EmbeddingBagConfig(100 * (i + 1), 16, f"t{i}", [f"f{i}"]) for i in range(4)]
+    pooling = {f"f{i}": 1.0 for i in range(4)}
+    sp = _profile(collective_latency=2e-4, step_overhead=1e-4)
+    zero = dataclasses.replace(sp, collective_latency=0.0, step_overhead=0.0)
+    topo = Topology(4, local_size=2)
+    planner = Planner(topo, batch_size=512, pooling_factors=pooling, gradients="sparse", speeds=zero)
+    mixed = reference_mixed_plan(tables, 4)
+    assert mixed is not None
+    kinds = {n: ps.sharding_type.value for n, ps in mixed.plan[""].items()}
+    assert kinds == {"t0": "data_parallel", "t1": "data_parallel", "t2": "table_wise", "t3": "table_wise"}
+    tw, mx = (planner.estimate(tables, p).step_time_ms / 1e3 for p in (reference_plan(tables, 4), mixed))
+    # steps that waited 1.5 ms a hop (12 all-to-all hops; the sync 12 more) and 3 ms whatever the plan
+    step, step_mixed = tw + 12 * 1.5e-3 + 3e-3, mx + 24 * 1.5e-3 + 3e-3
+    args = (tables, step, 4, 512, pooling, "sgd", "sparse")
+    got = calibrate_step(sp, *args, step_mixed_s=step_mixed, local_size=2)
+    assert math.isclose(got.collective_latency, 1.5e-3) and math.isclose(got.step_overhead, 3e-3)  # type: ignore[arg-type]
+    # a sync no slower than the tiny collectives alone: their latency stays
+    got = calibrate_step(sp, *args, step_mixed_s=mx + 12 * 1.5e-3 + 3e-3, local_size=2)
+    assert got.collective_latency == 2e-4 and math.isclose(got.step_overhead, 3e-3 + 12 * 1.5e-3 - 12 * 2e-4)
+    assert reference_mixed_plan(tables[:1], 4) is None
 
 
 def test_intra_host_speed_is_bounded_when_the_big_exchange_is_lost_in_noise() -> None:

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lightning_rec.configs import BaseEmbeddingConfig
-from lightning_rec.plans.plan import ShardingPlan, table_wise
-from lightning_rec.plans.planner.cost import SHARDED_COLLECTIVES
+from lightning_rec.plans.plan import ShardingPlan, data_parallel, table_wise
+from lightning_rec.plans.planner.cost import SHARDED_COLLECTIVES, exchange_latency
 from lightning_rec.plans.planner.search import Planner
 from lightning_rec.plans.planner.speeds import ProfiledSpeeds, TableProfile
 from lightning_rec.plans.planner.topology import Hardware, Topology
@@ -53,6 +53,7 @@ class Timings:
     latency_a2a_s: float | None = None
     latency_ring_s: float | None = None
     step_s: float | None = None  # a training step of the whole job, table-wise round-robin, the slowest rank
+    step_mixed_s: float | None = None  # the same under reference_mixed_plan (small tables data-parallel)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -143,6 +144,19 @@ def reference_plan(tables: Sequence[BaseEmbeddingConfig], world: int) -> Shardin
     return ShardingPlan({"": {t.name: table_wise(i % world) for i, t in enumerate(tables)}})
 
 
+def reference_mixed_plan(tables: Sequence[BaseEmbeddingConfig], world: int) -> ShardingPlan | None:
+    """The plan of the profile's second training step: the smaller half of the tables (by rows x width)
+    data-parallel, the rest table-wise round-robin, as plans that spare small tables the all-to-alls are;
+    None with under two tables."""
+    if len(tables) < 2 or world <= 1:
+        return None
+    by_size = sorted(tables, key=lambda t: t.num_embeddings * t.embedding_dim)
+    small = {t.name for t in by_size[: len(tables) // 2]}
+    big = [t for t in tables if t.name not in small]
+    placed = {t.name: table_wise(i % world) for i, t in enumerate(big)}
+    return ShardingPlan({"": {t.name: data_parallel() if t.name in small else placed[t.name] for t in tables}})
+
+
 def calibrate_step(
     speeds: ProfiledSpeeds,
     tables: Sequence[BaseEmbeddingConfig],
@@ -152,19 +166,42 @@ def calibrate_step(
     pooling_factors: Mapping[str, float],
     optimizer: str,
     gradients: str,
+    *,
+    step_mixed_s: float | None = None,
+    local_size: int | None = None,
+    hardware: Hardware | None = None,
 ) -> ProfiledSpeeds:
     """``speeds`` with the fixed cost per step (``step_overhead``) that makes the model's estimate of
-    :func:`reference_plan` (all ranks on one host) equal its measured step ``step_s``: what the pipeline spends
-    whatever the plan (building and splitting the batch's features, starting and waiting for its exchanges),
-    which the byte counts leave out. Never below the lookups' own fixed cost, measured alone."""
+    :func:`reference_plan` equal its measured step ``step_s``: what the pipeline spends whatever the plan
+    (building and splitting the batch's features, starting and waiting for its exchanges), which the byte counts
+    leave out. Never below the lookups' own fixed cost, measured alone.
+
+    With ``step_mixed_s`` (:func:`reference_mixed_plan`'s measured step) the latency per hop too: the one that
+    makes the model's extra time of the mixed plan's data-parallel sync (its ``4 (world - 1)`` ring hops) what
+    the two measured steps say, where that is more than the tiny collectives measured alone (``speeds``'s): in
+    a step the sync's collectives also wait for the slowest rank to arrive. The topology is ``world`` ranks,
+    ``local_size`` to a host (default: one host), at ``hardware``'s speeds (default: the device's)."""
     zero = replace(speeds, step_overhead=0.0)
-    planner = Planner(
-        Topology(world),
-        batch_size=batch_size,
-        pooling_factors=pooling_factors,
-        optimizer=optimizer,
-        gradients=gradients,
-        speeds=zero,
-    )
-    est = planner.estimate(list(tables), reference_plan(tables, world)).step_time_ms / 1e3
-    return replace(speeds, step_overhead=max(speeds.step_overhead, step_s - est))
+    if step_mixed_s is not None:
+        zero = replace(zero, collective_latency=0.0)
+
+    def estimate(plan: ShardingPlan) -> float:
+        planner = Planner(
+            Topology(world, local_size=local_size, hardware=hardware),
+            batch_size=batch_size,
+            pooling_factors=pooling_factors,
+            optimizer=optimizer,
+            gradients=gradients,
+            speeds=zero,
+        )
+        return planner.estimate(list(tables), plan).step_time_ms / 1e3
+
+    left = step_s - estimate(reference_plan(tables, world))
+    mixed = reference_mixed_plan(tables, world)
+    if step_mixed_s is None or mixed is None:
+        return replace(speeds, step_overhead=max(speeds.step_overhead, left))
+    hops = exchange_latency({"table_wise"}, world, 1.0)  # the all-to-alls' hops, in both plans
+    ring = exchange_latency({"table_wise", "data_parallel"}, world, 1.0) - hops
+    in_step = (step_mixed_s - estimate(mixed) - left) / ring
+    latency = max(speeds.collective_latency or 0.0, in_step)
+    return replace(speeds, collective_latency=latency, step_overhead=max(speeds.step_overhead, left - hops * latency))

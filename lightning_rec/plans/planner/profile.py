@@ -43,7 +43,14 @@ from lightning_rec.fused_kinds import FusedOptimizerSpec, as_spec
 from lightning_rec.pipeline.shard_modules import fused_optimizer, shard_modules
 from lightning_rec.plans.plan import ShardingPlan, table_wise
 from lightning_rec.plans.planner.cost import OPTIMIZER_STATE
-from lightning_rec.plans.planner.fit import TableTiming, Timings, calibrate_step, fit_speeds, reference_plan
+from lightning_rec.plans.planner.fit import (
+    TableTiming,
+    Timings,
+    calibrate_step,
+    fit_speeds,
+    reference_mixed_plan,
+    reference_plan,
+)
 from lightning_rec.plans.planner.inputs import plan_entries
 from lightning_rec.plans.planner.speeds import ProfiledSpeeds, machine_info
 from lightning_rec.plans.planner.topology import Hardware
@@ -298,7 +305,10 @@ def measure(
             # the latency over every rank, across the hosts' links where there are several
             out.latency_a2a_s = _a2a(dev, 8, repeats)
             out.latency_ring_s = _ring(dev, repeats)
-            out.step_s = _job_step(plans, grads_of, spec, dev, sparse, repeats, lr)
+            out.step_s = _job_step(plans, grads_of, spec, dev, sparse, repeats, lr, reference_plan(plans, world))
+            mixed = reference_mixed_plan(plans, world)
+            if mixed is not None:
+                out.step_mixed_s = _job_step(plans, grads_of, spec, dev, sparse, repeats, lr, mixed)
         return _agree(out, dev) if world > 1 else out
     finally:
         if owned:
@@ -310,7 +320,7 @@ def _agree(t: Timings, device: torch.device) -> Timings:
     names = ("lookup_s", "update_s", "lookup_tiny_s", "update_tiny_s")
     flat = [getattr(tt, n) for tt in t.tables for n in names] + [t.group_s, t.group_tiny_s]
     flat += [t.a2a_tiny_s or 0.0, t.a2a_big_s or 0.0] + [tt.ids for tt in t.tables] + [tt.batch for tt in t.tables]
-    flat += [t.latency_a2a_s or 0.0, t.latency_ring_s or 0.0, t.step_s or 0.0]
+    flat += [t.latency_a2a_s or 0.0, t.latency_ring_s or 0.0, t.step_mixed_s or 0.0, t.step_s or 0.0]
     on = device if dist.get_backend() == "nccl" else torch.device("cpu")
     x = torch.tensor(flat, dtype=torch.float64, device=on)
     dist.all_reduce(x)
@@ -324,7 +334,9 @@ def _agree(t: Timings, device: torch.device) -> Timings:
     if t.a2a_tiny_s is not None:
         t.a2a_tiny_s, t.a2a_big_s = v[k + 2], v[k + 3]
     if t.latency_a2a_s is not None:
-        t.latency_a2a_s, t.latency_ring_s = v[-3], v[-2]
+        t.latency_a2a_s, t.latency_ring_s = v[-4], v[-3]
+    if t.step_mixed_s is not None:
+        t.step_mixed_s = v[-2]
     if t.step_s is not None:
         t.step_s = v[-1]
     return t
@@ -338,15 +350,15 @@ def _job_step(
     sparse: list[KeyedJaggedTensor],
     repeats: int,
     lr: float,
+    plan: ShardingPlan,
 ) -> float | None:
-    """Seconds of the slowest rank's training step of the whole job under :func:`reference_plan` (median);
-    None where that step cannot be built as one collection (mixed gradients or table types)."""
+    """Seconds of the slowest rank's training step of the whole job under ``plan`` (median); None where that
+    step cannot be built as one collection (mixed gradients or table types)."""
     grads = set(grads_of.values())
     if len(grads) != 1 or not all(isinstance(t, EmbeddingBagConfig) for t in tables):
         return None
-    world = dist.get_world_size()
     model = EmbeddingBagCollection(tables, device="meta", sparse_grad=grads == {"sparse"})  # type: ignore[arg-type]
-    sharded = shard_modules(model, reference_plan(tables, world), device=device, embedding_optimizer=spec)
+    sharded = shard_modules(model, plan, device=device, embedding_optimizer=spec)
     opt: Any = fused_optimizer(sharded) if spec is not None else torch.optim.SGD(sharded.parameters(), lr=lr)
     keys = [f for t in tables for f in t.feature_names]
     batches = [take(b, keys, None, device) for b in sparse]
@@ -425,5 +437,15 @@ def fitted(
     kind = as_spec(embedding_optimizer)
     grads = timings.tables[0].grads
     return calibrate_step(
-        speeds, tables, timings.step_s, timings.processes, batch, pooling, kind.kind if kind else "sgd", grads
+        speeds,
+        tables,
+        timings.step_s,
+        timings.processes,
+        batch,
+        pooling,
+        kind.kind if kind else "sgd",
+        grads,
+        step_mixed_s=timings.step_mixed_s,
+        local_size=timings.processes // timings.hosts,
+        hardware=base,
     )
