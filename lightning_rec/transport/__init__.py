@@ -117,9 +117,11 @@ def all_to_all_pieces(
     memory they are views of the sender's buffer, or this rank's own ``sends``), so it copies out what it
     needs, and a caller that reorders pieces pays one copy where a receive buffer would cost two.
 
-    ``pairwise``: through torch.distributed, point-to-point messages with only the peers that exchange bytes,
-    every receive posted first (:mod:`~lightning_rec.transport.pairwise`: the two directions of a link overlap
-    even when the ranks arrive apart); always asynchronous until :meth:`PendingPieces.wait`.
+    ``pairwise``: CPU tensors through torch.distributed (gloo) as point-to-point messages with only the peers
+    that exchange bytes, every receive posted first (:mod:`~lightning_rec.transport.pairwise`: the two
+    directions of a link overlap even when the ranks arrive apart); always asynchronous until
+    :meth:`PendingPieces.wait`. Ignored on other devices: separate receives posted first would block NCCL's
+    stream in turn on both peers.
     """
     if dist.get_world_size(group) == 1:  # a group of one: this rank's pieces are what it receives
         return PendingPieces((consume([list(sends[0])]),))
@@ -132,7 +134,7 @@ def all_to_all_pieces(
             if done is not None:
                 return PendingPieces(done)
     dtype = pieces_dtype(sends)
-    if pairwise:
+    if pairwise and device.type == "cpu":
         return _pieces_pairwise(sends, recv_sizes, consume, group, device, dtype)
     flat = [t for lst in sends for t in lst]
     whole = bytecopy.spanning(flat)  # pieces split from one buffer: send it as it is
@@ -197,11 +199,12 @@ def all_to_all_views(
         return
     if accounting.ON:
         accounting.record(group, accounting.nbytes_of(sends))
-    if all(t.device.type == "cpu" for t in tensors):
+    on_cpu = all(t.device.type == "cpu" for t in tensors)
+    if on_cpu:
         shared = shared_group(group)
         if shared is not None and shared.exchange(sends, recvs):
             return
-    if pairwise:
+    if pairwise and on_cpu:
         _views_pairwise(sends, recvs, group)
         return
     device = tensors[0].device if tensors else torch.device("cpu")

@@ -12,7 +12,9 @@ every announcement ahead of any data. Only the peers that exchange bytes take pa
 either way (both sides know the sizes), so a sparse exchange (each rank one peer per other host) sends no
 empty messages.
 
-Messages are bytes (``uint8``): one contiguous buffer per peer and direction. The works are waited by the
+CPU tensors only (gloo): on NCCL, receives issued one by one ahead of the sends would each hold the stream
+until its peer sends, and both peers would wait on each other. Messages are bytes (``uint8``): one
+contiguous buffer per peer and direction. The works are waited by the
 caller (:func:`wait_all`) before any of those buffers is reused.
 """
 
