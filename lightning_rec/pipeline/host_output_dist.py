@@ -6,9 +6,9 @@ every rank of its host its rows for that rank's samples (placed as the flat exch
 for the other hosts' ranks that rank aggregates for (added into a host block there); then over the shard group
 each aggregator sends its host blocks to their destinations, which place them after their own host's blocks.
 Backward runs the reverse: each host block's gradient crosses once, to its aggregator, which fans it out
-within the host to every block that contributed, alongside the direct gradients. Both cross-host exchanges are
-point-to-point messages with every receive posted first (``transport.pairwise``): gloo's all-to-all lets the two
-directions of a link run one after the other when the ranks arrive apart. Blocks add in a fixed order
+within the host to every block that contributed, alongside the direct gradients. Both cross-host exchanges go, as
+every exchange of a group spanning hosts, as point-to-point messages with every receive posted first
+(``transport.pairwise``). Blocks add in a fixed order
 (the data-parallel block, the own host's ranks, the other hosts host by host; within a host block, its ranks
 in order), so every run gives the same bits.
 
@@ -161,7 +161,7 @@ class _HostOutputDist(torch.autograd.Function):
                 )
                 return out
 
-            transport.all_to_all_pieces(cross, cross_sizes, place_across, group, device, pairwise=True).wait()
+            transport.all_to_all_pieces(cross, cross_sizes, place_across, group, device).wait()
         ctx.routing, ctx.plan, ctx.batches, ctx.b, ctx.group, ctx.shape = routing, plan, batches, b, group, pooled.shape
         ctx.dp_shape = dp[0].shape if dp else None
         return out
@@ -190,7 +190,7 @@ class _HostOutputDist(torch.autograd.Function):
             return grad_pooled[starts[d] : starts[d] + batches[d]]
 
         with transport.stage("output_dist_bwd"):
-            transport.all_to_all_views(cross, back, ctx.group, pairwise=True)
+            transport.all_to_all_views(cross, back, ctx.group)
             # within the host: each rank's direct gradient and its share of every aggregated block
             sends = [
                 [

@@ -19,6 +19,12 @@ exchanges repeat, so the next step reuses them): a group whose largest exchange 
 holds up to about 64 MiB per rank (two buffers of up to twice the bucket). A rank that cannot grow a buffer
 makes that collective run through torch.distributed on every rank.
 
+Across hosts (a group whose ranks are on more than one host, hosts as the accounting numbers them), the
+variable all-to-alls of CPU tensors go as point-to-point messages with every receive posted first
+(:mod:`lightning_rec.transport.pairwise`): through gloo's all-to-all a slow link's two directions run one after
+the other when the ranks arrive apart. ``LIGHTNING_REC_PAIRWISE=0`` (on every rank) keeps gloo's all-to-all
+there, ``=1`` takes the messages within a host too.
+
 ``async_op``: through torch.distributed the work runs asynchronously, as torch's. Through shared memory the
 collective completes before the call returns (the returned work is already done): the group's next collectives
 reuse its two buffers, so a collective left open while the step runs others on the same group would have its
@@ -32,6 +38,8 @@ the stage of the collectives run inside. Off, it costs one attribute read per co
 
 from __future__ import annotations
 
+import os
+import weakref
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -64,6 +72,27 @@ __all__ = [
 T = TypeVar("T")
 # torch 2.13 renamed all_gather_into_tensor (the old name warns); both exist there.
 _dist_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# id of a group -> (it, weakly, and whether its ranks are on more than one host)
+_SPANS: dict[int, tuple[weakref.ref, bool]] = {}
+
+
+def _pairwise(group: dist.ProcessGroup | None, asked: bool | None) -> bool:
+    """Whether a CPU variable all-to-all on ``group`` goes as point-to-point messages: as ``asked``, else as
+    ``LIGHTNING_REC_PAIRWISE`` says (default: where the group spans hosts)."""
+    if asked is not None:
+        return asked
+    mode = os.environ.get("LIGHTNING_REC_PAIRWISE", "auto")
+    if mode in ("0", "1"):
+        return mode == "1"
+    g = group if group is not None else dist.group.WORLD
+    hit = _SPANS.get(id(g))
+    if hit is None or hit[0]() is not g:
+        ranks = dist.get_process_group_ranks(g)
+        hit = (weakref.ref(g), len({accounting.host_of(r) for r in ranks}) > 1)
+        _SPANS[id(g)] = hit
+    return hit[1]
 
 
 def all_to_all_single(
@@ -109,7 +138,7 @@ def all_to_all_pieces(
     group: dist.ProcessGroup | None,
     device: torch.device,
     async_op: bool = False,
-    pairwise: bool = False,
+    pairwise: bool | None = None,
 ) -> PendingPieces[T]:
     """Variable all-to-all of 1-D pieces of one dtype: this rank's ``sends[r]`` reach rank ``r``, where
     ``recv_sizes[s]`` gives the numel of each piece from rank ``s``. ``consume(got)`` gets every source's pieces
@@ -120,8 +149,8 @@ def all_to_all_pieces(
     ``pairwise``: CPU tensors through torch.distributed (gloo) as point-to-point messages with only the peers
     that exchange bytes, every receive posted first (:mod:`~lightning_rec.transport.pairwise`: the two
     directions of a link overlap even when the ranks arrive apart); always asynchronous until
-    :meth:`PendingPieces.wait`. Ignored on other devices: separate receives posted first would block NCCL's
-    stream in turn on both peers.
+    :meth:`PendingPieces.wait`. None: where the group spans hosts (``LIGHTNING_REC_PAIRWISE`` overrides).
+    Ignored on other devices: separate receives posted first would block NCCL's stream in turn on both peers.
     """
     if dist.get_world_size(group) == 1:  # a group of one: this rank's pieces are what it receives
         return PendingPieces((consume([list(sends[0])]),))
@@ -134,7 +163,7 @@ def all_to_all_pieces(
             if done is not None:
                 return PendingPieces(done)
     dtype = pieces_dtype(sends)
-    if pairwise and device.type == "cpu":
+    if device.type == "cpu" and _pairwise(group, pairwise):
         return _pieces_pairwise(sends, recv_sizes, consume, group, device, dtype)
     flat = [t for lst in sends for t in lst]
     whole = bytecopy.spanning(flat)  # pieces split from one buffer: send it as it is
@@ -183,7 +212,7 @@ def all_to_all_views(
     sends: list[list[torch.Tensor]],
     recvs: list[list[torch.Tensor]],
     group: dist.ProcessGroup | None,
-    pairwise: bool = False,
+    pairwise: bool | None = None,
 ) -> None:
     """Variable all-to-all between tensors of any layout (views into larger tensors, strided): the elements of
     this rank's ``sends[r]`` (row-major, one tensor after the other) fill rank ``r``'s ``recvs[this rank]``.
@@ -191,7 +220,7 @@ def all_to_all_views(
     Through shared memory a strided piece is one copy into or out of the buffer, with no contiguous copy on
     either side. Sizes must agree in bytes (a mismatch raises, naming both ranks); dtypes may differ.
     ``pairwise``: through torch.distributed, as :func:`all_to_all_pieces`'s (a receiver that is one contiguous
-    tensor takes its bytes in place).
+    tensor takes its bytes in place; None: where the group spans hosts).
     """
     tensors = [t for lst in (*sends, *recvs) for t in lst]
     if dist.get_world_size(group) == 1:
@@ -204,7 +233,7 @@ def all_to_all_views(
         shared = shared_group(group)
         if shared is not None and shared.exchange(sends, recvs):
             return
-    if pairwise and on_cpu:
+    if on_cpu and _pairwise(group, pairwise):
         _views_pairwise(sends, recvs, group)
         return
     device = tensors[0].device if tensors else torch.device("cpu")
