@@ -110,6 +110,8 @@ def saves_bytes(routing: RoutingTable, hosts: Sequence[int]) -> bool:
 
 
 def mode_from_env() -> str:
+    """``LIGHTNING_REC_OUTPUT_DIST`` now (empty: ``auto``); raises naming the accepted values for any other.
+    Sharding reads it first, on every rank, to check that all ranks agree (``agreement.settings``)."""
     mode = os.environ.get(ENV, "auto") or "auto"
     if mode not in MODES:
         raise ValueError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}")

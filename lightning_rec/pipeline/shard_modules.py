@@ -22,7 +22,7 @@ from lightning_rec.fused_kinds import FusedOptimizerSpec
 from lightning_rec.fused_tables import PerTableOptimizers, TableSpecs, as_table_optimizers, spec_of
 from lightning_rec.optim import FusedOptimizer
 from lightning_rec.pipeline import collectives as comm
-from lightning_rec.pipeline.agreement import check_agreement, describe_table
+from lightning_rec.pipeline.agreement import check_agreement, describe_table, settings
 from lightning_rec.pipeline.materialize import target_device
 from lightning_rec.pipeline.pooled import ShardedEmbeddingBagCollection
 from lightning_rec.pipeline.qcomm import CommOp, QuantizedCommCodecs, pooled_codecs, sequence_codecs
@@ -186,7 +186,9 @@ def shard_modules(
     error: Exception | None = None
     kernels_of: dict[str, dict[str, str | None]] = {}
     codecs: QuantizedCommCodecs | None = None
+    env: dict[str, str] = {}
     try:  # a bad argument on some rank raises on every rank, in the agreement below
+        env = settings()  # read before the collections build their dists, which use them
         codecs = pooled_codecs(qcomm_codecs_registry)
         sequence = [p or "<root>" for p, m in targets if type(m) is EmbeddingCollection]
         if sequence and sequence_codecs(qcomm_codecs_registry) is not None:
@@ -216,7 +218,7 @@ def shard_modules(
     )
     here = target_device(targets[0][1], device) if targets else _compat.indexed_device(device or "cpu")
     peers = check_agreement(
-        described, options, error, agree_group, here, collective_device=here if here.type == "cuda" else None
+        described, options, error, agree_group, here, collective_device=here if here.type == "cuda" else None, env=env
     )
     for path, m, shards in resolved:
         sharded = _SHARDED[type(m)](

@@ -23,7 +23,8 @@ Across hosts (a group whose ranks are on more than one host, hosts as the accoun
 variable all-to-alls of CPU tensors go as point-to-point messages with every receive posted first
 (:mod:`lightning_rec.transport.pairwise`): through gloo's all-to-all a slow link's two directions run one after
 the other when the ranks arrive apart. ``LIGHTNING_REC_PAIRWISE=0`` (on every rank) keeps gloo's all-to-all
-there, ``=1`` takes the messages within a host too.
+there, ``=1`` takes the messages within a host too; it is read once, at import (:func:`pairwise_mode`), and
+sharding checks that every rank read the same value (``pipeline/agreement.py``).
 
 ``async_op``: through torch.distributed the work runs asynchronously, as torch's. Through shared memory the
 collective completes before the call returns (the returned work is already done): the group's next collectives
@@ -64,6 +65,7 @@ __all__ = [
     "byte_counts",
     "close_all",
     "counting",
+    "pairwise_mode",
     "reset_byte_counts",
     "shared_group",
     "stage",
@@ -78,12 +80,27 @@ _dist_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_g
 _SPANS: dict[int, tuple[weakref.ref, bool]] = {}
 
 
+PAIRWISE_ENV = "LIGHTNING_REC_PAIRWISE"
+PAIRWISE_MODES = ("auto", "0", "1")
+# Read once, at import: ranks that ran one exchange as messages and the other as gloo's all-to-all would hang, so
+# a change made later on one rank must not take effect; sharding checks that every rank read the same value.
+_PAIRWISE_SET = os.environ.get(PAIRWISE_ENV, "auto") or "auto"
+
+
+def pairwise_mode() -> str:
+    """``LIGHTNING_REC_PAIRWISE`` as this process read it at import (``auto``, ``0`` or ``1``); raises naming the
+    accepted values for any other."""
+    if _PAIRWISE_SET not in PAIRWISE_MODES:
+        raise ValueError(f"{PAIRWISE_ENV}={_PAIRWISE_SET!r}: expected one of {', '.join(PAIRWISE_MODES)}")
+    return _PAIRWISE_SET
+
+
 def _pairwise(group: dist.ProcessGroup | None, asked: bool | None) -> bool:
     """Whether a CPU variable all-to-all on ``group`` goes as point-to-point messages: as ``asked``, else as
-    ``LIGHTNING_REC_PAIRWISE`` says (default: where the group spans hosts)."""
+    ``LIGHTNING_REC_PAIRWISE`` says (:func:`pairwise_mode`; default: where the group spans hosts)."""
     if asked is not None:
         return asked
-    mode = os.environ.get("LIGHTNING_REC_PAIRWISE", "auto")
+    mode = pairwise_mode()
     if mode in ("0", "1"):
         return mode == "1"
     g = group if group is not None else dist.group.WORLD

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -73,6 +74,40 @@ def _agree_job(rank: int, ws: int) -> list[str]:
 def test_ranks_that_agree_learn_each_others_devices() -> None:
     for devices in run_distributed(_agree_job, 2):
         assert devices == ["cpu", "cpu"]
+
+
+# -- environment variables that choose the collectives ---------------------------------------------------
+def _env_job(rank: int, ws: int, kind: str) -> str:
+    from lightning_rec import transport
+
+    read = transport._PAIRWISE_SET
+    if kind == "output_dist":
+        os.environ["LIGHTNING_REC_OUTPUT_DIST"] = "flat" if rank == 0 else "auto"
+    elif kind == "bogus" and rank == 1:
+        os.environ["LIGHTNING_REC_OUTPUT_DIST"] = "bogus"
+    elif kind == "pairwise" and rank == 1:
+        transport._PAIRWISE_SET = "0"  # as if this rank had started with LIGHTNING_REC_PAIRWISE=0
+    try:
+        return _disagree_job(rank, ws, "same")
+    finally:
+        transport._PAIRWISE_SET = read  # the pooled process serves later tests
+
+
+def test_ranks_with_different_output_dist_settings_raise_on_every_rank() -> None:
+    for msg in run_distributed(_env_job, 2, "output_dist", timeout_s=60):
+        assert "LIGHTNING_REC_OUTPUT_DIST: rank 0 has 'flat', rank 1 has 'auto': set it alike on every rank" in msg
+        assert "table '" not in msg and "LIGHTNING_REC_PAIRWISE" not in msg, msg
+
+
+def test_ranks_with_different_pairwise_settings_raise_on_every_rank() -> None:
+    for msg in run_distributed(_env_job, 2, "pairwise", timeout_s=60):
+        assert "LIGHTNING_REC_PAIRWISE: rank 0 has 'auto', rank 1 has '0': set it alike on every rank" in msg, msg
+
+
+def test_an_unknown_output_dist_on_one_rank_stops_every_rank() -> None:
+    msgs = run_distributed(_env_job, 2, "bogus", timeout_s=60)
+    assert "LIGHTNING_REC_OUTPUT_DIST='bogus': expected one of auto, flat, hierarchical" in msgs[1], msgs[1]
+    assert "rank 1 could not resolve the sharding plan or its environment settings" in msgs[0], msgs[0]
 
 
 # -- per-sample weights of different float dtypes on different ranks ----------------------------------

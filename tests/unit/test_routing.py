@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_rec import _compat
-from lightning_rec.pipeline.agreement import _mismatch_message, describe_table
+from lightning_rec.pipeline.agreement import _mismatch_message, agreement_text, describe_table, settings
 from lightning_rec.pipeline.input_dist import Received, regroup
 from lightning_rec.pipeline.input_payload import build_bucketing
 from lightning_rec.pipeline.placement import _put, _runs, _take, column_placement
@@ -140,8 +140,45 @@ def test_table_descriptions_differ_exactly_when_layouts_differ() -> None:
     b = describe_table(t, [ShardMeta(0, 5, 0, 4, 0), ShardMeta(5, 5, 0, 4, 1)])
     assert a != b and a == describe_table(t, [ShardMeta(0, 3, 0, 4, 0), ShardMeta(3, 7, 0, 4, 1)])
     assert describe_table(t, None) != a
-    msg = _mismatch_message({0: ({("", "t"): a}, "o"), 1: ({("", "t"): b}, "o"), 2: ({("", "t"): a}, "o")})
+    env = {"LIGHTNING_REC_OUTPUT_DIST": "auto"}
+    msg = _mismatch_message(
+        {0: ({("", "t"): a}, "o", env), 1: ({("", "t"): b}, "o", env), 2: ({("", "t"): a}, "o", env)}
+    )
     assert "table 't'" in msg and "ranks [0, 2]" in msg and "rank 1:" in msg and "sharding options" not in msg
+    assert "LIGHTNING_REC" not in msg  # the settings agree
+
+
+def test_ranks_compare_the_collective_settings_and_name_the_variable_that_differs() -> None:
+    tables = {("", "t"): "rows=10"}
+    flat = {"LIGHTNING_REC_OUTPUT_DIST": "flat", "LIGHTNING_REC_PAIRWISE": "auto"}
+    auto = {**flat, "LIGHTNING_REC_OUTPUT_DIST": "auto"}
+    assert agreement_text(tables, "o", flat) == agreement_text(tables, "o", dict(flat))
+    assert agreement_text(tables, "o", flat) != agreement_text(tables, "o", auto)
+    assert agreement_text(tables, "o", flat) != agreement_text(tables, "o", {**flat, "LIGHTNING_REC_PAIRWISE": "0"})
+    msg = _mismatch_message({0: (tables, "o", flat), 1: (tables, "o", auto), 2: (tables, "o", flat)})
+    assert "LIGHTNING_REC_OUTPUT_DIST: ranks [0, 2] have 'flat', rank 1 has 'auto': set it alike on every rank" in msg
+    assert "LIGHTNING_REC_PAIRWISE" not in msg and "table 't'" not in msg and "sharding options" not in msg
+
+
+def test_unknown_settings_raise_naming_the_variable_and_the_accepted_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_rec import transport
+
+    monkeypatch.delenv("LIGHTNING_REC_OUTPUT_DIST", raising=False)
+    monkeypatch.setattr(transport, "_PAIRWISE_SET", "auto")
+    assert settings() == {"LIGHTNING_REC_OUTPUT_DIST": "auto", "LIGHTNING_REC_PAIRWISE": "auto"}
+    monkeypatch.setenv("LIGHTNING_REC_OUTPUT_DIST", "bogus")
+    with pytest.raises(
+        ValueError, match=r"LIGHTNING_REC_OUTPUT_DIST='bogus': expected one of auto, flat, hierarchical"
+    ):
+        settings()
+    monkeypatch.setenv("LIGHTNING_REC_OUTPUT_DIST", "flat")
+    monkeypatch.setattr(transport, "_PAIRWISE_SET", "yes")
+    with pytest.raises(ValueError, match=r"LIGHTNING_REC_PAIRWISE='yes': expected one of auto, 0, 1"):
+        settings()
+    # read at import: a later change of the variable does not reach this process's exchanges
+    monkeypatch.setattr(transport, "_PAIRWISE_SET", "0")
+    monkeypatch.setenv("LIGHTNING_REC_PAIRWISE", "1")
+    assert settings()["LIGHTNING_REC_PAIRWISE"] == "0" and not transport._pairwise(None, None)
 
 
 def _random_routing(seed: int):
