@@ -316,7 +316,7 @@ def _fit(kind: str, cfg: dict) -> dict:
         devices=PER_HOST,
         num_nodes=N_HOSTS,
         max_steps=steps,
-        strategy=RecShardedStrategy(model_parallel_size=WORLD),
+        strategy=RecShardedStrategy(model_parallel_size=WORLD, pipeline=bool(cfg.get("pipeline"))),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -802,12 +802,17 @@ def main() -> None:
     parser.add_argument("--per-host", type=int, default=2, help="ranks per host")
     parser.add_argument("--out", default="hosts", help="results file name under benchmarks/results (.md, .json)")
     parser.add_argument("--profile-batches", type=int, default=16, help=f"batches {PROFILED}'s profile times")
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="input pipelining (RecShardedStrategy(pipeline=True)): each batch's input dist runs during the step before",
+    )
     args = parser.parse_args()
     _set_shape(args.hosts, args.per_host)
     why = namespaces_unavailable() or network_unavailable()
     if why is not None:
         raise SystemExit(why)
-    keys = ("types", "steps", "warmup", "batch_size", "size", "dim", "hosts", "per_host", "profile_batches")
+    keys = ("types", "steps", "warmup", "batch_size", "size", "dim", "hosts", "per_host", "profile_batches", "pipeline")
     cfg = {k: getattr(args, k) for k in keys}
     profile = None
     if PROFILED in cfg["types"]:
