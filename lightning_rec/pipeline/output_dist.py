@@ -64,7 +64,7 @@ class PooledOutputDist:
         self.placement = column_placement(routing)
         self.width = routing.feat_off[-1]
         self.host_plan: Plan | None = None
-        if self.codecs is None and routing.has_model_parallel and dist.get_world_size(group) > 1:
+        if self.codecs is None and routing.has_model_parallel and transport.spans_hosts(group):
             self.host_plan = host_plan(routing, self.placement, group)
         self.kind = (
             OutputDistKind.QUANTIZED

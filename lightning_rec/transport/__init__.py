@@ -68,6 +68,7 @@ __all__ = [
     "pairwise_mode",
     "reset_byte_counts",
     "shared_group",
+    "spans_hosts",
     "stage",
 ]
 
@@ -103,6 +104,12 @@ def _pairwise(group: dist.ProcessGroup | None, asked: bool | None) -> bool:
     mode = pairwise_mode()
     if mode in ("0", "1"):
         return mode == "1"
+    return spans_hosts(group)
+
+
+def spans_hosts(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group``'s ranks (None: the world's) are on more than one host, hosts as the accounting numbers
+    them (:func:`~lightning_rec.transport.accounting.host_of`); remembered per group."""
     g = group if group is not None else dist.group.WORLD
     hit = _SPANS.get(id(g))
     if hit is None or hit[0]() is not g:
