@@ -31,6 +31,7 @@ from lightning_rec.pipeline.sharded_collection import ShardedCollection
 from lightning_rec.pipeline.state_dict import full_state_dict
 from lightning_rec.plans.plan import ShardingPlan, default_local_size, resolve_module_plan
 from lightning_rec.plans.planner import automatic_plan
+from lightning_rec.transport import inflight
 
 __all__ = [
     "ShardedCollection",
@@ -167,6 +168,9 @@ def shard_modules(
             "shard_modules needs torch.distributed: call torch.distributed.init_process_group first "
             "(one process with world_size=1 is fine)"
         )
+    # a rank that raises (a peer died) and exits must not abort on a gloo worker still letting go of the
+    # failed collective's tensors (docs/ARCHITECTURE.md, "Leaving cleanly"): with or without Lightning
+    inflight.install_exit_hook()
     comm.grad_scale(embedding_grad, 1)
     # a group torch creates waits its default 30 min; the world's timeout is what the user chose
     # every rank is a member of a group over the whole world (never torch's non-member marker)
