@@ -314,7 +314,7 @@ def test_main_job_learns_on_two_processes(tmp_path) -> None:
 
 
 def test_main_job_takes_the_hand_written_mixed_plan(tmp_path) -> None:
-    """examples/plan_mixed_1gpu.yaml (the GPU session's plan) stays valid and is the plan the job trains with."""
+    """examples/plan_mixed_1gpu.yaml (the plan of the GPU run) stays valid and is the plan the job trains with."""
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY.format(root=tmp_path))
     mixed = str(Path(__file__).resolve().parents[2] / "examples" / "plan_mixed_1gpu.yaml")
