@@ -117,6 +117,23 @@ def processes_carrying(token: str) -> list[tuple[int, str]]:
     return found
 
 
+def explain(run: dict) -> str:
+    """A :func:`run_hosts` result for an assertion message: the hosts' reports, what was left running and the tail
+    of every log."""
+    logs = "\n".join(f"--- log {i} ---\n{text[-3000:]}" for i, text in enumerate(run["logs"]) if text.strip())
+    return f"hosts: {json.dumps(run['hosts'])}\nleftover: {run['leftover']}\n{logs}"
+
+
+def phase_data(run: dict, rank: int, phase: str) -> dict:
+    """What ``rank`` reported for ``phase`` of a :func:`run_hosts` run; fails the test, explaining the run, where
+    the rank did not finish the phase or failed it."""
+    result = run["ranks"][rank]
+    assert result is not None and phase in result, f"rank {rank} did not finish {phase!r}:\n{explain(run)}"
+    got = result[phase]
+    assert got["ok"], f"rank {rank} failed {phase!r}:\n{got['error']}\n{explain(run)}"
+    return got["data"]
+
+
 def run_hosts(
     module: str,
     args: list[str],

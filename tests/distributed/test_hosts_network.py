@@ -9,13 +9,13 @@ namespaces, veth links or tc cannot be made (not root, no iproute2).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from lightning_rec.transport import shm
 from tests.distributed.cases import ALL_TYPES
+from tests.distributed.hosts import explain as _explain
 from tests.distributed.hosts import namespaces_unavailable, run_hosts
+from tests.distributed.hosts import phase_data as _phase
 from tests.distributed.hosts_net import IFNAME, network_unavailable
 
 N_HOSTS, PER_HOST = 2, 2
@@ -42,19 +42,6 @@ def run(tmp_path_factory) -> dict:
         own_network=True,
         link_rate=RATE,
     )
-
-
-def _explain(run: dict) -> str:
-    logs = "\n".join(f"--- log {i} ---\n{text[-3000:]}" for i, text in enumerate(run["logs"]) if text.strip())
-    return f"hosts: {json.dumps(run['hosts'])}\nleftover: {run['leftover']}\n{logs}"
-
-
-def _phase(run: dict, rank: int, phase: str) -> dict:
-    result = run["ranks"][rank]
-    assert result is not None and phase in result, f"rank {rank} did not finish {phase!r}:\n{_explain(run)}"
-    got = result[phase]
-    assert got["ok"], f"rank {rank} failed {phase!r}:\n{got['error']}\n{_explain(run)}"
-    return got["data"]
 
 
 def test_each_host_has_its_own_network_and_leaves_nothing(run: dict) -> None:

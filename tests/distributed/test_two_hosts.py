@@ -14,7 +14,9 @@ import json
 import pytest
 
 from lightning_rec.transport import shm
+from tests.distributed.hosts import explain as _explain
 from tests.distributed.hosts import namespaces_unavailable, run_hosts
+from tests.distributed.hosts import phase_data as _phase
 
 N_HOSTS, PER_HOST = 2, 2
 WORLD = N_HOSTS * PER_HOST
@@ -34,19 +36,6 @@ def _need_hosts() -> None:
     why = namespaces_unavailable()
     if why is not None:
         pytest.skip(why)
-
-
-def _explain(run: dict) -> str:
-    logs = "\n".join(f"--- log {i} ---\n{text[-3000:]}" for i, text in enumerate(run["logs"]) if text.strip())
-    return f"hosts: {json.dumps(run['hosts'])}\nleftover: {run['leftover']}\n{logs}"
-
-
-def _phase(run: dict, rank: int, phase: str) -> dict:
-    result = run["ranks"][rank]
-    assert result is not None and phase in result, f"rank {rank} did not finish {phase!r}:\n{_explain(run)}"
-    got = result[phase]
-    assert got["ok"], f"rank {rank} failed {phase!r}:\n{got['error']}\n{_explain(run)}"
-    return got["data"]
 
 
 @pytest.fixture(scope="module")
