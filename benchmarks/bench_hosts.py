@@ -745,17 +745,14 @@ def _machine() -> str:
     return f"{os.cpu_count()} CPU cores, Python {platform.python_version()}, torch {torch.__version__}"
 
 
-def _run_profile(cfg: dict, rate: str, mode: str) -> tuple[str, dict]:
-    """The profile of the job on the simulated hosts (the timed runs' harness, links and environment), before
-    the timed rounds: (the speeds file, in the run's temp dir; what it measured, with the speeds fitted)."""
-    from lightning_rec.plans.planner.speeds import ProfiledSpeeds
+def _on_hosts(cfg: dict, out: Path, rate: str, mode: str, what: str) -> dict:
+    """This script's ranks on the simulated hosts, their links at ``rate``, the output dist in ``mode``; the run
+    (:func:`run_hosts`'s result); exits naming ``what`` and the logs' tails where a rank failed."""
     from tests.distributed.hosts import run_hosts
 
-    out = Path(tempfile.mkdtemp(prefix="bench_hosts_profile_"))
-    t0 = time.perf_counter()
     run = run_hosts(
         "benchmarks.bench_hosts",
-        [json.dumps({**cfg, "phase": "profile"})],
+        [json.dumps(cfg)],
         out,
         N_HOSTS,
         PER_HOST,
@@ -766,7 +763,18 @@ def _run_profile(cfg: dict, rate: str, mode: str) -> tuple[str, dict]:
     )
     if any(r is None for r in run["ranks"]) or run["timed_out"]:
         tail = "\n".join(text[-2000:] for text in run["logs"] if text.strip())
-        raise SystemExit(f"the profile at {rate} failed:\n{tail}")
+        raise SystemExit(f"{what} failed:\n{tail}")
+    return run
+
+
+def _run_profile(cfg: dict, rate: str, mode: str) -> tuple[str, dict]:
+    """The profile of the job on the simulated hosts (the timed runs' harness, links and environment), before
+    the timed rounds: (the speeds file, in the run's temp dir; what it measured, with the speeds fitted)."""
+    from lightning_rec.plans.planner.speeds import ProfiledSpeeds
+
+    out = Path(tempfile.mkdtemp(prefix="bench_hosts_profile_"))
+    t0 = time.perf_counter()
+    run = _on_hosts({**cfg, "phase": "profile"}, out, rate, mode, f"the profile at {rate}")
     path = out / "speeds.json"
     speeds = ProfiledSpeeds.load(path, "cpu")
     got = {
@@ -783,7 +791,7 @@ def _run_profile(cfg: dict, rate: str, mode: str) -> tuple[str, dict]:
 
 
 def main() -> None:
-    from tests.distributed.hosts import namespaces_unavailable, run_hosts
+    from tests.distributed.hosts import namespaces_unavailable
     from tests.distributed.hosts_net import network_unavailable
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -828,20 +836,7 @@ def main() -> None:
     order = [p for i in range(args.rounds) for p in (pairs if i % 2 == 0 else pairs[::-1])]
     for mode, rate in order:
         out = Path(tempfile.mkdtemp(prefix="bench_hosts_"))
-        run = run_hosts(
-            "benchmarks.bench_hosts",
-            [json.dumps(cfg)],
-            out,
-            N_HOSTS,
-            PER_HOST,
-            deadline_s=900.0,
-            own_network=True,
-            link_rate=rate,
-            env={_ROLE: "1", "LIGHTNING_REC_BYTE_COUNT": "1", "LIGHTNING_REC_OUTPUT_DIST": MODES[mode]},
-        )
-        if any(r is None for r in run["ranks"]) or run["timed_out"]:
-            tail = "\n".join(text[-2000:] for text in run["logs"] if text.strip())
-            raise SystemExit(f"the run at {rate} ({mode}) failed:\n{tail}")
+        run = _on_hosts(cfg, out, rate, mode, f"the run at {rate} ({mode})")
         got_now = {
             kind: _summarize(run["ranks"], run["hosts"], kind, mode) for kind in args.types if kind in run["ranks"][0]
         }
