@@ -16,7 +16,7 @@ Each step is forward + backward of a fixed upstream gradient + the optimizer upd
                happens inside backward (what a fused optimizer path runs); no ``optimizer.step()``
   e  ours fused lightning_rec's ``FusedPooledKernel`` (the same fbgemm kernel, what every fused table runs),
                EXACT_SGD: d plus our guards and id checks, its tables on 2 MiB pages where the system's
-               transparent huge pages allow it (``memory/huge_pages.py``); e / d is what that costs or buys
+               transparent huge pages allow it (``memory.py``); e / d is what that costs or buys
 
 All four start from the same weights, and their forward outputs are checked against each other before
 timing. Methods run interleaved: every round runs each method (in a shuffled order) for ``--iters``
@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
-from lightning_rec.memory.huge_pages import thp_mode
+from lightning_rec.memory import thp_mode
 
 # fbgemm's dense CPU backward is correct but warns on every call that it has no autograd kernel.
 warnings.filterwarnings("ignore", message=r".*an autograd kernel was not registered.*")

@@ -783,7 +783,7 @@ def malloc_line(torchrec_malloc: bool) -> str:
     else:
         ours = (
             "glibc keeping freed memory for reuse (mmap threshold 256 MiB, trim threshold 1 GiB: "
-            "`lightning_rec/memory/malloc.py`, the default)"
+            "`lightning_rec/memory.py`, the default)"
         )
     theirs = (
         "the same thresholds, set through glibc's MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ (--torchrec-malloc)"
@@ -846,10 +846,10 @@ class Group:
             env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
         else:
             env.pop("PYTHONPATH", None)
-            if malloc_env:  # what memory/malloc.py sets in lightning_rec's workers, through glibc's tunables
-                from lightning_rec.memory import malloc as _malloc  # (the driver runs in the project's environment)
+            if malloc_env:  # what memory.py sets in lightning_rec's workers, through glibc's tunables
+                from lightning_rec import memory as _memory  # (the driver runs in the project's environment)
 
-                env.update(MALLOC_MMAP_THRESHOLD_=str(_malloc._MMAP), MALLOC_TRIM_THRESHOLD_=str(_malloc._TRIM))
+                env.update(MALLOC_MMAP_THRESHOLD_=str(_memory._MMAP), MALLOC_TRIM_THRESHOLD_=str(_memory._TRIM))
         self.procs, self.queues = [], []
         for r in range(world):
             log = open(log_dir / f"{label}-w{world}-r{r}.log", "a")  # noqa: SIM115 (kept open with the process)
@@ -1007,7 +1007,7 @@ def write_report(
     total_s: float,
     limits: dict[tuple[str, int], dict] | None = None,
 ) -> None:
-    from lightning_rec.memory.huge_pages import thp_mode  # (the side environment never writes the report)
+    from lightning_rec.memory import thp_mode  # (the side environment never writes the report)
 
     dlrm_rows = [r for _, r, _ in job_tables("dlrm", cfg)]
     # perfect scaling: world x the best single-process figure of that job and variant (either library)
@@ -1061,7 +1061,7 @@ def write_report(
         "with no communication (the table below), TorchRec / lightning_rec: the fraction of what the cores do "
         "with no sharding at all. The bare kernel is fbgemm's own module, on 4 KiB pages as TorchRec's tables "
         f"are; lightning_rec's fused tables are on 2 MiB pages (THP here: {thp_mode()}; "
-        "`lightning_rec/memory/huge_pages.py`), so its fraction can pass 100%.",
+        "`lightning_rec/memory.py`), so its fraction can pass 100%.",
         "",
         f"| job | world | plan | variant | first | TorchRec {TORCHREC_MINOR} | lightning_rec | ratio | scaling | of limit |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -1311,7 +1311,7 @@ def main(argv: list[str] | None = None) -> int:
         "--torchrec-malloc",
         action="store_true",
         help="run TorchRec's workers with the glibc malloc thresholds lightning_rec sets for itself "
-        "(memory/malloc.py), through glibc's environment tunables: how much of the gap that setting is",
+        "(memory.py), through glibc's environment tunables: how much of the gap that setting is",
     )
     ap.add_argument(
         "--baseline",

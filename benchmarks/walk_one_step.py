@@ -61,6 +61,7 @@ HELPERS = (
     "transport/accounting.py",
     "configs.py",
     "memory/",
+    "memory.py",
 )
 
 TABLES = (("t_dp", 40), ("t_rw", 60), ("t_tw", 50))

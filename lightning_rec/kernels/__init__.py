@@ -39,7 +39,7 @@ from lightning_rec.kernels._ids import check_ids, check_offsets, validate_ids
 from lightning_rec.kernels._tables import FusedTables, TableContainer
 from lightning_rec.kernels._torch import mean_divisor, promoted_dtype, torch_pooled, torch_sequence
 from lightning_rec.kernels._torch_adam import TorchAdamTBE
-from lightning_rec.memory.malloc import keep_freed_memory
+from lightning_rec.memory import keep_freed_memory
 
 __all__ = [
     "DENSE_LOOKUP_OP",

@@ -31,8 +31,7 @@ from lightning_rec.kernels._guards import (
 from lightning_rec.kernels._ids import check_ids, check_offsets
 from lightning_rec.kernels._split_tbe import build_split_tbe, check_split_tbe
 from lightning_rec.kernels._tables import FusedTable, unexpected_table_keys
-from lightning_rec.memory.huge_pages import zero_into_huge_pages
-from lightning_rec.memory.malloc import keep_freed_memory
+from lightning_rec.memory import keep_freed_memory, zero_into_huge_pages
 
 
 class FusedPooledKernel(torch.nn.Module):
@@ -99,7 +98,7 @@ class FusedPooledKernel(torch.nn.Module):
         feature_table = check_feature_table(feature_table, names, pooled=pooling == "sum")
         on_cpu = dev.type == "cpu"
         if on_cpu:
-            keep_freed_memory()  # memory/malloc.py: the step's large tensors reuse memory, not fresh pages
+            keep_freed_memory()  # memory.py: the step's large tensors reuse memory, not fresh pages
         tbe = build_split_tbe(spec, optim_type, names, rows, dims, dtype, feature_table, dev, pooling)
         # Not a registered submodule: its parameters and buffers stay out of parameters() and state_dict().
         object.__setattr__(self, "_tbe", tbe)
@@ -125,7 +124,7 @@ class FusedPooledKernel(torch.nn.Module):
         self._anchor = torch.zeros(0, device=dev, requires_grad=True)
 
         host = getattr(tbe, "weights_host", None)
-        if on_cpu and isinstance(host, torch.Tensor):  # the fill below faults in 2 MiB pages (memory/huge_pages.py)
+        if on_cpu and isinstance(host, torch.Tensor):  # the fill below faults in 2 MiB pages (memory.py)
             zero_into_huge_pages(host.data)
         views = tbe.split_embedding_weights()
         with torch.no_grad():

@@ -26,13 +26,20 @@ from lightning_rec.pipeline import collectives as comm
 from lightning_rec.pipeline.dp_grad_mode import DataParallelGradMode
 from lightning_rec.pipeline.fused_lookup import FusedGroup, build_kernels, check_fused, grouped_lookup, table_specs
 from lightning_rec.pipeline.input_dist import InputDist, InputRejected, Received
-from lightning_rec.pipeline.local_tables import dp_lookup_weights, place_tables, shard_lookup_weights
-from lightning_rec.pipeline.materialize import broadcast_from_first, requested_kernel, target_device, warn_large_tables
+from lightning_rec.pipeline.local_tables import (
+    broadcast_from_first,
+    dp_lookup_weights,
+    place_tables,
+    requested_kernel,
+    shard_lookup_weights,
+    table_conversion,
+    target_device,
+    warn_large_tables,
+)
 from lightning_rec.pipeline.prefetch import FeedSlot, PrefetchedInputDist
 from lightning_rec.pipeline.routing import RoutingTable, build_routing
 from lightning_rec.pipeline.stages import RAW_ID_HOOK_ATTR, LookupContext, Lookups, Out, RawIdHook, RawIdRouting, Stages
 from lightning_rec.pipeline.state_dict import load_hook, sharded_state_dict_hook
-from lightning_rec.pipeline.table_conversion import table_conversion
 from lightning_rec.plans.shard_geometry import ShardMeta
 from lightning_rec.sparse import KeyedJaggedTensor, checks_enabled
 
@@ -97,7 +104,7 @@ class ShardedCollection(Stages[Lookups, Out], nn.Module):
         self._feed = FeedSlot()  # the input dist a train pipeline started for the batch it runs (feeding)
         dev = self._device = target_device(module, device)
         if dev.type == "cpu":
-            kernels.keep_freed_memory()  # memory/malloc.py
+            kernels.keep_freed_memory()  # memory.py
         peers = peer_devices or {}
         self._peer_devices = [peers.get(g, dev) for g in self._global_ranks]
 

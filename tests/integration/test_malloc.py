@@ -1,4 +1,4 @@
-"""memory/malloc.py: after keep_freed_memory, a step's large tensors reuse freed memory (no fresh page faults)."""
+"""memory.py: after keep_freed_memory, a step's large tensors reuse freed memory (no fresh page faults)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from lightning_rec.memory import malloc as _malloc
+from lightning_rec import memory as _memory
 
 _glibc_linux = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 
@@ -18,7 +18,7 @@ _glibc_linux = sys.platform.startswith("linux") and platform.libc_ver()[0] == "g
 # the setting is process-wide.
 _SCRIPT = """
 import importlib.util, resource, sys, torch
-spec = importlib.util.spec_from_file_location("_malloc", sys.argv[1])  # the module alone: a quick start
+spec = importlib.util.spec_from_file_location("_memory", sys.argv[1])  # the module alone: a quick start
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 applied = module.keep_freed_memory()
@@ -43,7 +43,7 @@ def _run(env_value: str | None = None) -> tuple[str, int]:
     if env_value is not None:
         env["LIGHTNING_REC_MALLOC"] = env_value
     out = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, _malloc.__file__],
+        [sys.executable, "-c", _SCRIPT, _memory.__file__],
         env=env,
         capture_output=True,
         text=True,

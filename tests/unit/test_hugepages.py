@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lightning_rec import memory as hp
 from lightning_rec.kernels import FusedPooledKernel
-from lightning_rec.memory import huge_pages as hp
 from lightning_rec.optim import FusedOptimizer
 
 MIB = 1 << 20
@@ -97,7 +97,7 @@ def test_kernel_tables_and_training_are_the_same_with_and_without_huge_pages(mon
     on = _kernel(init)
     monkeypatch.setenv("LIGHTNING_REC_HUGE_PAGES", "0")
     # turned off, nothing is asked of the kernel (the memory itself may be reused from earlier advised blocks in
-    # a long-running process, since freed memory is kept for reuse: memory/malloc.py)
+    # a long-running process, since freed memory is kept for reuse: memory.py)
     asked: list[tuple] = []
     monkeypatch.setattr(hp, "_madvise", lambda: lambda *a: asked.append(a) or 0)
     off = _kernel(init)
