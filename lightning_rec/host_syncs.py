@@ -46,7 +46,7 @@ _DATA_DEPENDENT = {
 # step counters (CPU scalars unless capturable / fused)
 _HOST_ONLY = (
     "lightning_rec/transport/shm.py",
-    "lightning_rec/transport/bytecopy.py",
+    "lightning_rec/transport/wire.py",
     "lightning_rec/lightning/preemption.py",
     "torch/optim/",
 )

@@ -10,8 +10,8 @@ keeps a group on torch.distributed.
 
 The interface is the five functions below (``all_to_all_single``, ``all_to_all_pieces``, ``all_to_all_views``,
 ``all_gather_single``, ``all_reduce_sum``) plus ``shared_group`` / ``close_all``; each runs through one of two
-implementations, torch.distributed or the shared-memory protocol of :mod:`lightning_rec.transport.shm` (its
-byte copies: :mod:`lightning_rec.transport.bytecopy`). Nothing here knows about embeddings.
+implementations, torch.distributed or the shared-memory protocol of :mod:`lightning_rec.transport.shm` (the
+collectives' signatures and byte copies: :mod:`lightning_rec.transport.wire`). Nothing here knows about embeddings.
 
 Memory: each rank of a shared group holds two buffers (one per collective parity) in anonymous memory files.
 They start at 1 MiB and double to the largest exchange the group has run, and are never shrunk (a step's
@@ -47,13 +47,12 @@ from typing import Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-from lightning_rec.transport import accounting, bytecopy
+from lightning_rec.transport import accounting, wire
 from lightning_rec.transport.accounting import byte_counts, counting, stage
 from lightning_rec.transport.accounting import reset as reset_byte_counts
 from lightning_rec.transport.pairwise import start as start_pairwise
 from lightning_rec.transport.pairwise import wait_all
 from lightning_rec.transport.shm import close_all, shared_group
-from lightning_rec.transport.signatures import pieces_dtype
 
 __all__ = [
     "PendingPieces",
@@ -129,7 +128,7 @@ def all_to_all_single(
 ) -> dist.Work | None:
     """``dist.all_to_all_single`` (splits in rows of dim 0); through shared memory where the group allows."""
     if accounting.ON:
-        n, row = dist.get_world_size(group), bytecopy.row_bytes(x)
+        n, row = dist.get_world_size(group), wire.row_bytes(x)
         accounting.record(group, [s * row for s in in_splits] if in_splits else [x.shape[0] // n * row] * n)
     if x.device.type == "cpu" and out.device.type == "cpu":
         shared = shared_group(group)
@@ -186,11 +185,11 @@ def all_to_all_pieces(
             done = shared.pieces(sends, recv_sizes, consume)
             if done is not None:
                 return PendingPieces(done)
-    dtype = pieces_dtype(sends)
+    dtype = wire.pieces_dtype(sends)
     if device.type == "cpu" and _pairwise(group, pairwise):
         return _pieces_pairwise(sends, recv_sizes, consume, group, device, dtype)
     flat = [t for lst in sends for t in lst]
-    whole = bytecopy.spanning(flat)  # pieces split from one buffer: send it as it is
+    whole = wire.spanning(flat)  # pieces split from one buffer: send it as it is
     send = (
         whole.view(dtype)
         if whole is not None and whole.numel() % torch.empty(0, dtype=dtype).element_size() == 0
@@ -221,7 +220,7 @@ def _pieces_pairwise(
 ) -> PendingPieces[T]:
     me = dist.get_rank(group)
     into = [torch.empty(0 if s == me else sum(sizes), dtype=dtype, device=device) for s, sizes in enumerate(recv_sizes)]
-    out = [None if d == me else bytecopy.gather(list(lst)) for d, lst in enumerate(sends)]
+    out = [None if d == me else wire.gather(list(lst)) for d, lst in enumerate(sends)]
     works = start_pairwise(out, [t.view(torch.uint8) for t in into], group)
 
     def finish() -> T:
@@ -248,7 +247,7 @@ def all_to_all_views(
     """
     tensors = [t for lst in (*sends, *recvs) for t in lst]
     if dist.get_world_size(group) == 1:
-        bytecopy.copy_own(list(sends[0]), list(recvs[0]), 0)
+        wire.copy_own(list(sends[0]), list(recvs[0]), 0)
         return
     if accounting.ON:
         accounting.record(group, accounting.nbytes_of(sends))
@@ -261,40 +260,40 @@ def all_to_all_views(
         _views_pairwise(sends, recvs, group)
         return
     device = tensors[0].device if tensors else torch.device("cpu")
-    send = bytecopy.gather([t for lst in sends for t in lst]).to(device)
-    in_splits = [sum(bytecopy.nbytes(t) for t in lst) for lst in sends]
-    out_splits = [sum(bytecopy.nbytes(t) for t in lst) for lst in recvs]
+    send = wire.gather([t for lst in sends for t in lst]).to(device)
+    in_splits = [sum(wire.nbytes(t) for t in lst) for lst in sends]
+    out_splits = [sum(wire.nbytes(t) for t in lst) for lst in recvs]
     # receivers that lie back to back (the pooled gradient's per-rank pieces) take the bytes in place
-    direct = bytecopy.spanning([t for lst in recvs for t in lst])
+    direct = wire.spanning([t for lst in recvs for t in lst])
     out = direct if direct is not None else torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
     dist.all_to_all_single(out, send, out_splits, in_splits, group=group)
     if direct is not None:
         return
     me = dist.get_rank(group)
     for r, (part, dsts) in enumerate(zip(torch.split(out, out_splits), recvs)):
-        bytecopy.scatter(part, dsts, r, me)
+        wire.scatter(part, dsts, r, me)
 
 
 def _views_pairwise(
     sends: list[list[torch.Tensor]], recvs: list[list[torch.Tensor]], group: dist.ProcessGroup | None
 ) -> None:
     me = dist.get_rank(group)
-    direct = [bytecopy.spanning(list(lst)) for lst in recvs]
+    direct = [wire.spanning(list(lst)) for lst in recvs]
     into = [
         None
         if s == me
         else d
         if d is not None
-        else torch.empty(sum(bytecopy.nbytes(t) for t in lst), dtype=torch.uint8, device=_device_of(lst))
+        else torch.empty(sum(wire.nbytes(t) for t in lst), dtype=torch.uint8, device=_device_of(lst))
         for s, (d, lst) in enumerate(zip(direct, recvs))
     ]
-    out = [None if d == me else bytecopy.gather(list(lst)) for d, lst in enumerate(sends)]
+    out = [None if d == me else wire.gather(list(lst)) for d, lst in enumerate(sends)]
     works = start_pairwise(out, into, group)
-    bytecopy.copy_own(list(sends[me]), list(recvs[me]), me)
+    wire.copy_own(list(sends[me]), list(recvs[me]), me)
     wait_all(works)
     for s, (d, t) in enumerate(zip(direct, into)):
         if s != me and d is None and t is not None and t.numel():
-            bytecopy.scatter(t, recvs[s], s, me)
+            wire.scatter(t, recvs[s], s, me)
 
 
 def _device_of(ts: list[torch.Tensor]) -> torch.device:
@@ -307,10 +306,10 @@ def all_gather_single(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGro
         shared = shared_group(group)
         if shared is not None and shared.all_gather(out, x):
             if accounting.ON:
-                accounting.record_everyone(group, bytecopy.nbytes(x), ring=False, reduce=False)
+                accounting.record_everyone(group, wire.nbytes(x), ring=False, reduce=False)
             return
     if accounting.ON:
-        accounting.record_everyone(group, bytecopy.nbytes(x), ring=True, reduce=False)
+        accounting.record_everyone(group, wire.nbytes(x), ring=True, reduce=False)
     _dist_all_gather_single(out, x, group=group)
 
 
@@ -320,8 +319,8 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         shared = shared_group(group)
         if shared is not None and shared.all_reduce_sum(x):
             if accounting.ON:
-                accounting.record_everyone(group, bytecopy.nbytes(x), ring=False, reduce=True)
+                accounting.record_everyone(group, wire.nbytes(x), ring=False, reduce=True)
             return
     if accounting.ON:
-        accounting.record_everyone(group, bytecopy.nbytes(x), ring=True, reduce=True)
+        accounting.record_everyone(group, wire.nbytes(x), ring=True, reduce=True)
     dist.all_reduce(x, group=group)

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_rec import _compat
-from lightning_rec.transport import bytecopy
-from lightning_rec.transport.signatures import describe, pieces_dtype, signature
+from lightning_rec.transport import wire
+from lightning_rec.transport.wire import describe, pieces_dtype, signature
 
 T = TypeVar("T")
 _ENV = "LIGHTNING_REC_SHM"
@@ -205,7 +205,7 @@ class _SharedGroup:
     def _write(self, pieces: list[torch.Tensor], ranges: list[tuple[int, int]]) -> None:
         buf = self.me.buffers[self.seq % 2]
         header = _header_bytes(self.size)
-        nbytes = header + sum(bytecopy.nbytes(p) for p in pieces)
+        nbytes = header + sum(wire.nbytes(p) for p in pieces)
         status = _OK
         if nbytes > buf.view.numel():
             try:
@@ -221,7 +221,7 @@ class _SharedGroup:
                 # one op for many pieces (they all start aligned to their element size)
                 torch.cat([p.view(-1) for p in pieces], out=buf.view[header:nbytes].view(cast(torch.dtype, dtype)))
             else:
-                bytecopy.put_all(buf.view[header:nbytes], pieces)
+                wire.put_all(buf.view[header:nbytes], pieces)
         ctrl = self.me.ctrl
         ctrl[_STATUS + self.seq % 2] = status
         ctrl[_READY] = self.seq  # last: the data above is visible before this word (x86-64 store order)
@@ -290,11 +290,11 @@ class _SharedGroup:
 
     def all_to_all(self, out: torch.Tensor, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> bool:
         """``dist.all_to_all_single`` (splits in rows of dim 0); False: run it through torch.distributed."""
-        row = bytecopy.row_bytes(x)
+        row = wire.row_bytes(x)
         in_splits = list(in_splits) or [x.shape[0] // self.size] * self.size
         out_splits = list(out_splits) or [out.shape[0] // self.size] * self.size
         # this rank's own rows go straight from x to out, the rest through its buffer
-        sent = torch.split(bytecopy.as_bytes(x), [n * row for n in in_splits])
+        sent = torch.split(wire.as_bytes(x), [n * row for n in in_splits])
         ranges, at = [], 0
         for r, piece in enumerate(sent):
             n = 0 if r == self.rank else piece.numel()
@@ -310,7 +310,7 @@ class _SharedGroup:
                     f"all_to_all: rank {self.ranks[self.rank]} expected {out_splits[r]} rows from rank "
                     f"{self.ranks[r]}, which sent {part.numel() // max(row, 1)}"
                 )
-        bytecopy.write_back_to_back(out, parts)
+        wire.write_back_to_back(out, parts)
         return True
 
     def _publish_lists(self, sends: list[list[torch.Tensor]], sig: int) -> bool:
@@ -318,7 +318,7 @@ class _SharedGroup:
         False: some rank could not, run it through torch.distributed."""
         pieces, ranges, at = [], [], 0
         for r, lst in enumerate(sends):
-            n = 0 if r == self.rank else sum(bytecopy.nbytes(t) for t in lst)
+            n = 0 if r == self.rank else sum(wire.nbytes(t) for t in lst)
             ranges.append((at, at + n))
             at += n
             if r != self.rank:
@@ -332,9 +332,9 @@ class _SharedGroup:
             return False
         for r, dsts in enumerate(recvs):
             if r == self.rank:
-                bytecopy.copy_own(sends[r], dsts, self.ranks[r])
+                wire.copy_own(sends[r], dsts, self.ranks[r])
             else:
-                bytecopy.scatter(self._part(r), dsts, self.ranks[r], self.ranks[self.rank])
+                wire.scatter(self._part(r), dsts, self.ranks[r], self.ranks[self.rank])
         return True
 
     def pieces(
@@ -363,7 +363,7 @@ class _SharedGroup:
 
     def _everyones(self, x: torch.Tensor, op: str) -> list[torch.Tensor] | None:
         """Every rank's whole ``x`` as bytes, in rank order; None: run it through torch.distributed."""
-        payload = bytecopy.as_bytes(x)
+        payload = wire.as_bytes(x)
         self._publish([payload], [(0, payload.numel())] * self.size, signature(op, x.dtype, payload.numel()))
         if not self._wait_all():
             return None
@@ -374,7 +374,7 @@ class _SharedGroup:
         parts = self._everyones(x, "all_gather")
         if parts is None:
             return False
-        bytecopy.write_back_to_back(out, parts)
+        wire.write_back_to_back(out, parts)
         return True
 
     def all_reduce_sum(self, x: torch.Tensor) -> bool:
