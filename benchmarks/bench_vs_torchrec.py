@@ -345,7 +345,7 @@ def build_lightning_rec(tables, plan: str, variant: str, world: int, lr: float, 
         ebc = EmbeddingBagCollection(configs, device="meta", sparse_grad=False)
     option: object = {"kind": "sgd", "lr": lr} if fused else None
     if variant == "mixed":
-        from lightning_rec.fused_tables import PerTableOptimizers
+        from lightning_rec.fused_kinds import PerTableOptimizers
 
         adagrad = {"kind": "rowwise_adagrad", "lr": lr, "eps": 1e-8}
         option = PerTableOptimizers(default=option, tables={n: adagrad for n, _, _ in tables[1::2]})

@@ -37,7 +37,7 @@ from lightning_rec.distributed import (  # noqa: E402
     in_backward_optimizer_filter,
 )
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection  # noqa: E402
-from lightning_rec.fused_tables import PerTableOptimizers  # noqa: E402
+from lightning_rec.fused_kinds import PerTableOptimizers  # noqa: E402
 from lightning_rec.lightning.fabric import RecShardedFabricStrategy  # noqa: E402
 from lightning_rec.lightning.rec_module import RecModule  # noqa: E402
 from lightning_rec.lightning.strategy import RecShardedStrategy  # noqa: E402

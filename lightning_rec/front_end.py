@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_rec import _compat
-from lightning_rec.fused_tables import TableSpecs
+from lightning_rec.fused_kinds import TableSpecs
 from lightning_rec.optim import FusedOptimizer
 from lightning_rec.pipeline.qcomm import QuantizedCommCodecs
 from lightning_rec.pipeline.shard_modules import ddp_ignored_names, materialize_dense, shard_modules

@@ -18,9 +18,9 @@ from torch import nn
 
 from lightning_rec.distributed.optimizers import in_backward_specs
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-from lightning_rec.fused_kinds import FusedOptimizerSpec
-from lightning_rec.fused_tables import (
+from lightning_rec.fused_kinds import (
     EmbeddingOptimizer,
+    FusedOptimizerSpec,
     PerTableOptimizers,
     TableSpecs,
     as_table_optimizers,

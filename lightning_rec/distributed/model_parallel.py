@@ -22,8 +22,7 @@ from lightning_rec import _compat, front_end
 from lightning_rec.distributed.data_parallel import DefaultDataParallelWrapper
 from lightning_rec.distributed.optimizers import spec_from_fused_params
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-from lightning_rec.fused_kinds import FusedOptimizerSpec
-from lightning_rec.fused_tables import TableSpecs
+from lightning_rec.fused_kinds import FusedOptimizerSpec, TableSpecs
 from lightning_rec.optim import FusedOptimizer
 from lightning_rec.pipeline.qcomm import CommOp, pooled_codecs, sequence_codecs
 from lightning_rec.pipeline.shard_modules import (

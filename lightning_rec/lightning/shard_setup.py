@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_rec import _compat, front_end
 from lightning_rec import checkpoint as ckpt
-from lightning_rec.fused_tables import EmbeddingOptimizer, as_table_optimizers, summary
+from lightning_rec.fused_kinds import EmbeddingOptimizer, as_table_optimizers, summary
 from lightning_rec.lightning import child_exits
 from lightning_rec.pipeline.collectives import grad_scale
 from lightning_rec.pipeline.qcomm import QCommsConfig, get_qcomm_codecs_registry
@@ -126,7 +126,7 @@ class ShardSetup:
         The plan is the one given, else ``module.configure_sharding()``, else the planner's (whose planner is
         returned, to be explained once the optimizers exist). TorchRec's ``apply_optimizer_in_backward`` marks
         choose the tables' fused optimizers, as under DMP (``table_optimizers.resolve_table_optimizers``); returns
-        what the tables train with (``fused_tables.summary``) and the planner.
+        what the tables train with (``fused_kinds.summary``) and the planner.
         """
         plan = self.plan
         if plan is None and hasattr(module, "configure_sharding"):

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_rec import _compat
-from lightning_rec.fused_tables import EmbeddingOptimizer
+from lightning_rec.fused_kinds import EmbeddingOptimizer
 from lightning_rec.optim import CombinedOptimizer
 from lightning_rec.pipeline.clip_grad_norm import clip_grad_norm_
 from lightning_rec.pipeline.dp_sparse_grad import use_sparse_grads_where_possible

@@ -18,12 +18,11 @@ from torch import nn
 
 from lightning_rec import _compat
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-from lightning_rec.fused_kinds import FusedOptimizerSpec
-from lightning_rec.fused_tables import PerTableOptimizers, TableSpecs, as_table_optimizers, spec_of
+from lightning_rec.fused_kinds import FusedOptimizerSpec, PerTableOptimizers, TableSpecs, as_table_optimizers, spec_of
 from lightning_rec.optim import FusedOptimizer
 from lightning_rec.pipeline import collectives as comm
 from lightning_rec.pipeline.agreement import check_agreement, describe_table, settings
-from lightning_rec.pipeline.materialize import target_device
+from lightning_rec.pipeline.local_tables import target_device
 from lightning_rec.pipeline.pooled import ShardedEmbeddingBagCollection
 from lightning_rec.pipeline.qcomm import CommOp, QuantizedCommCodecs, pooled_codecs, sequence_codecs
 from lightning_rec.pipeline.sequence import ShardedEmbeddingCollection
@@ -155,7 +154,7 @@ def shard_modules(
     ``embedding_optimizer`` (a ``FusedOptimizerSpec`` or a dict such as ``{"kind": "rowwise_adagrad",
     "lr": 0.05}``) makes every sharded table update inside backward with fbgemm's kernel; step it with
     ``fused_optimizer(model)``. Without it, tables are ordinary parameters for any torch optimizer. A
-    :class:`~lightning_rec.fused_tables.PerTableOptimizers` gives tables different specs (tables sharing a spec
+    :class:`~lightning_rec.fused_kinds.PerTableOptimizers` gives tables different specs (tables sharing a spec
     share a kernel); ``table_optimizers`` (``{collection path: {table: spec or None}}``, what
     ``table_optimizers.resolve_table_optimizers`` makes of in-backward marks) overrides it for the collections
     it names.

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
-from lightning_rec.fused_tables import PerTableOptimizers
+from lightning_rec.fused_kinds import PerTableOptimizers
 from lightning_rec.plans.mesh import init_2d_mesh
 from lightning_rec.sharding import (
     ShardingPlan,

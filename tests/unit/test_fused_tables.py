@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_rec import EmbeddingBagConfig, PerTableOptimizers
-from lightning_rec.fused_kinds import as_spec
-from lightning_rec.fused_tables import as_table_optimizers, spec_of, summary
+from lightning_rec.fused_kinds import as_spec, as_table_optimizers, spec_of, summary
 from lightning_rec.pipeline.fused_lookup import check_fused, table_specs
 
 SGD = {"kind": "sgd", "lr": 0.1}

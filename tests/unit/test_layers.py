@@ -24,7 +24,6 @@ LAYERS = {
     "host_syncs": 1,
     "memory": 1,
     "fused_kinds": 1,
-    "fused_tables": 1,
     "plans.shard_geometry": 1,
     "plans.kinds": 1,
     "plans.specs": 1,
