@@ -11,6 +11,8 @@
 - ``replicas_2d``: 2 replicas (one per host) x 2-way model parallel (shard group within a host), equal to one
   process on the global batch; ``replicas_2d:M``: M-way model parallel over consecutive ranks instead (with one
   rank per host, shard groups and replica groups both span hosts);
+- ``replicas_within_host``: the reverse arrangement: 2 replicas within each host x 2-way model parallel across the
+  hosts (each shard group takes one rank of each host), equal to one process on the global batch;
 - ``kill:R``: 2D training where rank R SIGKILLs itself after a forward; the others record what they raised;
 - ``all_types``: each sharding type in turn (every table of a case one type; rows and grids over one host's
   ranks) on the 4-rank world, pooled and sequence, equal to one process on the global batch;
@@ -146,13 +148,17 @@ def phase_row_groups(rank: int, ws: int, per_host: int) -> dict:
     return {"cases": out}
 
 
-def phase_replicas_2d(rank: int, ws: int, per_host: int, model_parallel: int | None = None) -> dict:
+def phase_replicas_2d(
+    rank: int, ws: int, per_host: int, model_parallel: int | None = None, within_host: bool = False
+) -> dict:
     mp = model_parallel or per_host
-    mesh = init_2d_mesh(model_parallel_size=mp, data_parallel_size=ws // mp)
+    mesh = init_2d_mesh(model_parallel_size=mp, data_parallel_size=ws // mp, replicas_within_host=within_host)
     out = []
     for i, seed in enumerate(REPLICA_SEEDS):
         sequence = i == len(REPLICA_SEEDS) - 1
         case = random_case(seed, mp, sequence=sequence, world=ws)
+        if within_host:
+            case["local_size"] = mesh.local_size  # host-local kinds then keep to the ranks a host really holds
         got = _check_case(rank, ws, case, sequence, mesh)
         out.append({"seed": seed, "sequence": sequence, "plan": _describe_plan(case), "worst": got["worst"]})
     return {
@@ -161,7 +167,12 @@ def phase_replicas_2d(rank: int, ws: int, per_host: int, model_parallel: int | N
         "replica_group": dist.get_process_group_ranks(mesh.replica_group),
         "shard_group_shared": transport.shared_group(mesh.shard_group) is not None,
         "replica_group_shared": transport.shared_group(mesh.replica_group) is not None,
+        "local_size": mesh.local_size,
     }
+
+
+def phase_replicas_within_host(rank: int, ws: int, per_host: int) -> dict:
+    return phase_replicas_2d(rank, ws, per_host, ws // per_host, within_host=True)
 
 
 ALL_TYPES_SEED = 3300
@@ -285,6 +296,7 @@ def main(out_dir: Path, phases: list[str]) -> None:
                     "transport": phase_transport,
                     "row_groups": phase_row_groups,
                     "replicas_2d": phase_replicas_2d,
+                    "replicas_within_host": phase_replicas_within_host,
                     "all_types": phase_all_types,
                     "wire": phase_wire,
                 }[name](rank, ws, per_host)

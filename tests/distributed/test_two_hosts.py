@@ -43,7 +43,7 @@ def clean_run(tmp_path_factory) -> dict:
     _need_hosts()
     return run_hosts(
         "tests.distributed.host_ranks",
-        ["transport", "row_groups", "replicas_2d"],
+        ["transport", "row_groups", "replicas_2d", "replicas_within_host"],
         tmp_path_factory.mktemp("two_hosts"),
         N_HOSTS,
         PER_HOST,
@@ -136,6 +136,19 @@ def test_2d_replicas_on_two_hosts_equal_one_process(clean_run: dict) -> None:
         assert got["replica_group"] == [rank % PER_HOST + h * PER_HOST for h in range(N_HOSTS)]  # one per host
         if shm._wanted():
             assert got["shard_group_shared"] and not got["replica_group_shared"], got
+        assert any(c["sequence"] for c in got["cases"]) and any(not c["sequence"] for c in got["cases"])
+
+
+def test_2d_replicas_within_each_host_equal_one_process(clean_run: dict) -> None:
+    """The reverse arrangement: each host holds a whole replica group, each shard group one rank per host."""
+    for rank in range(WORLD):
+        got = _phase(clean_run, rank, "replicas_within_host")
+        host = rank // PER_HOST
+        assert got["replica_group"] == list(range(host * PER_HOST, (host + 1) * PER_HOST))  # within the host
+        assert got["shard_group"] == [rank % PER_HOST + h * PER_HOST for h in range(N_HOSTS)]  # one per host
+        assert got["local_size"] == 1  # one rank of each shard group per host
+        if shm._wanted():
+            assert got["replica_group_shared"] and not got["shard_group_shared"], got
         assert any(c["sequence"] for c in got["cases"]) and any(not c["sequence"] for c in got["cases"])
 
 
