@@ -103,8 +103,8 @@ def planner_for(cfg: dict, link: str | None, speeds: str | None = None) -> objec
     None: the device's default speeds; ``speeds``: a speeds file, as ``RecShardedStrategy(planner_speeds=...)``
     takes it), told the data's ids per sample (rank 0's rows: the same on every rank)."""
     from lightning_rec.data import SyntheticClicks
+    from lightning_rec.front_end import resolve_table_optimizers
     from lightning_rec.plans.planner import automatic_plan
-    from lightning_rec.table_optimizers import resolve_table_optimizers
 
     ds = SyntheticClicks(num_rows=4096, batch_size=cfg["batch_size"], size=cfg["size"])
     lengths = ds.rows(0, 4096)[1]

@@ -1,15 +1,20 @@
 """The core every front end calls: the Trainer and Fabric strategies (``lightning/``) and
-``DistributedModelParallel`` (``distributed/``) shard a model and hand its dense rest to DDP through these
-functions, so a model trains the same under each of them.
+``DistributedModelParallel`` (``distributed/``) decide which optimizer updates each embedding table, shard a model
+and hand its dense rest to DDP through these functions, so a model trains the same under each of them.
 
-Each front end first resolves what every table trains with (``table_optimizers.resolve_table_optimizers``: the
-in-backward marks, then its own option: the strategies' ``embedding_optimizer``, the sharders' ``fused_params``)
-and its plan; from there the steps are the same: :func:`shard`, then :func:`ignore_in_ddp` before DDP wraps the
-model.
+Each front end first resolves what every table trains with (:func:`resolve_table_optimizers`: the in-backward
+marks, then its own option: the strategies' ``embedding_optimizer``, the sharders' ``fused_params``). TorchRec
+users mark tables with ``apply_optimizer_in_backward(RowWiseAdagrad, model.ebc.parameters(), {...})`` (ours or
+torch's), often twice (row-wise Adagrad on the big tables, SGD on the rest); every front end turns those marks into
+fused kernels, or the tables would silently never change. With its plan, the steps are then the same:
+:func:`shard` (the fused tables marked as updated in backward), then :func:`ignore_in_ddp` before DDP wraps the
+model. Once the optimizers exist, :func:`warn_unoptimized_tables` names the tables none updates, and the planner is
+told the tables' real optimizer (:func:`tables_optimizer_kind`, :func:`automatic_plan_report`).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -18,12 +23,103 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_rec import _compat
-from lightning_rec.fused_kinds import TableSpecs
+from lightning_rec.distributed.optimizers import in_backward_specs
+from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from lightning_rec.fused_kinds import (
+    EmbeddingOptimizer,
+    FusedOptimizerSpec,
+    PerTableOptimizers,
+    TableSpecs,
+    as_table_optimizers,
+    named_tables,
+    spec_of,
+)
 from lightning_rec.optim import FusedOptimizer
 from lightning_rec.pipeline.qcomm import QuantizedCommCodecs
-from lightning_rec.pipeline.shard_modules import ddp_ignored_names, materialize_dense, shard_modules
+from lightning_rec.pipeline.shard_modules import (
+    ddp_ignored_names,
+    fused_optimizer,
+    materialize_dense,
+    shard_modules,
+    sharded_collections,
+)
 from lightning_rec.plans.plan import ShardingPlan
-from lightning_rec.table_optimizers import mark_fused_tables
+from lightning_rec.plans.planner import Planner, PlanReport
+
+
+def _collections(module: nn.Module) -> list[tuple[str, nn.Module, list[str]]]:
+    """``(path, collection, table names)`` of every unsharded collection of ``module``."""
+    found: list[tuple[str, nn.Module, list[str]]] = []
+    for path, m in module.named_modules():
+        # exact types, as shard_modules picks the collections it shards
+        if type(m) is EmbeddingBagCollection:
+            found.append((path, m, [t.name for t in m.embedding_bag_configs()]))
+        elif type(m) is EmbeddingCollection:
+            found.append((path, m, [t.name for t in m.embedding_configs()]))
+    return found
+
+
+def resolve_table_optimizers(
+    module: nn.Module,
+    given: EmbeddingOptimizer | None,
+    by_type: Mapping[type, FusedOptimizerSpec | None] | None = None,
+    given_name: str = "embedding_optimizer",
+) -> dict[str, TableSpecs]:
+    """``{collection path: {table: fused spec or None}}``: what every table of ``module`` trains with.
+
+    One rule for the strategies and ``DistributedModelParallel``: a table's in-backward mark
+    (``apply_optimizer_in_backward``) wins; otherwise the sharder's ``fused_params`` for its module type
+    (``by_type``), otherwise ``given`` (one spec, or :class:`PerTableOptimizers`). A mark that disagrees
+    with the other source raises, naming the table (a ``PerTableOptimizers`` default only fills in).
+    Tables sharing a spec share a kernel, so any mix of kinds and hyper-parameters works, pooled and sequence
+    collections alike; within one collection every table is fused or none is (raises naming the others).
+    """
+    given = as_table_optimizers(given)
+    found = _collections(module)
+    known = {name for _, _, names in found for name in names}
+    unknown = sorted(n for n in named_tables(given) if n not in known)
+    if unknown:
+        raise ValueError(
+            f"{given_name} names tables {unknown} that no embedding collection of the model has; "
+            f"its tables: {sorted(known)}"
+        )
+    out: dict[str, TableSpecs] = {}
+    for path, m, names in found:
+        where = path or "<root>"
+        marks = in_backward_specs(m)
+        other = (by_type or {}).get(type(m)) if by_type is not None else None
+        specs: TableSpecs = {}
+        for name in names:
+            fallback = other if by_type is not None else spec_of(given, name)
+            # a PerTableOptimizers default only fills in: a mark may differ from it
+            explicit = not (isinstance(given, PerTableOptimizers) and name not in given.tables)
+            mark = marks[name]
+            if mark is not None and fallback is not None and mark != fallback and explicit:
+                source = "the sharder's fused_params" if by_type is not None else given_name
+                raise ValueError(
+                    f"collection {where!r}, table {name!r}: its in-backward optimizer {mark} "
+                    f"(apply_optimizer_in_backward) differs from {source} {fallback}; give one of them"
+                )
+            specs[name] = mark if mark is not None else fallback
+        fused = sorted(n for n, s in specs.items() if s is not None)
+        plain = sorted(n for n, s in specs.items() if s is None)
+        if fused and plain:
+            raise ValueError(
+                f"collection {where!r}: tables {fused} have a fused optimizer but {plain} do not; a collection's "
+                "tables are all fused or none: mark the others too (apply_optimizer_in_backward, any optimizer), "
+                f"give them one in {given_name}, or put them in a collection of their own"
+            )
+        out[path] = specs
+    return out
+
+
+def mark_fused_tables(module: nn.Module) -> FusedOptimizer | None:
+    """The fused optimizer of ``module``'s sharded tables, set as their in-backward optimizer (as DMP does), so
+    that ``in_backward_optimizer_filter`` leaves them out of the optimizers a user builds afterwards."""
+    fused = fused_optimizer(module)
+    for p in [] if fused is None else [p for g in fused.param_groups for p in g["params"]]:
+        p._in_backward_optimizers = [fused]  # type: ignore[attr-defined]  # TorchRec's attribute name
+    return fused
 
 
 class Sharded(NamedTuple):
@@ -80,3 +176,113 @@ def ignore_in_ddp(model: nn.Module, module: nn.Module | None = None, also: Seque
         return False
     _compat.ddp_ignore(model, [*ignore, *also])
     return True
+
+
+def warn_unoptimized_tables(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> list[str]:
+    """Warn once (on global rank 0) naming every sharded table that trains but no optimizer updates.
+
+    Collective over the world: each rank holds only its own shards. Returns the names warned about.
+    """
+    held = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
+    mine = sorted(
+        {
+            f"{path}.{n}" if path else n
+            for path, c in sharded_collections(module)
+            for n, p in c.named_parameters()
+            if p.requires_grad and id(p) not in held
+        }
+    )
+    names = mine
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[list[str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        names = sorted({n for g in gathered for n in g or []})
+    if names and (not dist.is_initialized() or dist.get_rank() == 0):
+        warnings.warn(
+            f"rec_sharded: no optimizer updates the embedding tables {names}: they keep their initial values. "
+            "Pass their parameters to an optimizer in configure_optimizers, give "
+            "RecShardedStrategy(embedding_optimizer=...), or mark them with apply_optimizer_in_backward",
+            stacklevel=2,
+        )
+    return names
+
+
+# torch optimizer class -> the planner's optimizer kind (its state size); a fused optimizer's kind is its spec's
+# (lightning_rec.fused_kinds.FUSED_KINDS)
+_OPTIMIZER_KINDS = {
+    "SGD": "sgd",
+    "Adagrad": "adagrad",
+    "Adam": "adam",
+    "AdamW": "adam",
+    "SparseAdam": "adam",
+    "LAMB": "lamb",
+}
+
+
+def _local_kind(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
+    tables = {id(p) for _, c in sharded_collections(module) for p in c.parameters()}
+    parts = [p for o in optimizers for p in (o.optimizers if hasattr(o, "optimizers") else [o]) if p is not None]
+    for part in parts:
+        kernels = getattr(part, "kernels", None)  # a FusedOptimizer: its kernels' spec says what they keep
+        if kernels:
+            return kernels[0].spec.kind
+    for part in parts:
+        # the optimizer holding the tables, not the first one: a dense Adam beside an Adagrad of the tables
+        # would report Adam's state for every table
+        if any(id(p) in tables for g in part.param_groups for p in g["params"]):
+            name = type(part).__name__
+            if name == "SGD" and any(g.get("momentum", 0) for g in part.param_groups):
+                return "momentum"
+            return _OPTIMIZER_KINDS.get(name)
+    return None
+
+
+def fused_table_kinds(module: nn.Module) -> dict[str, str]:
+    """``{table name: fused kind}`` of every fused table of ``module``'s sharded collections, over all ranks (each
+    holds the kernels of its own pieces): what the planner charges each table's optimizer state with. Collective
+    over the world where a process group exists."""
+    kinds = {n: k.spec.kind for _, c in sharded_collections(module) for k in c.fused_kernels() for n in k.table_names}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[dict[str, str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, kinds)
+        kinds = {n: k for g in gathered for n, k in (g or {}).items()}
+    return kinds
+
+
+def tables_optimizer_kind(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
+    """The planner's optimizer kind (``Planner(optimizer=...)``) of the sharded tables of ``module``: the fused
+    optimizer's kind, else that of the torch optimizer holding the tables' parameters; None if none is known.
+
+    Collective over the world where a process group exists (a rank may hold no table, hence no optimizer of one).
+    """
+    kind = _local_kind(module, optimizers)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, kind)
+        kind = next((k for k in gathered if k is not None), None)
+    return kind
+
+
+def automatic_plan_report(
+    planner: Planner, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+) -> PlanReport:
+    """The report of the plan ``planner`` chose for ``module`` (now sharded), for the tables' real optimizer.
+
+    The strategy plans before ``configure_optimizers`` runs, so the planner may have assumed another optimizer's
+    state: then the placements are re-estimated with the tables' optimizer (keeping each runner-up), so this
+    report and ``ShardingSummary``'s name the same optimizer and memory. Collective (``tables_optimizer_kind``).
+    """
+    chosen = planner.explain()
+    kind = tables_optimizer_kind(module, optimizers)
+    if kind is None or kind == planner.optimizer or planner.table_optimizers:  # per-table kinds: already known
+        return chosen
+    planned, planner.optimizer = planner.optimizer, kind
+    report = planner.estimate(module)
+    for new, old in zip(report.tables, chosen.tables):
+        new.fixed, new.runner_up, new.rejected_because = old.fixed, old.runner_up, old.rejected_because
+    report.notes = [
+        *chosen.notes,
+        f"placed assuming optimizer={planned} (the optimizers did not exist yet); the "
+        f"estimates here are for the tables' optimizer, {kind}",
+    ]
+    return report

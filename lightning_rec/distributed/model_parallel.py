@@ -35,7 +35,6 @@ from lightning_rec.plans.kinds import placement_of
 from lightning_rec.plans.mesh import default_local_size
 from lightning_rec.plans.plan import with_resolved_ranks
 from lightning_rec.sharding import ParameterSharding, ShardingPlan
-from lightning_rec.table_optimizers import resolve_table_optimizers
 
 
 @dataclass
@@ -127,7 +126,7 @@ def _table_optimizers(module: nn.Module, sharders: list[ModuleSharder]) -> dict[
                 f"no sharder for {type(m).__name__} at {path or '<root>'!r}; sharders given: "
                 f"{[type(s).__name__ for s in sharders]}"
             )
-    return resolve_table_optimizers(module, None, {t: s.embedding_optimizer for t, s in by_type.items()})
+    return front_end.resolve_table_optimizers(module, None, {t: s.embedding_optimizer for t, s in by_type.items()})
 
 
 def _move_dense(model: nn.Module, skip: set[str], device: torch.device) -> None:

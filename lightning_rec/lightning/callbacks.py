@@ -10,9 +10,9 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_rec.export import export_program
+from lightning_rec.front_end import fused_table_kinds, tables_optimizer_kind
 from lightning_rec.pipeline.shard_modules import ShardedCollection
 from lightning_rec.plans.planner import Planner, PlanReport, Topology
-from lightning_rec.table_optimizers import fused_table_kinds, tables_optimizer_kind
 
 
 class ShardingSummary(L.Callback):

@@ -24,7 +24,7 @@ from lightning_rec import _compat
 from lightning_rec import checkpoint as ckpt
 from lightning_rec.checkpoint.safe import refusing_unsafe
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-from lightning_rec.front_end import ignore_in_ddp
+from lightning_rec.front_end import ignore_in_ddp, warn_unoptimized_tables
 from lightning_rec.lightning import shard_setup
 from lightning_rec.lightning.shard_setup import ShardSetup, require_popen
 from lightning_rec.optim import CombinedOptimizer
@@ -34,7 +34,6 @@ from lightning_rec.pipeline.shard_modules import fused_optimizer, sharded_collec
 from lightning_rec.plans.mesh import MeshInfo
 from lightning_rec.plans.plan import ShardingPlan
 from lightning_rec.plans.planner import Planner
-from lightning_rec.table_optimizers import warn_unoptimized_tables
 from lightning_rec.transport import inflight
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_rec import _compat, front_end
 from lightning_rec import checkpoint as ckpt
+from lightning_rec.front_end import resolve_table_optimizers
 from lightning_rec.fused_kinds import EmbeddingOptimizer, as_table_optimizers, summary
 from lightning_rec.lightning import child_exits
 from lightning_rec.pipeline.collectives import grad_scale
@@ -26,7 +27,6 @@ from lightning_rec.pipeline.qcomm import QCommsConfig, get_qcomm_codecs_registry
 from lightning_rec.plans.mesh import MeshInfo, check_layout, init_2d_mesh
 from lightning_rec.plans.plan import ShardingPlan
 from lightning_rec.plans.planner import Planner, automatic_plan
-from lightning_rec.table_optimizers import resolve_table_optimizers
 from lightning_rec.transport import inflight
 
 STRATEGY_NAME = "rec_sharded"
@@ -125,7 +125,7 @@ class ShardSetup:
 
         The plan is the one given, else ``module.configure_sharding()``, else the planner's (whose planner is
         returned, to be explained once the optimizers exist). TorchRec's ``apply_optimizer_in_backward`` marks
-        choose the tables' fused optimizers, as under DMP (``table_optimizers.resolve_table_optimizers``); returns
+        choose the tables' fused optimizers, as under DMP (``front_end.resolve_table_optimizers``); returns
         what the tables train with (``fused_kinds.summary``) and the planner.
         """
         plan = self.plan

@@ -24,7 +24,7 @@ from lightning_rec._compat import precision_target_dtype
 from lightning_rec.checkpoint.safe import refusing_unsafe
 from lightning_rec.data.loader import AgreedLoader, ClickLoader
 from lightning_rec.distributed.train_pipeline import InputPrefetcher, PipelinedLoader
-from lightning_rec.front_end import ignore_in_ddp
+from lightning_rec.front_end import ignore_in_ddp, warn_unoptimized_tables
 from lightning_rec.lightning import shard_setup
 from lightning_rec.lightning import trainer_setup as checks
 from lightning_rec.lightning.preemption import AgreedStop
@@ -35,7 +35,6 @@ from lightning_rec.pipeline.shard_modules import ShardedCollection
 from lightning_rec.plans.mesh import MeshInfo
 from lightning_rec.plans.plan import ShardingPlan
 from lightning_rec.plans.planner import Planner, PlanReport
-from lightning_rec.table_optimizers import warn_unoptimized_tables
 from lightning_rec.transport import inflight
 
 

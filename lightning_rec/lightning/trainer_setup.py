@@ -20,13 +20,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_rec import _compat
+from lightning_rec.front_end import automatic_plan_report
 from lightning_rec.fused_kinds import EmbeddingOptimizer
 from lightning_rec.optim import CombinedOptimizer
 from lightning_rec.pipeline.clip_grad_norm import clip_grad_norm_
 from lightning_rec.pipeline.dp_sparse_grad import use_sparse_grads_where_possible
 from lightning_rec.pipeline.shard_modules import dense_state, fused_optimizer
 from lightning_rec.plans.planner import Planner, PlanReport
-from lightning_rec.table_optimizers import automatic_plan_report
 
 
 def batch_size(module: L.LightningModule) -> int | None:

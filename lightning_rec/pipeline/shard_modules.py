@@ -156,7 +156,7 @@ def shard_modules(
     ``fused_optimizer(model)``. Without it, tables are ordinary parameters for any torch optimizer. A
     :class:`~lightning_rec.fused_kinds.PerTableOptimizers` gives tables different specs (tables sharing a spec
     share a kernel); ``table_optimizers`` (``{collection path: {table: spec or None}}``, what
-    ``table_optimizers.resolve_table_optimizers`` makes of in-backward marks) overrides it for the collections
+    ``front_end.resolve_table_optimizers`` makes of in-backward marks) overrides it for the collections
     it names.
 
     ``qcomm_codecs_registry`` (TorchRec's, from ``get_qcomm_codecs_registry(QCommsConfig(...))``) makes the

@@ -205,8 +205,8 @@ def test_tables_no_optimizer_updates_are_named_once() -> None:
 
 
 def test_marks_resolve_per_table_and_collections_mix() -> None:
+    from lightning_rec.front_end import resolve_table_optimizers
     from lightning_rec.fused_kinds import as_spec
-    from lightning_rec.table_optimizers import resolve_table_optimizers
 
     model = PartialReader()
     apply_optimizer_in_backward(RowWiseAdagrad, [model.ebc.embedding_bags["user"].weight], {"lr": 0.1})

@@ -45,7 +45,6 @@ LAYERS = {
     # the core every front end calls; the Lightning front end (strategies, their core, RecModule, callbacks)
     "front_end": 5,
     "lightning": 5,
-    "table_optimizers": 5,
     "metrics": 5,
     "testing": 5,
     "quant": 5,
