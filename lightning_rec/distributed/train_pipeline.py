@@ -32,8 +32,8 @@ from torch import nn
 from lightning_rec.distributed.model_parallel import DistributedModelParallel
 from lightning_rec.mc.embedding import ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection
 from lightning_rec.mc.modules import ManagedCollisionCollection, MCHManagedCollisionModule
-from lightning_rec.pipeline.prefetch import PrefetchedInputDist
 from lightning_rec.pipeline.shard_modules import ShardedCollection, sharded_collections
+from lightning_rec.pipeline.stages import PrefetchedInputDist
 from lightning_rec.sparse import KeyedJaggedTensor
 
 _MC_WRAPPERS = (ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection)

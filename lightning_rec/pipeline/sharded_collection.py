@@ -36,9 +36,18 @@ from lightning_rec.pipeline.local_tables import (
     target_device,
     warn_large_tables,
 )
-from lightning_rec.pipeline.prefetch import FeedSlot, PrefetchedInputDist
 from lightning_rec.pipeline.routing import RoutingTable, build_routing
-from lightning_rec.pipeline.stages import RAW_ID_HOOK_ATTR, LookupContext, Lookups, Out, RawIdHook, RawIdRouting, Stages
+from lightning_rec.pipeline.stages import (
+    RAW_ID_HOOK_ATTR,
+    FeedSlot,
+    LookupContext,
+    Lookups,
+    Out,
+    PrefetchedInputDist,
+    RawIdHook,
+    RawIdRouting,
+    Stages,
+)
 from lightning_rec.pipeline.state_dict import load_hook, sharded_state_dict_hook
 from lightning_rec.plans.shard_geometry import ShardMeta
 from lightning_rec.sparse import KeyedJaggedTensor, checks_enabled
