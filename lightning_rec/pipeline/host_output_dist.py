@@ -12,9 +12,9 @@ every exchange of a group spanning hosts, as point-to-point messages with every 
 (the data-parallel block, the own host's ranks, the other hosts host by host; within a host block, its ranks
 in order), so every run gives the same bits.
 
-A rank's host is its global rank over ``LOCAL_WORLD_SIZE`` (the launchers' layout, the byte accounting's
-rule). ``LIGHTNING_REC_OUTPUT_DIST=flat`` (on every rank) keeps the flat exchange for comparison. The plan is
-made once per output dist (``output_dist.PooledOutputDist``, when the collection is built).
+A rank's host is its global rank over ``LOCAL_WORLD_SIZE`` (the launchers' layout, ``transport.host_of``).
+``LIGHTNING_REC_OUTPUT_DIST=flat`` (on every rank) keeps the flat exchange for comparison. The plan is made once
+per output dist (``output_dist.PooledOutputDist``, when the collection is built).
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ import torch.distributed as dist
 
 from lightning_rec import _compat, transport
 from lightning_rec.pipeline.host_blocks import HostBlocks, mode_from_env, plan_host_blocks
-from lightning_rec.pipeline.placement import ColumnPlacement, _put, _take, gathered
-from lightning_rec.pipeline.routing import RoutingTable
+from lightning_rec.pipeline.routing import ColumnPlacement, RoutingTable, _put, _take, gathered
 from lightning_rec.plans.shard_geometry import offsets_of
-from lightning_rec.transport.accounting import host_of
 
 Plan = tuple[HostBlocks, dist.ProcessGroup | None]
 # id of shard group -> (it, weakly, and its hosts' groups by global ranks): one per host, shared by collections
@@ -44,7 +42,7 @@ def host_plan(routing: RoutingTable, placement: ColumnPlacement, group: dist.Pro
     it makes the host's group (or takes the one an earlier collection of this shard group made), which every
     rank of the host reaches at the same step: building the collection."""
     ranks = dist.get_process_group_ranks(group)
-    blocks = plan_host_blocks(routing, [host_of(g) for g in ranks], mode_from_env(), placement)
+    blocks = plan_host_blocks(routing, [transport.host_of(g) for g in ranks], mode_from_env(), placement)
     return None if blocks is None else (blocks, _host_group(group, tuple(ranks[s] for s in blocks.members)))
 
 

@@ -19,7 +19,7 @@ exchanges repeat, so the next step reuses them): a group whose largest exchange 
 holds up to about 64 MiB per rank (two buffers of up to twice the bucket). A rank that cannot grow a buffer
 makes that collective run through torch.distributed on every rank.
 
-Across hosts (a group whose ranks are on more than one host, hosts as the accounting numbers them), the
+Across hosts (a group whose ranks are on more than one host, hosts as :func:`host_of` numbers them), the
 variable all-to-alls of CPU tensors go as point-to-point messages with every receive posted first
 (:mod:`lightning_rec.transport.pairwise`): through gloo's all-to-all a slow link's two directions run one after
 the other when the ranks arrive apart. ``LIGHTNING_REC_PAIRWISE=0`` (on every rank) keeps gloo's all-to-all
@@ -64,6 +64,7 @@ __all__ = [
     "byte_counts",
     "close_all",
     "counting",
+    "host_of",
     "pairwise_mode",
     "reset_byte_counts",
     "shared_group",
@@ -106,14 +107,21 @@ def _pairwise(group: dist.ProcessGroup | None, asked: bool | None) -> bool:
     return spans_hosts(group)
 
 
+def host_of(rank: int) -> int:
+    """The host of global rank ``rank``: ranks are numbered host by host, ``LOCAL_WORLD_SIZE`` to a host (the
+    layout torchrun and Lightning give a multi-node job; unset: one host)."""
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    return rank // per_host if per_host > 0 else 0
+
+
 def spans_hosts(group: dist.ProcessGroup | None) -> bool:
-    """Whether ``group``'s ranks (None: the world's) are on more than one host, hosts as the accounting numbers
-    them (:func:`~lightning_rec.transport.accounting.host_of`); remembered per group."""
+    """Whether ``group``'s ranks (None: the world's) are on more than one host (:func:`host_of`); remembered per
+    group."""
     g = group if group is not None else dist.group.WORLD
     hit = _SPANS.get(id(g))
     if hit is None or hit[0]() is not g:
         ranks = dist.get_process_group_ranks(g)
-        hit = (weakref.ref(g), len({accounting.host_of(r) for r in ranks}) > 1)
+        hit = (weakref.ref(g), len({host_of(r) for r in ranks}) > 1)
         _SPANS[id(g)] = hit
     return hit[1]
 

@@ -8,10 +8,10 @@ moves them (this rank sends only to the next rank of the group: ``n - 1`` pieces
 / n`` of the tensor for an all-reduce), through shared memory as every peer reading this rank's whole buffer.
 A rank counts only what it sends; :func:`gather_byte_counts` sums every rank's table.
 
-Hosts: global rank ``g`` runs on host ``g // LOCAL_WORLD_SIZE``, the layout torchrun and Lightning give a
-multi-node job (``LOCAL_WORLD_SIZE`` unset: one host). Stages: the innermost :func:`stage` label, else inferred
-from the calling function (``input_dist``, ``output_dist_fwd``, ``output_dist_bwd``, ``dp_grad_sync``, ...), else
-``module.function`` of the first caller outside the transport. What does not go through the transport is not
+Hosts: as the transport numbers them (:func:`lightning_rec.transport.host_of`: global rank ``g`` runs on host
+``g // LOCAL_WORLD_SIZE``). Stages: the innermost :func:`stage` label, else inferred from the calling function
+(``input_dist``, ``output_dist_fwd``, ``output_dist_bwd``, ``dp_grad_sync``, ...), else ``module.function`` of the
+first caller outside the transport. What does not go through the transport is not
 counted: object collectives, barriers, checkpoints, and DDP's dense-gradient all-reduce unless its comm hook
 is :func:`ddp_comm_hook`.
 """
@@ -33,6 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+# the package imports this module while it initialises: its names are read at call time only
+from lightning_rec import transport
 
 _ENV = "LIGHTNING_REC_BYTE_COUNT"
 ON = os.environ.get(_ENV, "0") not in ("", "0")  # read by the transport on every collective
@@ -103,12 +106,6 @@ def reset() -> None:
     _CALLS.clear()
 
 
-def host_of(rank: int) -> int:
-    """The host of global rank ``rank``: ranks are numbered host by host, ``LOCAL_WORLD_SIZE`` to a host."""
-    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-    return rank // per_host if per_host > 0 else 0
-
-
 def byte_counts(by: str = "host") -> dict[tuple[int, int, str], int]:
     """What this rank sent: ``{(src_host, dst_host, stage): bytes}`` (``by="rank"``: global ranks instead)."""
     if by not in ("host", "rank"):
@@ -117,7 +114,7 @@ def byte_counts(by: str = "host") -> dict[tuple[int, int, str], int]:
         return dict(_COUNTS)
     out: defaultdict[tuple[int, int, str], int] = defaultdict(int)
     for (src, dst, label), n in _COUNTS.items():
-        out[(host_of(src), host_of(dst), label)] += n
+        out[(transport.host_of(src), transport.host_of(dst), label)] += n
     return dict(out)
 
 

@@ -1,5 +1,5 @@
 """The hierarchical pooled output dist (issue 46) on 4 gloo ranks laid out as 2 hosts x 2 ranks
-(``LOCAL_WORLD_SIZE=2``, the host rule of ``transport.accounting`` and ``plans/mesh.py``).
+(``LOCAL_WORLD_SIZE=2``, the host rule of ``transport.host_of`` and ``plans/mesh.py``).
 
 Every sharding type and mixed plans train equal to one process on the global batch with the host blocks on
 (forced for the types where ``auto`` keeps the flat exchange, so the path serves every layout), and the
