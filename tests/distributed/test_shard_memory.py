@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig
-from lightning_rec.pipeline import materialize as collection_mod
+from lightning_rec.pipeline import local_tables as collection_mod
 from lightning_rec.sharding import (
     ShardingPlan,
     column_wise,
