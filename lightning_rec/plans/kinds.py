@@ -1,6 +1,6 @@
 """One class per sharding type: the fields it accepts, its tiling, the placements the planner tries, its label.
 
-Every model-parallel sharding type is a tiling of a table into ``ShardMeta`` rectangles (``layout.Tiling``);
+Every model-parallel sharding type is a tiling of a table into ``ShardMeta`` rectangles (``shard_geometry.Tiling``);
 one pipeline serves them all, so this module is the only place that knows what each type means.
 ``plan.py`` resolves placements through :func:`kind_of`, the planner asks each kind for candidates and
 labels, and the CLI checks a placement's fields against :attr:`ShardingKind.fields`.
@@ -17,17 +17,20 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from lightning_rec.configs import BaseEmbeddingConfig, ShardingType
-from lightning_rec.plans.shard_geometry import ShardMeta, Tiling, even_blocks
-from lightning_rec.plans.specs import (
+from lightning_rec.plans.shard_geometry import (
     COMPUTE_KERNELS,
     PLACEMENT_FIELDS,
     EnumerableShardingSpec,
     ParameterSharding,
+    ShardMeta,
     ShardMetadata,
     ShardPlacement,
+    Tiling,
+    even_blocks,
 )
 
-# the spec classes (``specs.py``) are re-exported: plans and the CLI import them from here as well
+# TorchRec's placement descriptions (``shard_geometry.py``) are re-exported: plans and the CLI import them from here
+# as well
 __all__ = [
     "COMPUTE_KERNELS",
     "KINDS",

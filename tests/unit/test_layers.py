@@ -26,7 +26,6 @@ LAYERS = {
     "fused_kinds": 1,
     "plans.shard_geometry": 1,
     "plans.kinds": 1,
-    "plans.specs": 1,
     "kernels": 2,
     "embedding_modules": 2,
     "feature_layout": 2,
