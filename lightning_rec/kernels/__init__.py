@@ -6,17 +6,18 @@ of fbgemm's wrong MEAN + per-sample-weight backward.
 
 - :mod:`._capability`: which kernel runs (``compute_kernel`` ``"auto"`` / ``"fbgemm"`` / ``"torch"``), and
   whether the installed fbgemm build has the ops for the device (asked once; torch fallback or one error)
+- :mod:`._guards`: the checks on what a lookup is given (ids and offsets on every path; the fused kernel's
+  tables, feature -> table map and backward passes)
 - :mod:`._torch`: the torch path (the reference)
 - :mod:`._dense_tbe`: fbgemm's dense table-batched lookup over plain parameters
 - :mod:`._grouped`: one pooled lookup over tables served by different kernels (a sharded rank's shards)
-- :mod:`._fused_tbe`, :mod:`._guards`: fbgemm's split table-batched lookup with the optimizer in backward;
+- :mod:`._fused_tbe`: fbgemm's split table-batched lookup with the optimizer in backward;
   :mod:`._fused_sequence`: the same without pooling (one row per id)
 - :mod:`._accumulate`: its accumulation mode (backward keeps the gradients; the step applies one update)
 - :mod:`._split_tbe`, :mod:`._torch_adam`: the module behind it: fbgemm's, or on CPU for the Adam family (no fbgemm
   CPU kernel) a torch stand-in applying fbgemm's CUDA update
 - the process memory policy under the kernels: :mod:`lightning_rec.memory`
 - :mod:`._tables`: containers registering tables under their own names
-- :mod:`._ids`: id and offset checks shared by all paths
 """
 
 from lightning_rec.kernels._capability import (
@@ -35,7 +36,7 @@ from lightning_rec.kernels._dense_tbe import FbgemmPooledKernel
 from lightning_rec.kernels._fused_sequence import FusedSequenceKernel
 from lightning_rec.kernels._fused_tbe import FusedPooledKernel
 from lightning_rec.kernels._grouped import LOOKUP_KERNELS, GroupedPooledLookup
-from lightning_rec.kernels._ids import check_ids, check_offsets, validate_ids
+from lightning_rec.kernels._guards import check_ids, check_offsets, validate_ids
 from lightning_rec.kernels._tables import FusedTables, TableContainer
 from lightning_rec.kernels._torch import mean_divisor, promoted_dtype, torch_pooled, torch_sequence
 from lightning_rec.kernels._torch_adam import TorchAdamTBE

@@ -25,10 +25,11 @@ from lightning_rec.kernels._guards import (
     _FusedStepCounter,
     _ScaleGrad,
     check_feature_table,
+    check_ids,
+    check_offsets,
     check_pooling,
     check_tables,
 )
-from lightning_rec.kernels._ids import check_ids, check_offsets
 from lightning_rec.kernels._split_tbe import build_split_tbe, check_split_tbe
 from lightning_rec.kernels._tables import FusedTable, unexpected_table_keys
 from lightning_rec.memory import keep_freed_memory, zero_into_huge_pages
