@@ -3,12 +3,13 @@
 ``topology`` (the cluster, its speeds, per-table constraints), ``cost`` (time and memory of a placement),
 ``terms`` (the same numbers per shard and per host, as the search compares them), ``candidates`` (the places
 the sharding kinds may use, scored), ``search`` (the :class:`Planner`), ``checks`` (what it refuses, and the
-messages saying why), ``report`` (:class:`PlanReport`), ``auto`` (the planner of the sharding entry points),
+messages saying why), ``report`` (:class:`PlanReport`), ``auto`` (the planner of the sharding entry points,
+and the 2D arrangement it estimates faster),
 ``speeds`` (:class:`ProfiledSpeeds`, speeds measured on a job's own data) and ``profile`` (the run that measures
 them, :func:`profile_speeds`).
 """
 
-from lightning_rec.plans.planner.auto import automatic_plan
+from lightning_rec.plans.planner.auto import Arrangement, automatic_plan, choose_arrangement
 from lightning_rec.plans.planner.cost import GRADIENTS, MEMORY_PARTS, OPTIMIZER_STATE, TIME_PARTS, CostModel
 from lightning_rec.plans.planner.report import PlanReport, TableChoice, placement_label
 from lightning_rec.plans.planner.search import PlacedCollection, Planner
@@ -20,6 +21,7 @@ __all__ = [
     "MEMORY_PARTS",
     "OPTIMIZER_STATE",
     "TIME_PARTS",
+    "Arrangement",
     "CostModel",
     "Hardware",
     "PlacedCollection",
@@ -33,6 +35,7 @@ __all__ = [
     "TableProfile",
     "Topology",
     "automatic_plan",
+    "choose_arrangement",
     "parse_bytes",
     "placement_label",
 ]

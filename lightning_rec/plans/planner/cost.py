@@ -10,9 +10,10 @@ It follows what the sharded pipeline actually does (``pipeline/shard_modules.py`
   all-to-all in backward; ids are bucketized by row block on the sender when a table has several;
 * data-parallel tables: a lookup on every rank, then the touched rows' union is gathered and all-reduced
   over the whole world (``comm.embedding_grad``); with 2D layouts, shards all-reduce their touched rows
-  over the replica group likewise. Fused data-parallel tables instead look up and update the union of
-  every rank's batch on every replica, after an all-gather of the ids (and of the pooled gradients in
-  backward).
+  over the replica group likewise (across the hosts' links, or within a host where the 2D arrangement keeps
+  the replicas there: ``Topology.replicas_within_host``). Fused data-parallel tables instead look up and
+  update the union of every rank's batch on every replica, after an all-gather of the ids (and of the pooled
+  gradients in backward).
 
 An all-to-all costs each rank (bytes sent + bytes received) / 2 over the bandwidth of each link (within
 a host or across hosts); an all-reduce ``2 (n - 1) / n x bytes`` over the slowest link it crosses.
@@ -134,6 +135,15 @@ class CostModel:
         # seconds per byte a shard owner receives from (or sends to) every other rank of the group
         self.k_in = (self.local - 1) / hw.intra_host_bandwidth + (self.M - self.local) / hw.inter_host_bandwidth
         self.world = topo.world_size
+        # the replicas of a shard sync over one host's memory when the arrangement keeps them there; else
+        # across the hosts, every rank of a host at once through its link (even when the shard group is a
+        # whole host and no exchange of the group crosses)
+        if topo.replicas_within_host:
+            self.replica_bw = hw.intra_host_bandwidth
+        elif topo.host_link is not None and self.world > self.local:
+            self.replica_bw = min(float(topo.host_link) / topo.ranks_per_host, hw.intra_host_bandwidth)
+        else:
+            self.replica_bw = hw.inter_host_bandwidth
         self.world_bw = hw.inter_host_bandwidth if self.world > self.local else hw.intra_host_bandwidth
         if topo.host_link is not None and self.world > self.local:
             # a ring crosses each host's link with one rank's stream: the whole link, not a rank's share
@@ -251,7 +261,7 @@ class CostModel:
         if self.R > 1:
             uniq = rows * -np.expm1(-ids / np.maximum(rows, 1))
             union = rows * -np.expm1(-self.R * ids / np.maximum(rows, 1))
-            rep = (self.R * uniq * 8 + 2 * (self.R - 1) / self.R * union * cols * s.wire) / hw.inter_host_bandwidth
+            rep = (self.R * uniq * 8 + 2 * (self.R - 1) / self.R * union * cols * s.wire) / self.replica_bw
             t[6] = put(rep)
         per_shard = self.shard_memory(s, rows, cols)
         mem = np.zeros((len(MEMORY_PARTS), M))

@@ -152,7 +152,7 @@ def _values(model: CostModel, s: TableStats | _Fields, rows: np.ndarray, cols: n
     if R > 1:
         uniq = rows * -np.expm1(-ids / np.maximum(rows, 1))
         union = rows * -np.expm1(-R * ids / np.maximum(rows, 1))
-        t6 = (R * uniq * 8 + 2 * (R - 1) / R * union * cols * s.wire) / hw.inter_host_bandwidth
+        t6 = (R * uniq * 8 + 2 * (R - 1) / R * union * cols * s.wire) / model.replica_bw
     else:
         t6 = np.zeros(len(rows))
     t0 = [ids * (cols * s.elem + hw.lookup_overhead_bytes) / bw for bw in (s.lookup_bw, s.host_lookup_bw)]

@@ -144,8 +144,11 @@ class Topology:
         hardware: explicit speeds (see :class:`Hardware`).
         host_link: each host's link to the other hosts, per direction: ``"1gbit"``, ``"100Gb/s"``, ``"12.5GB/s"``
             or bytes per second. Every rank of a host sends across at once in the all-to-alls, so the link is
-            shared: it sets ``hardware.inter_host_bandwidth`` to ``host_link / local_size`` (whatever
+            shared: it sets ``hardware.inter_host_bandwidth`` to ``host_link / ranks_per_host`` (whatever
             ``hardware`` or the device's defaults said). None: the hardware's own inter-host speed.
+        replicas_within_host: the 2D arrangement (``plans/mesh.py``): each host holds whole replica groups and
+            each model-parallel group spreads over the hosts; the replicas' sync then stays on a host, and a
+            host's link is shared by ``local_size x replicas`` ranks. Default: model parallel within a host.
     """
 
     world_size: int = 1
@@ -157,6 +160,7 @@ class Topology:
     backend: str | None = None
     hardware: Hardware | None = None
     host_link: int | float | str | None = None
+    replicas_within_host: bool = False
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen: fields resolved once here
@@ -181,11 +185,17 @@ class Topology:
             link = parse_rate(self.host_link)
             set_("host_link", link)
             if mp > local:  # one host: nothing crosses, and its estimates stay those without a link
-                set_("hardware", replace(cast(Hardware, self.hardware), inter_host_bandwidth=link / local))
+                shared = link / self.ranks_per_host
+                set_("hardware", replace(cast(Hardware, self.hardware), inter_host_bandwidth=shared))
 
     @property
     def replicas(self) -> int:
         return self.world_size // self.model_parallel_size  # type: ignore[operator]
+
+    @property
+    def ranks_per_host(self) -> int:
+        """Ranks on one host: a shard group's ``local_size``, times the replicas where they share the host."""
+        return self.local_size * (self.replicas if self.replicas_within_host else 1)  # type: ignore[operator]
 
     @property
     def num_hosts(self) -> int:
@@ -195,6 +205,7 @@ class Topology:
     def from_mesh(mesh: MeshInfo, **kwargs: Any) -> Topology:
         """The topology of a built mesh (world, model-parallel group, ranks per host); ``kwargs`` set the
         other fields (``device_memory``, ``host_memory``, ``device``, ``backend``, ``hardware``, ``host_link``)."""
+        kwargs.setdefault("replicas_within_host", mesh.replicas_within_host)
         return Topology(mesh.world_size, mesh.model_parallel_size, mesh.local_size, **kwargs)
 
 
