@@ -22,8 +22,14 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_rec.pipeline.placement import ColumnGroup, ColumnPlacement, column_groups, column_placement, group_adds
-from lightning_rec.pipeline.routing import RoutingTable
+from lightning_rec.pipeline.routing import (
+    ColumnGroup,
+    ColumnPlacement,
+    RoutingTable,
+    column_groups,
+    column_placement,
+    group_adds,
+)
 
 ENV = "LIGHTNING_REC_OUTPUT_DIST"  # "flat" | "hierarchical" | "auto" (default); the same on every rank
 MODES = ("auto", "flat", "hierarchical")
@@ -124,7 +130,7 @@ def plan_host_blocks(
     """This rank's :class:`HostBlocks`, or None where the flat exchange is used: one host, ``mode="flat"``, or
     (``"auto"``) no host holds a column twice. ``hosts[r]``: the host of shard-group rank ``r``; every rank
     must pass the same ``hosts`` and ``mode`` (the choice is then the same everywhere). ``placement``: the flat
-    exchange's (:func:`~lightning_rec.pipeline.placement.column_placement` of ``routing``, derived if not given)."""
+    exchange's (:func:`~lightning_rec.pipeline.routing.column_placement` of ``routing``, derived if not given)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     groups = host_index(hosts)

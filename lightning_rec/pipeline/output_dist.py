@@ -3,12 +3,12 @@ output as they come out of the exchange (:class:`PooledOutputDist`); and the seq
 (:class:`SequenceOutputDist`).
 
 Each is an object built once per layout, when the collection is built (and moved with it), holding what does
-not change from batch to batch: the routing, the group, the column placement (``placement.py``), the wire
+not change from batch to batch: the routing, the group, the column placement (``routing.py``), the wire
 codecs (``qcomm.py``) and, between hosts, the host blocks and the host's group (``host_output_dist.py``); its
 variant is an :class:`OutputDistKind`. A call takes one batch's lookups and batch sizes.
 
 Every block (the data-parallel tables' pooled rows, and each rank's pooled rows for this rank's samples) lands
-as the column groups of its :class:`~lightning_rec.pipeline.placement.ColumnPlacement`: each group is one
+as the column groups of its :class:`~lightning_rec.pipeline.routing.ColumnPlacement`: each group is one
 strided copy, or add where an earlier block wrote those columns (row blocks of a table add up). The placing
 happens inside the exchange (docs/ARCHITECTURE.md, "How the bytes move"): every rank's rows are copied or added
 into their columns straight out of the buffer that brought them, and backward gathers each block's gradient
@@ -30,9 +30,8 @@ from lightning_rec import transport
 from lightning_rec.pipeline import collectives as comm
 from lightning_rec.pipeline.host_output_dist import Plan, hierarchical_output_dist, host_plan
 from lightning_rec.pipeline.input_dist import Received, regroup
-from lightning_rec.pipeline.placement import _group_view, _put, _take, column_placement
 from lightning_rec.pipeline.qcomm import QuantizedCommCodecs
-from lightning_rec.pipeline.routing import RoutingTable
+from lightning_rec.pipeline.routing import RoutingTable, _group_view, _put, _take, column_placement
 from lightning_rec.plans.shard_geometry import offsets_of
 
 

@@ -18,8 +18,7 @@ from lightning_rec.pipeline.host_blocks import (
     plan_host_blocks,
     saves_bytes,
 )
-from lightning_rec.pipeline.placement import ColumnGroup, _put, _take, column_placement
-from lightning_rec.pipeline.routing import build_routing
+from lightning_rec.pipeline.routing import ColumnGroup, _put, _take, build_routing, column_placement
 from lightning_rec.plans.shard_geometry import ShardMeta
 
 HOSTS = [0, 0, 1, 1]  # 2 hosts x 2 ranks

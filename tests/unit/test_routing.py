@@ -12,8 +12,7 @@ from lightning_rec import _compat
 from lightning_rec.pipeline.agreement import _mismatch_message, agreement_text, describe_table, settings
 from lightning_rec.pipeline.input_dist import Received, regroup
 from lightning_rec.pipeline.input_payload import build_bucketing
-from lightning_rec.pipeline.placement import _put, _runs, _take, column_placement
-from lightning_rec.pipeline.routing import Route, build_routing
+from lightning_rec.pipeline.routing import Route, _put, _runs, _take, build_routing, column_placement
 from lightning_rec.plans.shard_geometry import ShardMeta
 
 
