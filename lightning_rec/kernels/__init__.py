@@ -14,10 +14,10 @@ of fbgemm's wrong MEAN + per-sample-weight backward.
 - :mod:`._fused_tbe`: fbgemm's split table-batched lookup with the optimizer in backward;
   :mod:`._fused_sequence`: the same without pooling (one row per id)
 - :mod:`._accumulate`: its accumulation mode (backward keeps the gradients; the step applies one update)
-- :mod:`._split_tbe`, :mod:`._torch_adam`: the module behind it: fbgemm's, or on CPU for the Adam family (no fbgemm
-  CPU kernel) a torch stand-in applying fbgemm's CUDA update
+- :mod:`._tables`: the tables as objects: the module behind a fused kernel (fbgemm's, or on CPU for the Adam
+  family, which has no fbgemm CPU kernel, :mod:`._torch_adam`'s torch stand-in applying fbgemm's CUDA update),
+  the containers registering tables under their own names, the dtype several tables' outputs share
 - the process memory policy under the kernels: :mod:`lightning_rec.memory`
-- :mod:`._tables`: containers registering tables under their own names
 """
 
 from lightning_rec.kernels._capability import (
@@ -37,8 +37,8 @@ from lightning_rec.kernels._fused_sequence import FusedSequenceKernel
 from lightning_rec.kernels._fused_tbe import FusedPooledKernel
 from lightning_rec.kernels._grouped import LOOKUP_KERNELS, GroupedPooledLookup
 from lightning_rec.kernels._guards import check_ids, check_offsets, validate_ids
-from lightning_rec.kernels._tables import FusedTables, TableContainer
-from lightning_rec.kernels._torch import mean_divisor, promoted_dtype, torch_pooled, torch_sequence
+from lightning_rec.kernels._tables import FusedTables, TableContainer, promoted_dtype
+from lightning_rec.kernels._torch import mean_divisor, torch_pooled, torch_sequence
 from lightning_rec.kernels._torch_adam import TorchAdamTBE
 from lightning_rec.memory import keep_freed_memory
 

@@ -30,8 +30,7 @@ from lightning_rec.kernels._guards import (
     check_pooling,
     check_tables,
 )
-from lightning_rec.kernels._split_tbe import build_split_tbe, check_split_tbe
-from lightning_rec.kernels._tables import FusedTable, unexpected_table_keys
+from lightning_rec.kernels._tables import FusedTable, build_split_tbe, check_split_tbe, unexpected_table_keys
 from lightning_rec.memory import keep_freed_memory, zero_into_huge_pages
 
 

@@ -11,13 +11,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-
-def promoted_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
-    """Pooled outputs of several tables are concatenated, so they share the promoted dtype."""
-    dtype = dtypes[0] if dtypes else torch.float32
-    for d in dtypes[1:]:
-        dtype = torch.promote_types(dtype, d)
-    return dtype
+from lightning_rec.kernels._tables import promoted_dtype
 
 
 def _table_runs(feature_table: Sequence[int]) -> list[tuple[int, int, int]]:
