@@ -11,8 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_rec.sparse import _format
-from lightning_rec.sparse._kjt_layout import eager_fields, ids_per_key, permutation
+from lightning_rec.sparse import _format, _utils
 from lightning_rec.sparse._utils import (
     SparseMeta,
     check_no_trailing,
@@ -74,7 +73,7 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
             lengths, offsets = script_lengths_and_offsets(lengths, offsets)
             stride, spkpr, spk = script_strides(keys, lengths.numel(), stride, stride_per_key_per_rank)
         else:
-            keys, lengths, offsets, stride, spkpr, spk, length_per_key = eager_fields(
+            keys, lengths, offsets, stride, spkpr, spk, length_per_key = _utils.eager_fields(
                 keys, values, weights, lengths, offsets, stride, stride_per_key_per_rank, length_per_key, offset_per_key
             )
         # TorchScript reads the attributes' types from these annotations
@@ -294,7 +293,7 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
         """Number of ids of each key (one device sync, cached)."""
         lpk = self._length_per_key
         if lpk is None:
-            lpk = ids_per_key(
+            lpk = _utils.ids_per_key(
                 len(self._keys),
                 self._values,
                 self._lengths,
@@ -381,7 +380,7 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
     def permute(self, indices: list[int], indices_tensor: torch.Tensor | None = None) -> "KeyedJaggedTensor":
         """Reorder (or repeat) keys: the result has keys ``[keys[i] for i in indices]``."""
         indices = list(indices)
-        gather, new_lpk, lengths = permutation(
+        gather, new_lpk, lengths = _utils.permutation(
             indices,
             self.offset_per_key(),
             self.length_per_key(),
