@@ -1,6 +1,6 @@
-"""Version checks and the only imports of private or version-dependent symbols, by subject: ``versions`` (torch
-and fbgemm-gpu pairs, checked at import), ``torch_internals``, ``dtensors`` (sharded state_dict values) and
-``lightning_internals``. Callers use the names re-exported here (``from lightning_rec import _compat``)."""
+"""Version checks and the only imports of private or version-dependent symbols, by subject: ``torch_internals``
+(torch and fbgemm-gpu pairs, checked at import; torch's private symbols), ``dtensors`` (sharded state_dict values)
+and ``lightning_internals``. Callers use the names re-exported here (``from lightning_rec import _compat``)."""
 
 from lightning_rec._compat.dtensors import (
     DcpStorageInfo,
@@ -30,9 +30,14 @@ from lightning_rec._compat.torch_internals import (
     FxProxyableMeta,
     TorchDispatchMode,
     TreeSpec,
+    check_versions,
     child_modules,
     ddp_ignore,
     default_group,
+    fbgemm_distribution,
+    fbgemm_for_torch,
+    fbgemm_install_hint,
+    fbgemm_notice_filter,
     group_timeout,
     has_kernel_for,
     indexed_device,
@@ -48,13 +53,6 @@ from lightning_rec._compat.torch_internals import (
     sparse_rows,
     synced_grad_scaler,
     tensor_version,
-)
-from lightning_rec._compat.versions import (
-    check_versions,
-    fbgemm_distribution,
-    fbgemm_for_torch,
-    fbgemm_install_hint,
-    fbgemm_notice_filter,
     torch_ahead_of_fbgemm,
     without_fbgemm_notice,
 )

@@ -297,7 +297,7 @@ def _instance_private_uses(path: Path) -> list[str]:
 
 
 def _in_compat(module: str) -> bool:
-    # the compat package and its subject modules (versions, torch_internals, dtensors, lightning_internals)
+    # the compat package and its subject modules (torch_internals, dtensors, lightning_internals)
     return module == "_compat" or module.startswith("_compat.")
 
 
