@@ -1,8 +1,8 @@
 """TorchRec's distributed training API for loops without Lightning: DistributedModelParallel, sharders,
 in-backward and keyed optimizers, the training-loop helper, and quantized comms (``QCommsConfig``)."""
 
-from lightning_rec.distributed.data_parallel import DefaultDataParallelWrapper
 from lightning_rec.distributed.model_parallel import (
+    DefaultDataParallelWrapper,
     DistributedModelParallel,
     EmbeddingBagCollectionSharder,
     EmbeddingCollectionSharder,
