@@ -35,7 +35,7 @@ from lightning_rec.fused_kinds import (
     spec_of,
 )
 from lightning_rec.optim import FusedOptimizer
-from lightning_rec.pipeline.qcomm import QuantizedCommCodecs
+from lightning_rec.pipeline.output_dist import QuantizedCommCodecs
 from lightning_rec.pipeline.shard_modules import (
     ddp_ignored_names,
     fused_optimizer,

@@ -22,7 +22,7 @@ from lightning_rec.distributed.optimizers import (
 from lightning_rec.distributed.train_pipeline import TrainPipelineSparseDist
 
 # TorchRec's torchrec.distributed.fbgemm_qcomm_codec
-from lightning_rec.pipeline.qcomm import (
+from lightning_rec.pipeline.output_dist import (
     CommOp,
     CommType,
     QCommsConfig,

@@ -25,7 +25,7 @@ from lightning_rec.distributed.optimizers import spec_from_fused_params
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.fused_kinds import FusedOptimizerSpec, TableSpecs
 from lightning_rec.optim import FusedOptimizer
-from lightning_rec.pipeline.qcomm import CommOp, pooled_codecs, sequence_codecs
+from lightning_rec.pipeline.output_dist import CommOp, pooled_codecs, sequence_codecs
 from lightning_rec.pipeline.shard_modules import (
     ShardedCollection,
     ddp_ignored_names,

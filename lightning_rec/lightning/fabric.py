@@ -29,7 +29,7 @@ from lightning_rec.lightning import shard_setup
 from lightning_rec.lightning.shard_setup import ShardSetup, require_popen
 from lightning_rec.optim import CombinedOptimizer
 from lightning_rec.pipeline.clip_grad_norm import clip_grad_norm_
-from lightning_rec.pipeline.qcomm import QCommsConfig
+from lightning_rec.pipeline.output_dist import QCommsConfig
 from lightning_rec.pipeline.shard_modules import fused_optimizer, sharded_collections
 from lightning_rec.plans.mesh import MeshInfo
 from lightning_rec.plans.plan import ShardingPlan
@@ -61,11 +61,12 @@ class RecShardedFabricStrategy(DDPStrategy):
 
     Takes the arguments of :class:`~lightning_rec.RecShardedStrategy` (``plan``, ``model_parallel_size``,
     ``data_parallel_size``, ``embedding_grad``, ``embedding_optimizer``, ``process_group_backend``, ``timeout``,
-    ``trusted_checkpoints``, ``qcomms_config``, ``planner_speeds``) with the same meaning. Set up the module first
-    (``fabric.setup_module``), then build the optimizers from its parameters; ``fabric.setup(model, optimizer)``
-    with an optimizer built before sharding is refused, since it holds tables that sharding replaced. With
-    ``embedding_optimizer`` the fused optimizer is stepped with the first optimizer set up (as the Trainer strategy
-    does); accumulating under ``fabric.no_backward_sync`` gives it one update per step from the summed gradient.
+    ``trusted_checkpoints``, ``qcomms_config``, ``planner_speeds``, ``replicas_within_host``) with the same
+    meaning. Set up the module first (``fabric.setup_module``), then build the optimizers from its parameters;
+    ``fabric.setup(model, optimizer)`` with an optimizer built before sharding is refused, since it holds tables
+    that sharding replaced. With ``embedding_optimizer`` the fused optimizer is stepped with the first optimizer set
+    up (as the Trainer strategy does); accumulating under ``fabric.no_backward_sync`` gives it one update per step
+    from the summed gradient.
     """
 
     strategy_name = shard_setup.STRATEGY_NAME
@@ -82,6 +83,7 @@ class RecShardedFabricStrategy(DDPStrategy):
         trusted_checkpoints: bool = False,
         qcomms_config: QCommsConfig | None = None,
         planner_speeds: Any = None,
+        replicas_within_host: bool | str = False,
         **kwargs: Any,
     ) -> None:
         require_popen(kwargs, "RecShardedFabricStrategy")
@@ -95,6 +97,7 @@ class RecShardedFabricStrategy(DDPStrategy):
             trusted_checkpoints,
             qcomms_config,
             planner_speeds,
+            replicas_within_host,
         )
         self.embedding_optimizer = self.core.given_embedding_optimizer
         self.mesh_info: MeshInfo | None = None
@@ -165,7 +168,7 @@ class RecShardedFabricStrategy(DDPStrategy):
         """Shard the collections (collective), then wrap the dense rest in DDP (the module itself when nothing
         dense trains)."""
         assert self.mesh_info is not None
-        self.embedding_optimizer, self.planner = self.core.shard(
+        self.embedding_optimizer, self.planner, self.mesh_info = self.core.shard(
             module, self.mesh_info, self.root_device, self.world_size
         )
         module.to(self.root_device)

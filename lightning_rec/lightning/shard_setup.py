@@ -23,10 +23,10 @@ from lightning_rec.front_end import resolve_table_optimizers
 from lightning_rec.fused_kinds import EmbeddingOptimizer, as_table_optimizers, summary
 from lightning_rec.lightning import child_exits
 from lightning_rec.pipeline.collectives import grad_scale
-from lightning_rec.pipeline.qcomm import QCommsConfig, get_qcomm_codecs_registry
-from lightning_rec.plans.mesh import MeshInfo, check_layout, init_2d_mesh
+from lightning_rec.pipeline.output_dist import QCommsConfig, get_qcomm_codecs_registry
+from lightning_rec.plans.mesh import MeshInfo, check_layout, group_local_size, init_2d_mesh
 from lightning_rec.plans.plan import ShardingPlan
-from lightning_rec.plans.planner import Planner, automatic_plan
+from lightning_rec.plans.planner import Planner, automatic_plan, choose_arrangement
 from lightning_rec.transport import inflight
 
 STRATEGY_NAME = "rec_sharded"
@@ -77,7 +77,8 @@ class ShardSetup:
     Args: as :class:`~lightning_rec.lightning.strategy.RecShardedStrategy`'s ``plan``, ``model_parallel_size``,
     ``data_parallel_size``, ``embedding_grad``, ``embedding_optimizer``, ``trusted_checkpoints``, ``qcomms_config``
     and ``planner_speeds`` (the automatic plan's measured speeds, a ``ProfiledSpeeds`` or the path of its file from
-    ``lightning-rec profile``; None: the default speeds).
+    ``lightning-rec profile``; None: the default speeds), ``replicas_within_host`` (the 2D arrangement: False, True
+    or ``"auto"``, see ``plans/mesh.py``).
     """
 
     def __init__(
@@ -90,8 +91,13 @@ class ShardSetup:
         trusted_checkpoints: bool,
         qcomms_config: QCommsConfig | None = None,
         planner_speeds: Any = None,
+        replicas_within_host: bool | str = False,
     ) -> None:
         grad_scale(embedding_grad, 1)  # validates the mode now, not at fit time
+        if replicas_within_host not in (False, True, "auto"):
+            raise ValueError(f"replicas_within_host must be False, True or 'auto', got {replicas_within_host!r}")
+        self.replicas_within_host = replicas_within_host
+        self.ranks_per_host = 0  # set by setup_environment
         if qcomms_config is not None and not isinstance(qcomms_config, QCommsConfig):
             raise TypeError(f"qcomms_config must be a QCommsConfig, got {type(qcomms_config).__name__}")
         self.qcomms_config = qcomms_config
@@ -114,19 +120,22 @@ class ShardSetup:
         if mp is None and dp is None:
             mp, dp = num_processes, num_nodes
         replicas, mp = check_layout(world_size, mp, dp)
-        # one host holds this node's processes (the whole shard group on one node)
-        local = mp if num_nodes == 1 else num_processes
-        return init_2d_mesh(mp, replicas, "cuda" if device.type == "cuda" else "cpu", local)
+        self.ranks_per_host = num_processes  # one host holds this node's processes
+        within = self.replicas_within_host is True
+        local = group_local_size(num_processes, replicas, mp, within)
+        return init_2d_mesh(mp, replicas, "cuda" if device.type == "cuda" else "cpu", local, within)
 
     def shard(
         self, module: nn.Module, mesh: MeshInfo, device: torch.device, world_size: int, batch_size: int | None = None
-    ) -> tuple[EmbeddingOptimizer | None, Planner | None]:
+    ) -> tuple[EmbeddingOptimizer | None, Planner | None, MeshInfo]:
         """Shard every collection of ``module`` in place; collective.
 
         The plan is the one given, else ``module.configure_sharding()``, else the planner's (whose planner is
         returned, to be explained once the optimizers exist). TorchRec's ``apply_optimizer_in_backward`` marks
         choose the tables' fused optimizers, as under DMP (``front_end.resolve_table_optimizers``); returns
-        what the tables train with (``fused_kinds.summary``) and the planner.
+        what the tables train with (``fused_kinds.summary``), the planner and the mesh the tables are sharded on:
+        with ``replicas_within_host="auto"`` and the planner's plan, the arrangement whose plan the planner
+        estimates faster (a new mesh where that is not ``mesh``'s).
         """
         plan = self.plan
         if plan is None and hasattr(module, "configure_sharding"):
@@ -141,9 +150,17 @@ class ShardSetup:
                 kw["device_memory"] = torch.cuda.get_device_properties(device).total_memory
             if self.planner_speeds is not None:
                 kw["speeds"] = self.planner_speeds
-            planner = automatic_plan(
-                module, mesh.model_parallel_size, mesh.local_size, world_size, table_optimizers=specs, **kw
-            )
+            mp = mesh.model_parallel_size
+            if self.replicas_within_host == "auto":
+                # arithmetic on the configs alone: every rank picks the same arrangement
+                pick = choose_arrangement(module, mp, world_size, self.ranks_per_host, table_optimizers=specs, **kw)
+                if pick.replicas_within_host != mesh.replicas_within_host:
+                    device_type = "cuda" if device.type == "cuda" else "cpu"
+                    mesh = init_2d_mesh(mp, mesh.data_parallel_size, device_type, pick.local_size, True)
+                planner = pick.planner
+            else:
+                kw["replicas_within_host"] = mesh.replicas_within_host
+                planner = automatic_plan(module, mp, mesh.local_size, world_size, table_optimizers=specs, **kw)
             plan = planner.plan(module)
             planner = planner if plan.plan else None
         front_end.shard(
@@ -160,7 +177,7 @@ class ShardSetup:
             # ModelParallelStrategy) gets storage and its modules' own initialisation, as DMP gives it
             materialize_as="rec_sharded",
         )
-        return summary(specs), planner
+        return summary(specs), planner, mesh
 
     @staticmethod
     def sharding_record(module: nn.Module, mesh: MeshInfo, world_size: int) -> dict[str, Any]:

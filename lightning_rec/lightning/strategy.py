@@ -30,7 +30,7 @@ from lightning_rec.lightning import trainer_setup as checks
 from lightning_rec.lightning.preemption import AgreedStop
 from lightning_rec.lightning.shard_setup import ShardSetup, require_popen
 from lightning_rec.lightning.uneven import EvaluationSteps
-from lightning_rec.pipeline.qcomm import QCommsConfig
+from lightning_rec.pipeline.output_dist import QCommsConfig
 from lightning_rec.pipeline.shard_modules import ShardedCollection
 from lightning_rec.plans.mesh import MeshInfo
 from lightning_rec.plans.plan import ShardingPlan
@@ -82,6 +82,12 @@ class RecShardedStrategy(DDPStrategy):
         planner_speeds: speeds measured on the job's own data for the automatic plan: the path of a file that
             ``lightning-rec profile`` (or ``ProfiledSpeeds.save``) wrote, or a ``ProfiledSpeeds``; a file from
             another device type is refused. None: the planner's default speeds.
+        replicas_within_host: the 2D arrangement over several nodes. False (default): each model-parallel group
+            within a node, the replicas across nodes (their sync of the sharded tables crosses the network). True:
+            each node holds whole replica groups (``data_parallel_size`` must divide the processes per node) and
+            each model-parallel group spreads over the nodes (the embedding exchanges cross). ``"auto"``: the
+            automatic plan is made for both and the arrangement it estimates faster is used (the default one with
+            a given plan). The math is the same in both (``plans/mesh.py``).
     """
 
     strategy_name = shard_setup.STRATEGY_NAME
@@ -100,6 +106,7 @@ class RecShardedStrategy(DDPStrategy):
         pipeline: bool = False,
         compile: bool | dict[str, Any] = False,
         planner_speeds: Any = None,
+        replicas_within_host: bool | str = False,
         **kwargs: Any,
     ) -> None:
         require_popen(kwargs, "RecShardedStrategy")
@@ -114,6 +121,7 @@ class RecShardedStrategy(DDPStrategy):
             trusted_checkpoints,
             qcomms_config,
             planner_speeds,
+            replicas_within_host,
         )
         self._plan = plan
         # the planner of an automatic plan (when none was given), its report
@@ -205,9 +213,10 @@ class RecShardedStrategy(DDPStrategy):
             checks.refuse_model_copies(trainer)  # before any collective: every rank refuses alike
         self.accelerator.setup(trainer)
         # sharded before DDP and before the optimizers see the parameters
-        self.embedding_optimizer, self.planner = self.core.shard(
+        self.embedding_optimizer, self.planner, self.mesh_info = self.core.shard(
             module, self.mesh_info, self.root_device, self.world_size, checks.batch_size(module)
         )
+        module._device_mesh = self.mesh_info.mesh  # the arrangement the planner chose, where it chose one
         if self.compile_options is not None:
             module.compile(**self.compile_options)  # traced lazily, on the sharded modules
         # "*-true" precision converts the dense model; tables keep the dtype their config fixed

@@ -36,8 +36,7 @@ from lightning_rec.configs import BaseEmbeddingConfig, EmbeddingBagConfig
 from lightning_rec.embedding_modules import EmbeddingBagCollection
 from lightning_rec.pipeline import collectives as comm
 from lightning_rec.pipeline.input_dist import Received
-from lightning_rec.pipeline.output_dist import OutputDistKind, PooledOutputDist
-from lightning_rec.pipeline.qcomm import QuantizedCommCodecs
+from lightning_rec.pipeline.output_dist import OutputDistKind, PooledOutputDist, QuantizedCommCodecs
 from lightning_rec.pipeline.sharded_collection import ShardedCollection
 from lightning_rec.pipeline.stages import LookupContext, PooledLookups
 from lightning_rec.plans.shard_geometry import ShardMeta
@@ -70,7 +69,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection[PooledLookups, KeyedTensor
     ) -> None:
         super().__init__(module, shards, shard_group, **kw)
         self._is_weighted = module.is_weighted()
-        self._qcomm = qcomm_codecs  # the output dist's wire precision (qcomm.py); None: as the rows are
+        self._qcomm = qcomm_codecs  # the output dist's wire precision (its codecs); None: as the rows are
         # built once per layout; it holds no tensor, so a device move keeps it (the input dist moves: _apply)
         self._out_dist = PooledOutputDist(self._routing, shard_group, qcomm_codecs)
 

@@ -23,8 +23,8 @@ from lightning_rec.optim import FusedOptimizer
 from lightning_rec.pipeline import collectives as comm
 from lightning_rec.pipeline.agreement import check_agreement, describe_table, settings
 from lightning_rec.pipeline.local_tables import target_device
+from lightning_rec.pipeline.output_dist import CommOp, QuantizedCommCodecs, pooled_codecs, sequence_codecs
 from lightning_rec.pipeline.pooled import ShardedEmbeddingBagCollection
-from lightning_rec.pipeline.qcomm import CommOp, QuantizedCommCodecs, pooled_codecs, sequence_codecs
 from lightning_rec.pipeline.sequence import ShardedEmbeddingCollection
 from lightning_rec.pipeline.sharded_collection import ShardedCollection
 from lightning_rec.pipeline.state_dict import full_state_dict
@@ -160,7 +160,7 @@ def shard_modules(
     it names.
 
     ``qcomm_codecs_registry`` (TorchRec's, from ``get_qcomm_codecs_registry(QCommsConfig(...))``) makes the
-    pooled collections' output dist send fp16 or bf16 rows and gradients (bounds: ``pipeline/qcomm.py``).
+    pooled collections' output dist send fp16 or bf16 rows and gradients (bounds: ``pipeline/output_dist.py``).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(

@@ -1,4 +1,4 @@
-"""Quantized comms (pipeline/qcomm.py) stay within their documented bound of fp32, at 2 and 4 processes.
+"""Quantized comms (pipeline/output_dist.py) stay within their documented bound of fp32, at 2 and 4 processes.
 
 Two levels. The pooled output dist alone on random layouts (whole tables, row blocks that add up, column
 shards, data-parallel columns; unequal batches), every precision and loss scale: each output element within
@@ -24,8 +24,7 @@ from lightning_rec.distributed import (
     QCommsConfig,
     get_qcomm_codecs_registry,
 )
-from lightning_rec.pipeline.output_dist import OutputDistKind, PooledOutputDist
-from lightning_rec.pipeline.qcomm import pooled_codecs
+from lightning_rec.pipeline.output_dist import OutputDistKind, PooledOutputDist, pooled_codecs
 from lightning_rec.pipeline.routing import build_routing
 from lightning_rec.sharding import ShardingPlan, column_wise, data_parallel, row_wise, shard_modules, table_wise
 from lightning_rec.testing import run_distributed

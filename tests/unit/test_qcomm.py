@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_rec import CommType, QCommsConfig, get_qcomm_codecs_registry
-from lightning_rec.pipeline.qcomm import CommOp, WireCodec, pooled_codecs, sequence_codecs
+from lightning_rec.pipeline.output_dist import CommOp, WireCodec, pooled_codecs, sequence_codecs
 
 
 def test_fp16_clamps_as_torchrec_and_keeps_nan() -> None:
