@@ -19,7 +19,7 @@ import torch.distributed as dist
 from lightning_rec import transport
 from lightning_rec.configs import BaseEmbeddingConfig
 from lightning_rec.pipeline import collectives as comm
-from lightning_rec.pipeline import host_blocks
+from lightning_rec.pipeline import output_dist
 from lightning_rec.plans.shard_geometry import ShardMeta
 
 _DEVICE_TYPES = ("cpu", "cuda")
@@ -40,7 +40,7 @@ def describe_table(t: BaseEmbeddingConfig, shards: Sequence[ShardMeta] | None) -
 def settings() -> dict[str, str]:
     """``{variable: resolved value}`` of the environment variables that choose which collectives a sharded
     collection runs; raises naming the variable and its accepted values where one holds another value."""
-    return {host_blocks.ENV: host_blocks.mode_from_env(), transport.PAIRWISE_ENV: transport.pairwise_mode()}
+    return {output_dist.ENV: output_dist.mode_from_env(), transport.PAIRWISE_ENV: transport.pairwise_mode()}
 
 
 def agreement_text(tables: Mapping[tuple[str, str], str], options: str, env: Mapping[str, str]) -> str:

@@ -5,8 +5,8 @@ output as they come out of the exchange (:class:`PooledOutputDist`), in the wire
 Each is an object built once per layout, when the collection is built (and moved with it), holding what does
 not change from batch to batch: the routing, the group, the column placement (``routing.py``), the wire
 codecs (:class:`QuantizedCommCodecs`) and, between hosts, the host blocks and the host's group
-(``host_output_dist.py``); its variant is an :class:`OutputDistKind`. A call takes one batch's lookups and
-batch sizes.
+(``host_output_dist.py``); its variant is an :class:`OutputDistKind`, decided here when it is built (with
+``LIGHTNING_REC_OUTPUT_DIST``, :func:`mode_from_env`). A call takes one batch's lookups and batch sizes.
 
 Every block (the data-parallel tables' pooled rows, and each rank's pooled rows for this rank's samples) lands
 as the column groups of its :class:`~lightning_rec.pipeline.routing.ColumnPlacement`: each group is one
@@ -38,6 +38,7 @@ bounds element by element at 2 and 4 processes (``tests/distributed/test_qcomm.p
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,10 +48,21 @@ import torch.distributed as dist
 
 from lightning_rec import transport
 from lightning_rec.pipeline import collectives as comm
-from lightning_rec.pipeline.host_output_dist import Plan, hierarchical_output_dist, host_plan
+from lightning_rec.pipeline.host_output_dist import MODES, Plan, hierarchical_output_dist, host_plan
 from lightning_rec.pipeline.input_dist import Received, regroup
 from lightning_rec.pipeline.routing import RoutingTable, _group_view, _put, _take, column_placement
 from lightning_rec.plans.shard_geometry import offsets_of
+
+ENV = "LIGHTNING_REC_OUTPUT_DIST"  # "flat" | "hierarchical" | "auto" (default); the same on every rank
+
+
+def mode_from_env() -> str:
+    """``LIGHTNING_REC_OUTPUT_DIST`` now (empty: ``auto``); raises naming the accepted values for any other.
+    Sharding reads it first, on every rank, to check that all ranks agree (``agreement.settings``)."""
+    mode = os.environ.get(ENV, "auto") or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}")
+    return mode
 
 
 class OutputDistKind(enum.Enum):
@@ -82,7 +94,7 @@ class PooledOutputDist:
         self.width = routing.feat_off[-1]
         self.host_plan: Plan | None = None
         if self.codecs is None and routing.has_model_parallel and transport.spans_hosts(group):
-            self.host_plan = host_plan(routing, self.placement, group)
+            self.host_plan = host_plan(routing, self.placement, group, mode_from_env())
         self.kind = (
             OutputDistKind.QUANTIZED
             if self.codecs is not None

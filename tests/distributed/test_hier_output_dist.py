@@ -4,7 +4,7 @@
 Every sharding type and mixed plans train equal to one process on the global batch with the host blocks on
 (forced for the types where ``auto`` keeps the flat exchange, so the path serves every layout), and the
 transport's byte accounting shows the cross-host output-dist bytes at the analytic least for the row-block
-layouts (``host_blocks.cross_host_elements``), against the flat exchange's count with
+layouts (``host_output_dist.cross_host_elements``), against the flat exchange's count with
 ``LIGHTNING_REC_OUTPUT_DIST=flat``. The same code on simulated hosts with their own network:
 ``test_hosts_network.py`` (its ``all_types`` phase runs with the default, ``auto``).
 """
@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
-from lightning_rec.pipeline.host_blocks import ENV, cross_host_elements
-from lightning_rec.pipeline.output_dist import OutputDistKind
+from lightning_rec.pipeline.host_output_dist import cross_host_elements
+from lightning_rec.pipeline.output_dist import ENV, OutputDistKind
 from lightning_rec.sharding import (
     ShardingPlan,
     grid_shard,

@@ -1,4 +1,4 @@
-"""The hierarchical output dist's host-block layouts (``pipeline/host_blocks.py``): pure functions of the routing
+"""The hierarchical output dist's host-block layouts (``pipeline/host_output_dist.py``): pure functions of the routing
 and the ranks' hosts, checked on one process. The exchange is played out here with plain tensors (every rank's
 pooled blocks, each aggregator's sums, each destination's placement) against adding every block into its
 columns directly."""
@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from lightning_rec.pipeline.host_blocks import (
+from lightning_rec.pipeline.host_output_dist import (
     aggregator,
     cross_host_elements,
     host_columns,
