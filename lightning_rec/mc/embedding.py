@@ -11,6 +11,7 @@ separate exchange before the lookup (``_dist.remap_sharded``); that path cannot 
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
@@ -19,6 +20,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from lightning_rec import _compat
 from lightning_rec.configs import BaseEmbeddingConfig
@@ -33,6 +35,8 @@ from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 RowInit = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 _WRAPPERS: weakref.WeakSet = weakref.WeakSet()
+_STEP_HOOK: list[RemovableHandle] = []  # torch's global optimizer step pre-hook, added with the first wrapper
+_STEP_HOOK_LOCK = threading.Lock()
 
 
 class _ManagedCollisionWrapper(nn.Module):
@@ -68,7 +72,10 @@ class _ManagedCollisionWrapper(nn.Module):
         self._hook = _RemapOnOwner(self)
         self._fold = True
         self._sync_hook()
-        _WRAPPERS.add(self)
+        with _STEP_HOOK_LOCK:  # global: a process without managed tables keeps every optimizer step free of it
+            _WRAPPERS.add(self)
+            if not _STEP_HOOK:
+                _STEP_HOOK.append(register_optimizer_step_pre_hook(_auto_register))
 
     @property
     def _fold_remap(self) -> bool:
@@ -491,6 +498,3 @@ def _auto_register(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwar
     for w in list(_WRAPPERS):
         if any(id(weight) in params for weight, _ in w._table_weights().values()):
             w.register_optimizer(optimizer)
-
-
-register_optimizer_step_pre_hook(_auto_register)
