@@ -24,8 +24,7 @@ from lightning_rec.front_end import automatic_plan_report
 from lightning_rec.fused_kinds import EmbeddingOptimizer
 from lightning_rec.optim import CombinedOptimizer
 from lightning_rec.pipeline.clip_grad_norm import clip_grad_norm_
-from lightning_rec.pipeline.dp_sparse_grad import use_sparse_grads_where_possible
-from lightning_rec.pipeline.shard_modules import dense_state, fused_optimizer
+from lightning_rec.pipeline.shard_modules import dense_state, fused_optimizer, use_sparse_grads_where_possible
 from lightning_rec.plans.planner import Planner, PlanReport
 
 
@@ -142,7 +141,7 @@ def choose_dp_gradients(
     optimizers: Sequence[torch.optim.Optimizer],
     precision_plugin: Precision,
 ) -> None:
-    """Data-parallel tables take sparse gradients where the optimizers make that exact (``dp_sparse_grad``);
+    """Data-parallel tables take sparse gradients where the optimizers make that exact (``dp_grad_mode``);
     clipping (Lightning's or the module's own hook), loss scaling and manual optimization keep them dense."""
     clipping = (
         bool(trainer.gradient_clip_val)

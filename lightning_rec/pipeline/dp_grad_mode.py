@@ -1,16 +1,33 @@
-"""The gradient mode of a sharded collection's data-parallel tables: dense, sparse, or switched to sparse later.
+"""How a sharded collection's data-parallel tables get their gradients: dense, sparse, or switched to sparse
+where the optimizers make that exact (docs/ARCHITECTURE.md, data-parallel).
 
-A collection owns one :class:`DataParallelGradMode`. It holds the mode and decides whether a switch is allowed
-from what the collection tells it (its data-parallel tables, whether it is fused, which tables asked for
-fbgemm's kernel); it never reads the collection. ``dp_sparse_grad.use_sparse_grads_where_possible`` decides
-the switch from the optimizers.
+A data-parallel table with dense gradients costs a whole-table optimizer step and ``zero_grad`` on every
+rank, every step. With a sparse gradient only the rows some rank touched are summed, stepped and zeroed.
+That is exact only for optimizers whose update of a row with zero gradient is nothing at all:
+
+* ``torch.optim.SGD`` without momentum or weight decay (``p -= lr * g``);
+* ``torch.optim.Adagrad`` without weight decay (a zero gradient changes neither the sum of squares nor
+  the row);
+* ``torch.optim.SparseAdam`` (made for sparse gradients).
+
+Everything else stays dense: weight decay and Adam-like moments move untouched rows too, and SGD's sparse
+momentum buffer grows to every row ever touched (same result, no faster than dense). Gradient clipping
+(which needs the dense norm) and loss scaling also keep the tables dense.
+
+A collection owns one :class:`DataParallelGradMode`, which holds the mode and decides whether a switch is
+allowed from what the collection tells it; it never reads the collection. :func:`sparse_grad_blocker` holds
+the optimizers' rules. ``shard_modules.use_sparse_grads_where_possible`` applies both to a model's
+collections: it finds them through ``sharded_collections``, so it lives above the collection, and this module
+below it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 
-__all__ = ["DataParallelGradMode"]
+import torch
+
+__all__ = ["DataParallelGradMode", "leaf_optimizers", "sparse_grad_blocker"]
 
 
 class DataParallelGradMode:
@@ -57,3 +74,33 @@ class DataParallelGradMode:
             return False
         self.switched = sparse
         return True
+
+
+def leaf_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.optim.Optimizer]:
+    """The optimizers that hold param groups: each of ``optimizers``, or the children of a ``CombinedOptimizer``."""
+    for opt in optimizers:
+        inner = getattr(opt, "optimizers", None)  # CombinedOptimizer: its children own the groups
+        if isinstance(inner, (list, tuple)) and inner and all(isinstance(o, torch.optim.Optimizer) for o in inner):
+            yield from leaf_optimizers(inner)
+        else:
+            yield opt
+
+
+def sparse_grad_blocker(opt: torch.optim.Optimizer, group: dict) -> str | None:
+    """Why ``group`` of ``opt`` cannot take sparse gradients with the dense result (None: it can)."""
+    kind = type(opt)  # exact types: a subclass may override step()
+    if group.get("fused") or group.get("capturable"):
+        return f"{kind.__name__}(fused/capturable) has no sparse path"
+    if kind is torch.optim.SparseAdam:
+        return None
+    if kind is torch.optim.SGD:
+        if group.get("weight_decay", 0) != 0:
+            return "SGD with weight_decay updates every row"
+        if group.get("momentum", 0) != 0:
+            return "SGD with momentum keeps moving untouched rows (its sparse buffer grows to every row touched)"
+        return None
+    if kind is torch.optim.Adagrad:
+        if group.get("weight_decay", 0) != 0:
+            return "Adagrad with weight_decay updates every row"
+        return None
+    return f"{kind.__name__} is not known to be exact with sparse gradients"

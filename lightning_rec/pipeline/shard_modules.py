@@ -1,5 +1,6 @@
 """``shard_modules``: every embedding collection of a model replaced by its sharded counterpart, and the
-functions that find them again (``sharded_collections``, ``fused_optimizer``, DDP's ignore list).
+functions that find them again (``sharded_collections``, ``fused_optimizer``, ``use_sparse_grads_where_possible``,
+DDP's ignore list).
 
 The sharded collections themselves are ``pooled.py`` and ``sequence.py`` over ``sharded_collection.py``;
 their forward is ``input_dist -> compute -> output_dist`` (docs/ARCHITECTURE.md, "One lookup, walked
@@ -9,7 +10,7 @@ through").
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -22,6 +23,7 @@ from lightning_rec.fused_kinds import FusedOptimizerSpec, PerTableOptimizers, Ta
 from lightning_rec.optim import FusedOptimizer
 from lightning_rec.pipeline import collectives as comm
 from lightning_rec.pipeline.agreement import check_agreement, describe_table, settings
+from lightning_rec.pipeline.dp_grad_mode import leaf_optimizers, sparse_grad_blocker
 from lightning_rec.pipeline.local_tables import target_device
 from lightning_rec.pipeline.output_dist import CommOp, QuantizedCommCodecs, pooled_codecs, sequence_codecs
 from lightning_rec.pipeline.pooled import ShardedEmbeddingBagCollection
@@ -41,6 +43,7 @@ __all__ = [
     "materialize_dense",
     "shard_modules",
     "sharded_collections",
+    "use_sparse_grads_where_possible",
 ]
 
 
@@ -301,3 +304,39 @@ def fused_optimizer(model: nn.Module) -> FusedOptimizer | None:
     opt = FusedOptimizer(found, prefixes=[prefix for _, prefix in owned])  # collections may share table names
     object.__setattr__(model, "_lightning_rec_fused_optimizer", opt)
     return opt
+
+
+def use_sparse_grads_where_possible(
+    model: nn.Module,
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+    *,
+    gradient_clipping: bool = False,
+    grad_scaler: object | None = None,
+) -> dict[str, str | None]:
+    """Switch the data-parallel tables of every sharded collection in ``model`` to sparse gradients where exact.
+
+    Call it once after ``shard_modules`` and after building the optimizers (``RecShardedStrategy`` does it
+    itself when fitting). A collection switches only if its ``sparse_grad`` was left at ``None`` and every
+    optimizer param group holding one of its data-parallel tables allows it (the rules: ``dp_grad_mode``); a
+    table in no optimizer keeps it dense. ``gradient_clipping=True`` or a ``grad_scaler`` keep every table
+    dense. Returns ``{collection path: None if now sparse, else why it stays dense}``.
+    """
+    opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+    groups = {id(p): (opt, g) for opt in leaf_optimizers(opts) for g in opt.param_groups for p in g["params"]}
+    decided: dict[str, str | None] = {}
+    for path, m in sharded_collections(model):
+        reason = m.data_parallel_sparse_grad_allowed()
+        if reason is None and gradient_clipping:
+            reason = "gradient clipping needs dense gradients"
+        if reason is None and grad_scaler is not None:
+            reason = "a GradScaler scales the loss"
+        if reason is None:
+            for name, w in m.data_parallel_weights().items():
+                found = groups.get(id(w))
+                reason = f"table {name!r} is in no optimizer" if found is None else sparse_grad_blocker(*found)
+                if reason is not None:
+                    break
+        if m.data_parallel_sparse_grad_allowed() is None:
+            m.set_data_parallel_sparse_grad(reason is None)
+        decided[path] = reason
+    return decided

@@ -102,7 +102,7 @@ class ShardedCollection(Stages[Lookups, Out], nn.Module):
         self._dp_group = shard_group if replica_group is None else dist.group.WORLD
         self.embedding_grad = embedding_grad
         self._scale = comm.grad_scale(embedding_grad, self._num_dp_ranks)
-        # sparse_grad=None: data-parallel tables may switch to sparse gradients later (dp_sparse_grad.py)
+        # sparse_grad=None: data-parallel tables may switch to sparse gradients later (use_sparse_grads_where_possible)
         self._dp_grad = DataParallelGradMode(
             unsharded.sparse_grad if sparse_grad is None else sparse_grad,
             auto=sparse_grad is None and getattr(module, "_sparse_grad_auto", False),

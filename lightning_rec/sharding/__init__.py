@@ -2,7 +2,6 @@
 
 from lightning_rec.configs import ShardingType
 from lightning_rec.pipeline.clip_grad_norm import clip_grad_norm_
-from lightning_rec.pipeline.dp_sparse_grad import use_sparse_grads_where_possible
 from lightning_rec.pipeline.shard_modules import (
     ShardedCollection,
     ShardedEmbeddingBagCollection,
@@ -11,6 +10,7 @@ from lightning_rec.pipeline.shard_modules import (
     fused_optimizer,
     shard_modules,
     sharded_collections,
+    use_sparse_grads_where_possible,
 )
 from lightning_rec.plans.kinds import EnumerableShardingSpec, ShardMetadata, ShardPlacement
 from lightning_rec.plans.plan import (
