@@ -61,12 +61,12 @@ class RecShardedFabricStrategy(DDPStrategy):
 
     Takes the arguments of :class:`~lightning_rec.RecShardedStrategy` (``plan``, ``model_parallel_size``,
     ``data_parallel_size``, ``embedding_grad``, ``embedding_optimizer``, ``process_group_backend``, ``timeout``,
-    ``trusted_checkpoints``, ``qcomms_config``, ``planner_speeds``, ``replicas_within_host``) with the same
-    meaning. Set up the module first (``fabric.setup_module``), then build the optimizers from its parameters;
-    ``fabric.setup(model, optimizer)`` with an optimizer built before sharding is refused, since it holds tables
-    that sharding replaced. With ``embedding_optimizer`` the fused optimizer is stepped with the first optimizer set
-    up (as the Trainer strategy does); accumulating under ``fabric.no_backward_sync`` gives it one update per step
-    from the summed gradient.
+    ``trusted_checkpoints``, ``qcomms_config``, ``planner_speeds``, ``replicas_within_host``,
+    ``planner_host_link``) with the same meaning. Set up the module first (``fabric.setup_module``), then build the
+    optimizers from its parameters; ``fabric.setup(model, optimizer)`` with an optimizer built before sharding is
+    refused, since it holds tables that sharding replaced. With ``embedding_optimizer`` the fused optimizer is
+    stepped with the first optimizer set up (as the Trainer strategy does); accumulating under
+    ``fabric.no_backward_sync`` gives it one update per step from the summed gradient.
     """
 
     strategy_name = shard_setup.STRATEGY_NAME
@@ -84,6 +84,7 @@ class RecShardedFabricStrategy(DDPStrategy):
         qcomms_config: QCommsConfig | None = None,
         planner_speeds: Any = None,
         replicas_within_host: bool | str = False,
+        planner_host_link: int | float | str | None = None,
         **kwargs: Any,
     ) -> None:
         require_popen(kwargs, "RecShardedFabricStrategy")
@@ -98,6 +99,7 @@ class RecShardedFabricStrategy(DDPStrategy):
             qcomms_config,
             planner_speeds,
             replicas_within_host,
+            planner_host_link,
         )
         self.embedding_optimizer = self.core.given_embedding_optimizer
         self.mesh_info: MeshInfo | None = None

@@ -27,6 +27,7 @@ from lightning_rec.pipeline.output_dist import QCommsConfig, get_qcomm_codecs_re
 from lightning_rec.plans.mesh import MeshInfo, check_layout, group_local_size, init_2d_mesh
 from lightning_rec.plans.plan import ShardingPlan
 from lightning_rec.plans.planner import Planner, automatic_plan, choose_arrangement
+from lightning_rec.plans.planner.topology import parse_rate
 from lightning_rec.transport import inflight
 
 STRATEGY_NAME = "rec_sharded"
@@ -78,7 +79,8 @@ class ShardSetup:
     ``data_parallel_size``, ``embedding_grad``, ``embedding_optimizer``, ``trusted_checkpoints``, ``qcomms_config``
     and ``planner_speeds`` (the automatic plan's measured speeds, a ``ProfiledSpeeds`` or the path of its file from
     ``lightning-rec profile``; None: the default speeds), ``replicas_within_host`` (the 2D arrangement: False, True
-    or ``"auto"``, see ``plans/mesh.py``).
+    or ``"auto"``, see ``plans/mesh.py``) and ``planner_host_link`` (the hosts' link speed for the automatic plan,
+    ``Topology.host_link``).
     """
 
     def __init__(
@@ -92,11 +94,15 @@ class ShardSetup:
         qcomms_config: QCommsConfig | None = None,
         planner_speeds: Any = None,
         replicas_within_host: bool | str = False,
+        planner_host_link: int | float | str | None = None,
     ) -> None:
         grad_scale(embedding_grad, 1)  # validates the mode now, not at fit time
         if replicas_within_host not in (False, True, "auto"):
             raise ValueError(f"replicas_within_host must be False, True or 'auto', got {replicas_within_host!r}")
         self.replicas_within_host = replicas_within_host
+        if planner_host_link is not None:
+            parse_rate(planner_host_link, "planner_host_link")  # a bad rate is refused now, not at fit time
+        self.planner_host_link = planner_host_link
         self.ranks_per_host = 0  # set by setup_environment
         if qcomms_config is not None and not isinstance(qcomms_config, QCommsConfig):
             raise TypeError(f"qcomms_config must be a QCommsConfig, got {type(qcomms_config).__name__}")
@@ -150,6 +156,8 @@ class ShardSetup:
                 kw["device_memory"] = torch.cuda.get_device_properties(device).total_memory
             if self.planner_speeds is not None:
                 kw["speeds"] = self.planner_speeds
+            if self.planner_host_link is not None:
+                kw["host_link"] = self.planner_host_link
             mp = mesh.model_parallel_size
             if self.replicas_within_host == "auto":
                 # arithmetic on the configs alone: every rank picks the same arrangement

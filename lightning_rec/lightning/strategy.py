@@ -88,6 +88,9 @@ class RecShardedStrategy(DDPStrategy):
             each model-parallel group spreads over the nodes (the embedding exchanges cross). ``"auto"``: the
             automatic plan is made for both and the arrangement it estimates faster is used (the default one with
             a given plan). The math is the same in both (``plans/mesh.py``).
+        planner_host_link: the speed of each node's link to the others, for the automatic plan and
+            ``replicas_within_host="auto"`` (``"10gbit"``, ``"100Gb/s"``, ``"12.5GB/s"`` or bytes per second); None:
+            the device's default speeds, which do not tell a node's link from its memory on CPU.
     """
 
     strategy_name = shard_setup.STRATEGY_NAME
@@ -107,6 +110,7 @@ class RecShardedStrategy(DDPStrategy):
         compile: bool | dict[str, Any] = False,
         planner_speeds: Any = None,
         replicas_within_host: bool | str = False,
+        planner_host_link: int | float | str | None = None,
         **kwargs: Any,
     ) -> None:
         require_popen(kwargs, "RecShardedStrategy")
@@ -122,6 +126,7 @@ class RecShardedStrategy(DDPStrategy):
             qcomms_config,
             planner_speeds,
             replicas_within_host,
+            planner_host_link,
         )
         self._plan = plan
         # the planner of an automatic plan (when none was given), its report

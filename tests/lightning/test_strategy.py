@@ -137,7 +137,11 @@ def _two_node_2d_job(rank: int, ws: int, within: bool | str, plan: ShardingPlan 
 
     model = ClickModule(batch_size=4, plan=plan)
     strategy = RecShardedStrategy(
-        model_parallel_size=2, data_parallel_size=2, embedding_grad="mean", replicas_within_host=within
+        model_parallel_size=2,
+        data_parallel_size=2,
+        embedding_grad="mean",
+        replicas_within_host=within,
+        planner_host_link="1gbit",
     )
     trainer = _trainer(devices=2, num_nodes=2, strategy=strategy, use_distributed_sampler=False)
     trainer.fit(model)
@@ -166,9 +170,8 @@ def test_two_nodes_2d_in_either_arrangement_match_single_process(within: bool | 
     if within is True:
         expected = True
     else:  # what the planner estimates faster for this module, as the strategy asked it
-        expected = choose_arrangement(
-            ClickModule(batch_size=4), 2, 4, 2, batch_size=4, device="cpu"
-        ).replicas_within_host
+        pick = choose_arrangement(ClickModule(batch_size=4), 2, 4, 2, batch_size=4, device="cpu", host_link="1gbit")
+        expected = pick.replicas_within_host
         assert all(r["planner_within"] == expected for r in results)
     for rank, r in enumerate(results):
         assert r["within"] == expected
@@ -182,6 +185,8 @@ def test_two_nodes_2d_in_either_arrangement_match_single_process(within: bool | 
 def test_replicas_within_host_is_checked() -> None:
     with pytest.raises(ValueError, match="replicas_within_host must be False, True or 'auto', got 'yes'"):
         RecShardedStrategy(replicas_within_host="yes")
+    with pytest.raises(ValueError, match="planner_host_link: expected a speed such as 1gbit"):
+        RecShardedStrategy(planner_host_link="fast")
 
 
 def _fused_fit_job(rank: int, ws: int, mode: str, mp: int | None = None, plan: ShardingPlan | None = None) -> dict:
