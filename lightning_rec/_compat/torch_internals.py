@@ -252,7 +252,11 @@ def group_timeout(group: Any = None) -> timedelta:
 def set_group_timeout(group: Any, timeout: timedelta) -> None:
     """Give ``group`` the collective timeout ``timeout`` (torch creates groups with its default, 30 min on
     gloo, whatever the world's is)."""
-    distributed_c10d._set_pg_timeout(timeout, group)
+    public = getattr(torch.distributed, "set_timeout", None)
+    if public is not None:  # torch 2.14: public, and the private one warns that it is deprecated
+        public(timeout, group)
+    else:
+        distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def ddp_ignore(model: Any, names: list[str]) -> None:
