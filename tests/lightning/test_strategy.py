@@ -132,7 +132,7 @@ def test_two_nodes_place_host_shards_on_the_right_hosts() -> None:
         torch.testing.assert_close(results[0]["state"][k], want[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
 
 
-def _two_node_2d_job(rank: int, ws: int, within: bool | str, plan: ShardingPlan | None) -> dict:
+def _two_node_2d_job(rank: int, ws: int, within: bool | str, plan: ShardingPlan | None, ckpt_dir: str) -> dict:
     import torch.distributed as dist
 
     model = ClickModule(batch_size=4, plan=plan)
@@ -148,6 +148,7 @@ def _two_node_2d_job(rank: int, ws: int, within: bool | str, plan: ShardingPlan 
     mesh = strategy.mesh_info
     assert mesh is not None and model.device_mesh is mesh.mesh
     state = full_state_dict(model)  # collective
+    trainer.save_checkpoint(ckpt_dir)
     return {
         "state": state if rank == 0 else None,
         "within": mesh.replicas_within_host,
@@ -158,15 +159,20 @@ def _two_node_2d_job(rank: int, ws: int, within: bool | str, plan: ShardingPlan 
 
 
 @pytest.mark.parametrize("within, plan", [(True, PLAN), ("auto", None)], ids=["replicas-within-node", "auto"])
-def test_two_nodes_2d_in_either_arrangement_match_single_process(within: bool | str, plan) -> None:
+def test_two_nodes_2d_in_either_arrangement_match_single_process(tmp_path, within: bool | str, plan) -> None:
+    from lightning_rec import checkpoint as ckpt
     from lightning_rec.plans.planner import choose_arrangement
 
+    path = str(tmp_path / "ckpt")
     results = run_distributed(
-        _two_node_2d_job, 4, within, plan, init_process_group=False, ranks_per_node=2, timeout_s=300
+        _two_node_2d_job, 4, within, plan, path, init_process_group=False, ranks_per_node=2, timeout_s=300
     )
     want = _reference(4)
+    one = ClickModule(batch_size=4)
+    ckpt.load(path, one, [])  # the checkpoint the arrangement wrote, into one process
     for k in want:
         torch.testing.assert_close(results[0]["state"][k], want[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(one.state_dict()[k], want[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
     if within is True:
         expected = True
     else:  # what the planner estimates faster for this module, as the strategy asked it
