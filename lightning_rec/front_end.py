@@ -7,9 +7,13 @@ marks, then its own option: the strategies' ``embedding_optimizer``, the sharder
 users mark tables with ``apply_optimizer_in_backward(RowWiseAdagrad, model.ebc.parameters(), {...})`` (ours or
 torch's), often twice (row-wise Adagrad on the big tables, SGD on the rest); every front end turns those marks into
 fused kernels, or the tables would silently never change. With its plan, the steps are then the same:
-:func:`shard` (the fused tables marked as updated in backward), then :func:`ignore_in_ddp` before DDP wraps the
-model. Once the optimizers exist, :func:`warn_unoptimized_tables` names the tables none updates, and the planner is
-told the tables' real optimizer (:func:`tables_optimizer_kind`, :func:`automatic_plan_report`).
+:func:`shard` (the fused tables marked as updated in backward; it returns the plan the tables are sharded by,
+ranks filled in), then :func:`ignore_in_ddp` before DDP wraps the model. ``DistributedModelParallel`` merges its
+sharders' quantized-comms registries into one (:func:`sharders_qcomm_registry`, under the rule ``shard_modules``
+applies to a single registry) and, wrapping DDP later, initialises and moves the dense part then
+(:func:`init_dense`, :func:`move_dense`). Once the optimizers exist, :func:`warn_unoptimized_tables` names the
+tables none updates, and the planner is told the tables' real optimizer (:func:`tables_optimizer_kind`,
+:func:`automatic_plan_report`).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from lightning_rec.fused_kinds import (
     spec_of,
 )
 from lightning_rec.optim import FusedOptimizer
-from lightning_rec.pipeline.output_dist import QuantizedCommCodecs
+from lightning_rec.pipeline.output_dist import CommOp, QuantizedCommCodecs, pooled_codecs, refuse_sequence_codecs
 from lightning_rec.pipeline.shard_modules import (
     ddp_ignored_names,
     fused_optimizer,
@@ -43,7 +47,9 @@ from lightning_rec.pipeline.shard_modules import (
     shard_modules,
     sharded_collections,
 )
-from lightning_rec.plans.plan import ShardingPlan
+from lightning_rec.plans.kinds import placement_of
+from lightning_rec.plans.mesh import default_local_size
+from lightning_rec.plans.plan import ShardingPlan, with_resolved_ranks
 from lightning_rec.plans.planner import Planner, PlanReport
 
 
@@ -127,6 +133,7 @@ class Sharded(NamedTuple):
 
     module: nn.Module  # the model, or its sharded counterpart when the model itself was a collection
     fused: FusedOptimizer | None  # the fused tables' optimizer (None without fused tables)
+    plan: ShardingPlan  # every sharded collection's placements, ranks and TorchRec's sharding_spec filled in
 
 
 def shard(
@@ -146,8 +153,10 @@ def shard(
     table's fused spec from ``table_optimizers``; collective.
 
     ``materialize_as`` (the name a warning gives): a dense part built on the meta device then gets storage on
-    ``device`` and its modules' own ``reset_parameters()``; None leaves it for later. The fused tables are marked as
-    updated in backward, so ``in_backward_optimizer_filter`` leaves them out of the optimizers built afterwards.
+    ``device`` and its modules' own ``reset_parameters()``; None leaves it for later (:func:`init_dense`). The fused
+    tables are marked as updated in backward, so ``in_backward_optimizer_filter`` leaves them out of the optimizers
+    built afterwards. The returned plan is the one the tables are sharded by: each placement of ``plan``, or for a
+    collection it leaves out the automatic plan's, with its ranks and ``sharding_spec`` on ``device`` filled in.
     """
     sharded = shard_modules(
         module,
@@ -162,7 +171,77 @@ def shard(
     )
     if materialize_as is not None:
         materialize_dense(sharded, device, materialize_as)
-    return Sharded(sharded, mark_fused_tables(sharded))
+    return Sharded(sharded, mark_fused_tables(sharded), _resolved_plan(sharded, plan, device.type, local_size))
+
+
+def _resolved_plan(
+    model: nn.Module, plan: ShardingPlan | None, device_type: str, local_size: int | None
+) -> ShardingPlan:
+    out = {}
+    for path, m in sharded_collections(model):
+        gsize = dist.get_world_size(m.shard_group)
+        # the local size shard_modules resolved the placements with
+        local = local_size if local_size is not None else default_local_size(gsize)
+        given = plan.get_plan_for_module(path) if plan is not None else None
+        out[path] = {
+            t.name: with_resolved_ranks(
+                t,
+                # a collection the plan leaves out: its placement read back from its shards (the automatic plan's)
+                given[t.name] if given else placement_of(m.shards[t.name], gsize, local),
+                gsize,
+                local,
+                device_type,
+            )
+            for t in m.tables
+        }
+    return ShardingPlan(out)
+
+
+def check_qcomm_registry(
+    registry: Mapping[str, QuantizedCommCodecs] | None,
+) -> dict[str, QuantizedCommCodecs] | None:
+    """A copy of a sharder's ``qcomm_codecs_registry`` (None where empty), checked as ``shard_modules`` checks it:
+    unknown collectives, values that are not ``QuantizedCommCodecs`` and pooled collectives with different codecs
+    raise."""
+    pooled_codecs(registry)
+    return dict(registry) if registry else None
+
+
+def sharders_qcomm_registry(
+    pooled: Mapping[str, QuantizedCommCodecs] | None, sequence: Mapping[str, QuantizedCommCodecs] | None
+) -> dict[str, QuantizedCommCodecs] | None:
+    """The one registry :func:`shard` takes, from TorchRec's per-sharder ones: ``pooled`` (the
+    EmbeddingBagCollection sharder's) gives the pooled collectives' codecs; ``sequence`` (the EmbeddingCollection
+    sharder's) may not quantize the sequence all-to-all (``output_dist.refuse_sequence_codecs``, the rule
+    ``shard_modules`` applies to its registry). As in TorchRec, each sharder's entries for the other kind's
+    collectives are unused."""
+    refuse_sequence_codecs(
+        sequence, "the EmbeddingCollections", "the EmbeddingCollection sharder's qcomm_codecs_registry"
+    )
+    kept = {op: c for op, c in (pooled or {}).items() if op != CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.value}
+    return kept or None
+
+
+def init_dense(model: nn.Module, device: torch.device, who: str) -> None:
+    """What :func:`shard`'s ``materialize_as`` does, for a front end that initialises later: the dense part's
+    meta-device parameters and buffers get storage on ``device`` and their modules' own ``reset_parameters()``
+    (``who`` names the front end in the warning about buffers left as zeros)."""
+    materialize_dense(model, device, who)
+
+
+def move_dense(model: nn.Module, device: torch.device) -> None:
+    """Move the dense part of sharded ``model`` (what DDP keeps in sync: not :func:`ignore_in_ddp`'s per-rank
+    state), buffers included, to ``device``; parameters keep their identity."""
+    # an index buffer left on the CPU breaks a CUDA forward (index_select wants both on one device)
+    skip = set(ddp_ignored_names(model))
+    for path, m in model.named_modules():
+        prefix = f"{path}." if path else ""
+        for name, p in _compat.own_parameters(m).items():
+            if p is not None and prefix + name not in skip and p.device != device:
+                p.data = p.data.to(device)
+        for name, b in list(_compat.own_buffers(m).items()):
+            if b is not None and prefix + name not in skip and b.device != device:
+                _compat.own_buffers(m)[name] = b.to(device)
 
 
 def ignore_in_ddp(model: nn.Module, module: nn.Module | None = None, also: Sequence[str] = ()) -> bool:

@@ -20,22 +20,12 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_rec import _compat, front_end
+from lightning_rec import front_end
 from lightning_rec.distributed.optimizers import spec_from_fused_params
 from lightning_rec.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.fused_kinds import FusedOptimizerSpec, TableSpecs
 from lightning_rec.optim import FusedOptimizer
-from lightning_rec.pipeline.output_dist import CommOp, pooled_codecs, sequence_codecs
-from lightning_rec.pipeline.shard_modules import (
-    ShardedCollection,
-    ddp_ignored_names,
-    materialize_dense,
-    sharded_collections,
-)
-from lightning_rec.plans.kinds import placement_of
-from lightning_rec.plans.mesh import default_local_size
-from lightning_rec.plans.plan import with_resolved_ranks
-from lightning_rec.sharding import ParameterSharding, ShardingPlan
+from lightning_rec.sharding import ParameterSharding, ShardedCollection, ShardingPlan
 
 
 @dataclass
@@ -68,8 +58,7 @@ class ModuleSharder:
         self, fused_params: Mapping[str, Any] | None = None, qcomm_codecs_registry: Any = None, **kwargs: Any
     ) -> None:
         # checked now (a bad registry fails at construction); used by the collections this sharder shards
-        pooled_codecs(qcomm_codecs_registry)
-        self.qcomm_codecs_registry = dict(qcomm_codecs_registry) if qcomm_codecs_registry else None
+        self.qcomm_codecs_registry = front_end.check_qcomm_registry(qcomm_codecs_registry)
         unknown = sorted(k for k, v in kwargs.items() if v not in (None, False))
         if unknown:
             raise ValueError(f"{type(self).__name__}: options {unknown} are not supported")
@@ -198,19 +187,6 @@ def _table_optimizers(module: nn.Module, sharders: list[ModuleSharder]) -> dict[
     return front_end.resolve_table_optimizers(module, None, {t: s.embedding_optimizer for t, s in by_type.items()})
 
 
-def _move_dense(model: nn.Module, skip: set[str], device: torch.device) -> None:
-    # the dense part follows the DMP's device, buffers included: an index buffer left on the CPU breaks a CUDA
-    # forward (index_select wants both on one device); the parameters keep their identity (p.data)
-    for path, m in model.named_modules():
-        prefix = f"{path}." if path else ""
-        for name, p in _compat.own_parameters(m).items():
-            if p is not None and prefix + name not in skip and p.device != device:
-                p.data = p.data.to(device)
-        for name, b in list(_compat.own_buffers(m).items()):
-            if b is not None and prefix + name not in skip and b.device != device:
-                _compat.own_buffers(m)[name] = b.to(device)
-
-
 def _unwrap(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
@@ -274,57 +250,29 @@ class DistributedModelParallel(nn.Module):
         if plan is not None and not isinstance(plan, ShardingPlan):
             plan = ShardingPlan({k: dict(v) for k, v in plan.items()})
         specs = _table_optimizers(module, self.sharders)
-        # as TorchRec's sharders: pooled codecs from the EmbeddingBagCollection's, sequence ones from the
-        # EmbeddingCollection's (refused: pooled only)
         by_type = {s.module_type: s.qcomm_codecs_registry for s in self.sharders}
-        if sequence_codecs(by_type.get(EmbeddingCollection)) is not None:
-            raise ValueError(
-                "quantized comms apply to pooled embeddings only: the EmbeddingCollection sharder's "
-                f"qcomm_codecs_registry sets {CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.value}"
-            )
-        pooled_registry = {
-            op: c
-            for op, c in (by_type.get(EmbeddingBagCollection) or {}).items()
-            if op != CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.value
-        }
-        sharded, self._fused = front_end.shard(
+        registry = front_end.sharders_qcomm_registry(
+            by_type.get(EmbeddingBagCollection), by_type.get(EmbeddingCollection)
+        )
+        sharded, self._fused, self._plan = front_end.shard(
             module,
             plan,
             specs,
             process_group=env.process_group,
             device=self.device,
             embedding_grad=embedding_grad,
-            qcomm_codecs_registry=pooled_registry or None,
+            qcomm_codecs_registry=registry,
             # dense parameters built on the meta device get real storage here and their own initialisation
             materialize_as="DistributedModelParallel" if init_parameters else None,
         )
-        self._plan = self._resolved_plan(sharded, plan)
         self._dmp_wrapped_module: nn.Module = sharded
         self._ddp_wrapped = False
         if init_data_parallel:
             self.init_data_parallel()
 
-    def _resolved_plan(self, model: nn.Module, plan: ShardingPlan | None) -> ShardingPlan:
-        out = {}
-        for path, m in sharded_collections(model):
-            gsize = dist.get_world_size(m.shard_group)
-            local = default_local_size(gsize)
-            given = plan.get_plan_for_module(path) if plan is not None else None
-            out[path] = {
-                t.name: with_resolved_ranks(
-                    t,
-                    given[t.name] if given else placement_of(m.shards[t.name], gsize, local),
-                    gsize,
-                    local,
-                    self.device.type,
-                )
-                for t in m.tables
-            }
-        return ShardingPlan(out)
-
     def _init_parameters(self, module: nn.Module) -> None:
         # dense parameters built on the meta device get real storage here and their own initialisation
-        materialize_dense(module, self.device, "DistributedModelParallel")
+        front_end.init_dense(module, self.device, "DistributedModelParallel")
 
     def init_data_parallel(self) -> None:
         """Wrap the dense (non-sharded) parameters in DDP. Safe to call again."""
@@ -335,7 +283,7 @@ class DistributedModelParallel(nn.Module):
         model = self._dmp_wrapped_module
         # a sharded collection alone has nothing dense: it reduces its own gradients
         if not isinstance(model, ShardedCollection):
-            _move_dense(model, set(ddp_ignored_names(model)), self.device)
+            front_end.move_dense(model, self.device)
             # the strategies' list (managed-collision remap state is per rank too), and the wrapper's names
             if front_end.ignore_in_ddp(model, also=self._data_parallel_wrapper.params_to_ignore):
                 assert self._env.process_group is not None

@@ -423,3 +423,19 @@ def sequence_codecs(registry: Mapping[str, QuantizedCommCodecs] | None) -> Quant
     """The sequence output dist's codecs (None where unchanged); not supported otherwise."""
     codecs = (registry or {}).get(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.value)
     return None if codecs is None or codecs.is_identity else codecs
+
+
+def refuse_sequence_codecs(
+    registry: Mapping[str, QuantizedCommCodecs] | None, collections: str, source: str = "the registry"
+) -> None:
+    """Raise if ``registry``, the codecs given for the sequence collections ``collections`` (read from ``source``),
+    quantizes the sequence all-to-all: quantized comms apply to pooled embeddings only.
+
+    The one rule for every front end: ``shard_modules`` applies it to its registry where the model has sequence
+    collections, ``front_end.sharders_qcomm_registry`` to the registry of TorchRec's EmbeddingCollection sharder.
+    """
+    if sequence_codecs(registry) is not None:
+        raise ValueError(
+            f"quantized comms apply to pooled embeddings only; {collections} would get "
+            f"{CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.value} codecs: leave that collective out of {source}"
+        )

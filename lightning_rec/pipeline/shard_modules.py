@@ -25,7 +25,7 @@ from lightning_rec.pipeline import collectives as comm
 from lightning_rec.pipeline.agreement import check_agreement, describe_table, settings
 from lightning_rec.pipeline.dp_grad_mode import leaf_optimizers, sparse_grad_blocker
 from lightning_rec.pipeline.local_tables import target_device
-from lightning_rec.pipeline.output_dist import CommOp, QuantizedCommCodecs, pooled_codecs, sequence_codecs
+from lightning_rec.pipeline.output_dist import QuantizedCommCodecs, pooled_codecs, refuse_sequence_codecs
 from lightning_rec.pipeline.pooled import ShardedEmbeddingBagCollection
 from lightning_rec.pipeline.sequence import ShardedEmbeddingCollection
 from lightning_rec.pipeline.sharded_collection import ShardedCollection
@@ -197,11 +197,8 @@ def shard_modules(
         env = settings()  # read before the collections build their dists, which use them
         codecs = pooled_codecs(qcomm_codecs_registry)
         sequence = [p or "<root>" for p, m in targets if type(m) is EmbeddingCollection]
-        if sequence and sequence_codecs(qcomm_codecs_registry) is not None:
-            raise ValueError(
-                f"quantized comms apply to pooled embeddings only; the EmbeddingCollections {sequence} would get "
-                f"{CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.value} codecs: leave that collective out of the registry"
-            )
+        if sequence:
+            refuse_sequence_codecs(qcomm_codecs_registry, f"the EmbeddingCollections {sequence}")
         option = as_table_optimizers(embedding_optimizer)
         specs_of = {
             p: dict(table_optimizers[p])
