@@ -16,6 +16,13 @@ call (torch and Lightning frames in between are skipped; a call with none above 
 The same figures restricted to the spine leave out the generic helpers (``HELPERS``): there the caller is the
 nearest frame of a spine file. Both ranks' sets are joined.
 
+The *library hops* count only calls from one package file into another through torch and the standard library:
+the search for the caller stops at any other frame (Lightning's loops, the user's model, this script, or the
+process harness that runs it, ``lightning_rec.testing``), which makes the call an entry. The plain hops count,
+for example, ``testing.py -> model_parallel.py`` for the script's own ``DistributedModelParallel(...)`` (its worker
+runs under ``run_distributed``), a launcher wrapper -> every strategy hook Lightning calls, and the optimizer's
+``step`` -> ``training_step`` (Lightning runs the step inside the optimizer's closure).
+
 It runs against any checkout of the package: put the checkout first on ``PYTHONPATH``. Only public imports
 are used, so the same script counts the code of an older commit:
 
@@ -83,6 +90,11 @@ class Walk:
         self.files: dict[str, set[str]] = defaultdict(set)
         self.edges: dict[str, set[tuple[str, str]]] = defaultdict(set)
         self.spine_edges: dict[str, set[tuple[str, str]]] = defaultdict(set)
+        self.lib_edges: dict[str, set[tuple[str, str]]] = defaultdict(set)
+        # frames a library call may pass through: torch's and the standard library's
+        self._through = tuple(
+            os.path.realpath(p) + os.sep for p in (os.path.dirname(torch.__file__), os.path.dirname(os.__file__))
+        )
         self.entries: dict[str, set[str]] = defaultdict(set)
 
     def rel(self, filename: str) -> str | None:
@@ -99,6 +111,17 @@ class Walk:
             frame = frame.f_back
         return None
 
+    def _library_caller(self, frame: FrameType | None) -> str | None:
+        while frame is not None:
+            rel = self.rel(frame.f_code.co_filename)
+            if rel is not None:
+                return rel
+            path = os.path.realpath(frame.f_code.co_filename)
+            if not path.startswith(self._through) and not frame.f_code.co_filename.startswith("<"):
+                return None
+            frame = frame.f_back
+        return None
+
     def profile(self, frame: FrameType, event: str, arg: Any) -> None:
         if event != "call" or self.phase is None:
             return
@@ -112,6 +135,9 @@ class Walk:
             self.entries[phase].add(callee)
         elif caller != callee:
             self.edges[phase].add((caller, callee))
+            lib_caller = self._library_caller(frame.f_back)
+            if lib_caller is not None and lib_caller != callee:
+                self.lib_edges[phase].add((lib_caller, callee))
         if not is_helper(callee):
             spine_caller = self._caller(frame.f_back, spine=True)
             if spine_caller is not None and spine_caller != callee:
@@ -133,6 +159,7 @@ class Walk:
                 "files": sorted(self.files[p]),
                 "edges": sorted(self.edges[p]),
                 "spine_edges": sorted(self.spine_edges[p]),
+                "lib_edges": sorted(self.lib_edges[p]),
                 "entries": sorted(self.entries[p]),
             }
             for p in PHASES
@@ -302,9 +329,11 @@ def _figures(phases: dict[str, Any], names: tuple[str, ...]) -> dict[str, int]:
     files = {f for p in names for f in phases[p]["files"]}
     edges = {tuple(e) for p in names for e in phases[p]["edges"]}
     spine_edges = {tuple(e) for p in names for e in phases[p]["spine_edges"]}
+    lib_edges = {tuple(e) for p in names for e in phases[p].get("lib_edges", [])}
     return {
         "files": len(files),
         "hops": len(edges),
+        "library hops": len(lib_edges),
         "spine files": len([f for f in files if not is_helper(f)]),
         "spine hops": len(spine_edges),
     }
@@ -362,8 +391,10 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             + " | ".join(f"{r['label']} files / hops" for r in chosen)
             + " | "
             + " | ".join(f"{r['label']} spine files / hops" for r in chosen)
+            + " | "
+            + " | ".join(f"{r['label']} library hops" for r in chosen)
             + " |",
-            "| --- |" + " --- |" * (2 * len(chosen)),
+            "| --- |" + " --- |" * (3 * len(chosen)),
         ]
         for name, phases in ROWS:
             figs = [_figures(r["phases"], phases) for r in chosen]
@@ -372,6 +403,8 @@ def markdown(runs: list[dict[str, Any]]) -> str:
                 + " | ".join(f"{f['files']} / {f['hops']}" for f in figs)
                 + " | "
                 + " | ".join(f"{f['spine files']} / {f['spine hops']}" for f in figs)
+                + " | "
+                + " | ".join(str(f["library hops"]) for f in figs)
                 + " |"
             )
         lines.append("")

@@ -201,6 +201,12 @@ def _parser() -> argparse.ArgumentParser:
         help="each host's link to the other hosts, per direction, shared by its ranks: 1gbit, 100Gb/s, 12.5GB/s "
         "(default: the device's inter-host speed)",
     )
+    p.add_argument(
+        "--replicas-within-host",
+        action="store_true",
+        help="2D arrangement: each host holds whole replica groups and each model-parallel group spreads over the "
+        "hosts (--local-size: that group's ranks per host); default: model parallel within a host",
+    )
     p.add_argument("--batch-size", type=int, default=512, help="samples per rank per step")
     p.add_argument("--pooling-factor", type=float, default=1.0, help="ids per sample of features the file leaves out")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE), default="sgd")
@@ -332,6 +338,7 @@ def plan_command(args: argparse.Namespace) -> int:
         device=args.device,
         backend=args.backend,
         host_link=args.host_link,
+        replicas_within_host=args.replicas_within_host,
     )
     planner = Planner(
         topo,

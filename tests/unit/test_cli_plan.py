@@ -73,6 +73,33 @@ def test_plan_from_json_list_to_stdout(tmp_path, capsys) -> None:
     assert d["layout"]["world_size"] == 4 and len(d["tables"]) == 5
 
 
+def test_plan_in_either_2d_arrangement(tmp_path, capsys) -> None:
+    """The same job with replicas within a host: the replicas' sync stays off the link, and the plan says so."""
+    tables = [
+        {
+            "name": f"t{i}",
+            "num_embeddings": 20000,
+            "embedding_dim": 64,
+            "feature_names": [f"f{i}"],
+            "pooling_factor": 20,
+        }
+        for i in range(8)
+    ]
+    f = tmp_path / "tables.json"
+    f.write_text(json.dumps(tables))
+    common = ["plan", str(f), "--world-size", "4", "--model-parallel-size", "2", "--device", "cpu"]
+    common += ["--host-link", "1gbit", "--batch-size", "256", "--json", "-"]
+    assert main([*common, "--local-size", "2"]) == 0
+    across = json.loads(capsys.readouterr().out)
+    assert main([*common, "--local-size", "1", "--replicas-within-host"]) == 0
+    within = json.loads(capsys.readouterr().out)
+    assert within["layout"]["replicas_within_host"] and not across["layout"]["replicas_within_host"]
+    assert within["step_time_ms"] < across["step_time_ms"]  # as measured: benchmarks/results/hosts_2d.md
+    assert main([*common[:-2], "--local-size", "1", "--replicas-within-host"]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # the report wraps its lines
+    assert "2 replica(s) x 2 model-parallel ranks, 1 ranks per host, replicas within a host" in text
+
+
 @pytest.mark.parametrize(
     "body, message",
     [

@@ -100,6 +100,7 @@ class PlanReport:
                 "device": topo.device,
                 "backend": topo.backend,
                 **({} if topo.host_link is None else {"host_link_bytes_per_s": topo.host_link}),
+                "replicas_within_host": topo.replicas_within_host,
             },
             "settings": dict(self.settings),
             "step_time_ms": self.step_time_ms,
@@ -128,6 +129,7 @@ class PlanReport:
         lines = [
             f"Sharding plan: world {topo.world_size} = {topo.replicas} replica(s) x {M} model-parallel ranks, "
             f"{topo.local_size} ranks per host"
+            + (", replicas within a host" if topo.replicas_within_host and topo.replicas > 1 else "")
             + ("" if topo.host_link is None else f", {human_rate(cast(float, topo.host_link))} link between hosts"),
             f"memory: {budget} per rank (device)"
             + ("" if topo.host_memory is None else f", {human_bytes(cast(int, topo.host_memory))} per host"),
