@@ -31,7 +31,7 @@ are used, so the same script counts the code of an older commit:
       PYTHONPATH=/tmp/walk_old .venv/bin/python benchmarks/walk_one_step.py --front-end $fe \
         --label "filed (29631f8)" --json /tmp/walk/old_$fe.json
       PYTHONPATH=$PWD .venv/bin/python benchmarks/walk_one_step.py --front-end $fe \
-        --label "after merges (74d8740)" --json /tmp/walk/now_$fe.json
+        --label "now" --json /tmp/walk/now_$fe.json
     done
     git worktree remove /tmp/walk_old
     .venv/bin/python benchmarks/walk_one_step.py --md benchmarks/results/walk_one_step.md \
