@@ -100,7 +100,7 @@ class PlanReport:
                 "device": topo.device,
                 "backend": topo.backend,
                 **({} if topo.host_link is None else {"host_link_bytes_per_s": topo.host_link}),
-                "replicas_within_host": topo.replicas_within_host,
+                **({"replicas_within_host": True} if topo.replicas_within_host else {}),
             },
             "settings": dict(self.settings),
             "step_time_ms": self.step_time_ms,
