@@ -117,6 +117,36 @@ def test_fabric_loop_equals_one_process() -> None:
             assert not torch.equal(got[k], before[k]), f"{k} did not train"
 
 
+def _two_node_2d_job(rank: int, ws: int) -> dict:
+    import torch.distributed as dist
+
+    strategy = RecShardedFabricStrategy(
+        embedding_grad="mean", plan=MIXED, model_parallel_size=2, data_parallel_size=2, replicas_within_host=True
+    )
+    fabric = Fabric(accelerator="cpu", devices=2, num_nodes=2, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup_module(ClickModule())
+    opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=LR))
+    _train(fabric, model, opt, 0, 3)
+    mesh = strategy.mesh_info
+    assert mesh is not None
+    return {
+        "state": full_state_dict(model),
+        "shard_group": dist.get_process_group_ranks(mesh.shard_group),
+        "replica_group": dist.get_process_group_ranks(mesh.replica_group),
+    }
+
+
+def test_fabric_2d_with_replicas_within_each_node_equals_one_process() -> None:
+    results = run_distributed(_two_node_2d_job, 4, init_process_group=False, ranks_per_node=2, timeout_s=300)
+    want = _reference(3, "sgd")
+    for k in want:
+        torch.testing.assert_close(results[0]["state"][k], want[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+    for rank, r in enumerate(results):
+        node = rank // 2
+        assert r["replica_group"] == [2 * node, 2 * node + 1] and r["shard_group"] == [rank % 2, rank % 2 + 2]
+
+
 def _accumulate_job(rank: int, ws: int, fused: str) -> dict:
     fabric = _fabric(ws, plan=MIXED, embedding_optimizer={"kind": fused, "lr": LR})
     model = fabric.setup_module(ClickModule())
