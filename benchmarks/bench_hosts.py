@@ -316,7 +316,11 @@ def _fit(kind: str, cfg: dict) -> dict:
         devices=PER_HOST,
         num_nodes=N_HOSTS,
         max_steps=steps,
-        strategy=RecShardedStrategy(model_parallel_size=WORLD, pipeline=bool(cfg.get("pipeline"))),
+        strategy=RecShardedStrategy(
+            model_parallel_size=WORLD,
+            pipeline=bool(cfg.get("pipeline")),
+            embedding_optimizer={"kind": "adagrad", "lr": 0.05} if cfg.get("fused") else None,
+        ),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -761,9 +765,11 @@ def _on_hosts(cfg: dict, out: Path, rate: str, mode: str, what: str) -> dict:
         link_rate=rate,
         env={_ROLE: "1", "LIGHTNING_REC_BYTE_COUNT": "1", "LIGHTNING_REC_OUTPUT_DIST": MODES[mode]},
     )
-    if any(r is None for r in run["ranks"]) or run["timed_out"]:
+    # a rank that raised in a later fit has still written the fits before it: its exit code says it failed
+    failed = [r for h in run["hosts"] if h for r, code in h["exit_codes"].items() if code != 0]
+    if any(r is None for r in run["ranks"]) or run["timed_out"] or failed:
         tail = "\n".join(text[-2000:] for text in run["logs"] if text.strip())
-        raise SystemExit(f"{what} failed:\n{tail}")
+        raise SystemExit(f"{what} failed (ranks {failed or 'without a report'}):\n{tail}")
     return run
 
 
@@ -815,12 +821,30 @@ def main() -> None:
         action="store_true",
         help="input pipelining (RecShardedStrategy(pipeline=True)): each batch's input dist runs during the step before",
     )
+    parser.add_argument(
+        "--fused",
+        action="store_true",
+        help="the tables train with fbgemm's fused Adagrad inside backward (RecShardedStrategy(embedding_optimizer="
+        "...), the way TorchRec's examples train) instead of DLRM's sparse torch Adagrad",
+    )
     args = parser.parse_args()
     _set_shape(args.hosts, args.per_host)
     why = namespaces_unavailable() or network_unavailable()
     if why is not None:
         raise SystemExit(why)
-    keys = ("types", "steps", "warmup", "batch_size", "size", "dim", "hosts", "per_host", "profile_batches", "pipeline")
+    keys = (
+        "types",
+        "steps",
+        "warmup",
+        "batch_size",
+        "size",
+        "dim",
+        "hosts",
+        "per_host",
+        "profile_batches",
+        "pipeline",
+        "fused",
+    )
     cfg = {k: getattr(args, k) for k in keys}
     profile = None
     if PROFILED in cfg["types"]:
