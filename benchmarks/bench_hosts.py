@@ -752,25 +752,10 @@ def _machine() -> str:
 def _on_hosts(cfg: dict, out: Path, rate: str, mode: str, what: str) -> dict:
     """This script's ranks on the simulated hosts, their links at ``rate``, the output dist in ``mode``; the run
     (:func:`run_hosts`'s result); exits naming ``what`` and the logs' tails where a rank failed."""
-    from tests.distributed.hosts import run_hosts
+    from tests.distributed.hosts import run_bench_ranks
 
-    run = run_hosts(
-        "benchmarks.bench_hosts",
-        [json.dumps(cfg)],
-        out,
-        N_HOSTS,
-        PER_HOST,
-        deadline_s=900.0,
-        own_network=True,
-        link_rate=rate,
-        env={_ROLE: "1", "LIGHTNING_REC_BYTE_COUNT": "1", "LIGHTNING_REC_OUTPUT_DIST": MODES[mode]},
-    )
-    # a rank that raised in a later fit has still written the fits before it: its exit code says it failed
-    failed = [r for h in run["hosts"] if h for r, code in h["exit_codes"].items() if code != 0]
-    if any(r is None for r in run["ranks"]) or run["timed_out"] or failed:
-        tail = "\n".join(text[-2000:] for text in run["logs"] if text.strip())
-        raise SystemExit(f"{what} failed (ranks {failed or 'without a report'}):\n{tail}")
-    return run
+    env = {_ROLE: "1", "LIGHTNING_REC_BYTE_COUNT": "1", "LIGHTNING_REC_OUTPUT_DIST": MODES[mode]}
+    return run_bench_ranks("benchmarks.bench_hosts", cfg, out, N_HOSTS, PER_HOST, rate, env, what)
 
 
 def _run_profile(cfg: dict, rate: str, mode: str) -> tuple[str, dict]:

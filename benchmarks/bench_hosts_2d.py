@@ -150,23 +150,12 @@ def rank_main(out_dir: Path, cfg: dict) -> None:
 
 
 def _run(cfg: dict) -> dict:
-    from tests.distributed.hosts import run_hosts
+    from tests.distributed.hosts import run_bench_ranks
 
     out = Path(tempfile.mkdtemp(prefix="bench_hosts_2d_"))
-    run = run_hosts(
-        "benchmarks.bench_hosts_2d",
-        [json.dumps(cfg)],
-        out,
-        N_HOSTS,
-        PER_HOST,
-        deadline_s=900.0,
-        own_network=True,
-        link_rate=cfg["rate"],
-        env={_ROLE: "1"},
+    run = run_bench_ranks(
+        "benchmarks.bench_hosts_2d", cfg, out, N_HOSTS, PER_HOST, cfg["rate"], {_ROLE: "1"}, "the run"
     )
-    if any(r is None for r in run["ranks"]) or run["timed_out"]:
-        tail = "\n".join(text[-2000:] for text in run["logs"] if text.strip())
-        raise SystemExit(f"a rank failed:\n{tail}")
     return {k: [r[k] for r in run["ranks"]] for k in run["ranks"][0]}
 
 

@@ -257,6 +257,31 @@ def run_hosts(
     }
 
 
+def run_bench_ranks(
+    module: str, cfg: dict, out_dir: Path, n_hosts: int, per_host: int, rate: str, env: dict[str, str], what: str
+) -> dict:
+    """A benchmark's ranks (``python -m module OUT_DIR <cfg as JSON>``) on hosts with their own network, links
+    at ``rate``; the run (:func:`run_hosts`'s result). Exits naming ``what`` and the logs' tails where a rank
+    wrote no report, the hosts' deadline passed, or a rank exited non-zero (a rank that raised in a later part
+    of its run has still written the parts before it)."""
+    run = run_hosts(
+        module,
+        [json.dumps(cfg)],
+        out_dir,
+        n_hosts,
+        per_host,
+        deadline_s=900.0,
+        own_network=True,
+        link_rate=rate,
+        env=env,
+    )
+    failed = [r for h in run["hosts"] if h for r, code in h["exit_codes"].items() if code != 0]
+    if any(r is None for r in run["ranks"]) or run["timed_out"] or failed:
+        tail = "\n".join(text[-2000:] for text in run["logs"] if text.strip())
+        raise SystemExit(f"{what} failed (ranks {failed or 'without a report'}):\n{tail}")
+    return run
+
+
 def _wait_for_own_network(pid: int) -> None:
     """Until unshare (``pid``) is in a network namespace of its own."""
     mine = os.stat("/proc/self/ns/net").st_ino

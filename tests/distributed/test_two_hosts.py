@@ -128,27 +128,23 @@ def test_table_row_wise_and_grid_over_one_hosts_ranks_equal_one_process(clean_ru
     assert any(k == "grid_shard" and "0" in h and "1" in h for k, h in kinds), kinds
 
 
-def test_2d_replicas_on_two_hosts_equal_one_process(clean_run: dict) -> None:
+@pytest.mark.parametrize(
+    "phase, within",
+    [("replicas_2d", "shard_group"), ("replicas_within_host", "replica_group")],
+    ids=["model-parallel-within-host", "replicas-within-host"],
+)
+def test_2d_on_two_hosts_equal_one_process(clean_run: dict, phase: str, within: str) -> None:
+    """Both arrangements: one group within each host, the other one rank per host."""
+    across = "replica_group" if within == "shard_group" else "shard_group"
     for rank in range(WORLD):
-        got = _phase(clean_run, rank, "replicas_2d")
+        got = _phase(clean_run, rank, phase)
         host = rank // PER_HOST
-        assert got["shard_group"] == list(range(host * PER_HOST, (host + 1) * PER_HOST))  # within the host
-        assert got["replica_group"] == [rank % PER_HOST + h * PER_HOST for h in range(N_HOSTS)]  # one per host
+        assert got[within] == list(range(host * PER_HOST, (host + 1) * PER_HOST))
+        assert got[across] == [rank % PER_HOST + h * PER_HOST for h in range(N_HOSTS)]
+        # a shard group's ranks per host: all of them, or one where each spreads over the hosts
+        assert got["local_size"] == (PER_HOST if within == "shard_group" else 1)
         if shm._wanted():
-            assert got["shard_group_shared"] and not got["replica_group_shared"], got
-        assert any(c["sequence"] for c in got["cases"]) and any(not c["sequence"] for c in got["cases"])
-
-
-def test_2d_replicas_within_each_host_equal_one_process(clean_run: dict) -> None:
-    """The reverse arrangement: each host holds a whole replica group, each shard group one rank per host."""
-    for rank in range(WORLD):
-        got = _phase(clean_run, rank, "replicas_within_host")
-        host = rank // PER_HOST
-        assert got["replica_group"] == list(range(host * PER_HOST, (host + 1) * PER_HOST))  # within the host
-        assert got["shard_group"] == [rank % PER_HOST + h * PER_HOST for h in range(N_HOSTS)]  # one per host
-        assert got["local_size"] == 1  # one rank of each shard group per host
-        if shm._wanted():
-            assert got["replica_group_shared"] and not got["shard_group_shared"], got
+            assert got[f"{within}_shared"] and not got[f"{across}_shared"], got
         assert any(c["sequence"] for c in got["cases"]) and any(not c["sequence"] for c in got["cases"])
 
 
