@@ -774,6 +774,7 @@ def _run_profile(cfg: dict, rate: str, mode: str) -> tuple[str, dict]:
         "rate": rate,
         "collective_latency": speeds.collective_latency,
         "intra_host_bandwidth": speeds.intra_host_bandwidth,
+        "inter_host_bandwidth": speeds.inter_host_bandwidth,
         "step_overhead": speeds.step_overhead,
         "describe": speeds.describe(),
     }

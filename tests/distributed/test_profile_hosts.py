@@ -2,8 +2,8 @@
 
 Every rank profiles at once (``profile.measure`` then ``profile.fitted``, what ``profile_speeds`` runs), on its
 own batches. The profile must tell the hosts apart (by hostname, as the ranks' namespaces give each host its
-own), measure the bandwidth among the ranks of each host only (none with one rank per host), and the latency
-over every rank, across the hosts: a tiny all-to-all and the data-parallel sync's ring collectives, fitted into
+own), measure the bandwidth among the ranks of each host only (none with one rank per host), a rank's share of
+its host's link (an all-to-all over every rank), and the latency over every rank, across the hosts: a tiny all-to-all and the data-parallel sync's ring collectives, fitted into
 the ``collective_latency`` the cost model charges per hop (at least; more where a training step with the small
 tables data-parallel says its sync waited more). No wall-clock assertions: only what was measured
 where, and that every rank fitted the same speeds.
@@ -22,7 +22,15 @@ import pytest
 
 from tests.distributed.hosts import namespaces_unavailable, run_hosts
 
-_SPEEDS = ("collective_latency", "intra_host_bandwidth", "step_overhead", "processes", "hosts", "tables")
+_SPEEDS = (
+    "collective_latency",
+    "intra_host_bandwidth",
+    "inter_host_bandwidth",
+    "step_overhead",
+    "processes",
+    "hosts",
+    "tables",
+)
 
 
 def _rank(out_dir: Path) -> None:
@@ -51,7 +59,15 @@ def _rank(out_dir: Path) -> None:
     speeds = fitted(timings, tables)
     raw = {
         k: getattr(timings, k)
-        for k in ("latency_a2a_s", "latency_ring_s", "a2a_bytes", "processes", "hosts", "step_mixed_s")
+        for k in (
+            "latency_a2a_s",
+            "latency_ring_s",
+            "a2a_bytes",
+            "processes",
+            "hosts",
+            "step_mixed_s",
+            "world_a2a_peer_bytes",
+        )
     }
     got = {"hosts": hosts, "timings": raw, "speeds": speeds.as_dict()}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(got))
@@ -82,6 +98,8 @@ def test_profile_measures_latency_across_hosts_and_bandwidth_within(tmp_path, n_
         assert t["a2a_bytes"] == (per_host - 1) * (1 << 16) and sp["intra_host_bandwidth"] > 0
     else:  # no two ranks share a host: the topology's speed stays
         assert t["a2a_bytes"] is None and sp["intra_host_bandwidth"] is None
+    # over every rank, across the hosts: a rank's share of its host's link
+    assert t["world_a2a_peer_bytes"] == 1 << 16 and sp["inter_host_bandwidth"] > 0
     for r in run["ranks"][1:]:  # every rank fitted the same speeds (averaged timings)
         assert {k: r["speeds"][k] for k in _SPEEDS} == {k: sp[k] for k in _SPEEDS}
 

@@ -141,6 +141,26 @@ def test_intra_host_speed_is_bounded_when_the_big_exchange_is_lost_in_noise() ->
     assert sp.intra_host_bandwidth is not None and math.isclose(sp.intra_host_bandwidth, 2e5 / 2e-5)
 
 
+def test_link_share_is_fitted_to_the_all_to_all_over_every_host() -> None:
+    # 2 hosts x 2 ranks, 1e6 bytes per peer: each rank sends 2e6 across and 1e6 within its host
+    timings = Timings(
+        [_timing("a")], 2e-3, 0.0, processes=4, hosts=2, a2a_tiny_s=1e-4, a2a_big_s=1.1e-3, a2a_bytes=1e6,
+        latency_a2a_s=1e-3, world_a2a_big_s=41e-3, world_a2a_peer_bytes=1e6,
+    )  # fmt: skip
+    sp = fit_speeds(timings, HW, INFO)
+    # within: 1e6 bytes at the fitted 1e9 B/s (1 ms); less the tiny exchange (1 ms): 2e6 bytes in 39 ms
+    assert sp.inter_host_bandwidth is not None and math.isclose(sp.inter_host_bandwidth, 2e6 / 39e-3)
+    assert sp.hardware(HW).inter_host_bandwidth == sp.inter_host_bandwidth
+    assert "link 0.82 Gbit/s" in sp.describe()  # the share times the host's 2 ranks, in bits
+    # the planner's topology takes it; a link the user names still wins
+    planner = Planner(Topology(4, 4, 2), speeds=sp)
+    assert planner.topology.hardware.inter_host_bandwidth == sp.inter_host_bandwidth  # type: ignore[union-attr]
+    named = Planner(Topology(4, 4, 2, host_link="1gbit"), speeds=sp)
+    assert named.topology.hardware.inter_host_bandwidth == 125e6 / 2  # type: ignore[union-attr]
+    one_host = fit_speeds(dataclasses.replace(timings, hosts=1), HW, INFO)
+    assert one_host.inter_host_bandwidth is None
+
+
 def test_fit_skips_tables_without_ids_and_floors_the_fixed_cost() -> None:
     empty = _timing("empty", ids=0.0)
     noisy = _timing("noisy", lookup_tiny_s=5e-3)  # one sample "slower" than the batch: noise

@@ -54,6 +54,9 @@ class Timings:
     latency_ring_s: float | None = None
     step_s: float | None = None  # a training step of the whole job, table-wise round-robin, the slowest rank
     step_mixed_s: float | None = None  # the same under reference_mixed_plan (small tables data-parallel)
+    # over every rank on several hosts: an all-to-all of a step's pooled rows per peer, and that size
+    world_a2a_big_s: float | None = None
+    world_a2a_peer_bytes: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -121,7 +124,22 @@ def fit_speeds(timings: Timings, hw: Hardware, info: Mapping[str, Any]) -> Profi
         timings.group_s - group_work,
         scale,
         timings.hosts,
+        fit_inter_host(timings, intra or hw.intra_host_bandwidth),
     )
+
+
+def fit_inter_host(timings: Timings, intra_host_bandwidth: float) -> float | None:
+    """The cost model's ``inter_host_bandwidth`` (what one rank gets of its host's link while every rank of the
+    host sends across, as in the all-to-alls) fitted to the all-to-all over every rank on several hosts: its
+    time less the tiny one's and less what stayed on the host, over the bytes each rank sent to other hosts.
+    None: one host, or not measured."""
+    t, peer = timings.world_a2a_big_s, timings.world_a2a_peer_bytes
+    if timings.hosts <= 1 or t is None or not peer:
+        return None
+    per_host = timings.processes // timings.hosts
+    within = (per_host - 1) * peer / intra_host_bandwidth
+    cross = (timings.processes - per_host) * peer
+    return cross / max(t - (timings.latency_a2a_s or 0.0) - within, _FLOOR * t)
 
 
 def fit_latency(a2a_s: float | None, ring_s: float | None, world: int) -> float | None:

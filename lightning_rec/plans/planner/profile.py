@@ -9,7 +9,8 @@ onto this rank, in a process group of its own, with the job's fused optimizer or
   scaled so that it adds up to this step's (one call over many tables is not the sum of many calls), and its
   one-sample time is the step's fixed cost (``step_overhead``);
 * with a process group of several ranks: all-to-alls of 8 bytes and of a step's pooled rows per peer among
-  the ranks of each host (the bandwidth within a host; hosts are told apart by hostname), the latency of the
+  the ranks of each host (the bandwidth within a host; hosts are told apart by hostname), the same big one over
+  every rank where they span several hosts (a rank's share of its host's link), the latency of the
   exchanges over every rank (across the hosts' links where the ranks span several): an all-to-all of 8 bytes,
   and the data-parallel sync's ring collectives on 8 bytes (two all-gathers and an all-reduce), and a training
   step of the whole job, its tables table-wise round-robin over the ranks: what the model leaves unexplained
@@ -305,6 +306,8 @@ def measure(
             # the latency over every rank, across the hosts' links where there are several
             out.latency_a2a_s = _a2a(dev, 8, repeats)
             out.latency_ring_s = _ring(dev, repeats)
+            if len(hosts) > 1:  # the link: every rank sends a step's pooled rows to every other at once
+                out.world_a2a_big_s, out.world_a2a_peer_bytes = _a2a(dev, peer, repeats), peer
             out.step_s = _job_step(plans, grads_of, spec, dev, sparse, repeats, lr, reference_plan(plans, world))
             mixed = reference_mixed_plan(plans, world)
             if mixed is not None:
@@ -321,6 +324,7 @@ def _agree(t: Timings, device: torch.device) -> Timings:
     flat = [getattr(tt, n) for tt in t.tables for n in names] + [t.group_s, t.group_tiny_s]
     flat += [t.a2a_tiny_s or 0.0, t.a2a_big_s or 0.0] + [tt.ids for tt in t.tables] + [tt.batch for tt in t.tables]
     flat += [t.latency_a2a_s or 0.0, t.latency_ring_s or 0.0, t.step_mixed_s or 0.0, t.step_s or 0.0]
+    flat += [t.world_a2a_big_s or 0.0]
     on = device if dist.get_backend() == "nccl" else torch.device("cpu")
     x = torch.tensor(flat, dtype=torch.float64, device=on)
     dist.all_reduce(x)
@@ -334,11 +338,13 @@ def _agree(t: Timings, device: torch.device) -> Timings:
     if t.a2a_tiny_s is not None:
         t.a2a_tiny_s, t.a2a_big_s = v[k + 2], v[k + 3]
     if t.latency_a2a_s is not None:
-        t.latency_a2a_s, t.latency_ring_s = v[-4], v[-3]
+        t.latency_a2a_s, t.latency_ring_s = v[-5], v[-4]
     if t.step_mixed_s is not None:
-        t.step_mixed_s = v[-2]
+        t.step_mixed_s = v[-3]
     if t.step_s is not None:
-        t.step_s = v[-1]
+        t.step_s = v[-2]
+    if t.world_a2a_big_s is not None:
+        t.world_a2a_big_s = v[-1]
     return t
 
 

@@ -87,7 +87,8 @@ class ProfiledSpeeds:
     without a process group); ``step_overhead``: seconds a rank's step spends whatever the plan (the lookups'
     fixed cost, and with a process group what a measured training step took beyond the model's estimate of
     it), added to every estimate; ``processes``: ranks profiling at once, over every host (a host's ranks share
-    its memory system, as in training).
+    its memory system, as in training); ``inter_host_bandwidth``: a rank's share of its host's link, fitted to an
+    all-to-all over every profiling process on ``hosts`` > 1 hosts (``fit.fit_inter_host``; None: one host).
     """
 
     device: str
@@ -102,6 +103,7 @@ class ProfiledSpeeds:
     step_overhead: float = 0.0
     group_scale: float = 1.0  # the grouped step over the per-table sum (for the record)
     hosts: int = 1
+    inter_host_bandwidth: float | None = None
     source: str | None = field(default=None, compare=False)  # the file it was read from
 
     def __post_init__(self) -> None:
@@ -130,6 +132,8 @@ class ProfiledSpeeds:
             hw = replace(hw, intra_host_bandwidth=self.intra_host_bandwidth)
         if self.collective_latency is not None:
             hw = replace(hw, collective_latency=self.collective_latency)
+        if self.inter_host_bandwidth is not None:
+            hw = replace(hw, inter_host_bandwidth=self.inter_host_bandwidth)
         return hw
 
     def match(self, t: BaseEmbeddingConfig, ids: float, grads: str) -> tuple[str, list[TableProfile]]:
@@ -162,6 +166,8 @@ class ProfiledSpeeds:
         where = f"{self.source} " if self.source else ""
         exchange = "measured exchange" if self.collective_latency is not None else "default exchange"
         on = f" on {self.hosts} hosts" if self.hosts > 1 else ""
+        if self.inter_host_bandwidth is not None:
+            on += f", link {8 * self.inter_host_bandwidth * self.processes / self.hosts / 1e9:.2g} Gbit/s"
         return (
             f"profile {where}({self.machine}, {self.device} {self.device_name}, {self.created[:16]}, "
             f"{len(self.tables)} tables, {self.processes} process(es){on}, {exchange})"
