@@ -90,7 +90,8 @@ class RecShardedStrategy(DDPStrategy):
             a given plan). The math is the same in both (``plans/mesh.py``).
         planner_host_link: the speed of each node's link to the others, for the automatic plan and
             ``replicas_within_host="auto"`` (``"10gbit"``, ``"100Gb/s"``, ``"12.5GB/s"`` or bytes per second); None:
-            the device's default speeds, which do not tell a node's link from its memory on CPU.
+            the link a ``planner_speeds`` profile measured across nodes, else the device's default speeds, which do
+            not tell a node's link from its memory on CPU.
     """
 
     strategy_name = shard_setup.STRATEGY_NAME
