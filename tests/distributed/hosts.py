@@ -134,6 +134,31 @@ def phase_data(run: dict, rank: int, phase: str) -> dict:
     return got["data"]
 
 
+# what a link carries beyond the payload (0.2-0.7% measured): TCP/IP headers (GSO segments of up to 64 KiB), ACKs
+# of what the host received, the window's barrier
+LINK_OVERHEAD = 0.02
+LINK_SLACK_BYTES = 64 * 1024
+
+
+def check_all_types(run: dict, world: int, kinds: set[str]) -> None:
+    """Every rank of a run with the ``all_types`` phase trained each sharding kind, pooled and sequence."""
+    for rank in range(world):
+        cases = phase_data(run, rank, "all_types")["cases"]
+        assert {c["kind"] for c in cases} == kinds
+        assert {c["sequence"] for c in cases} == {False, True}
+
+
+def check_link_bytes(run: dict, n_hosts: int, per_host: int) -> None:
+    """Per collective of the ``wire`` phase (read by each host's first rank), the cross-host bytes the transport
+    counted are what the host's link carried, give or take the link's own overhead."""
+    for host in range(n_hosts):
+        got = phase_data(run, host * per_host, "wire")
+        for name, seen in got.items():
+            counted, carried = seen["counted"], seen["link_tx"]
+            assert counted > 0, (name, seen)
+            assert counted <= carried <= counted * (1 + LINK_OVERHEAD) + LINK_SLACK_BYTES, (host, name, seen)
+
+
 def run_hosts(
     module: str,
     args: list[str],

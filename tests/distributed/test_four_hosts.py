@@ -15,8 +15,8 @@ import pytest
 
 from lightning_rec.transport import shm
 from tests.distributed.cases import ALL_TYPES
+from tests.distributed.hosts import check_all_types, check_link_bytes, namespaces_unavailable, run_hosts
 from tests.distributed.hosts import explain as _explain
-from tests.distributed.hosts import namespaces_unavailable, run_hosts
 from tests.distributed.hosts import phase_data as _phase
 from tests.distributed.hosts_net import IFNAME, network_unavailable
 
@@ -24,9 +24,6 @@ N_HOSTS, PER_HOST = 4, 1
 WORLD = N_HOSTS * PER_HOST
 MODEL_PARALLEL = 2  # the 2D phase: shard groups {0, 1} and {2, 3}, replica groups {0, 2} and {1, 3}
 RATE = "1gbit"
-# as in test_hosts_network.py: TCP/IP headers, ACKs and the window's barrier on top of the payload
-_OVERHEAD = 0.02
-_SLACK_BYTES = 64 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +74,7 @@ def test_no_group_across_hosts_takes_shared_memory(run: dict) -> None:
 
 
 def test_every_sharding_type_on_four_hosts_equals_one_process(run: dict) -> None:
-    for rank in range(WORLD):
-        cases = _phase(run, rank, "all_types")["cases"]
-        assert {c["kind"] for c in cases} == set(ALL_TYPES)
-        assert {c["sequence"] for c in cases} == {False, True}
+    check_all_types(run, WORLD, set(ALL_TYPES))
 
 
 def test_2d_across_four_hosts_equals_one_process(run: dict) -> None:
@@ -94,9 +88,4 @@ def test_2d_across_four_hosts_equals_one_process(run: dict) -> None:
 
 
 def test_counted_cross_host_bytes_are_what_each_link_carried(run: dict) -> None:
-    for host in range(N_HOSTS):
-        got = _phase(run, host, "wire")
-        for name, seen in got.items():
-            counted, carried = seen["counted"], seen["link_tx"]
-            assert counted > 0, (name, seen)
-            assert counted <= carried <= counted * (1 + _OVERHEAD) + _SLACK_BYTES, (host, name, seen)
+    check_link_bytes(run, N_HOSTS, PER_HOST)

@@ -13,18 +13,14 @@ import pytest
 
 from lightning_rec.transport import shm
 from tests.distributed.cases import ALL_TYPES
+from tests.distributed.hosts import check_all_types, check_link_bytes, namespaces_unavailable, run_hosts
 from tests.distributed.hosts import explain as _explain
-from tests.distributed.hosts import namespaces_unavailable, run_hosts
 from tests.distributed.hosts import phase_data as _phase
 from tests.distributed.hosts_net import IFNAME, network_unavailable
 
 N_HOSTS, PER_HOST = 2, 2
 WORLD = N_HOSTS * PER_HOST
 RATE = "1gbit"
-# what a link carries beyond the payload (0.2-0.7% measured): TCP/IP headers (GSO segments of up to 64 KiB),
-# ACKs of what the host received, the window's barrier
-_OVERHEAD = 0.02
-_SLACK_BYTES = 64 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -67,16 +63,8 @@ def test_shared_memory_within_a_host_gloo_across(run: dict) -> None:
 
 
 def test_every_sharding_type_equals_one_process(run: dict) -> None:
-    for rank in range(WORLD):
-        cases = _phase(run, rank, "all_types")["cases"]
-        assert {c["kind"] for c in cases} == set(ALL_TYPES)
-        assert {c["sequence"] for c in cases} == {False, True}
+    check_all_types(run, WORLD, set(ALL_TYPES))
 
 
 def test_counted_cross_host_bytes_are_what_the_links_carried(run: dict) -> None:
-    for host in range(N_HOSTS):
-        got = _phase(run, host * PER_HOST, "wire")
-        for name, seen in got.items():
-            counted, carried = seen["counted"], seen["link_tx"]
-            assert counted > 0, (name, seen)
-            assert counted <= carried <= counted * (1 + _OVERHEAD) + _SLACK_BYTES, (host, name, seen)
+    check_link_bytes(run, N_HOSTS, PER_HOST)
