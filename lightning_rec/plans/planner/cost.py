@@ -138,12 +138,7 @@ class CostModel:
         # the replicas of a shard sync over one host's memory when the arrangement keeps them there; else
         # across the hosts, every rank of a host at once through its link (even when the shard group is a
         # whole host and no exchange of the group crosses)
-        if topo.replicas_within_host:
-            self.replica_bw = hw.intra_host_bandwidth
-        elif topo.host_link is not None and self.world > self.local:
-            self.replica_bw = min(float(topo.host_link) / topo.ranks_per_host, hw.intra_host_bandwidth)
-        else:
-            self.replica_bw = hw.inter_host_bandwidth
+        self.replica_bw = hw.intra_host_bandwidth if topo.replicas_within_host else hw.inter_host_bandwidth
         self.world_bw = hw.inter_host_bandwidth if self.world > self.local else hw.intra_host_bandwidth
         if topo.host_link is not None and self.world > self.local:
             # a ring crosses each host's link with one rank's stream: the whole link, not a rank's share

@@ -184,7 +184,9 @@ class Topology:
             # from the link itself, not the current speed: replace() runs this again on the result
             link = parse_rate(self.host_link)
             set_("host_link", link)
-            if mp > local:  # one host: nothing crosses, and its estimates stay those without a link
+            # one host: nothing crosses, and its estimates stay those without a link; several, also when the
+            # shard group is a whole host: the replicas' sync crosses then
+            if self.world_size > self.ranks_per_host:
                 shared = link / self.ranks_per_host
                 set_("hardware", replace(cast(Hardware, self.hardware), inter_host_bandwidth=shared))
 
