@@ -165,11 +165,12 @@ class ShardSetup:
                 if pick.replicas_within_host != mesh.replicas_within_host:
                     device_type = "cuda" if device.type == "cuda" else "cpu"
                     mesh = init_2d_mesh(mp, mesh.data_parallel_size, device_type, pick.local_size, True)
-                planner = pick.planner
+                planner = pick.planner  # its plan is made
             else:
                 kw["replicas_within_host"] = mesh.replicas_within_host
                 planner = automatic_plan(module, mp, mesh.local_size, world_size, table_optimizers=specs, **kw)
-            plan = planner.plan(module)
+                planner.plan(module)
+            plan = planner.explain().plan
             planner = planner if plan.plan else None
         front_end.shard(
             module,
